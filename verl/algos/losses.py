@@ -1,0 +1,123 @@
+"""Loss aggregation, the clipped policy loss (registry), the clipped value loss and entropy.
+
+Shapes: per-token tensors are ``(batch, response_len)``; ``mask`` is 1 on valid response tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from verl.algos.masked import masked_mean
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    norm_length: float | None = None,
+) -> torch.Tensor:
+    """Reduce a ``(batch, response_len)`` loss to a scalar.
+
+    - ``token-mean``: sum over all valid tokens / number of valid tokens.
+    - ``seq-mean-token-sum``: per-sequence token sum, averaged over sequences.
+    - ``seq-mean-token-mean``: per-sequence token mean, averaged over sequences.
+    - ``seq-mean-token-sum-norm`` (Dr.GRPO): per-sequence token sum / ``norm_length`` (the maximum response
+      length; defaults to ``response_len``), averaged over sequences.
+
+    ``num_tokens`` / ``num_seqs`` override the denominators so that micro-batches of one mini-batch sum to the
+    mini-batch loss exactly (gradient accumulation).
+    """
+    masked = loss_mat * mask
+    if mode == "token-mean":
+        return masked.sum() / (num_tokens if num_tokens is not None else mask.sum().clamp(min=1))
+    seqs = num_seqs if num_seqs is not None else loss_mat.shape[0]
+    if mode == "seq-mean-token-sum":
+        return masked.sum(-1).sum() / seqs
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / seqs
+    if mode == "seq-mean-token-sum-norm":
+        length = norm_length if norm_length is not None else loss_mat.shape[-1]
+        return (masked.sum(-1) / length).sum() / seqs
+    raise ValueError(f"unknown loss_agg_mode '{mode}'; use one of {LOSS_AGG_MODES}")
+
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    if name not in POLICY_LOSSES:
+        from verl.errors import ConfigError
+
+        raise ConfigError(f"actor.policy_loss='{name}' is unknown; available: {', '.join(sorted(POLICY_LOSSES))}")
+    return POLICY_LOSSES[name]
+
+
+@register_policy_loss("vanilla")
+def clipped_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with separate low/high clip (DAPO clip-higher) and dual clip.
+
+    ratio = exp(logp - old_logp); loss = max(-A*ratio, -A*clip(ratio, 1-low, 1+high)); for A < 0 the loss is
+    further bounded by -A*clip_c (dual clip, Ye et al. 2020). Metrics: ``clipfrac`` (tokens where the clipped
+    term is active), ``clipfrac_lower`` (dual clip active), ``ppo_kl`` (mean of old_logp - logp).
+    """
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    loss_dual = torch.minimum(loss_ppo, -advantages * clip_c)
+    losses = torch.where(advantages < 0, loss_dual, loss_ppo)
+    metrics = {
+        "clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+        "clipfrac_lower": masked_mean(((loss_ppo > -advantages * clip_c) & (advantages < 0)).float(), mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
+    }
+    return agg_loss(losses, mask, loss_agg_mode, **agg_kwargs), metrics
+
+
+def value_loss(
+    vpreds: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float = 0.5,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss: 0.5 * agg(max((V - R)^2, (clip(V, V_old +- c) - R)^2)); returns (loss, clipfrac)."""
+    clipped = old_values + (vpreds - old_values).clamp(-cliprange_value, cliprange_value)
+    loss_unclipped = (vpreds - returns) ** 2
+    loss_clipped = (clipped - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(loss_unclipped, loss_clipped), mask, loss_agg_mode, **agg_kwargs)
+    return loss, masked_mean((loss_clipped > loss_unclipped).float(), mask)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution per position: ``(..., vocab)`` -> ``(...)``."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)

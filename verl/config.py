@@ -1,0 +1,465 @@
+"""The training config: a pydantic schema, loaded from YAML plus dotted ``key=value`` overrides.
+
+Sections and names follow verl (``data.train_batch_size``, ``actor.ppo_mini_batch_size``,
+``algorithm.adv_estimator``, ``trainer.total_steps`` ...). Batch sizes count *prompts*, as in verl:
+one step samples ``data.train_batch_size * rollout.n`` responses.
+
+Every error (unknown or misspelt key, wrong type, impossible value) becomes one ``ConfigError`` that names
+the key and, for typos, the closest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from verl.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0, description="LoRA rank; 0 disables LoRA (full fine-tuning).")
+    alpha: int = Field(16, ge=1, description="LoRA scaling alpha.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear'."
+    )
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        "builtin:tiny-arith",
+        description="HF model dir or hub id, or builtin:NAME (tiny-arith = the shipped SFT warm start).",
+    )
+    tokenizer_path: str | None = Field(None, description="Tokenizer location; defaults to model.path.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the model dir.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+class ArithmeticTaskConfig(Section):
+    """Settings of the built-in arithmetic task (used by builtin:arithmetic/* files)."""
+
+    min_digits: int = Field(1, ge=1, le=9, description="Fewest digits in an operand.")
+    max_digits: int = Field(3, ge=1, le=9, description="Most digits in an operand.")
+    ops: list[Literal["+", "-", "*"]] = Field(["+"], description="Operators to draw from.")
+    num_train: int = Field(20000, ge=1, description="Training problems.")
+    num_val: int = Field(256, ge=1, description="Validation problems (disjoint from training).")
+    seed: int = Field(1234, description="Seed of the problem generator.")
+
+    @model_validator(mode="after")
+    def _digits_ordered(self) -> ArithmeticTaskConfig:
+        if self.min_digits > self.max_digits:
+            raise ValueError("data.arithmetic.min_digits must be <= data.arithmetic.max_digits")
+        return self
+
+
+class DataConfig(Section):
+    train_files: list[str] = Field(["builtin:arithmetic/train"], description="Parquet files (or builtin:TASK/SPLIT).")
+    val_files: list[str] = Field(["builtin:arithmetic/val"], description="Validation parquet files.")
+    prompt_key: str = Field("prompt", description="Column with the prompt: chat messages or a plain string.")
+    ground_truth_key: str = Field(
+        "reward_model.ground_truth", description="Column (dotted for nested structs) with the reference answer."
+    )
+    max_prompt_length: int = Field(64, ge=1, description="Prompt tokens after the chat template.")
+    max_response_length: int = Field(16, ge=1, description="Most generated tokens per response.")
+    truncation: Literal["error", "filter", "left", "right"] = Field(
+        "filter", description="Prompts over max_prompt_length: fail, drop them, or cut tokens from the left/right."
+    )
+    train_batch_size: int = Field(16, ge=1, description="Prompts per training step.")
+    val_batch_size: int = Field(256, ge=1, description="Prompts per validation generation batch.")
+    val_max_samples: int | None = Field(None, ge=1, description="Validate on at most this many prompts.")
+    shuffle: bool = Field(True, description="Shuffle training prompts each epoch.")
+    apply_chat_template: bool = Field(True, description="Wrap prompts with the tokenizer's chat template.")
+    arithmetic: ArithmeticTaskConfig = Field(default_factory=ArithmeticTaskConfig)
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+
+
+class ValidationSampling(Section):
+    temperature: float = Field(0.0, ge=0.0, description="0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    n: int = Field(1, ge=1, description="Samples per validation prompt.")
+
+
+class RolloutConfig(Section):
+    name: Literal["hf", "vllm"] = Field("hf", description="Generation engine: hf (transformers) or vllm.")
+    n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature for training rollouts.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    micro_batch_size: int | None = Field(None, ge=1, description="Sequences per generate() call; None = all.")
+    val_kwargs: ValidationSampling = Field(default_factory=ValidationSampling)
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM only: GPU memory fraction.")
+    enforce_eager: bool = Field(True, description="vLLM only: skip graph capture (faster start).")
+
+
+# ---------------------------------------------------------------------------------------------- actor / critic
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-4, gt=0.0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.999))
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps (optimizer steps).")
+    lr_scheduler: Literal["constant", "cosine", "linear"] = Field("constant")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final lr / peak lr for cosine and linear decay.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Clip the global gradient norm to this value.")
+
+
+class ActorConfig(Section):
+    strategy: Literal["local", "fsdp"] = Field("local", description="local = one process; fsdp = sharded.")
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    ppo_mini_batch_size: int = Field(16, ge=1, description="Prompts per optimizer step (times rollout.n responses).")
+    ppo_micro_batch_size: int | None = Field(
+        None, ge=1, description="Responses per forward/backward (gradient accumulation); None = whole mini-batch."
+    )
+    policy_loss: str = Field("vanilla", description="Policy-loss function from the registry.")
+    clip_ratio: float = Field(0.2, gt=0.0, description="PPO clip epsilon (both sides unless overridden).")
+    clip_ratio_low: float | None = Field(None, gt=0.0, description="Lower clip epsilon; defaults to clip_ratio.")
+    clip_ratio_high: float | None = Field(
+        None, gt=0.0, description="Upper clip epsilon (DAPO clip-higher); defaults to clip_ratio."
+    )
+    clip_ratio_c: float = Field(3.0, gt=1.0, description="Dual-clip constant for negative advantages.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    entropy_coeff: float = Field(0.0, description="Entropy bonus coefficient.")
+    use_kl_loss: bool = Field(True, description="Add a KL-to-reference term to the loss (GRPO style).")
+    kl_loss_coef: float = Field(0.04, ge=0.0, description="Weight beta of the KL loss term.")
+    kl_loss_type: str = Field("low_var_kl", description="KL estimator for the loss term: k1, k2, k3, low_var_kl.")
+    autocast: Literal["none", "bf16"] = Field("none", description="bf16 autocast of forward passes.")
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+class CriticConfig(Section):
+    model_path: str | None = Field(None, description="Critic initialisation; defaults to model.path.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
+    ppo_epochs: int | None = Field(None, ge=1, description="Defaults to actor.ppo_epochs.")
+    ppo_mini_batch_size: int | None = Field(None, ge=1, description="Prompts; defaults to actor's.")
+    ppo_micro_batch_size: int | None = Field(None, ge=1)
+    cliprange_value: float = Field(0.5, gt=0.0, description="Value clipping range around old values.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    warmup_steps: int = Field(0, ge=0, description="Train only the critic for this many steps first.")
+
+
+class ReferenceConfig(Section):
+    enable: bool | Literal["auto"] = Field(
+        "auto", description="auto: load a reference only when a KL term (loss or reward) needs it."
+    )
+    offload_to_cpu: bool = Field(False, description="Keep the reference on CPU (GPU runs).")
+
+
+class CustomRewardConfig(Section):
+    path: str | None = Field(None, description="Python file defining the reward function.")
+    name: str = Field("compute_score", description="Function name in that file.")
+
+
+class RewardModelConfig(Section):
+    path: str | None = Field(None, description="AutoModelForSequenceClassification dir; scores whole responses.")
+    micro_batch_size: int = Field(64, ge=1)
+
+
+class RewardConfig(Section):
+    name: str = Field("auto", description="Registered reward function; auto picks by each row's data_source.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the function.")
+    custom_reward: CustomRewardConfig = Field(default_factory=CustomRewardConfig)
+    model: RewardModelConfig = Field(default_factory=RewardModelConfig)
+
+
+# ---------------------------------------------------------------------------------------------- algorithm
+
+
+class KLControlConfig(Section):
+    type: Literal["fixed", "adaptive"] = Field("fixed")
+    kl_coef: float = Field(0.001, ge=0.0, description="Initial (or fixed) KL coefficient beta.")
+    target_kl: float = Field(0.1, gt=0.0, description="Adaptive controller target.")
+    horizon: int = Field(10000, ge=1, description="Adaptive controller horizon.")
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: str = Field("grpo", description="Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, ...")
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    norm_adv_by_std_in_grpo: bool = Field(True, description="False gives Dr.GRPO (no std division).")
+    use_kl_in_reward: bool = Field(False, description="Subtract beta * KL from token rewards.")
+    kl_penalty: str = Field("k1", description="KL estimator in the reward: k1, k2, k3, low_var_kl.")
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+
+
+class TrainerConfig(Section):
+    output_dir: str = Field("outputs", description="Root of run directories.")
+    project_name: str = Field("verl")
+    experiment_name: str | None = Field(None, description="Defaults to <config name>-<timestamp>.")
+    total_steps: int = Field(60, ge=1, description="Training steps (one rollout batch each).")
+    save_freq: int = Field(20, description="Checkpoint every N steps (and at the end); <= 0 only at the end.")
+    test_freq: int = Field(10, description="Validate every N steps (and at the end); <= 0 disables.")
+    val_before_train: bool = Field(True)
+    resume: str = Field("auto", description="auto (continue from latest if any), disable, or a checkpoint path.")
+    max_ckpt_to_keep: int | None = Field(None, ge=1, description="Keep only the newest N checkpoints.")
+    logger: list[str] = Field(["console", "jsonl"], description="Trackers; jsonl is always on.")
+    seed: int = Field(1)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto")
+    num_threads: int = Field(1, ge=0, description="torch threads (0 = torch default). One is fastest on small CPUs.")
+    executor: Literal["local", "ray"] = Field("local")
+    n_workers: int = Field(1, ge=1, description="Data-parallel actor workers (ray executor).")
+    log_dir: str | None = Field(None, description="Where verl_logs.jsonl goes; defaults to the run directory.")
+    log_level: Literal["DEBUG", "INFO", "WARNING"] = Field("INFO")
+    num_samples_to_log: int = Field(4, ge=0, description="Sample rows (prompt/response/reward) logged per step.")
+    evaluators: list[str] = Field(["accuracy"], description="Validation evaluators.")
+
+    @field_validator("logger")
+    @classmethod
+    def _jsonl_always_on(cls, value: list[str]) -> list[str]:
+        return value if "jsonl" in value else [*value, "jsonl"]
+
+
+class VerlConfig(Section):
+    """The whole training config."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _check_batch_shapes(self) -> VerlConfig:
+        if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
+            raise ValueError(
+                f"data.train_batch_size ({self.data.train_batch_size}) must be divisible by "
+                f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size})"
+            )
+        mini_responses = self.actor.ppo_mini_batch_size * self.rollout.n
+        micro = self.actor.ppo_micro_batch_size
+        if micro is not None and mini_responses % micro:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size * rollout.n ({mini_responses} responses) must be divisible by "
+                f"actor.ppo_micro_batch_size ({micro})"
+            )
+        critic_mini = self.critic.ppo_mini_batch_size
+        if critic_mini is not None and self.data.train_batch_size % critic_mini:
+            raise ValueError(
+                f"data.train_batch_size ({self.data.train_batch_size}) must be divisible by "
+                f"critic.ppo_mini_batch_size ({critic_mini})"
+            )
+        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+            raise ValueError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2")
+        return self
+
+    # ---- derived facts the trainer asks for
+
+    @property
+    def use_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        if self.reference.enable == "auto":
+            return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+        return bool(self.reference.enable)
+
+    def run_dir(self) -> Path:
+        assert self.trainer.experiment_name, "resolve_experiment_name() first"
+        return Path(self.trainer.output_dir) / self.trainer.project_name / self.trainer.experiment_name
+
+    def log_path(self) -> Path:
+        base = Path(self.trainer.log_dir) if self.trainer.log_dir else self.run_dir()
+        return base / "verl_logs.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------- SFT
+
+
+class SFTDataConfig(Section):
+    train_files: list[str] = Field(["builtin:arithmetic/sft_train"], description="Parquet with prompt + response.")
+    val_files: list[str] = Field(["builtin:arithmetic/val"], description="Prompts for generation-based validation.")
+    prompt_key: str = Field("prompt")
+    response_key: str = Field("response")
+    ground_truth_key: str = Field("reward_model.ground_truth")
+    max_length: int = Field(64, ge=2, description="Prompt + response tokens; longer pairs are dropped.")
+    batch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
+    max_prompt_length: int = Field(64, ge=1, description="Validation prompts.")
+    max_response_length: int = Field(16, ge=1, description="Validation generation length.")
+    val_max_samples: int | None = Field(256, ge=1)
+    arithmetic: ArithmeticTaskConfig = Field(default_factory=ArithmeticTaskConfig)
+
+
+class SFTTrainerConfig(Section):
+    output_dir: str = Field("outputs")
+    project_name: str = Field("verl-sft")
+    experiment_name: str | None = Field(None)
+    total_steps: int = Field(1100, ge=1)
+    test_freq: int = Field(100, description="Validate every N steps (and at the end); <= 0 disables.")
+    save_freq: int = Field(-1, description="Checkpoint every N steps; <= 0 only at the end.")
+    seed: int = Field(0)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto")
+    num_threads: int = Field(1, ge=0)
+    logger: list[str] = Field(["console", "jsonl"])
+    log_dir: str | None = Field(None)
+    log_level: Literal["DEBUG", "INFO", "WARNING"] = Field("INFO")
+
+
+class SFTConfig(Section):
+    """Supervised fine-tuning (the warm start before RL)."""
+
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(path="builtin:tiny-arith-base"))
+    data: SFTDataConfig = Field(default_factory=SFTDataConfig)
+    optim: OptimConfig = Field(
+        default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=50, lr_scheduler="cosine", min_lr_ratio=0.1)
+    )
+    trainer: SFTTrainerConfig = Field(default_factory=SFTTrainerConfig)
+
+    def run_dir(self) -> Path:
+        assert self.trainer.experiment_name
+        return Path(self.trainer.output_dir) / self.trainer.project_name / self.trainer.experiment_name
+
+    def log_path(self) -> Path:
+        base = Path(self.trainer.log_dir) if self.trainer.log_dir else self.run_dir()
+        return base / "verl_logs.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """Parse ``a.b.c=value`` (also ``--a.b.c=value``, as sweep agents pass) into (dotted key, YAML value)."""
+    parsed = []
+    for item in overrides:
+        text = item[2:] if item.startswith("--") else item
+        key, sep, raw = text.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. actor.optim.lr=1e-5)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override '{item}': value is not valid YAML ({exc.problem})") from None
+        parsed.append((key.strip(), value))
+    return parsed
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _schema_at(model_cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model class found by walking ``loc`` (field names) from ``model_cls``."""
+    current: type[BaseModel] | None = model_cls
+    for part in loc:
+        if current is None or not isinstance(part, str) or part not in current.model_fields:
+            return None
+        annotation = current.model_fields[part].annotation
+        current = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return current
+
+
+def _format_validation_error(exc: ValidationError, schema: type[BaseModel], source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if p != "__root__")
+        key = ".".join(str(p) for p in loc) or "<root>"
+        if err["type"] == "extra_forbidden":
+            parent = _schema_at(schema, loc[:-1])
+            valid = list(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+            prefix = ".".join(str(p) for p in loc[:-1])
+            hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
+            where = f"'{prefix}'" if prefix else "the top level"
+            lines.append(f"unknown config key '{key}'{hint} (valid keys in {where}: {', '.join(valid)})")
+        elif err["type"] == "value_error":
+            lines.append(err["msg"].removeprefix("Value error, ") + (f" (at '{key}')" if loc else ""))
+        else:
+            lines.append(f"config key '{key}': {err['msg']} (got {err.get('input')!r})")
+    return f"invalid config ({source}): " + "; ".join(lines)
+
+
+def build_config(data: dict, source: str = "config", schema: type[Section] = VerlConfig) -> Any:
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, schema, source)) from None
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config file '{path}'{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, schema: type[Section] = VerlConfig,
+    default_name: str = "grpo_tiny",
+) -> Any:
+    """Load ``path`` (or the defaults), apply dotted overrides, validate, and name the experiment."""
+    data = load_yaml(path) if path else {}
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(data, key, value)
+    source = f"{path}" if path else "defaults"
+    if overrides:
+        source += " + overrides"
+    config = build_config(data, source, schema)
+    resolve_experiment_name(config, Path(path).stem if path else default_name)
+    return config
+
+
+def resolve_experiment_name(config: Any, config_name: str) -> None:
+    if not config.trainer.experiment_name:
+        config.trainer.experiment_name = f"{config_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def dump_config(config: BaseModel) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

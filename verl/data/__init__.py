@@ -1,0 +1,1 @@
+"""Datasets (parquet -> chat template -> token ids) and the built-in tasks."""

@@ -1,0 +1,67 @@
+"""Resolve ``builtin:<task>/<split>`` dataset names to deterministic parquet files written by the project.
+
+``builtin:arithmetic/train`` and ``builtin:arithmetic/val`` (and ``sft_train``/``sft_val``, the same problems
+with a supervised ``response`` column) are written once per task spec into the cache
+directory (``$VERL_CACHE_DIR``, default ``~/.cache/verl-suite``) and reused; ``verl data arithmetic --out DIR``
+writes the same files where the user wants them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from verl.data.tasks.arithmetic import ArithmeticSpec, generate_splits, sft_response
+from verl.errors import DataError
+from verl.utils.fs import atomic_path
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_TASKS = ("arithmetic",)
+BUILTIN_SPLITS = ("train", "val", "sft_train", "sft_val")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VERL_CACHE_DIR", Path.home() / ".cache" / "verl-suite"))
+
+
+def write_parquet(rows: list[dict], path: Path) -> Path:
+    """Write ``rows`` to ``path`` atomically (temp file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+    return path
+
+
+def write_arithmetic(out_dir: Path, spec: ArithmeticSpec | None = None) -> dict[str, Path]:
+    """Write ``train.parquet`` and ``val.parquet`` for the arithmetic task into ``out_dir``."""
+    spec = spec or ArithmeticSpec()
+    splits = generate_splits(spec)
+    # Supervised copies of the same problems carry a `response` in the mixed answer formats.
+    for name in ("train", "val"):
+        rng = random.Random(f"{spec.seed}-sft-{name}")
+        splits[f"sft_{name}"] = [
+            {**row, "response": sft_response(row["reward_model"]["ground_truth"], rng, spec.answer_formats)}
+            for row in splits[name]
+        ]
+    return {name: write_parquet(rows, out_dir / f"{name}.parquet") for name, rows in splits.items()}
+
+
+def resolve_data_file(name: str, spec: ArithmeticSpec | None = None) -> Path:
+    """Map ``builtin:arithmetic/train`` (or ``/val``) to a cached parquet file; other names pass through."""
+    if not name.startswith(BUILTIN_PREFIX):
+        return Path(name).expanduser()
+    task, _, split = name[len(BUILTIN_PREFIX) :].partition("/")
+    split = split or "train"
+    if task not in BUILTIN_TASKS:
+        raise DataError(f"unknown built-in dataset '{name}'; available: {', '.join(BUILTIN_TASKS)}")
+    if split not in BUILTIN_SPLITS:
+        raise DataError(f"built-in dataset '{name}' has no split '{split}'; use one of {', '.join(BUILTIN_SPLITS)}")
+    spec = spec or ArithmeticSpec()
+    path = cache_dir() / "data" / f"{task}-{spec.key()}" / f"{split}.parquet"
+    if not path.exists():
+        write_arithmetic(path.parent, spec)
+    return path

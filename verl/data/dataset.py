@@ -1,0 +1,211 @@
+"""Parquet prompt datasets: ``RLHFDataset`` (prompts for RL) and ``SFTDataset`` (prompt + response pairs).
+
+``RLHFDataset``: parquet -> chat template -> token ids, filtered or truncated to ``max_prompt_length``
+(counts kept in ``num_filtered`` / ``num_truncated``). ``collate(indices)`` returns a ``DataProto`` of
+left-padded ``input_ids``/``attention_mask``/``position_ids`` of shape ``(batch, longest prompt in batch)`` plus
+the raw prompt text, ground truth, data source and extra info as non-tensor fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from verl.config import ArithmeticTaskConfig, DataConfig
+from verl.data.builtin import resolve_data_file
+from verl.data.tasks.arithmetic import ArithmeticSpec
+from verl.errors import DataError
+from verl.protocol import DataProto
+
+
+def arithmetic_spec(task: ArithmeticTaskConfig) -> ArithmeticSpec:
+    return ArithmeticSpec(
+        min_digits=task.min_digits,
+        max_digits=task.max_digits,
+        ops=tuple(task.ops),
+        num_train=task.num_train,
+        num_val=task.num_val,
+        seed=task.seed,
+    )
+
+
+def read_rows(files: Sequence[str], config_key: str, task: ArithmeticTaskConfig | None = None) -> list[dict]:
+    """Read every row of ``files`` (parquet), naming the config key in any error."""
+    if not files:
+        raise DataError(f"{config_key} is empty; give at least one parquet file")
+    spec = arithmetic_spec(task or ArithmeticTaskConfig())
+    rows: list[dict] = []
+    for name in files:
+        path = resolve_data_file(str(name), spec)
+        if not path.is_file():
+            raise DataError(f"{config_key}: file '{path}' does not exist")
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow raises several unrelated types for bad files
+            raise DataError(f"{config_key}: cannot read '{path}' as parquet ({exc})") from None
+        for row in table.to_pylist():
+            row["__source_file__"] = str(path)
+            rows.append(row)
+    return rows
+
+
+def get_nested(row: dict, dotted: str) -> Any:
+    """``row['a']['b']`` for ``'a.b'``; a literal key containing dots wins; None when absent."""
+    if dotted in row:
+        return row[dotted]
+    node: Any = row
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def prompt_text(prompt: Any, tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool, where: str) -> str:
+    """The exact text fed to the model for one prompt (chat template applied to message lists)."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "content" in m for m in prompt):
+        messages = [{"role": m.get("role", "user"), "content": m["content"]} for m in prompt]
+    else:
+        raise DataError(f"{where}: prompt must be a string or a list of {{role, content}} messages, got {prompt!r:.80}")
+    if apply_chat_template and tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n".join(m["content"] for m in messages)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to the longest: ``(input_ids, attention_mask)`` each ``(batch, max_len)``."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq) :] = 1
+    return ids, mask
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting only real tokens: ``(batch, seq)``; padding positions are 0."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask
+
+
+class RLHFDataset:
+    """Prompts for RL training and validation, tokenized once up front."""
+
+    def __init__(
+        self,
+        data_files: Sequence[str] | str,
+        tokenizer: PreTrainedTokenizerBase,
+        config: DataConfig | dict | None = None,
+        config_key: str = "data.train_files",
+    ):
+        if isinstance(data_files, (str, Path)):
+            data_files = [str(data_files)]
+        self.config = config if isinstance(config, DataConfig) else DataConfig(**(config or {}))
+        self.tokenizer = tokenizer
+        rows = read_rows(list(data_files), config_key, self.config.arithmetic)
+        self._check_columns(rows, config_key)
+        self.num_filtered = 0
+        self.num_truncated = 0
+        self.rows: list[dict] = []
+        self.prompt_ids: list[list[int]] = []
+        texts = [
+            prompt_text(r[self.config.prompt_key], tokenizer, self.config.apply_chat_template,
+                        f"{r['__source_file__']} row {i}")
+            for i, r in enumerate(rows)
+        ]
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        limit = self.config.max_prompt_length
+        for i, (row, text, ids) in enumerate(zip(rows, texts, encoded, strict=True)):
+            if len(ids) > limit:
+                mode = self.config.truncation
+                if mode == "error":
+                    raise DataError(
+                        f"{row['__source_file__']} row {i}: prompt has {len(ids)} tokens > data.max_prompt_length="
+                        f"{limit}; raise the limit or set data.truncation=filter|left|right"
+                    )
+                if mode == "filter":
+                    self.num_filtered += 1
+                    continue
+                ids = ids[-limit:] if mode == "left" else ids[:limit]
+                self.num_truncated += 1
+            row["__prompt_text__"] = text
+            self.rows.append(row)
+            self.prompt_ids.append(list(ids))
+        if not self.rows:
+            raise DataError(
+                f"{config_key}: no prompt fits data.max_prompt_length={limit} ({self.num_filtered} filtered); "
+                "raise the limit or set data.truncation=left"
+            )
+
+    def _check_columns(self, rows: list[dict], config_key: str) -> None:
+        if not rows:
+            raise DataError(f"{config_key}: the parquet files hold no rows")
+        first = rows[0]
+        if self.config.prompt_key not in first:
+            columns = [c for c in first if not c.startswith("__")]
+            raise DataError(
+                f"{first['__source_file__']}: no prompt column '{self.config.prompt_key}' (data.prompt_key); "
+                f"columns are {columns}; set data.prompt_key=<column>"
+            )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def ground_truth(self, i: int) -> Any:
+        row = self.rows[i]
+        value = get_nested(row, self.config.ground_truth_key)
+        if value is None and "ground_truth" in row:
+            value = row["ground_truth"]
+        return value
+
+    def collate(self, indices: Sequence[int]) -> DataProto:
+        ids, mask = left_pad([self.prompt_ids[i] for i in indices], self.tokenizer.pad_token_id)
+        rows = [self.rows[i] for i in indices]
+        return DataProto.from_dict(
+            tensors={"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)},
+            non_tensors={
+                "raw_prompt": [r["__prompt_text__"] for r in rows],
+                "ground_truth": [self.ground_truth(i) for i in indices],
+                "data_source": [r.get("data_source") or "unknown" for r in rows],
+                "extra_info": [r.get("extra_info") or {} for r in rows],
+                "index": np.asarray(indices, dtype=np.int64),
+            },
+            stage="dataset",
+        )
+
+
+class PromptSampler:
+    """Yields index batches epoch after epoch; its state (epoch, position) makes resume exact."""
+
+    def __init__(self, size: int, batch_size: int, shuffle: bool = True, seed: int = 0):
+        if size < batch_size:
+            raise DataError(f"the dataset has {size} prompts, fewer than data.train_batch_size={batch_size}")
+        self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed
+        self.epoch, self.position = 0, 0
+
+    def _order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.size)
+        return np.random.default_rng(self.seed + self.epoch).permutation(self.size)
+
+    def next_batch(self) -> list[int]:
+        if self.position + self.batch_size > self.size:  # drop the ragged tail, start a new epoch
+            self.epoch, self.position = self.epoch + 1, 0
+        batch = self._order()[self.position : self.position + self.batch_size].tolist()
+        self.position += self.batch_size
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -1,0 +1,97 @@
+"""The built-in ``arithmetic`` task: ``What is 47+385?`` with a ground-truth answer.
+
+It plays the role GSM8K plays for real models. The SFT data mixes answer formats (60% plain ``432``,
+20% ``>> 432``, 20% ``is 432``) while the reward and the reported accuracy use the strict ``>> N`` format
+(the analogue of gsm8k's ``#### N``). A warm-started model therefore knows the arithmetic but rarely uses the
+rewarded format under greedy decoding, and RL has real work to do: move probability mass onto the format
+it already produces sometimes when sampling, without forgetting the arithmetic.
+
+Rows follow verl's parquet layout: ``data_source``, ``prompt`` (chat messages), ``ability``,
+``reward_model`` ({"style": "rule", "ground_truth": ...}) and ``extra_info``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+
+DATA_SOURCE = "arithmetic"
+
+# (format template, weight) for supervised targets; only ">> {}" earns reward.
+SFT_ANSWER_FORMATS: tuple[tuple[str, float], ...] = (("{}", 0.6), (">> {}", 0.2), ("is {}", 0.2))
+
+
+@dataclass(frozen=True)
+class ArithmeticSpec:
+    """Which problems the task generates. Operands have ``min_digits``..``max_digits`` digits."""
+
+    min_digits: int = 1
+    max_digits: int = 3
+    ops: tuple[str, ...] = ("+",)
+    num_train: int = 20000
+    num_val: int = 256
+    seed: int = 1234
+    answer_formats: tuple[tuple[str, float], ...] = field(default=SFT_ANSWER_FORMATS)
+
+    def key(self) -> str:
+        """A short stable identifier of the spec, used to name cached parquet files."""
+        import hashlib
+        import json
+
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _operand(rng: random.Random, spec: ArithmeticSpec) -> int:
+    digits = rng.randint(spec.min_digits, spec.max_digits)
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    return rng.randint(low, 10**digits - 1)
+
+
+def _solve(a: int, op: str, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    raise ValueError(f"unsupported operator {op!r}; use one of + - *")
+
+
+def _row(a: int, op: str, b: int, split: str, index: int) -> dict:
+    answer = str(_solve(a, op, b))
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"What is {a}{op}{b}?"}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": split, "index": index, "question": f"{a}{op}{b}"},
+    }
+
+
+def generate_splits(spec: ArithmeticSpec) -> dict[str, list[dict]]:
+    """Deterministic, disjoint train and validation problems for ``spec``."""
+    rng = random.Random(spec.seed)
+    seen: set[tuple[int, str, int]] = set()
+    splits: dict[str, list[dict]] = {"val": [], "train": []}
+    # Validation first so its problems are fixed even if num_train changes.
+    for split, count in (("val", spec.num_val), ("train", spec.num_train)):
+        attempts = 0
+        while len(splits[split]) < count:
+            attempts += 1
+            if attempts > 50 * count + 1000:
+                raise ValueError(
+                    f"arithmetic task: cannot draw {count} distinct {split} problems with "
+                    f"{spec.min_digits}-{spec.max_digits} digit operands; lower num_{split} or raise max_digits"
+                )
+            problem = (_operand(rng, spec), rng.choice(spec.ops), _operand(rng, spec))
+            if problem in seen:
+                continue
+            seen.add(problem)
+            splits[split].append(_row(*problem, split=split, index=len(splits[split])))
+    return splits
+
+
+def sft_response(ground_truth: str, rng: random.Random, formats=SFT_ANSWER_FORMATS) -> str:
+    """A supervised target for one problem, its format drawn from the mix in ``formats``."""
+    templates, weights = zip(*formats, strict=True)
+    return rng.choices(templates, weights=weights, k=1)[0].format(ground_truth)

@@ -1,0 +1,35 @@
+"""LoRA through ``peft``: adapters on the actor; the reference is the base model with adapters disabled."""
+
+from __future__ import annotations
+
+import torch
+
+from verl.config import LoraConfig
+from verl.errors import MissingDependencyError
+
+
+def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+    except ImportError:
+        raise MissingDependencyError("peft", "model.lora.rank > 0", "pip install peft") from None
+    peft_config = PeftLoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=config.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_config)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain HF model with the adapters folded in (for export and weight sync to engines)."""
+    import copy
+
+    return copy.deepcopy(model).merge_and_unload() if is_lora(model) else model

@@ -1,0 +1,107 @@
+"""Rule reward functions, looked up by name.
+
+A reward function has verl's signature ``fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs)``
+and returns a float score or a dict with a ``score`` key plus any extra per-sample values (e.g. ``acc``), which
+the trainer logs as means. ``reward.name=auto`` picks the function by each row's ``data_source``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from verl.errors import ConfigError
+from verl.rewards.extract import (
+    ARITHMETIC_STRICT,
+    GSM8K_STRICT,
+    answers_match,
+    extract_flexible,
+    extract_strict,
+    last_boxed,
+    math_equal,
+)
+
+RewardFn = Callable[..., float | dict[str, Any]]
+REWARD_FNS: dict[str, RewardFn] = {}
+
+# data_source -> reward name, for reward.name=auto
+DATA_SOURCE_REWARDS = {
+    "arithmetic": "arithmetic",
+    "openai/gsm8k": "gsm8k",
+    "gsm8k": "gsm8k",
+    "lighteval/MATH": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",
+    "math": "math",
+}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    def decorator(fn: RewardFn) -> RewardFn:
+        REWARD_FNS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    if name not in REWARD_FNS:
+        raise ConfigError(f"reward.name='{name}' is not a registered reward; available: auto, {', '.join(REWARD_FNS)}")
+    return REWARD_FNS[name]
+
+
+def reward_for_data_source(data_source: str) -> RewardFn:
+    return REWARD_FNS[DATA_SOURCE_REWARDS.get(data_source, "exact_match")]
+
+
+def load_custom_reward(path: str, name: str) -> RewardFn:
+    """Import ``name`` from the Python file ``path`` (``reward.custom_reward.path/name``)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"reward.custom_reward.path: file '{path}' does not exist")
+    spec = importlib.util.spec_from_file_location(f"verl_custom_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"reward.custom_reward.name: '{path}' defines no function '{name}'")
+    return fn
+
+
+@register_reward("exact_match")
+def exact_match(data_source: str, solution_str: str, ground_truth: Any, extra_info=None, **kwargs) -> dict:
+    """1.0 when the stripped response equals the stripped ground truth."""
+    ok = solution_str.strip() == str(ground_truth).strip()
+    return {"score": float(ok), "acc": float(ok)}
+
+
+def _strict_flexible(solution_str: str, ground_truth: Any, strict_pattern, tail_chars: int | None) -> dict:
+    text = solution_str[-tail_chars:] if tail_chars else solution_str
+    strict = answers_match(extract_strict(text, strict_pattern), str(ground_truth))
+    flexible = answers_match(extract_flexible(solution_str), str(ground_truth))
+    return {"score": float(strict), "acc": float(strict), "acc_flexible": float(flexible)}
+
+
+@register_reward("gsm8k")
+def gsm8k(data_source: str, solution_str: str, ground_truth: Any, extra_info=None, **kwargs) -> dict:
+    """Score 1 for a correct ``#### N`` answer (strict); flexible-extraction accuracy reported beside it.
+
+    Like verl, only the last 300 characters are searched for the strict answer.
+    """
+    return _strict_flexible(solution_str, ground_truth, GSM8K_STRICT, tail_chars=300)
+
+
+@register_reward("arithmetic")
+def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info=None, **kwargs) -> dict:
+    """Score 1 for a correct ``>> N`` answer (strict); ``acc_flexible`` = last number in the response."""
+    return _strict_flexible(solution_str, ground_truth, ARITHMETIC_STRICT, tail_chars=None)
+
+
+@register_reward("math")
+def math_boxed(data_source: str, solution_str: str, ground_truth: Any, extra_info=None, **kwargs) -> dict:
+    """Score 1 when the last ``\\boxed{}`` answer equals the ground truth (after light normalisation)."""
+    reference = last_boxed(str(ground_truth)) or str(ground_truth)
+    ok = math_equal(last_boxed(solution_str), reference)
+    return {"score": float(ok), "acc": float(ok)}

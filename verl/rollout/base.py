@@ -1,0 +1,133 @@
+"""The rollout-engine interface and its registry.
+
+An engine turns a prompt batch into responses. Input: a ``DataProto`` with left-padded ``input_ids`` and
+``attention_mask`` of shape ``(batch, prompt_len)``. Output: a ``DataProto`` of ``batch * n`` rows (each prompt's
+samples adjacent) with
+
+- ``prompts``        (batch*n, prompt_len)            the left-padded prompt ids
+- ``responses``      (batch*n, response_len)          right-padded with pad id
+- ``response_mask``  (batch*n, response_len)          1 for generated tokens up to and including eos
+- ``input_ids``      (batch*n, prompt_len+response_len)
+- ``attention_mask`` (batch*n, prompt_len+response_len)
+- ``position_ids``   (batch*n, prompt_len+response_len)
+
+and the prompt's non-tensor fields repeated. ``response_len`` is the longest response in the batch
+(at most ``max_new_tokens``), not the configured maximum, so no compute is spent on all-padding columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from verl.errors import ConfigError
+from verl.protocol import DataProto
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 16
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RolloutEngine:
+    """Generates responses; ``sync_weights`` makes it use the actor's current parameters."""
+
+    name = "base"
+
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        raise NotImplementedError
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Load the actor's weights. In-process engines that share the module need nothing."""
+
+    def shutdown(self) -> None:
+        """Release engine resources."""
+
+
+ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+
+
+def register_rollout(name: str):
+    def decorator(factory):
+        ROLLOUT_ENGINES[name] = factory
+        return factory
+
+    return decorator
+
+
+def get_rollout_factory(name: str) -> Callable[..., RolloutEngine]:
+    if name == "vllm" and name not in ROLLOUT_ENGINES:
+        import verl.rollout.vllm_rollout  # noqa: F401  (registers itself; raises if vllm is missing)
+    if name not in ROLLOUT_ENGINES:
+        raise ConfigError(f"rollout.name='{name}' is unknown; available: {', '.join(sorted(ROLLOUT_ENGINES))}")
+    return ROLLOUT_ENGINES[name]
+
+
+def assemble_rollout(
+    prompts: DataProto, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, eos_id: int,
+    pad_id: int, n: int,
+) -> DataProto:
+    """Build the engine output from ``responses`` (batch*n, gen_len) as generated (tokens after eos arbitrary).
+
+    The response mask keeps tokens up to and including the first eos; later tokens become pad.
+    """
+    is_eos = responses == eos_id
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first eos
+    response_mask = (~after_eos).long()
+    responses = responses.masked_fill(after_eos, pad_id)
+    width = int(response_mask.sum(-1).max().item()) if responses.numel() else 0
+    responses, response_mask = responses[:, :width], response_mask[:, :width]
+    if n > 1:
+        prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask
+    out = DataProto.from_dict(
+        tensors={
+            "prompts": prompt_ids,
+            "responses": responses,
+            "response_mask": response_mask,
+            "input_ids": torch.cat([prompt_ids, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+        },
+        non_tensors={k: v for k, v in (prompts.repeat(n).non_tensor.items() if n > 1 else prompts.non_tensor.items())},
+        meta=dict(prompts.meta),
+        stage="rollout",
+    )
+    return out
+
+
+def pad_responses(parts: list[DataProto], pad_id: int) -> list[DataProto]:
+    """Right-pad every part's response fields to the widest part so they can be concatenated."""
+    if len(parts) <= 1:
+        return parts
+    width = max(p.batch["responses"].shape[1] for p in parts)
+    prompt_width = max(p.batch["prompts"].shape[1] for p in parts)
+    out = []
+    for part in parts:
+        b = dict(part.batch)
+        extra = width - b["responses"].shape[1]
+        lead = prompt_width - b["prompts"].shape[1]
+        if extra:
+            b["responses"] = torch.nn.functional.pad(b["responses"], (0, extra), value=pad_id)
+            b["response_mask"] = torch.nn.functional.pad(b["response_mask"], (0, extra), value=0)
+        if lead:
+            b["prompts"] = torch.nn.functional.pad(b["prompts"], (lead, 0), value=pad_id)
+        if extra or lead:
+            b["input_ids"] = torch.nn.functional.pad(b["input_ids"], (lead, extra), value=pad_id)
+            b["attention_mask"] = torch.nn.functional.pad(b["attention_mask"], (lead, extra), value=0)
+            b["position_ids"] = torch.nn.functional.pad(b["position_ids"], (lead, extra), value=0)
+        out.append(DataProto(b, dict(part.non_tensor), dict(part.meta), part.stage))
+    return out

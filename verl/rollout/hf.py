@@ -1,0 +1,89 @@
+"""The transformers rollout engine: batched ``model.generate`` with a KV cache.
+
+In the local executor the engine holds the actor's own module, so the weights it samples from are always the
+latest ones (the "sync" is sharing). Sampling draws from a private generator seeded per call, so a run is
+reproducible from ``trainer.seed`` and does not disturb the global RNG that dropout or data order use.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from verl.protocol import DataProto
+from verl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, pad_responses, register_rollout
+
+
+@register_rollout("hf")
+class HFRollout(RolloutEngine):
+    name = "hf"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        micro_batch_size: int | None = None,
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.micro_batch_size = micro_batch_size
+        self.autocast_dtype = autocast_dtype
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id
+
+    @torch.no_grad()
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        """``prompts``: ``input_ids``/``attention_mask`` (batch, prompt_len) -> batch*n rows (see base module)."""
+        chunk = self.micro_batch_size or len(prompts)
+        per_prompt = max(1, chunk // params.n)
+        parts = [self._generate_chunk(part, params) for part in prompts.split(per_prompt)]
+        return DataProto.concat(pad_responses(parts, self.pad_id))
+
+    def _generate_chunk(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        device = next(self.model.parameters()).device
+        ids = prompts.batch["input_ids"].to(device)
+        mask = prompts.batch["attention_mask"].to(device)
+        # Only the columns some prompt uses: a batch padded wider than needed wastes every decode step.
+        first = int((mask.sum(0) > 0).nonzero()[0].item()) if mask.any() else 0
+        ids, mask = ids[:, first:], mask[:, first:]
+        kwargs: dict = {"max_new_tokens": params.max_new_tokens, "num_return_sequences": params.n,
+                        "eos_token_id": self.eos_id, "pad_token_id": self.pad_id}
+        if params.greedy:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k or None)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._sampling_rng(params.seed, device), self._autocast(device):
+                out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        finally:
+            self.model.train(was_training)
+        responses = out[:, ids.shape[1] :].cpu()
+        return assemble_rollout(prompts, ids.cpu(), mask.cpu(), responses, self.eos_id, self.pad_id, params.n)
+
+    def _autocast(self, device: torch.device):
+        if self.autocast_dtype is None:
+            import contextlib
+
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
+
+    @staticmethod
+    def _sampling_rng(seed: int | None, device: torch.device):
+        """Fork the global RNG for the duration of sampling, seeded by ``seed`` when given."""
+        import contextlib
+
+        if seed is None:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def forked():
+            devices = [device] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                yield
+
+        return forked()

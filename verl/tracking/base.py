@@ -1,0 +1,67 @@
+"""The tracker interface, the registry, and the fan-out the trainer talks to.
+
+``trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]`` names trackers; ``jsonl`` is the run logger itself
+(always on). Every backend is created at run start, so a missing package fails before the first step with the
+install command, never mid-run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from verl.errors import ConfigError
+
+
+class Tracker:
+    """One experiment-tracking backend. Metric keys are ``scope/name``."""
+
+    name = "base"
+
+    def log_config(self, config: dict[str, Any]) -> None:
+        """Record the run's resolved config / hyper-parameters."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Record the numeric metrics of one step."""
+
+    def log_samples(self, samples: list[dict[str, Any]], step: int) -> None:
+        """Record sampled generations: dicts with prompt, response, ground_truth, score."""
+
+    def log_histograms(self, values: dict[str, list[float]], step: int) -> None:
+        """Record distributions (rewards, advantages, response lengths)."""
+
+    def log_alert(self, alert: dict[str, Any], step: int) -> None:
+        """Record a health alert."""
+
+    def log_checkpoint(self, path: str, step: int, metadata: dict[str, Any]) -> None:
+        """Record that a checkpoint was written."""
+
+    def finish(self) -> None:
+        """Flush and close."""
+
+
+TRACKERS: dict[str, Callable[..., Tracker]] = {}
+
+
+def register_tracker(name: str):
+    def decorator(factory):
+        TRACKERS[name] = factory
+        return factory
+
+    return decorator
+
+
+def create_trackers(names: list[str], **context: Any) -> list[Tracker]:
+    """Instantiate the named trackers (``jsonl`` is the run logger and needs no tracker)."""
+    import verl.tracking.backends  # noqa: F401  (registers the built-in backends)
+
+    trackers = []
+    for name in names:
+        if name == "jsonl":
+            continue
+        if name not in TRACKERS:
+            raise ConfigError(
+                f"trainer.logger: unknown tracker '{name}'; available: jsonl, {', '.join(sorted(TRACKERS))}"
+            )
+        trackers.append(TRACKERS[name](**context))
+    return trackers

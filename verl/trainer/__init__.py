@@ -1,0 +1,1 @@
+"""Trainers: the PPO driver loop and its executors, SFT, callbacks, checkpoints."""

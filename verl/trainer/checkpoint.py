@@ -1,0 +1,147 @@
+"""Checkpoints: HF model directories written atomically, a ``latest`` pointer, retention, resume.
+
+Layout of ``<run>/checkpoints/global_step_<N>/``:
+
+- the HF model (``config.json``, ``model.safetensors``, ``generation_config.json``) and tokenizer files, so
+  ``AutoModelForCausalLM.from_pretrained`` and vLLM load the directory as it is (with LoRA: the adapter files);
+- ``critic/``: the critic as an HF token-classification model, when there is one;
+- ``trainer_state.pt``: optimizer, scheduler, RNG, step, data position, KL controller;
+- ``meta.json``: step, time, metrics at save time.
+
+A checkpoint is assembled in a ``.tmp-*`` sibling and renamed when complete; ``latest`` (a text file naming the
+directory) is updated last. A crash therefore never leaves a partial ``global_step_*`` that resume would pick.
+Retention (``max_ckpt_to_keep``) never deletes the checkpoint that ``latest`` or ``best`` names.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl.errors import CheckpointError
+from verl.utils.fs import atomic_dir, atomic_write_json, atomic_write_text
+
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+TRAINER_STATE = "trainer_state.pt"
+META = "meta.json"
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir() and (child / META).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def read_pointer(run_dir: str | Path, name: str = "latest") -> Path | None:
+    pointer = checkpoint_root(run_dir) / name
+    if not pointer.is_file():
+        return None
+    target = checkpoint_root(run_dir) / pointer.read_text().strip()
+    return target if (target / META).is_file() else None
+
+
+def write_pointer(run_dir: str | Path, target: Path, name: str = "latest") -> None:
+    atomic_write_text(checkpoint_root(run_dir) / name, target.name + "\n")
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    trainer_state: dict[str, Any],
+    metrics: dict[str, float] | None = None,
+    critic: torch.nn.Module | None = None,
+    max_to_keep: int | None = None,
+) -> Path:
+    """Write ``global_step_<step>`` atomically, point ``latest`` at it, then apply retention."""
+    target = checkpoint_root(run_dir) / f"global_step_{step}"
+    with atomic_dir(target, overwrite=True) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if critic is not None:
+            critic.save_pretrained(tmp / "critic", safe_serialization=True)
+        torch.save(trainer_state, tmp / TRAINER_STATE)
+        atomic_write_json(tmp / META, {"step": step, "time": time.time(), "metrics": metrics or {}})
+    write_pointer(run_dir, target)
+    if max_to_keep:
+        apply_retention(run_dir, max_to_keep)
+    return target
+
+
+def apply_retention(run_dir: str | Path, max_to_keep: int) -> list[Path]:
+    """Delete the oldest checkpoints beyond ``max_to_keep``, never the ``latest`` or ``best`` one."""
+    protected = {p for p in (read_pointer(run_dir, "latest"), read_pointer(run_dir, "best")) if p is not None}
+    checkpoints = [path for _, path in list_checkpoints(run_dir)]
+    removable = [p for p in checkpoints if p not in protected]
+    excess = len(checkpoints) - max_to_keep
+    removed = []
+    for path in removable[: max(0, excess)]:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
+    """``auto``: the ``latest`` checkpoint if any; ``disable``: None; otherwise the given path (must exist)."""
+    if resume == "disable":
+        return None
+    if resume == "auto":
+        latest = read_pointer(run_dir)
+        if latest is None:
+            checkpoints = list_checkpoints(run_dir)
+            latest = checkpoints[-1][1] if checkpoints else None
+        return latest
+    path = Path(resume)
+    if not (path / TRAINER_STATE).is_file():
+        raise CheckpointError(
+            f"trainer.resume='{resume}' is not a complete checkpoint (no {TRAINER_STATE}); "
+            "use auto, disable, or a checkpoints/global_step_<N> directory"
+        )
+    return path
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {path / TRAINER_STATE}: {exc}") from None
+
+
+def load_model_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load ``model.safetensors`` (or adapter weights for a PEFT model) from a checkpoint into ``model``."""
+    from safetensors.torch import load_file
+
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        adapter = path / "adapter_model.safetensors"
+        if not adapter.is_file():
+            raise CheckpointError(f"{path} has no adapter_model.safetensors to resume a LoRA run from")
+        set_peft_model_state_dict(model, load_file(adapter))
+        return
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{path} has no model.safetensors")
+    state = load_file(weights)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Tied embeddings are saved once; anything else missing means the checkpoint is for another model.
+    missing = [k for k in missing if "lm_head" not in k]
+    if missing or unexpected:
+        raise CheckpointError(f"{weights} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")

@@ -1,0 +1,367 @@
+"""The PPO-family driver loop, written once for every executor (single controller, as in HybridFlow).
+
+One training step::
+
+    prompts -> rollout.generate (n per prompt) -> reward -> [old log-probs] -> [reference log-probs]
+      -> [critic values] -> advantages (registry) -> [critic update] -> actor update -> metrics -> callbacks
+      -> validation every test_freq -> checkpoint every save_freq
+
+What is *not* computed matters as much as what is: old log-probs only when the update is off-policy
+(several epochs or mini-batches) or a KL-in-reward needs them; reference log-probs only with a KL term;
+values only with a critic (GAE). Each stage is timed (``timing/<stage>``).
+
+Executors (``LocalPPOTrainer``, ``RayPPOTrainer``) subclass ``PPOTrainer`` and implement the role operations
+(``generate``, ``compute_reward``, ``compute_old_log_prob`` ...); the loop below never changes between them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from verl.algos.advantages import NEEDS_GREEDY_BASELINE, get_adv_estimator
+from verl.algos.kl import build_kl_controller, kl_penalty
+from verl.algos.masked import masked_mean
+from verl.config import VerlConfig, dump_config
+from verl.data.dataset import PromptSampler, RLHFDataset
+from verl.protocol import DataProto
+from verl.rollout.base import SamplingParams
+from verl.trainer.callbacks import CallbackList, TrainerCallback
+from verl.trainer.checkpoint import find_resume_checkpoint
+from verl.utils import log
+from verl.utils.fs import atomic_write_text
+from verl.utils.system import SystemMonitor
+from verl.utils.timing import StageTimer
+
+
+class PPOTrainer:
+    """The loop. Subclasses provide the roles; see the module docstring."""
+
+    def __init__(self, config: VerlConfig, quiet: bool = False):
+        self.config = config
+        self.quiet = quiet
+        self.callbacks = CallbackList()
+        self.global_step = 0
+        self.stop_reason: str | None = None
+        self.timer = StageTimer()
+        kl = config.algorithm.kl_ctrl
+        self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
+        self.evaluators: list[Any] = []
+
+    # ------------------------------------------------------------------ role operations (executors)
+
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        raise NotImplementedError
+
+    def compute_reward(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, np.ndarray], list[str]]:
+        raise NotImplementedError
+
+    def compute_old_log_prob(self, batch: DataProto) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_ref_log_prob(self, batch: DataProto) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_values(self, batch: DataProto) -> torch.Tensor:
+        raise NotImplementedError
+
+    def update_actor(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    def update_critic(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    def save_checkpoint(self, step: int, metrics: dict[str, float]) -> Path:
+        raise NotImplementedError
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Release executor resources (workers, engines)."""
+
+    # ------------------------------------------------------------------ public API
+
+    def add_callback(self, callback: TrainerCallback) -> None:
+        self.callbacks.add(callback)
+
+    def register_evaluator(self, evaluator: Any) -> None:
+        """Run ``evaluator`` at every validation (see ``eval.evaluators``)."""
+        self.evaluators.append(evaluator)
+
+    def request_stop(self, reason: str) -> None:
+        """Stop after the current step: a final checkpoint is written and ``fit`` returns normally."""
+        self.stop_reason = self.stop_reason or reason
+
+    @property
+    def run_dir(self) -> Path:
+        return self.config.run_dir()
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict[str, float]:
+        cfg = self.config
+        self._start_run()
+        last_metrics: dict[str, float] = {}
+        try:
+            self.callbacks.on_train_start(self)
+            if cfg.trainer.val_before_train and self.global_step == 0 and cfg.trainer.test_freq > 0:
+                self.validate()
+            while self.global_step < cfg.trainer.total_steps and self.stop_reason is None:
+                self.global_step += 1
+                step = self.global_step
+                self.logger.set_step(step)
+                last_metrics = self.train_step(step)
+                last_metrics.update(self.logger.flush(step))
+                self.callbacks.on_log(last_metrics, step=step)
+                self.callbacks.on_step_end(self, step, last_metrics)
+                final = step == cfg.trainer.total_steps or self.stop_reason is not None
+                if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or final):
+                    last_metrics.update(self.validate())
+                if final or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
+                    self._checkpoint(step, last_metrics)
+            reason = self.stop_reason or "completed"
+            self.logger.event("train", step=self.global_step, status="finished", reason=reason)
+            self.callbacks.on_train_end(self, reason)
+        finally:
+            self._end_run()
+        return last_metrics
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg = self.config
+        n = cfg.rollout.n
+        with self.timer("total"):
+            prompts = self.train_dataset.collate(self.sampler.next_batch())
+            with self.timer("gen"):
+                batch = self.generate(prompts, self.train_sampling(step))
+            batch.non_tensor["uid"] = batch.non_tensor["index"]  # group id: responses to the same prompt
+            if cfg.algorithm.adv_estimator in NEEDS_GREEDY_BASELINE:
+                with self.timer("gen_baseline"):
+                    batch.batch["reward_baselines"] = self._greedy_baseline(prompts).repeat_interleave(n)
+            with self.timer("reward"):
+                scores, extras, texts = self.compute_reward(batch)
+                batch.batch["token_level_scores"] = scores
+            if self.needs_old_log_probs:
+                with self.timer("old_log_prob"):
+                    batch.batch["old_log_probs"] = self.compute_old_log_prob(batch)
+            if cfg.use_reference:
+                with self.timer("ref"):
+                    batch.batch["ref_log_prob"] = self.compute_ref_log_prob(batch)
+            if cfg.use_critic:
+                with self.timer("values"):
+                    batch.batch["values"] = self.compute_values(batch)
+            with self.timer("adv"):
+                kl_metrics = self._apply_kl_in_reward(batch)
+                advantages, returns = self.adv_fn(
+                    token_level_rewards=batch.batch["token_level_rewards"],
+                    response_mask=batch.batch["response_mask"].float(),
+                    values=batch.batch.get("values"),
+                    index=batch.non_tensor["uid"],
+                    reward_baselines=batch.batch.get("reward_baselines"),
+                    gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+                    norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+                )
+                batch.batch["advantages"], batch.batch["returns"] = advantages, returns
+            critic_metrics: dict[str, float] = {}
+            if cfg.use_critic:
+                with self.timer("update_critic"):
+                    critic_metrics = self.update_critic(batch, self.critic_mini_batch_size)
+            actor_metrics: dict[str, float] = {}
+            if step > cfg.critic.warmup_steps or not cfg.use_critic:
+                with self.timer("update_actor"):
+                    actor_metrics = self.update_actor(batch, cfg.actor.ppo_mini_batch_size * n)
+        self._log_step(step, batch, extras, texts, actor_metrics, critic_metrics, kl_metrics)
+        return {}
+
+    # ------------------------------------------------------------------ pieces of the step
+
+    @property
+    def needs_old_log_probs(self) -> bool:
+        cfg = self.config
+        off_policy = cfg.actor.ppo_epochs > 1 or cfg.data.train_batch_size > cfg.actor.ppo_mini_batch_size
+        return off_policy or cfg.algorithm.use_kl_in_reward
+
+    @property
+    def critic_mini_batch_size(self) -> int:
+        prompts = self.config.critic.ppo_mini_batch_size or self.config.actor.ppo_mini_batch_size
+        return prompts * self.config.rollout.n
+
+    def train_sampling(self, step: int) -> SamplingParams:
+        r = self.config.rollout
+        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=self.config.data.max_response_length,
+                              seed=self.config.trainer.seed * 1_000_003 + step)
+
+    def val_sampling(self) -> SamplingParams:
+        v = self.config.rollout.val_kwargs
+        return SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
+                              max_new_tokens=self.config.data.max_response_length, seed=self.config.trainer.seed)
+
+    def _greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
+        """ReMax baseline: the reward of each prompt's greedy response, ``(batch,)``."""
+        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.config.data.max_response_length)
+        greedy = self.generate(prompts, params)
+        scores, _, _ = self.compute_reward(greedy)
+        return scores.sum(-1)
+
+    def _apply_kl_in_reward(self, batch: DataProto) -> dict[str, float]:
+        scores = batch.batch["token_level_scores"]
+        if not self.config.algorithm.use_kl_in_reward:
+            batch.batch["token_level_rewards"] = scores
+            return {}
+        mask = batch.batch["response_mask"].float()
+        kl = kl_penalty(batch.batch["old_log_probs"], batch.batch["ref_log_prob"], self.config.algorithm.kl_penalty)
+        kl = kl * mask
+        beta = self.kl_ctrl.value
+        batch.batch["token_level_rewards"] = scores - beta * kl
+        current_kl = float(masked_mean(kl, mask, dim=-1).mean())
+        self.kl_ctrl.update(current_kl, n_steps=len(batch))
+        return {"reward_kl_penalty": current_kl, "kl_coef": beta}
+
+    def _log_step(self, step: int, batch: DataProto, extras: dict[str, np.ndarray], texts: list[str],
+                  actor: dict[str, float], critic: dict[str, float], kl_metrics: dict[str, float]) -> None:
+        cfg = self.config
+        info = self.logger.info
+        scores = batch.batch["token_level_scores"].sum(-1)
+        rewards = batch.batch["token_level_rewards"].sum(-1)
+        mask = batch.batch["response_mask"]
+        lengths = mask.sum(-1).float()
+        rollout = {
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "score_mean": float(scores.mean()),
+            "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
+            "response_length_clip_ratio": float((lengths >= cfg.data.max_response_length).float().mean()),
+            "prompt_length_mean": float(batch.batch["prompts"].ne(self.tokenizer.pad_token_id).sum(-1).float().mean()),
+            "advantages_mean": float(masked_mean(batch.batch["advantages"], mask.float())),
+            "num_responses": len(batch),
+        }
+        for key, value in extras.items():
+            rollout[key] = float(np.nanmean(value))
+        info("rollout", **rollout)
+        ppo = {"policy_loss": actor.get("policy_loss"), "entropy": actor.get("entropy"),
+               "kl_div": actor.get("kl_div"), "approx_kl": actor.get("ppo_kl"), "clip_ratio": actor.get("clipfrac"),
+               "clip_ratio_lower": actor.get("clipfrac_lower"), "kl_loss": actor.get("kl_loss"),
+               "grad_norm": actor.get("grad_norm"), "lr": actor.get("lr"), "nan_skipped": actor.get("nan_skipped"),
+               "kl_coef": cfg.actor.kl_loss_coef if cfg.actor.use_kl_loss else self.kl_ctrl.value,
+               "value_loss": critic.get("value_loss")}
+        ppo.update(kl_metrics)
+        info("ppo", **{k: v for k, v in ppo.items() if v is not None})
+        if critic:
+            info("critic", **critic)
+        timings = self.timer.pop()
+        tokens = int(batch.batch["attention_mask"].sum())
+        info("timing", **timings)
+        info("throughput", tokens_per_second=tokens / max(timings.get("total", 1e-9), 1e-9),
+             response_tokens_per_second=float(lengths.sum()) / max(timings.get("gen", 1e-9), 1e-9))
+        info("train", epoch=self.sampler.epoch, progress=step / cfg.trainer.total_steps)
+        info("system", **self.monitor.sample())
+        self.logger.debug("timing", stages=timings, responses=len(batch), device=str(self.device))
+        for tracker in self.trackers:
+            tracker.log_histograms({"rollout/rewards": rewards.tolist(), "rollout/response_lengths": lengths.tolist(),
+                                    "rollout/advantages": batch.batch["advantages"][mask.bool()].tolist()}, step)
+        self._log_samples(step, batch, texts, scores)
+
+    def _log_samples(self, step: int, batch: DataProto, texts: list[str], scores: torch.Tensor) -> None:
+        # One response per prompt (responses to a prompt are adjacent), so the rows show different problems.
+        stride = self.config.rollout.n
+        indices = list(range(0, len(texts), stride))[: self.config.trainer.num_samples_to_log]
+        samples = []
+        for i in indices:
+            row = {"prompt": str(batch.non_tensor["raw_prompt"][i]), "response": texts[i],
+                   "ground_truth": str(batch.non_tensor["ground_truth"][i]), "score": float(scores[i])}
+            self.logger.event("sample", step=step, split="train", **row)
+            samples.append(row)
+        if samples:
+            for tracker in self.trackers:
+                tracker.log_samples(samples, step)
+
+    # ------------------------------------------------------------------ validation and checkpoints
+
+    def validate(self) -> dict[str, float]:
+        """Generate on the validation split (greedy by default); log ``eval/*`` and sample rows."""
+        from verl.trainer.validation import generate_and_score, sample_rows, validation_metrics
+
+        step = self.global_step
+        start = time.perf_counter()
+        batch, scores, extras, texts = generate_and_score(
+            self.rollout_engine_for_validation(), self.val_dataset, self.reward_manager, self.val_sampling(),
+            self.config.data.val_batch_size, self.config.data.val_max_samples,
+        )
+        metrics = validation_metrics(batch, scores, extras)
+        for evaluator in self.evaluators:
+            metrics.update(evaluator(batch, texts, scores, extras))
+        metrics["seconds"] = time.perf_counter() - start
+        samples = sample_rows(batch, texts, scores, self.config.trainer.num_samples_to_log)
+        for row in samples:
+            self.logger.event("sample", step=step, split="val", **row)
+        for tracker in self.trackers:
+            tracker.log_samples(samples, step)
+        # Validation runs after the step's rows are flushed, so this flush writes the eval row alone.
+        self.logger.info("eval", **metrics)
+        flat = self.logger.flush(step)
+        self.callbacks.on_evaluate(self, step, flat)
+        return flat
+
+    def rollout_engine_for_validation(self):
+        raise NotImplementedError
+
+    def _checkpoint(self, step: int, metrics: dict[str, float]) -> None:
+        with self.timer("save"):
+            path = self.save_checkpoint(step, metrics)
+        self.logger.event("train", step=step, checkpoint=str(path))
+        for tracker in self.trackers:
+            tracker.log_checkpoint(str(path), step, metrics)
+        self.callbacks.on_save(self, step, path)
+
+    def trainer_state(self) -> dict[str, Any]:
+        from verl.utils.seeding import rng_state
+
+        return {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict(), "rng": rng_state()}
+
+    def restore_trainer_state(self, state: dict[str, Any]) -> None:
+        from verl.utils.seeding import set_rng_state
+
+        self.global_step = int(state["global_step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        set_rng_state(state["rng"])
+
+    # ------------------------------------------------------------------ run setup
+
+    def _start_run(self) -> None:
+        from verl.tracking import create_trackers
+
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
+        self.trackers = create_trackers(cfg.trainer.logger, total_steps=cfg.trainer.total_steps, quiet=self.quiet,
+                                        config=cfg, run_dir=self.run_dir)
+        self.logger = log.RunLogger(cfg.log_path(), self.trackers, cfg.trainer.log_level)
+        log.set_active(self.logger)
+        self.monitor = SystemMonitor()
+        for tracker in self.trackers:
+            tracker.log_config(cfg.model_dump(mode="json"))
+        resume_from = find_resume_checkpoint(self.run_dir, cfg.trainer.resume)
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+            self.logger.event("train", step=self.global_step, status="resumed", checkpoint=str(resume_from))
+        else:
+            self.logger.event("train", step=0, status="started", run_dir=str(self.run_dir),
+                              train_prompts=len(self.train_dataset), val_prompts=len(self.val_dataset),
+                              filtered_prompts=self.train_dataset.num_filtered,
+                              truncated_prompts=self.train_dataset.num_truncated)
+        self.logger.debug("placement", device=str(self.device), executor=cfg.trainer.executor,
+                          threads=torch.get_num_threads(), reference=cfg.use_reference, critic=cfg.use_critic)
+
+    def _end_run(self) -> None:
+        for tracker in getattr(self, "trackers", []):
+            tracker.finish()
+        log.set_active(None)
+        if hasattr(self, "logger"):
+            self.logger.close()

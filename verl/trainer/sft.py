@@ -1,0 +1,180 @@
+"""Supervised fine-tuning: next-token loss on responses only (the warm start before RL).
+
+``verl sft --config configs/sft_tiny.yaml`` trains ``builtin:tiny-arith-base`` on the arithmetic task's
+mixed-format answers; the result, copied to ``verl/models/assets/tiny-arith``, is ``builtin:tiny-arith``, the
+default model of ``verl train``. Validation generates greedily and reports strict and flexible accuracy exactly
+as the RL trainer does.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from verl.config import DataConfig, RewardConfig, SFTConfig, dump_config
+from verl.data.dataset import RLHFDataset, get_nested, prompt_text, read_rows
+from verl.errors import DataError
+from verl.models.loader import load_causal_lm, load_tokenizer, pick_device
+from verl.rollout.base import SamplingParams
+from verl.rollout.hf import HFRollout
+from verl.tracking import create_trackers
+from verl.trainer.checkpoint import save_checkpoint
+from verl.trainer.validation import generate_and_score, validation_metrics
+from verl.utils import log
+from verl.utils.fs import atomic_write_text
+from verl.utils.seeding import seed_everything, set_num_threads
+from verl.workers.optim import build_optimizer, build_scheduler
+from verl.workers.reward import RewardManager
+
+
+class SFTDataset:
+    """Prompt/response pairs tokenized as ``template(prompt) + response + eos`` with a response-only loss mask."""
+
+    def __init__(self, files: list[str], tokenizer, config: SFTConfig):
+        data = config.data
+        rows = read_rows(files, "data.train_files", data.arithmetic)
+        if data.response_key not in rows[0] or data.prompt_key not in rows[0]:
+            columns = [c for c in rows[0] if not c.startswith("__")]
+            raise DataError(
+                f"{rows[0]['__source_file__']}: SFT needs columns '{data.prompt_key}' (data.prompt_key) and "
+                f"'{data.response_key}' (data.response_key); columns are {columns}"
+            )
+        self.examples: list[tuple[list[int], int]] = []  # (token ids, prompt length)
+        self.num_dropped = 0
+        eos = tokenizer.eos_token or ""
+        for i, row in enumerate(rows):
+            prompt = prompt_text(row[data.prompt_key], tokenizer, True, f"{row['__source_file__']} row {i}")
+            response = get_nested(row, data.response_key)
+            if not isinstance(response, str):
+                raise DataError(f"{row['__source_file__']} row {i}: '{data.response_key}' must be a string")
+            p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            r_ids = tokenizer(response + eos, add_special_tokens=False)["input_ids"]
+            if len(p_ids) + len(r_ids) > data.max_length:
+                self.num_dropped += 1
+                continue
+            self.examples.append((p_ids + r_ids, len(p_ids)))
+        self.pad_id = tokenizer.pad_token_id
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 outside responses), (batch, len)."""
+        width = max(len(self.examples[i][0]) for i in indices)
+        ids = torch.full((len(indices), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        labels = torch.full_like(ids, -100)
+        for row, i in enumerate(indices):
+            tokens, prompt_len = self.examples[i]
+            ids[row, : len(tokens)] = torch.as_tensor(tokens)
+            mask[row, : len(tokens)] = 1
+            labels[row, prompt_len : len(tokens)] = torch.as_tensor(tokens[prompt_len:])
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class SFTTrainer:
+    def __init__(self, config: SFTConfig, quiet: bool = False):
+        self.config = config
+        self.quiet = quiet
+        set_num_threads(config.trainer.num_threads)
+        seed_everything(config.trainer.seed)
+        self.device = pick_device(config.trainer.device)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+        self.model = load_causal_lm(config.model.path, config.model.dtype, self.device)
+        self.train_data = SFTDataset(config.data.train_files, self.tokenizer, config)
+        val_config = DataConfig(
+            val_files=config.data.val_files, max_prompt_length=config.data.max_prompt_length,
+            max_response_length=config.data.max_response_length, arithmetic=config.data.arithmetic,
+            ground_truth_key=config.data.ground_truth_key, prompt_key=config.data.prompt_key,
+        )
+        self.val_data = (
+            RLHFDataset(config.data.val_files, self.tokenizer, val_config, "data.val_files")
+            if config.data.val_files else None
+        )
+        self.reward = RewardManager(self.tokenizer, RewardConfig())
+        self.engine = HFRollout(self.model, self.tokenizer)
+        self.optimizer = build_optimizer(self.model.parameters(), config.optim)
+        self.scheduler = build_scheduler(self.optimizer, config.optim, config.trainer.total_steps)
+        self.run_dir = config.run_dir()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.run_dir / "config.yaml", dump_config(config))
+        trackers = create_trackers(config.trainer.logger, total_steps=config.trainer.total_steps, quiet=quiet,
+                                   config=config, run_dir=self.run_dir)
+        self.logger = log.RunLogger(config.log_path(), trackers, config.trainer.log_level)
+
+    def validate(self) -> dict[str, float]:
+        assert self.val_data is not None
+        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.config.data.max_response_length)
+        batch, scores, extras, _ = generate_and_score(
+            self.engine, self.val_data, self.reward, params, batch_size=256,
+            max_samples=self.config.data.val_max_samples,
+        )
+        return validation_metrics(batch, scores, extras)
+
+    def fit(self) -> Path:
+        cfg = self.config.trainer
+        log.set_active(self.logger)
+        rng = np.random.default_rng(cfg.seed)
+        order = rng.permutation(len(self.train_data))
+        cursor = 0
+        batch_size = self.config.data.batch_size
+        self.model.train()
+        progress = Progress(TextColumn("sft"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                            disable=self.quiet)
+        try:
+            with progress:
+                task = progress.add_task("sft", total=cfg.total_steps)
+                if self.val_data is not None and cfg.test_freq > 0:
+                    self.logger.set_step(0)
+                    self.logger.info("eval", **self.validate())
+                    self.logger.flush(0)
+                for step in range(1, cfg.total_steps + 1):
+                    start = time.perf_counter()
+                    if cursor + batch_size > len(order):
+                        order, cursor = rng.permutation(len(self.train_data)), 0
+                    batch = self.train_data.batch(order[cursor : cursor + batch_size].tolist())
+                    cursor += batch_size
+                    batch = {k: v.to(self.device) for k, v in batch.items()}
+                    loss = self.model(**batch).loss
+                    loss.backward()
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip)
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.logger.set_step(step)
+                    self.logger.info("train", loss=loss.item(), grad_norm=float(grad_norm),
+                                     lr=self.scheduler.get_last_lr()[0], step_time=time.perf_counter() - start)
+                    last = step == cfg.total_steps
+                    if self.val_data is not None and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or last):
+                        self.logger.info("eval", **self.validate())
+                    if last or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
+                        save_checkpoint(self.run_dir, step, self.model, self.tokenizer,
+                                        {"step": step, "optimizer": self.optimizer.state_dict()})
+                    self.logger.flush(step)
+                    progress.advance(task)
+        finally:
+            log.set_active(None)
+            self.logger.close()
+        return self.run_dir / "checkpoints" / f"global_step_{cfg.total_steps}"
+
+
+def train_builtin_warm_start(target: Path) -> None:
+    """Reproduce ``builtin:tiny-arith`` (the SFT warm start) into ``target`` with the default SFT config."""
+    import shutil
+    import tempfile
+
+    from verl.config import build_config
+    from verl.utils.fs import atomic_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = build_config({"trainer": {"output_dir": tmp, "experiment_name": "warm-start",
+                                           "logger": ["jsonl"], "test_freq": -1}}, schema=SFTConfig)
+        checkpoint = SFTTrainer(config, quiet=False).fit()
+        with atomic_dir(target, overwrite=True) as out:
+            for item in checkpoint.iterdir():
+                if item.name not in ("trainer_state.pt", "meta.json"):
+                    shutil.copy2(item, out / item.name)

@@ -1,0 +1,1 @@
+"""Shared utilities: structured logging (``from verl.utils import log``), timing, seeding, env checks."""

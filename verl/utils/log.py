@@ -1,0 +1,175 @@
+"""Structured run logging: ``verl_logs.jsonl`` rows grouped by scope, fanned out to trackers.
+
+Each training step produces one row per scope::
+
+    {"timestamp": "2026-11-22T10:31:02.123", "level": "INFO", "scope": "rollout", "step": 12, "reward_mean": 0.41, ...}
+
+Fields logged during a step with ``log.info(scope, **fields)`` are merged into that step's row for ``scope``
+(from anywhere: a reward function, a callback, user code) and written when the step ends; trackers see the
+same values as ``scope/name`` keys. ``sample`` and ``alert`` rows, and DEBUG rows, are written at once.
+
+    from verl.utils import log
+    log.info("reward", tps=tokens_per_second)
+
+Readers (``read_jsonl``) skip a torn last line, so a log being written by a live trainer can be read any time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "ERROR": 40}
+IMMEDIATE_SCOPES = ("sample", "alert")
+
+
+def _timestamp() -> str:
+    return datetime.now().isoformat(timespec="milliseconds")
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/Inf; keep them visible as strings
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)
+
+
+class RunLogger:
+    """Writes ``verl_logs.jsonl`` and forwards metrics to trackers. One per run."""
+
+    def __init__(self, path: str | Path, trackers: list | None = None, level: str = "INFO"):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1)
+        self.trackers = trackers or []
+        self.level = LEVELS[level]
+        self.step = 0
+        self._pending: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- writing
+
+    def _write(self, row: dict) -> None:
+        with self._lock:
+            self._file.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    def row(self, scope: str, fields: dict, level: str = "INFO", step: int | None = None) -> dict:
+        out = {"timestamp": _timestamp(), "level": level, "scope": scope,
+               "step": self.step if step is None else step}
+        out.update({k: _jsonable(v) for k, v in fields.items()})
+        return out
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    def info(self, scope: str, step: int | None = None, **fields: Any) -> None:
+        """Merge ``fields`` into this step's ``scope`` row (immediate for sample/alert scopes)."""
+        if scope in IMMEDIATE_SCOPES:
+            self.event(scope, step=step, **fields)
+            return
+        if step is not None and step != self.step:
+            self._write(self.row(scope, fields, step=step))
+            return
+        self._pending.setdefault(scope, {}).update(fields)
+
+    def debug(self, scope: str, **fields: Any) -> None:
+        if self.level <= LEVELS["DEBUG"]:
+            self._write(self.row(scope, fields, level="DEBUG"))
+
+    def warning(self, scope: str, **fields: Any) -> None:
+        self._write(self.row(scope, fields, level="WARNING"))
+
+    def event(self, scope: str, level: str = "INFO", step: int | None = None, **fields: Any) -> dict:
+        row = self.row(scope, fields, level=level, step=step)
+        self._write(row)
+        return row
+
+    def flush(self, step: int | None = None) -> dict[str, float]:
+        """Write this step's rows; return and forward the numeric ``scope/name`` metrics."""
+        step = self.step if step is None else step
+        metrics: dict[str, float] = {}
+        pending, self._pending = self._pending, {}
+        for scope, fields in pending.items():
+            if not fields:
+                continue
+            self._write(self.row(scope, fields, step=step))
+            for name, value in fields.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    metrics[f"{scope}/{name}"] = float(value)
+        for tracker in self.trackers:
+            tracker.log_metrics(metrics, step)
+        return metrics
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+
+
+# ---------------------------------------------------------------- module-level API
+
+_ACTIVE: RunLogger | None = None
+
+
+def set_active(logger: RunLogger | None) -> None:
+    global _ACTIVE
+    _ACTIVE = logger
+
+
+def get_active() -> RunLogger | None:
+    return _ACTIVE
+
+
+def info(scope: str, step: int | None = None, **fields: Any) -> None:
+    """Merge ``fields`` into the current step's row for ``scope`` (no-op outside a run)."""
+    if _ACTIVE is not None:
+        _ACTIVE.info(scope, step=step, **fields)
+
+
+def debug(scope: str, **fields: Any) -> None:
+    if _ACTIVE is not None:
+        _ACTIVE.debug(scope, **fields)
+
+
+def warning(scope: str, **fields: Any) -> None:
+    if _ACTIVE is not None:
+        _ACTIVE.warning(scope, **fields)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def iter_jsonl(path: str | Path, start: int = 0) -> Iterator[tuple[int, dict]]:
+    """Yield ``(end_offset, row)`` for complete lines from byte ``start``; a torn last line is skipped."""
+    with Path(path).open("rb") as fh:
+        fh.seek(start)
+        offset = start
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break  # still being written
+            offset += len(raw)
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                yield offset, row
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [row for _, row in iter_jsonl(path)]

@@ -1,0 +1,1 @@
+"""Role logic: actor, critic, reference, reward."""

@@ -1,0 +1,143 @@
+"""The actor role: log-probs of rollouts and the PPO policy update (mini-batches, micro-batches, clipping).
+
+Fields read from the batch (all ``(batch, response_len)`` unless noted): ``responses``, ``response_mask``,
+``advantages``, ``old_log_probs`` (optional, see below), ``ref_log_prob`` (when a KL loss is used), and the
+sequence fields ``input_ids``/``attention_mask``/``position_ids`` ``(batch, seq_len)``.
+
+When ``old_log_probs`` is absent the update is on-policy (one epoch, one mini-batch): the rollout policy *is*
+the current policy, so the old log-probs equal the current ones detached and the extra forward pass that
+would compute them is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from verl.algos.kl import kl_penalty
+from verl.algos.losses import agg_loss, get_policy_loss
+from verl.algos.masked import masked_mean
+from verl.config import ActorConfig
+from verl.protocol import DataProto
+from verl.workers.forward import response_log_probs
+from verl.workers.optim import build_optimizer, build_scheduler
+
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+def micro_batches(data: DataProto, size: int | None) -> list[DataProto]:
+    return data.split(size) if size else [data]
+
+
+class Actor:
+    def __init__(self, model: torch.nn.Module, config: ActorConfig, total_steps: int, temperature: float,
+                 max_response_length: int):
+        self.model = model
+        self.config = config
+        self.temperature = temperature
+        self.max_response_length = max_response_length
+        self.policy_loss_fn = get_policy_loss(config.policy_loss)
+        self.autocast_dtype = torch.bfloat16 if config.autocast == "bf16" else None
+        self.optimizer = build_optimizer(model.parameters(), config.optim)
+        self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps * self._updates_per_step_hint())
+        self.device = next(model.parameters()).device
+        self.nan_skipped = 0
+
+    def _updates_per_step_hint(self) -> int:
+        return 1  # the scheduler counts training steps (one scheduler.step per step), not optimizer steps
+
+    @torch.no_grad()
+    def compute_log_prob(self, data: DataProto, micro_batch_size: int | None = None) -> torch.Tensor:
+        """Log-probs of the responses under the current policy, ``(batch, response_len)``."""
+        self.model.eval()
+        parts = []
+        for micro in micro_batches(data, micro_batch_size or self.config.ppo_micro_batch_size):
+            batch = {k: micro.batch[k].to(self.device) for k in MODEL_KEYS}
+            log_probs, _ = response_log_probs(self.model, batch, self.temperature, autocast_dtype=self.autocast_dtype)
+            parts.append(log_probs.cpu())
+        self.model.train()
+        return torch.cat(parts)
+
+    def update_policy(self, data: DataProto, mini_batch_size: int) -> dict[str, float]:
+        """PPO epochs over shuffled mini-batches of ``mini_batch_size`` responses; returns mean metrics."""
+        cfg = self.config
+        self.model.train()
+        on_policy = "old_log_probs" not in data.batch
+        if on_policy and (cfg.ppo_epochs > 1 or mini_batch_size < len(data)):
+            raise ValueError("old_log_probs are required for more than one PPO epoch or mini-batch")
+        metrics: dict[str, list[float]] = defaultdict(list)
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(len(data)) if len(data) > mini_batch_size else torch.arange(len(data))
+            for start in range(0, len(data), mini_batch_size):
+                mini = data.index(order[start : start + mini_batch_size])
+                self._update_mini_batch(mini, on_policy, metrics)
+        self.scheduler.step()
+        out = {k: float(np.mean(v)) for k, v in metrics.items()}
+        out["lr"] = self.scheduler.get_last_lr()[0]
+        out["nan_skipped_total"] = float(self.nan_skipped)
+        return out
+
+    def _update_mini_batch(self, mini: DataProto, on_policy: bool, metrics: dict[str, list[float]]) -> None:
+        cfg = self.config
+        mask_all = mini.batch["response_mask"]
+        agg_kwargs = {"num_tokens": float(mask_all.sum().clamp(min=1)), "num_seqs": float(len(mini)),
+                      "norm_length": float(self.max_response_length)}
+        need_entropy_grad = cfg.entropy_coeff != 0.0
+        # Loss terms are exact partial sums over micro-batches; mean-type metrics are token-weighted.
+        sums: dict[str, float] = defaultdict(float)
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in micro_batches(mini, cfg.ppo_micro_batch_size):
+            batch = {k: v.to(self.device) for k, v in micro.batch.items()}
+            mask = batch["response_mask"].float()
+            weight = float(mask.sum()) / agg_kwargs["num_tokens"]
+            log_prob, entropy = response_log_probs(
+                self.model, batch, self.temperature, with_entropy=True, autocast_dtype=self.autocast_dtype
+            )
+            old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
+            pg_loss, pg_metrics = self.policy_loss_fn(
+                log_prob, old_log_prob, batch["advantages"], mask,
+                clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_ratio_c,
+                loss_agg_mode=cfg.loss_agg_mode, **agg_kwargs,
+            )
+            loss = pg_loss
+            if need_entropy_grad:
+                loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **agg_kwargs)
+            if cfg.use_kl_loss:
+                kl = kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)
+                kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **agg_kwargs)
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                sums["kl_loss"] += kl_loss.item()
+            if "ref_log_prob" in batch:
+                sums["kl_div"] += weight * masked_mean(kl_penalty(log_prob.detach(), batch["ref_log_prob"], "k3"),
+                                                       mask).item()
+            loss.backward()
+            sums["policy_loss"] += pg_loss.item()
+            sums["entropy"] += weight * masked_mean(entropy.detach(), mask).item()
+            for key, value in pg_metrics.items():
+                sums[key] += weight * value.item()
+        for key, value in sums.items():
+            metrics[key].append(value)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], cfg.optim.grad_clip
+        )
+        if not math.isfinite(float(grad_norm)):
+            # A NaN/Inf gradient would poison the weights: skip this optimizer step and count it.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nan_skipped += 1
+            metrics["nan_skipped"].append(1.0)
+        else:
+            self.optimizer.step()
+            metrics["nan_skipped"].append(0.0)
+        metrics["grad_norm"].append(float(grad_norm))
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "nan_skipped": self.nan_skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.nan_skipped = int(state.get("nan_skipped", 0))

@@ -1,0 +1,48 @@
+"""The reference role: log-probs under the frozen initial policy.
+
+With LoRA the reference is the same module with its adapters disabled, so no second copy of the weights is
+held; otherwise it is a frozen copy loaded from ``model.path`` (optionally kept on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from verl.protocol import DataProto
+from verl.workers.forward import response_log_probs
+
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+class Reference:
+    def __init__(self, model: torch.nn.Module, temperature: float, micro_batch_size: int | None = None,
+                 adapters_disabled: bool = False, autocast_dtype: torch.dtype | None = None):
+        self.model = model
+        self.temperature = temperature
+        self.micro_batch_size = micro_batch_size
+        self.adapters_disabled = adapters_disabled
+        self.autocast_dtype = autocast_dtype
+        if not adapters_disabled:
+            model.eval()
+            model.requires_grad_(False)
+
+    def _context(self):
+        return self.model.disable_adapter() if self.adapters_disabled else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def compute_ref_log_prob(self, data: DataProto) -> torch.Tensor:
+        """``(batch, response_len)`` log-probs of the responses under the reference policy."""
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        parts = []
+        with self._context():
+            for micro in data.split(self.micro_batch_size) if self.micro_batch_size else [data]:
+                batch = {k: micro.batch[k].to(device) for k in MODEL_KEYS}
+                log_probs, _ = response_log_probs(self.model, batch, self.temperature,
+                                                  autocast_dtype=self.autocast_dtype)
+                parts.append(log_probs.cpu())
+        self.model.train(was_training)
+        return torch.cat(parts)
