@@ -1,0 +1,213 @@
+"""The ``verl`` command.
+
+    verl train [--config FILE] [key=value ...]     RL post-training (GRPO by default, on the built-in task)
+    verl sft [--config FILE] [key=value ...]       supervised warm start
+    verl data arithmetic --out DIR                 write the built-in task's parquet files
+    verl check-env                                 what is installed, what is missing, how to fix it
+
+Errors a user can act on (``VerlError``) print as one line and exit 1; ``--debug`` shows the traceback.
+Feature modules add their own commands (eval, compare, export, tensorboard, dashboard, ...) in
+``register_subcommands`` below.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from verl.errors import VerlError
+
+app = typer.Typer(
+    name="verl",
+    help="RL post-training for causal LMs: train, evaluate, compare, export, serve.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+err = Console(stderr=True, highlight=False)
+STATE = {"debug": False}
+
+# Extra CLI args are dotted overrides: `verl train actor.optim.lr=1e-5 --trainer.total_steps=10`.
+OVERRIDE_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def run_guarded(fn, *args, **kwargs):
+    """Call ``fn``; print a ``VerlError`` as one line (traceback only with --debug) and exit 1."""
+    try:
+        return fn(*args, **kwargs)
+    except VerlError as exc:
+        if STATE["debug"]:
+            raise
+        err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(130) from None
+
+
+def quiet_hf() -> None:
+    """Silence transformers' per-load progress bars; our own progress and logs say what is happening."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+@app.callback()
+def main_options(
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")] = False,
+) -> None:
+    STATE["debug"] = debug or os.environ.get("VERL_DEBUG") == "1"
+
+
+def _split_overrides(extra: list[str]) -> list[str]:
+    bad = [a for a in extra if "=" not in a]
+    if bad:
+        raise VerlError(f"unexpected argument(s) {bad}; overrides look like key=value, e.g. trainer.total_steps=10")
+    return extra
+
+
+@app.command(context_settings=OVERRIDE_CONTEXT)
+def train(
+    ctx: typer.Context,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in GRPO).")] = None,
+    log_dir: Annotated[Path | None, typer.Option("--log_dir", "--log-dir", help="Directory for verl_logs.jsonl.")] = None,
+    log_level: Annotated[str | None, typer.Option("--log_level", "--log-level", help="INFO or DEBUG.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Resolve the config and check shapes; load no weights.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No console lines.")] = False,
+) -> None:
+    """RL post-training (PPO / GRPO / RLOO / REINFORCE++ / ReMax). Extra args are key=value overrides."""
+
+    def _run():
+        from verl.config import load_config
+
+        overrides = _split_overrides(list(ctx.args))
+        if log_dir is not None:
+            overrides.append(f"trainer.log_dir={log_dir}")
+        if log_level is not None:
+            overrides.append(f"trainer.log_level={log_level.upper()}")
+        cfg = load_config(config, overrides)
+        if dry_run:
+            from verl.trainer.dry_run import dry_run as check
+
+            err.print(check(cfg))
+            return
+        quiet_hf()
+        from verl.trainer.factory import build_trainer
+
+        trainer = build_trainer(cfg, quiet=quiet)
+        try:
+            metrics = trainer.fit()
+        finally:
+            trainer.shutdown()
+        summary = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/accuracy", "rollout/reward_mean"))}
+        err.print(f"run directory: {cfg.run_dir()}  {summary}")
+
+    run_guarded(_run)
+
+
+@app.command(context_settings=OVERRIDE_CONTEXT)
+def sft(
+    ctx: typer.Context,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: tiny arithmetic SFT).")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+) -> None:
+    """Supervised fine-tuning (the warm start before RL). Extra args are key=value overrides."""
+
+    def _run():
+        from verl.config import SFTConfig, load_config
+        from verl.trainer.sft import SFTTrainer
+
+        quiet_hf()
+        cfg = load_config(config, _split_overrides(list(ctx.args)), schema=SFTConfig, default_name="sft_tiny")
+        path = SFTTrainer(cfg, quiet=quiet).fit()
+        err.print(f"final checkpoint: {path}")
+
+    run_guarded(_run)
+
+
+data_app = typer.Typer(help="Write datasets in the trainer's parquet format.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("arithmetic")
+def data_arithmetic(
+    out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("data/arithmetic"),
+    min_digits: int = 1,
+    max_digits: int = 3,
+    num_train: int = 20000,
+    num_val: int = 256,
+    seed: int = 1234,
+) -> None:
+    """Write train/val (and sft_train/sft_val) parquet files of the built-in arithmetic task."""
+
+    def _run():
+        from verl.data.builtin import write_arithmetic
+        from verl.data.tasks.arithmetic import ArithmeticSpec
+
+        spec = ArithmeticSpec(min_digits=min_digits, max_digits=max_digits, num_train=num_train, num_val=num_val,
+                              seed=seed)
+        for name, path in write_arithmetic(out, spec).items():
+            err.print(f"{name}: {path}")
+
+    run_guarded(_run)
+
+
+@data_app.command("gsm8k")
+def data_gsm8k(
+    src: Annotated[Path, typer.Option("--src", help="Directory with GSM8K's train/test parquet (openai/gsm8k 'main').")],
+    out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("data/gsm8k"),
+) -> None:
+    """Convert the GSM8K parquet files into the trainer's format (prompt messages + ground truth)."""
+
+    def _run():
+        from verl.data.gsm8k import convert_gsm8k
+
+        for name, path in convert_gsm8k(src, out).items():
+            err.print(f"{name}: {path}")
+
+    run_guarded(_run)
+
+
+@app.command("check-env")
+def check_env_command() -> None:
+    """Check Python, torch, transformers and the optional parts; print the fix for each problem."""
+    from verl.utils.env_check import check_env
+
+    ok = check_env()
+    raise typer.Exit(0 if ok else 1)
+
+
+def register_subcommands() -> None:
+    """Attach commands that live with their feature (kept out of this file so each feature owns its CLI)."""
+    import importlib
+
+    for module in (
+        "verl.tracking.cli",
+        "verl.dashboard.cli",
+        "eval.cli",
+        "serve.cli",
+        "loadtest.cli",
+    ):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and module.startswith(exc.name):
+                continue  # that feature is not built (yet)
+            raise
+        mod.register(app, run_guarded)
+
+
+def main() -> None:
+    register_subcommands()
+    app(prog_name="verl")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
