@@ -326,7 +326,7 @@ class SFTTrainerConfig(Section):
     output_dir: str = Field("outputs")
     project_name: str = Field("verl-sft")
     experiment_name: str | None = Field(None)
-    total_steps: int = Field(1100, ge=1)
+    total_steps: int = Field(2000, ge=1)
     test_freq: int = Field(100, description="Validate every N steps (and at the end); <= 0 disables.")
     save_freq: int = Field(-1, description="Checkpoint every N steps; <= 0 only at the end.")
     seed: int = Field(0)
