@@ -156,9 +156,9 @@ class DataProto:
         return self
 
     def select(self, keys: Iterable[str] | None = None, non_tensor_keys: Iterable[str] | None = None) -> DataProto:
-        """A new DataProto with only the named fields (tensors shared, not copied)."""
+        """A new DataProto with only the named fields (tensors shared, not copied); ``None`` keeps all of a kind."""
         tensors = {k: self.batch[k] for k in keys} if keys is not None else dict(self.batch)
-        non = {k: self.non_tensor[k] for k in non_tensor_keys} if non_tensor_keys is not None else {}
+        non = {k: self.non_tensor[k] for k in non_tensor_keys} if non_tensor_keys is not None else dict(self.non_tensor)
         return DataProto(tensors, non, dict(self.meta), self.stage)
 
     def index(self, idx: torch.Tensor | np.ndarray | slice | Sequence[int]) -> DataProto:
@@ -167,7 +167,9 @@ class DataProto:
             tensors = {k: v[idx] for k, v in self.batch.items()}
             non = {k: v[idx] for k, v in self.non_tensor.items()}
         else:
-            index_np = np.asarray(idx.cpu() if isinstance(idx, torch.Tensor) else idx, dtype=np.int64)
+            index_np = np.asarray(idx.cpu() if isinstance(idx, torch.Tensor) else idx)
+            # A boolean mask selects rows; casting it to int64 would silently pick rows 0 and 1 instead.
+            index_np = np.flatnonzero(index_np) if index_np.dtype == bool else index_np.astype(np.int64)
             index_t = torch.as_tensor(index_np)
             tensors = {k: v[index_t.to(v.device)] for k, v in self.batch.items()}
             non = {k: v[index_np] for k, v in self.non_tensor.items()}
@@ -207,7 +209,7 @@ class DataProto:
             non = {k: np.repeat(v, times, axis=0) for k, v in self.non_tensor.items()}
         else:
             tensors = {k: v.repeat((times,) + (1,) * (v.dim() - 1)) for k, v in self.batch.items()}
-            non = {k: np.tile(v, times) for k, v in self.non_tensor.items()}
+            non = {k: np.tile(v, (times,) + (1,) * (v.ndim - 1)) for k, v in self.non_tensor.items()}
         return DataProto(tensors, non, dict(self.meta), self.stage)
 
     def to(self, device: torch.device | str) -> DataProto:

@@ -49,8 +49,9 @@ def read_rows(files: Sequence[str], config_key: str, task: ArithmeticTaskConfig 
             table = pq.read_table(path)
         except Exception as exc:  # pyarrow raises several unrelated types for bad files
             raise DataError(f"{config_key}: cannot read '{path}' as parquet ({exc})") from None
-        for row in table.to_pylist():
+        for index, row in enumerate(table.to_pylist()):
             row["__source_file__"] = str(path)
+            row["__row__"] = index  # the row number inside its own file, for error messages
             rows.append(row)
     return rows
 
@@ -119,18 +120,18 @@ class RLHFDataset:
         self.prompt_ids: list[list[int]] = []
         texts = [
             prompt_text(r[self.config.prompt_key], tokenizer, self.config.apply_chat_template,
-                        f"{r['__source_file__']} row {i}")
-            for i, r in enumerate(rows)
+                        f"{r['__source_file__']} row {r['__row__']}")
+            for r in rows
         ]
         encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         limit = self.config.max_prompt_length
-        for i, (row, text, ids) in enumerate(zip(rows, texts, encoded, strict=True)):
+        for row, text, ids in zip(rows, texts, encoded, strict=True):
             if len(ids) > limit:
                 mode = self.config.truncation
                 if mode == "error":
                     raise DataError(
-                        f"{row['__source_file__']} row {i}: prompt has {len(ids)} tokens > data.max_prompt_length="
-                        f"{limit}; raise the limit or set data.truncation=filter|left|right"
+                        f"{row['__source_file__']} row {row['__row__']}: prompt has {len(ids)} tokens > "
+                        f"data.max_prompt_length={limit}; raise the limit or set data.truncation=filter|left|right"
                     )
                 if mode == "filter":
                     self.num_filtered += 1
@@ -149,8 +150,9 @@ class RLHFDataset:
     def _check_columns(self, rows: list[dict], config_key: str) -> None:
         if not rows:
             raise DataError(f"{config_key}: the parquet files hold no rows")
-        first = rows[0]
-        if self.config.prompt_key not in first:
+        # Files can differ in their columns: find any row (i.e. any file) without the prompt column.
+        first = next((r for r in rows if self.config.prompt_key not in r), None)
+        if first is not None:
             columns = [c for c in first if not c.startswith("__")]
             raise DataError(
                 f"{first['__source_file__']}: no prompt column '{self.config.prompt_key}' (data.prompt_key); "

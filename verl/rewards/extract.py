@@ -26,10 +26,13 @@ def normalize_answer(text: str) -> str:
     return text.lower().strip()
 
 
-def extract_strict(response: str, pattern: re.Pattern = GSM8K_STRICT) -> str:
-    """First match of the strict pattern's group, or ``[invalid]``."""
-    match = pattern.search(response)
-    return match.group(1).strip() if match else INVALID
+def extract_strict(response: str, pattern: re.Pattern = GSM8K_STRICT, last: bool = False) -> str:
+    """First (lm-eval) or, with ``last=True``, last (verl's gsm8k reward) match of the strict pattern's group,
+    or ``[invalid]``."""
+    matches = [m.group(1) for m in pattern.finditer(response)]
+    if not matches:
+        return INVALID
+    return (matches[-1] if last else matches[0]).strip()
 
 
 def extract_flexible(response: str) -> str:

@@ -77,9 +77,11 @@ def exact_match(data_source: str, solution_str: str, ground_truth: Any, extra_in
     return {"score": float(ok), "acc": float(ok)}
 
 
-def _strict_flexible(solution_str: str, ground_truth: Any, strict_pattern, tail_chars: int | None) -> dict:
+def _strict_flexible(
+    solution_str: str, ground_truth: Any, strict_pattern, tail_chars: int | None, last: bool = False
+) -> dict:
     text = solution_str[-tail_chars:] if tail_chars else solution_str
-    strict = answers_match(extract_strict(text, strict_pattern), str(ground_truth))
+    strict = answers_match(extract_strict(text, strict_pattern, last=last), str(ground_truth))
     flexible = answers_match(extract_flexible(solution_str), str(ground_truth))
     return {"score": float(strict), "acc": float(strict), "acc_flexible": float(flexible)}
 
@@ -88,9 +90,9 @@ def _strict_flexible(solution_str: str, ground_truth: Any, strict_pattern, tail_
 def gsm8k(data_source: str, solution_str: str, ground_truth: Any, extra_info=None, **kwargs) -> dict:
     """Score 1 for a correct ``#### N`` answer (strict); flexible-extraction accuracy reported beside it.
 
-    Like verl, only the last 300 characters are searched for the strict answer.
+    Like verl, only the last 300 characters are searched for the strict answer, and the last ``#### N`` counts.
     """
-    return _strict_flexible(solution_str, ground_truth, GSM8K_STRICT, tail_chars=300)
+    return _strict_flexible(solution_str, ground_truth, GSM8K_STRICT, tail_chars=300, last=True)
 
 
 @register_reward("arithmetic")
