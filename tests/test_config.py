@@ -165,3 +165,20 @@ def test_shipped_configs_load(path):
     assert isinstance(cfg, schema)
     assert cfg.trainer.experiment_name.startswith(path.stem)
     assert cfg.model.path.startswith("builtin:") or Path(cfg.model.path).name
+
+
+def test_kl_estimator_names_match_the_algos_registry():
+    from verl.algos.kl import KL_ESTIMATORS
+    from verl.config import KL_ESTIMATOR_NAMES
+
+    assert set(KL_ESTIMATOR_NAMES) == set(KL_ESTIMATORS)
+
+
+def test_unknown_kl_estimator_is_a_config_error():
+    import pytest
+
+    from verl.config import load_config
+    from verl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unknown KL estimator .k4.*actor.kl_loss_type"):
+        load_config(None, ["actor.kl_loss_type=k4"])

@@ -21,6 +21,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from verl.errors import ConfigError
 
 
+# Mirrors verl.algos.kl.KL_ESTIMATORS; kept here so the config loads without importing torch.
+KL_ESTIMATOR_NAMES = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
+
+
+def _check_kl_estimator(value: str) -> str:
+    if value not in KL_ESTIMATOR_NAMES:
+        raise ValueError(f"unknown KL estimator '{value}'; use one of {', '.join(KL_ESTIMATOR_NAMES)}")
+    return value
+
+
 class Section(BaseModel):
     """Base for every config section: unknown keys are errors, assignments are validated."""
 
@@ -151,6 +161,11 @@ class ActorConfig(Section):
     kl_loss_type: str = Field("low_var_kl", description="KL estimator for the loss term: k1, k2, k3, low_var_kl.")
     autocast: Literal["none", "bf16"] = Field("none", description="bf16 autocast of forward passes.")
 
+    @field_validator("kl_loss_type")
+    @classmethod
+    def _known_kl_estimator(cls, value: str) -> str:
+        return _check_kl_estimator(value)
+
     @property
     def clip_low(self) -> float:
         return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
@@ -216,8 +231,106 @@ class AlgorithmConfig(Section):
     kl_penalty: str = Field("k1", description="KL estimator in the reward: k1, k2, k3, low_var_kl.")
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
 
+    @field_validator("kl_penalty")
+    @classmethod
+    def _known_kl_estimator(cls, value: str) -> str:
+        return _check_kl_estimator(value)
+
 
 # ---------------------------------------------------------------------------------------------- trainer
+
+
+# ---------------------------------------------------------------------------------------------- monitoring
+
+
+class WandbConfig(Section):
+    entity: str | None = Field(None, description="wandb team or user; None = your default entity.")
+    group: str | None = Field(None, description="Group related runs (an ablation, a sweep) in the wandb UI.")
+    tags: list[str] = Field(default_factory=list, description="wandb run tags.")
+    mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="wandb mode; None = $WANDB_MODE or online."
+    )
+    log_artifacts: bool = Field(False, description="Upload each checkpoint as a wandb model artifact.")
+    max_sample_rows: int = Field(500, ge=1, description="Rows kept in the samples wandb.Table (newest win).")
+
+
+class MlflowConfig(Section):
+    tracking_uri: str | None = Field(
+        None, description="MLflow store; None = $MLFLOW_TRACKING_URI or sqlite:///<output_dir>/mlflow.db."
+    )
+    experiment_name: str | None = Field(None, description="MLflow experiment; None = trainer.project_name.")
+
+
+class TensorBoardConfig(Section):
+    log_dir: str | None = Field(None, description="Event-file directory; None = <run_dir>/tensorboard.")
+
+
+class TrackingConfig(Section):
+    """Per-backend settings of the trackers named in trainer.logger."""
+
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+
+
+class BestCheckpointConfig(Section):
+    enable: bool = Field(False, description="Keep and mark (checkpoints/best) the best checkpoint by a metric.")
+    metric: str = Field("eval/accuracy", description="scope/name metric to rank checkpoints by.")
+    mode: Literal["max", "min"] = Field("max", description="Whether larger or smaller metric values are better.")
+    save_on_improve: bool = Field(
+        True, description="Checkpoint at once when the metric improves; False = rank only scheduled checkpoints."
+    )
+
+
+class EarlyStopConfig(Section):
+    enable: bool = Field(False, description="Stop the run (final checkpoint, exit 0) when training goes unstable.")
+    patience: int = Field(5, ge=1, description="Consecutive violating steps before stopping.")
+    kl_threshold: float | None = Field(0.2, gt=0.0, description="Stop when ppo/kl_div stays above this; None = off.")
+    reward_drop: float | None = Field(
+        0.2, gt=0.0, description="Stop when smoothed reward falls this fraction below its peak; None = off."
+    )
+    reward_window: int = Field(5, ge=1, description="Steps averaged for the reward rule.")
+    min_response_length: float | None = Field(
+        1.0, ge=0.0, description="Stop when mean response length stays below this (collapse); None = off."
+    )
+    max_repetition_rate: float | None = Field(
+        0.9, gt=0.0, le=1.0, description="Stop when rollout/repetition_rate stays above this; None = off."
+    )
+
+
+class CallbacksConfig(Section):
+    """Callbacks attached from YAML (Python code can also call trainer.add_callback)."""
+
+    best_checkpoint: BestCheckpointConfig = Field(default_factory=BestCheckpointConfig)
+    early_stop: EarlyStopConfig = Field(default_factory=EarlyStopConfig)
+    custom: list[str] = Field(
+        default_factory=list, description="Extra callbacks as 'package.module:Class' or 'file.py:Class' (no args)."
+    )
+
+
+class AlertsConfig(Section):
+    """Health rules checked every step; each firing is an alert row, a console warning and a tracker event."""
+
+    enable: bool = Field(True, description="Check the health rules.")
+    kl_target: float | None = Field(None, gt=0.0, description="Expected KL; None = algorithm.kl_ctrl.target_kl.")
+    kl_factor: float = Field(5.0, gt=1.0, description="Alert when ppo/kl_div exceeds kl_factor * kl_target.")
+    reward_collapse_drop: float = Field(
+        0.5, gt=0.0, description="Alert when smoothed reward falls this fraction below its peak."
+    )
+    reward_window: int = Field(5, ge=1, description="Steps averaged for the reward and entropy baselines.")
+    entropy_collapse_ratio: float = Field(
+        0.1, gt=0.0, lt=1.0, description="Alert when entropy falls below this fraction of its starting value."
+    )
+    clip_ratio_max: float = Field(
+        0.5, gt=0.0, le=1.0, description="Alert when this fraction of responses hit max_response_length."
+    )
+    repetition_rate_max: float = Field(
+        0.5, gt=0.0, le=1.0, description="Alert when rollout/repetition_rate (repeated n-grams) exceeds this."
+    )
+    nan_patience: int = Field(
+        3, ge=0, description="Consecutive non-finite (skipped) steps that stop the run; 0 = never stop."
+    )
+    cooldown_steps: int = Field(10, ge=1, description="While a rule keeps firing, repeat its alert every N steps.")
 
 
 class TrainerConfig(Section):
@@ -240,6 +353,9 @@ class TrainerConfig(Section):
     log_level: Literal["DEBUG", "INFO", "WARNING"] = Field("INFO")
     num_samples_to_log: int = Field(4, ge=0, description="Sample rows (prompt/response/reward) logged per step.")
     evaluators: list[str] = Field(["accuracy"], description="Validation evaluators.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Tracker settings.")
+    callbacks: CallbacksConfig = Field(default_factory=CallbacksConfig, description="Callbacks from YAML.")
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig, description="Metric health rules.")
 
     @field_validator("logger")
     @classmethod
@@ -387,6 +503,27 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# Names users bring from TRL / transformers / other verl versions -> our key in the same section.
+KEY_ALIASES = {
+    "learning_rate": "lr", "max_steps": "total_steps", "num_steps": "total_steps", "steps": "total_steps",
+    "num_generations": "n", "num_samples": "n", "beta": "kl_loss_coef", "epsilon": "clip_ratio",
+    "batch_size": "train_batch_size", "epochs": "ppo_epochs", "num_train_epochs": "ppo_epochs",
+    "model_name_or_path": "path", "output": "output_dir", "logging": "logger", "loggers": "logger",
+    "max_new_tokens": "max_response_length", "max_completion_length": "max_response_length",
+    "max_prompt_len": "max_prompt_length", "warmup": "warmup_steps", "scheduler": "lr_scheduler",
+    "kl_coeff": "kl_coef", "entropy_coef": "entropy_coeff", "estimator": "adv_estimator",
+}
+
+
+def suggest_key(name: str, valid: list[str]) -> str | None:
+    """The valid key a user most likely meant: a known alias, else the closest spelling."""
+    alias = KEY_ALIASES.get(name)
+    if alias in valid:
+        return alias
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return close[0] if close else None
+
+
 def _schema_at(model_cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     """The pydantic model class found by walking ``loc`` (field names) from ``model_cls``."""
     current: type[BaseModel] | None = model_cls
@@ -406,9 +543,9 @@ def _format_validation_error(exc: ValidationError, schema: type[BaseModel], sour
         if err["type"] == "extra_forbidden":
             parent = _schema_at(schema, loc[:-1])
             valid = list(parent.model_fields) if parent else []
-            close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
+            close = suggest_key(str(loc[-1]), valid)
             prefix = ".".join(str(p) for p in loc[:-1])
-            hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
+            hint = f"; did you mean '{prefix + '.' if prefix else ''}{close}'?" if close else ""
             where = f"'{prefix}'" if prefix else "the top level"
             lines.append(f"unknown config key '{key}'{hint} (valid keys in {where}: {', '.join(valid)})")
         elif err["type"] == "value_error":

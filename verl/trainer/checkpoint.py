@@ -98,6 +98,15 @@ def apply_retention(run_dir: str | Path, max_to_keep: int) -> list[Path]:
     return removed
 
 
+def remove_stale_temp_dirs(run_dir: str | Path) -> list[Path]:
+    """Delete ``.tmp-*`` leftovers of checkpoints a killed run was writing (never complete, never resumed)."""
+    root = checkpoint_root(run_dir)
+    stale = [p for p in root.glob(".tmp-*") if p.is_dir()] if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
     """``auto``: the ``latest`` checkpoint if any; ``disable``: None; otherwise the given path (must exist)."""
     if resume == "disable":

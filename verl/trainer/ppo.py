@@ -30,8 +30,9 @@ from verl.config import VerlConfig, dump_config
 from verl.data.dataset import PromptSampler, RLHFDataset
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams
-from verl.trainer.callbacks import CallbackList, TrainerCallback
-from verl.trainer.checkpoint import find_resume_checkpoint
+from verl.trainer.alerts import ngram_repetition_rate
+from verl.trainer.callbacks import CallbackList, TrainerCallback, callbacks_from_config
+from verl.trainer.checkpoint import find_resume_checkpoint, remove_stale_temp_dirs
 from verl.utils import log
 from verl.utils.fs import atomic_write_text
 from verl.utils.system import SystemMonitor
@@ -44,7 +45,7 @@ class PPOTrainer:
     def __init__(self, config: VerlConfig, quiet: bool = False):
         self.config = config
         self.quiet = quiet
-        self.callbacks = CallbackList()
+        self.callbacks = CallbackList(callbacks_from_config(config))  # trainer.alerts / trainer.callbacks
         self.global_step = 0
         self.stop_reason: str | None = None
         self.timer = StageTimer()
@@ -242,6 +243,7 @@ class PPOTrainer:
         }
         for key, value in extras.items():
             rollout[key] = float(np.nanmean(value))
+        rollout["repetition_rate"] = ngram_repetition_rate(batch.batch["responses"], mask)  # loop collapse alert
         info("rollout", **rollout)
         ppo = {"policy_loss": actor.get("policy_loss"), "entropy": actor.get("entropy"),
                "kl_div": actor.get("kl_div"), "approx_kl": actor.get("ppo_kl"), "clip_ratio": actor.get("clipfrac"),
@@ -275,7 +277,7 @@ class PPOTrainer:
             row = {"prompt": str(batch.non_tensor["raw_prompt"][i]), "response": texts[i],
                    "ground_truth": str(batch.non_tensor["ground_truth"][i]), "score": float(scores[i])}
             self.logger.event("sample", step=step, split="train", **row)
-            samples.append(row)
+            samples.append({**row, "split": "train"})
         if samples:
             for tracker in self.trackers:
                 tracker.log_samples(samples, step)
@@ -293,14 +295,17 @@ class PPOTrainer:
             self.config.data.val_batch_size, self.config.data.val_max_samples,
         )
         metrics = validation_metrics(batch, scores, extras)
-        for evaluator in self.evaluators:
-            metrics.update(evaluator(batch, texts, scores, extras))
+        # trainer.evaluators (resolved through the verl.evaluators entry points) and register_evaluator() objects:
+        # the same evaluator code as `verl eval`, so eval/accuracy here equals its accuracy on this checkpoint.
+        from verl.trainer.evaluator_plugins import run_validation_evaluators
+
+        metrics.update(run_validation_evaluators(self, batch, texts, scores, extras))
         metrics["seconds"] = time.perf_counter() - start
         samples = sample_rows(batch, texts, scores, self.config.trainer.num_samples_to_log)
         for row in samples:
             self.logger.event("sample", step=step, split="val", **row)
         for tracker in self.trackers:
-            tracker.log_samples(samples, step)
+            tracker.log_samples([{**row, "split": "val"} for row in samples], step)
         # Validation runs after the step's rows are flushed, so this flush writes the eval row alone.
         self.logger.info("eval", **metrics)
         flat = self.logger.flush(step)
@@ -339,6 +344,7 @@ class PPOTrainer:
 
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_dirs(self.run_dir)
         atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
         self.trackers = create_trackers(cfg.trainer.logger, total_steps=cfg.trainer.total_steps, quiet=self.quiet,
                                         config=cfg, run_dir=self.run_dir)

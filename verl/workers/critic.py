@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-from transformers import AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForTokenClassification
 
 from verl.algos.losses import value_loss
 from verl.algos.masked import masked_mean
@@ -27,8 +27,13 @@ MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 def load_critic_model(path: str, dtype: str, device: torch.device) -> torch.nn.Module:
     local = resolve_model_path(path)
     try:
+        config = AutoConfig.from_pretrained(local, num_labels=1)
+        # No dropout on the value head: value targets are regression targets, noise only slows the fit.
+        for key in ("classifier_dropout", "hidden_dropout", "hidden_dropout_prob"):
+            if hasattr(config, key):
+                setattr(config, key, 0.0)
         model = AutoModelForTokenClassification.from_pretrained(
-            local, num_labels=1, dtype=DTYPES[dtype], use_safetensors=True, classifier_dropout=0.0,
+            local, config=config, dtype=DTYPES[dtype], use_safetensors=True
         )
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot build a critic (token-classification head) from '{path}': {exc}") from None
