@@ -1,0 +1,105 @@
+"""``verl eval`` and ``verl compare`` (registered into the ``verl`` typer app by ``verl.cli``).
+
+Only typer is imported at module level: ``verl --help`` must work without torch models or matplotlib loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer, run_guarded) -> None:
+    @app.command("eval")
+    def eval_command(
+        ckpt: Annotated[str, typer.Option("--ckpt", help="Checkpoint dir, run dir (every checkpoint), HF model dir "
+                                                         "or builtin:NAME.")],
+        data: Annotated[list[str] | None, typer.Option("--data", help="Parquet prompt file(s) or builtin:TASK/SPLIT; "
+                                                                      "default: the run's validation files.")] = None,
+        evaluators: Annotated[str | None, typer.Option(
+            "--evaluators", "-e", help="Comma-separated specs: reward,kl,diversity,accuracy,length; options in "
+                                       "parentheses, e.g. diversity(ngrams=1;2;3, tokenize=chars); your own as "
+                                       "file.py:Class or module:Class. Default: all built-ins.")] = None,
+        n: Annotated[int | None, typer.Option("--n", help="Samples per prompt (pass@k / maj@k when > 1).")] = None,
+        temperature: Annotated[float | None, typer.Option("--temperature", help="0 = greedy (the run's validation "
+                                                                                "default).")] = None,
+        top_p: Annotated[float | None, typer.Option("--top-p")] = None,
+        top_k: Annotated[int | None, typer.Option("--top-k")] = None,
+        max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens")] = None,
+        seed: Annotated[int | None, typer.Option("--seed", help="Sampling and bootstrap seed (default: the run's).")
+                        ] = None,
+        batch_size: Annotated[int | None, typer.Option("--batch-size", help="Prompts per generate() call.")] = None,
+        max_samples: Annotated[int | None, typer.Option("--max-samples", help="Evaluate the first N prompts.")
+                               ] = None,
+        reference: Annotated[str | None, typer.Option("--reference", help="Reference model for kl (default: the "
+                                                                          "run's model.path).")] = None,
+        out: Annotated[Path | None, typer.Option("--out", help="Output dir (default: <run>/eval/<checkpoint>).")
+                       ] = None,
+        select: Annotated[str, typer.Option("--select", help="Best checkpoint of a run dir by METRIC:max|min.")
+                          ] = "eval/accuracy:max",
+        bootstrap: Annotated[int, typer.Option("--bootstrap", help="Bootstrap replicates for CIs without a closed "
+                                                                   "form.")] = 1000,
+        engine: Annotated[str, typer.Option("--engine", help="Rollout engine (hf; vllm when installed).")] = "hf",
+        device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+        threads: Annotated[int | None, typer.Option("--threads", help="torch threads (default: the run's).")] = None,
+        force: Annotated[bool, typer.Option("--force", help="Recompute even when results for the same weights and "
+                                                            "settings exist.")] = False,
+        quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary lines.")] = False,
+    ) -> None:
+        """Evaluate a checkpoint (or every checkpoint of a run): metrics with 95% CIs, samples, report, plots."""
+
+        def _run():
+            from rich.console import Console
+
+            from eval.runner import EvalSettings, run_eval
+            from verl.cli import quiet_hf
+
+            quiet_hf()
+            settings = EvalSettings(data=data or None, evaluators=evaluators, n=n, temperature=temperature,
+                                    top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed,
+                                    batch_size=batch_size, max_samples=max_samples, reference=reference,
+                                    engine=engine, device=device, num_threads=threads, n_bootstrap=bootstrap,
+                                    select=select, force=force, quiet=quiet)
+            run_eval(ckpt, settings, out, Console(stderr=True))
+
+        run_guarded(_run)
+
+    @app.command("compare")
+    def compare_command(
+        runs: Annotated[list[str], typer.Argument(help="Two or more run dirs, checkpoint dirs or eval result dirs; "
+                                                       "the first is the baseline.")],
+        ckpt: Annotated[str, typer.Option("--ckpt", help="Which checkpoint of a run dir: best, latest or "
+                                                         "global_step_N.")] = "best",
+        out: Annotated[Path | None, typer.Option("--out", help="Report dir (default: outputs/compare/A-vs-B).")
+                       ] = None,
+        alpha: Annotated[float, typer.Option("--alpha", help="Significance level of the verdicts.")] = 0.05,
+        metric: Annotated[str, typer.Option("--metric", help="Metric for 'best' and hyper-parameter importance.")
+                          ] = "eval/accuracy:max",
+        bootstrap: Annotated[int, typer.Option("--bootstrap", help="Paired bootstrap replicates.")] = 2000,
+        seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed when runs must be evaluated, and the "
+                                                               "bootstrap seed.")] = None,
+        data: Annotated[list[str] | None, typer.Option("--data", help="Prompts when runs must be evaluated.")] = None,
+        n: Annotated[int | None, typer.Option("--n", help="Samples per prompt when runs must be evaluated.")] = None,
+        temperature: Annotated[float | None, typer.Option("--temperature")] = None,
+        max_samples: Annotated[int | None, typer.Option("--max-samples")] = None,
+        evaluators: Annotated[str | None, typer.Option("--evaluators", "-e")] = None,
+        quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    ) -> None:
+        """Compare runs pairwise against the first: paired bootstrap CIs, McNemar, config diff, training curves."""
+
+        def _run():
+            from rich.console import Console
+
+            from eval.compare import compare
+            from eval.runner import EvalSettings
+            from verl.cli import quiet_hf
+
+            quiet_hf()
+            settings = EvalSettings(data=data or None, evaluators=evaluators, n=n, temperature=temperature,
+                                    seed=seed, max_samples=max_samples, select=metric, quiet=quiet)
+            compare(runs, ckpt=ckpt, out=out, alpha=alpha, settings=settings, n_boot=bootstrap,
+                    seed=seed if seed is not None else 0, console=Console(stderr=True))
+
+        run_guarded(_run)

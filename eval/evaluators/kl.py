@@ -1,0 +1,117 @@
+"""KL divergence of the evaluated policy from a reference model (by default the run's initial model).
+
+Per response, summed over its tokens (nats per response):
+
+- ``kl_exact``: ``Σ_t KL(π(·|s_t) || π_ref(·|s_t))`` from the full next-token distributions. By the chain rule its
+  expectation over responses drawn from π is the sequence-level KL; it has no sampling noise per token.
+- ``kl_k1``: ``Σ_t (log π(y_t) - log π_ref(y_t))``, the plain sample estimate (unbiased, high variance, can be < 0).
+- ``kl_k3``: ``Σ_t (r - 1 - log r)`` with ``r = π_ref(y_t)/π(y_t)`` (Schulman 2020: unbiased, >= 0, low variance).
+- ``kl_exact_per_token``: ``Σ kl_exact / Σ tokens`` (comparable to the trainer's token-mean ``ppo/kl_div``).
+
+k1 and k3 estimate the KL only for responses *sampled* from π at temperature 1; after greedy or tempered
+decoding they describe those responses, and the report says so. ``kl_exact`` is meaningful either way (the KL
+along the generated states).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from eval.evaluators.base import EvalBatch, EvalResult, Evaluator
+from verl.errors import VerlError
+
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+def token_kl_terms(policy_logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor
+                   ) -> dict[str, torch.Tensor]:
+    """Per-token terms from logits ``(B, L, V)`` and the generated ``tokens`` ``(B, L)``.
+
+    Returns ``policy_log_probs``, ``ref_log_probs`` (of the generated tokens) and ``token_kl`` (exact
+    ``KL(π || π_ref)`` at each position), each ``(B, L)``.
+    """
+    logp = F.log_softmax(policy_logits.float(), dim=-1)
+    logq = F.log_softmax(ref_logits.float(), dim=-1)
+    exact = (logp.exp() * (logp - logq)).sum(-1).clamp(min=0.0)  # rounding can give -1e-9
+    index = tokens.unsqueeze(-1)
+    return {"policy_log_probs": logp.gather(-1, index).squeeze(-1), "ref_log_probs": logq.gather(-1, index).squeeze(-1),
+            "token_kl": exact}
+
+
+def k1_k3(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token k1 and k3 (REFERENCES: log r = ref - logp; k1 = -log r; k3 = (r - 1) - log r)."""
+    log_r = ref_log_probs - policy_log_probs
+    return -log_r, torch.exp(log_r) - 1.0 - log_r
+
+
+@torch.no_grad()
+def compute_kl_terms(policy: torch.nn.Module, reference: torch.nn.Module, data: Any, micro_batch_size: int = 32,
+                     temperature: float = 1.0, progress: Any = None) -> dict[str, torch.Tensor]:
+    """Run both models over the rollout ``data`` (``input_ids`` etc. ``(N, prompt+response)``) once, in micro
+    batches, keeping only response positions. Returns the ``token_kl_terms`` fields ``(N, L)``, zero on padding."""
+    mask = data.batch["response_mask"].float()
+    width = data.batch["responses"].shape[1]
+    parts: dict[str, list[torch.Tensor]] = {}
+    for model in (policy, reference):
+        model.eval()
+    device = next(policy.parameters()).device
+    ref_device = next(reference.parameters()).device
+    for start in range(0, len(data), micro_batch_size):
+        rows = {k: data.batch[k][start : start + micro_batch_size] for k in MODEL_KEYS}
+        logits = []
+        for model, dev in ((policy, device), (reference, ref_device)):
+            out = model(input_ids=rows["input_ids"].to(dev), attention_mask=rows["attention_mask"].to(dev),
+                        position_ids=rows["position_ids"].to(dev), logits_to_keep=width + 1, use_cache=False)
+            logits.append(out.logits[:, -width - 1 : -1, :].float().to(device) / temperature)
+        terms = token_kl_terms(logits[0], logits[1], rows["responses"].to(device))
+        for key, value in terms.items():
+            parts.setdefault(key, []).append(value.cpu())
+        if progress is not None:
+            progress(len(rows["responses"]))
+    return {k: torch.cat(v) * mask for k, v in parts.items()}
+
+
+class KL(Evaluator):
+    name = "kl"
+    needs = frozenset({"generations", "ref_logprobs"})
+
+    def __init__(self) -> None:
+        self.options = {}
+
+    def evaluate(self, batch: EvalBatch) -> EvalResult:
+        if not batch.kl_terms:
+            raise VerlError("the kl evaluator got no reference log-probs; give a reference model "
+                            "(verl eval --reference PATH; a run dir's model.path is the default)")
+        terms = batch.kl_terms
+        # Every term is zero on padding (compute_kl_terms masks them; k1 = k3 = 0 where both log-probs are 0).
+        k1, k3 = k1_k3(terms["policy_log_probs"], terms["ref_log_probs"])
+        columns = {
+            "kl_exact": terms["token_kl"].sum(-1).double().numpy(),
+            "kl_k1": k1.sum(-1).double().numpy(),
+            "kl_k3": k3.sum(-1).double().numpy(),
+        }
+        result = EvalResult(per_sample=dict(columns))
+        for name, column in columns.items():
+            result.metrics[name] = self.mean(name, column, batch)
+        result.metrics.update(self.corpus(batch, {"kl_exact": columns["kl_exact"],
+                                                  "response_length": np.asarray(batch.response_lengths, float)}))
+        temperature = batch.sampling.get("temperature", 1.0)
+        if temperature != 1.0 or batch.sampling.get("top_p", 1.0) != 1.0 or batch.sampling.get("top_k", 0):
+            result.notes.append(
+                f"kl: responses were decoded with temperature={temperature}, top_p={batch.sampling.get('top_p')}, "
+                f"top_k={batch.sampling.get('top_k')}, not sampled from the policy at temperature 1, so kl_k1/kl_k3 "
+                "are not estimates of KL(policy || reference); kl_exact is the exact KL along these responses"
+            )
+        return result
+
+    def corpus_state(self, responses: list[str], columns: dict[str, np.ndarray]) -> Any:
+        return np.asarray(columns["kl_exact"], float), np.asarray(columns["response_length"], float)
+
+    def corpus_values(self, state: Any, weights: np.ndarray) -> dict[str, float]:
+        kl, lengths = state
+        tokens = float(np.sum(weights * lengths))
+        return {"kl_exact_per_token": float(np.sum(weights * kl)) / tokens if tokens else float("nan")}

@@ -1,0 +1,734 @@
+"""``verl eval``: generate once, score once, compute log-probs once, run every evaluator, write the results.
+
+    from eval.runner import EvalSettings, run_eval
+    run_eval("outputs/verl/grpo-a/checkpoints/global_step_60", EvalSettings())   # one checkpoint
+    run_eval("outputs/verl/grpo-a", EvalSettings())                              # every checkpoint + best
+
+What is evaluated and how, when the checkpoint belongs to a run (``<run>/checkpoints/global_step_N``):
+the run's ``config.yaml`` supplies the defaults — validation files, prompt/ground-truth keys, chat template,
+``max_response_length``, the validation sampling (``rollout.val_kwargs``: greedy by default), ``trainer.seed``,
+``data.val_batch_size`` / ``val_max_samples``, the reward function, and the reference model (``model.path``, the
+run's initial weights). The generation loop is the trainer's validation loop (same dataset collation, batch
+boundaries, engine and reward manager), so ``eval/accuracy`` equals the trainer's ``eval/accuracy`` for the same
+checkpoint. Anything given explicitly (``--data``, ``--n``, ``--temperature`` ...) overrides the run.
+
+Outputs (``<run>/eval/<checkpoint>/`` or ``--out``): ``results.json`` (metrics with SE and 95% CI, sampling
+settings, data, model hash, config, versions, timing), ``samples.jsonl`` (one row per response with every
+per-sample value), ``report.md``, ``report.html`` and PNG plots. On a run dir also the table of all
+checkpoints, ``best.json`` (``--select eval/accuracy:max``) and metric-vs-step plots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eval.stats import Metric
+from verl.errors import CheckpointError, ConfigError, VerlError
+
+SCHEMA = "verl-eval/1"
+METRIC_PREFIX = "eval/"
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+
+@dataclass
+class EvalSettings:
+    """What the user asked for; ``None`` means "as the run did" (or the built-in default without a run)."""
+
+    data: list[str] | None = None
+    # None: reward, kl (when a reference is known), diversity, accuracy, length
+    evaluators: str | list[str] | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+    seed: int | None = None
+    batch_size: int | None = None
+    max_samples: int | None = None
+    reference: str | None = None
+    engine: str = "hf"
+    device: str = "auto"
+    dtype: str | None = None
+    num_threads: int | None = None
+    n_bootstrap: int = 1000
+    kl_micro_batch_size: int = 32
+    select: str = "eval/accuracy:max"
+    force: bool = False
+    quiet: bool = False
+
+
+@dataclass
+class Resolved:
+    """Settings after the run's config filled the gaps; ``fingerprint`` identifies results that can be reused."""
+
+    data_files: list[str]
+    evaluator_specs: list[str]
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    seed: int
+    batch_size: int
+    max_samples: int | None
+    reference: str | None
+    engine: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        return {"n": self.n, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "max_new_tokens": self.max_new_tokens, "seed": self.seed, "greedy": self.temperature == 0.0,
+                "engine": self.engine, "batch_size": self.batch_size}
+
+    @property
+    def fingerprint(self) -> str:
+        payload = {k: v for k, v in asdict(self).items() if k != "notes"}
+        return hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------- targets
+
+
+@dataclass
+class Target:
+    """What ``--ckpt`` named: a run dir, a checkpoint of a run, or a bare model (HF dir / builtin:NAME / hub id)."""
+
+    kind: str  # "run" | "checkpoint" | "model"
+    path: str
+    run_dir: Path | None = None
+    step: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "checkpoint":
+            return Path(self.path).name
+        return Path(self.path).name or self.path.replace(":", "-")
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.yaml").is_file() and (
+        (path / "checkpoints").is_dir() or (path / "verl_logs.jsonl").is_file())
+
+
+def resolve_target(spec: str | Path) -> Target:
+    from verl.trainer.checkpoint import STEP_DIR
+
+    text = str(spec)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if is_run_dir(path):
+            return Target("run", str(path), run_dir=path)
+        if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
+            run = path.parent.parent if path.parent.name == "checkpoints" else None
+            match = STEP_DIR.match(path.name)
+            if run is not None and (run / "config.yaml").is_file():
+                return Target("checkpoint", str(path), run_dir=run, step=int(match.group(1)) if match else None)
+            return Target("model", str(path))
+        if (path / "results.json").is_file():
+            raise ConfigError(f"'{path}' holds evaluation results, not a model; `verl compare` reads those, "
+                              "`verl eval --ckpt` needs a checkpoint or run directory")
+        raise CheckpointError(
+            f"'{path}' is neither a checkpoint (no config.json / adapter_config.json) nor a run directory "
+            "(config.yaml + checkpoints/); point --ckpt at <run> or <run>/checkpoints/global_step_N"
+        )
+    if text.startswith("builtin:"):
+        return Target("model", text)
+    if path.exists() or text.startswith((".", "/", "~")):
+        raise CheckpointError(f"--ckpt '{text}' is not a directory; give a checkpoint dir, a run dir or builtin:NAME")
+    return Target("model", text)  # a hub id; from_pretrained resolves it (needs a local copy offline)
+
+
+def load_run_config(run_dir: Path | None) -> tuple[Any, dict | None, list[str]]:
+    """``(VerlConfig or None, the raw dict, notes)`` from ``<run>/config.yaml``."""
+    if run_dir is None:
+        return None, None, []
+    from verl.config import build_config, load_yaml
+
+    raw = load_yaml(run_dir / "config.yaml")
+    try:
+        return build_config(raw, str(run_dir / "config.yaml")), raw, []
+    except ConfigError as exc:
+        # A run from an older schema still has checkpoints worth evaluating; use defaults where it does not parse.
+        return None, raw, [f"{run_dir / 'config.yaml'} does not match the current schema ({exc}); defaults used"]
+
+
+def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: str | None) -> Resolved:
+    from verl.config import DataConfig, ValidationSampling
+
+    data = run_cfg.data if run_cfg is not None else DataConfig()
+    val = run_cfg.rollout.val_kwargs if run_cfg is not None else ValidationSampling()
+    notes: list[str] = []
+    n = settings.n if settings.n is not None else val.n
+    temperature = settings.temperature if settings.temperature is not None else val.temperature
+    if n > 1 and temperature == 0.0 and settings.temperature is None:
+        # n identical greedy samples would make pass@k meaningless; sample at temperature 1 unless told otherwise.
+        temperature = 1.0
+        notes.append(f"n={n} with the run's greedy validation: sampling at temperature 1.0 (pass --temperature)")
+    if n < 1:
+        raise ConfigError(f"--n must be >= 1, got {n}")
+    if temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {temperature}")
+    reference = explicit_reference or (run_cfg.model.path if run_cfg is not None else None)
+    specs = _evaluator_specs(settings.evaluators, reference, notes)
+    seed = settings.seed if settings.seed is not None else (run_cfg.trainer.seed if run_cfg is not None else 0)
+    return Resolved(
+        data_files=list(settings.data) if settings.data else list(data.val_files),
+        evaluator_specs=specs,
+        n=n,
+        temperature=float(temperature),
+        top_p=settings.top_p if settings.top_p is not None else val.top_p,
+        top_k=settings.top_k if settings.top_k is not None else val.top_k,
+        max_new_tokens=settings.max_new_tokens or data.max_response_length,
+        seed=int(seed),
+        batch_size=settings.batch_size or data.val_batch_size,
+        max_samples=settings.max_samples if settings.max_samples is not None else data.val_max_samples,
+        reference=reference if any(_needs_reference(s) for s in specs) else None,
+        engine=settings.engine,
+        notes=notes,
+    )
+
+
+def _needs_reference(spec: str) -> bool:
+    from eval.evaluators import build_evaluator
+
+    return "ref_logprobs" in getattr(build_evaluator(spec), "needs", ())
+
+
+def _evaluator_specs(requested: str | list[str] | None, reference: str | None, notes: list[str]) -> list[str]:
+    from eval.evaluators import DEFAULT_EVALUATORS, build_evaluators
+
+    if requested is None:
+        specs = list(DEFAULT_EVALUATORS)
+        if reference is None:
+            specs.remove("kl")
+            notes.append("kl skipped: no reference model (give --reference, or evaluate a checkpoint of a run)")
+    else:
+        specs = [e.spec if hasattr(e, "spec") else s for e, s in
+                 zip(build_evaluators(requested), _split(requested), strict=True)]
+        if reference is None and any(_needs_reference(s) for s in specs):
+            raise ConfigError("the kl evaluator needs a reference model: pass --reference PATH (the model the run "
+                              "started from), or evaluate a checkpoint inside a run dir whose config names model.path")
+    return specs
+
+
+def _split(requested: str | list[str]) -> list[str]:
+    from verl.trainer.evaluator_plugins import split_specs
+
+    return split_specs(requested) if isinstance(requested, str) else [s for s in requested if s.strip()]
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def model_hash(path: str) -> str:
+    """sha256 (first 16 hex) of the weight files, so results name exactly which weights they describe."""
+    from verl.models.loader import resolve_model_path
+
+    try:
+        local = Path(resolve_model_path(path))
+    except VerlError:
+        local = Path(path)
+    files = sorted(local.glob("*.safetensors")) + sorted(local.glob("*.bin")) if local.is_dir() else []
+    digest = hashlib.sha256()
+    if not files:
+        digest.update(path.encode())
+    for file in files:
+        digest.update(file.name.encode())
+        with file.open("rb") as fh:
+            for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def load_policy(path: str, run_cfg: Any, device: Any, dtype: str) -> Any:
+    """The model at ``path``; a LoRA checkpoint (adapter files only) is applied to its base and merged."""
+    from verl.models.loader import load_causal_lm
+
+    local = Path(path)
+    if local.is_dir() and (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+        from peft import PeftModel
+
+        adapter = json.loads((local / "adapter_config.json").read_text())
+        base_path = run_cfg.model.path if run_cfg is not None else adapter.get("base_model_name_or_path")
+        if not base_path:
+            raise CheckpointError(f"{local} is a LoRA adapter with no base model; evaluate it inside its run dir")
+        base = load_causal_lm(base_path, dtype, device)
+        return PeftModel.from_pretrained(base, str(local)).merge_and_unload()
+    return load_causal_lm(path, dtype, device)
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for name in ("verl-suite", "torch", "transformers", "numpy"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the evaluation
+
+
+class Evaluation:
+    """Shared state for evaluating one or more checkpoints with the same settings (tokenizer, dataset, reward
+    manager, reference model and evaluators are built once)."""
+
+    def __init__(self, settings: EvalSettings, resolved: Resolved, run_cfg: Any, raw_config: dict | None,
+                 tokenizer_path: str, console: Any = None):
+        import torch
+
+        from eval.evaluators import build_evaluators
+        from verl.config import DataConfig, RewardConfig
+        from verl.models.loader import load_tokenizer, pick_device
+        from verl.utils.seeding import set_num_threads
+
+        self.settings, self.resolved, self.run_cfg, self.raw_config = settings, resolved, run_cfg, raw_config
+        self.console = console
+        threads = settings.num_threads if settings.num_threads is not None else (
+            run_cfg.trainer.num_threads if run_cfg is not None else 1)
+        set_num_threads(threads)
+        self.device = pick_device(settings.device)
+        self.dtype = settings.dtype or (run_cfg.model.dtype if run_cfg is not None else "float32")
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        data_cfg = run_cfg.data if run_cfg is not None else DataConfig()
+        self.data_cfg = data_cfg.model_copy(update={"val_files": resolved.data_files})
+        self.evaluators = build_evaluators(resolved.evaluator_specs)
+        self.needs = set().union(*(set(getattr(e, "needs", {"generations"})) for e in self.evaluators))
+        self._dataset = None
+        self._reference = None
+        self.reward_manager = None
+        reward_cfg = run_cfg.reward if run_cfg is not None else RewardConfig()
+        from verl.workers.reward import RewardManager
+
+        # Rule rewards cost nothing; they are always computed so samples.jsonl carries the run's score.
+        if "rewards" in self.needs or not reward_cfg.model.path:
+            self.reward_manager = RewardManager(self.tokenizer, reward_cfg, self.device)
+        self._torch = torch
+
+    @property
+    def dataset(self) -> Any:
+        if self._dataset is None:
+            from verl.data.dataset import RLHFDataset
+
+            self._dataset = RLHFDataset(self.resolved.data_files, self.tokenizer, self.data_cfg, "--data")
+            self.prompt_ids = _prompt_ids(self._dataset, self.data_cfg.prompt_key)
+        return self._dataset
+
+    def reference(self) -> Any:
+        if self._reference is None:
+            from verl.models.loader import load_causal_lm
+
+            self._reference = load_causal_lm(self.resolved.reference, self.dtype, self.device)
+            self._reference.requires_grad_(False)
+        return self._reference
+
+    # ------------------------------------------------------------------ one model
+
+    def evaluate(self, model_path: str, out_dir: Path, label: str, step: int | None = None,
+                 run_dir: Path | None = None) -> dict[str, Any]:
+        """Evaluate the weights at ``model_path``; write and return ``results.json``'s content."""
+        torch = self._torch
+        from verl.rollout.base import SamplingParams, get_rollout_factory
+
+        t0 = time.perf_counter()
+        digest = model_hash(model_path)
+        cached = _reusable(out_dir, self.resolved.fingerprint, digest) if not self.settings.force else None
+        if cached is not None:
+            self._say(f"{label}: reusing {out_dir / 'results.json'} (same weights and settings; --force recomputes)")
+            return cached
+        policy = load_policy(model_path, self.run_cfg, self.device, self.dtype)
+        policy.requires_grad_(False)
+        factory = get_rollout_factory(self.resolved.engine)
+        if self.resolved.engine == "hf":
+            engine = factory(policy, self.tokenizer)
+        else:  # engines that load weights themselves (vLLM) take the path
+            engine = factory(model_path=model_path, tokenizer=self.tokenizer, config=self.run_cfg.rollout
+                             if self.run_cfg is not None else None,
+                             max_model_len=self.data_cfg.max_prompt_length + self.resolved.max_new_tokens,
+                             seed=self.resolved.seed, actor_model=policy)
+        params = SamplingParams(n=self.resolved.n, temperature=self.resolved.temperature, top_p=self.resolved.top_p,
+                                top_k=self.resolved.top_k, max_new_tokens=self.resolved.max_new_tokens,
+                                seed=self.resolved.seed)
+        load_seconds = time.perf_counter() - t0
+        try:
+            batch, texts, scores, extras, gen_seconds = self._generate(engine, params, label)
+        finally:
+            engine.shutdown()
+        kl_terms, kl_seconds = None, 0.0
+        if "ref_logprobs" in self.needs:
+            t1 = time.perf_counter()
+            reference = self.reference()
+            if reference.config.vocab_size != policy.config.vocab_size:
+                raise ConfigError(f"reference '{self.resolved.reference}' has vocab size {reference.config.vocab_size} "
+                                  f"but the checkpoint has {policy.config.vocab_size}; give a --reference with the "
+                                  "same tokenizer")
+            from eval.evaluators.kl import compute_kl_terms
+
+            with self._progress(f"{label}: KL to reference", len(batch)) as advance:
+                kl_terms = compute_kl_terms(policy, reference, batch, self.settings.kl_micro_batch_size,
+                                            progress=advance)
+            kl_seconds = time.perf_counter() - t1
+        del policy
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        from verl.trainer.evaluator_plugins import EvalBatch
+
+        eval_batch = EvalBatch.from_rollout(batch, texts, scores, extras, n=self.resolved.n,
+                                            max_new_tokens=self.resolved.max_new_tokens,
+                                            sampling=self.resolved.sampling, n_bootstrap=self.settings.n_bootstrap,
+                                            seed=self.resolved.seed)
+        eval_batch.kl_terms = kl_terms
+        t2 = time.perf_counter()
+        metrics, columns, notes = run_evaluators(self.evaluators, eval_batch)
+        eval_seconds = time.perf_counter() - t2
+        total = time.perf_counter() - t0
+        samples = self._sample_rows(batch, texts, scores, columns)
+        results = {
+            "schema": SCHEMA,
+            "label": label,
+            "checkpoint": str(model_path),
+            "step": step,
+            "run_dir": str(run_dir) if run_dir else None,
+            "model_hash": digest,
+            "created": datetime.now().isoformat(timespec="seconds"),
+            "sampling": self.resolved.sampling,
+            "data": {"files": self.resolved.data_files, "num_prompts": int(len(set(batch.non_tensor["index"]))),
+                     "num_samples": len(texts), "max_samples": self.resolved.max_samples,
+                     "prompt_key": self.data_cfg.prompt_key, "ground_truth_key": self.data_cfg.ground_truth_key},
+            "evaluators": [getattr(e, "spec", getattr(e, "name", type(e).__name__)) for e in self.evaluators],
+            "reference": self.resolved.reference,
+            # builtin:NAME references can change under the same name; the hash says which weights were used.
+            "reference_hash": model_hash(self.resolved.reference) if self.resolved.reference else None,
+            "reward": self.run_cfg.reward.model_dump(mode="json") if self.run_cfg is not None else {"name": "auto"},
+            "metrics": {f"{METRIC_PREFIX}{k}": m.to_dict() for k, m in metrics.items()},
+            "notes": [*self.resolved.notes, *notes],
+            "config": self.raw_config,
+            "settings_fingerprint": self.resolved.fingerprint,
+            "n_bootstrap": self.settings.n_bootstrap,
+            "versions": versions(),
+            "device": str(self.device),
+            "timing": {"load_seconds": load_seconds, "generation_seconds": gen_seconds, "kl_seconds": kl_seconds,
+                       "evaluator_seconds": eval_seconds, "total_seconds": total,
+                       "samples_per_second": len(texts) / gen_seconds if gen_seconds else None,
+                       "samples_per_second_total": len(texts) / total if total else None},
+        }
+        write_results(out_dir, results, samples)
+        from eval.report import write_checkpoint_report
+
+        write_checkpoint_report(out_dir, results, samples)
+        self._say(f"{label}: " + summary_line(results) + f"  -> {out_dir}")
+        return results
+
+    def _generate(self, engine: Any, params: Any, label: str) -> tuple[Any, list[str], Any, dict, float]:
+        """The trainer's validation loop (``verl.trainer.validation.generate_and_score``) with a progress bar."""
+        from verl.protocol import DataProto
+        from verl.rollout.base import pad_responses
+        from verl.workers.reward import decode_responses
+
+        dataset = self.dataset
+        count = min(len(dataset), self.resolved.max_samples or len(dataset))
+        outputs, scores, texts = [], [], []
+        extras: dict[str, list[np.ndarray]] = {}
+        start_time = time.perf_counter()
+        with self._progress(f"{label}: generating", count * self.resolved.n) as advance:
+            for start in range(0, count, self.resolved.batch_size):
+                prompts = dataset.collate(list(range(start, min(start + self.resolved.batch_size, count))))
+                out = engine.generate(prompts, params)
+                if self.reward_manager is not None:
+                    token_scores, ex, txt = self.reward_manager.compute(out)
+                    scores.append(token_scores.sum(-1).numpy())
+                    for key, value in ex.items():
+                        extras.setdefault(key, []).append(value)
+                else:
+                    txt = decode_responses(self.tokenizer, out)
+                outputs.append(out)
+                texts.extend(txt)
+                advance(len(out))
+        seconds = time.perf_counter() - start_time
+        batch = DataProto.concat(pad_responses(outputs, self.tokenizer.pad_token_id))
+        merged = {k: np.concatenate(v) for k, v in extras.items() if len(v) == len(outputs)}
+        return batch, texts, (np.concatenate(scores) if scores else None), merged, seconds
+
+    def _sample_rows(self, batch: Any, texts: list[str], scores: Any, columns: dict[str, np.ndarray]) -> list[dict]:
+        index = np.asarray(batch.non_tensor["index"], dtype=np.int64)
+        lengths = batch.batch["response_mask"].sum(-1).tolist()
+        rows, seen = [], {}
+        for i, text in enumerate(texts):
+            k = seen.get(int(index[i]), 0)
+            seen[int(index[i])] = k + 1
+            row = {"prompt_id": self.prompt_ids[int(index[i])], "index": int(index[i]), "sample": k,
+                   "prompt": str(batch.non_tensor["raw_prompt"][i]), "response": text,
+                   "ground_truth": _jsonable(batch.non_tensor["ground_truth"][i]),
+                   "data_source": str(batch.non_tensor["data_source"][i]), "response_length": int(lengths[i])}
+            if scores is not None:
+                row["reward"] = float(scores[i])
+            for name, column in columns.items():
+                value = float(column[i])
+                row[name] = value if np.isfinite(value) else None
+            rows.append(row)
+        return rows
+
+    # ------------------------------------------------------------------ console
+
+    def _say(self, text: str) -> None:
+        if self.console is not None and not self.settings.quiet:
+            self.console.print(text, soft_wrap=True, highlight=False)
+
+    def _progress(self, description: str, total: int):
+        """A rich progress bar (only on a terminal, never with --quiet) yielding an ``advance(k)`` function."""
+        import contextlib
+
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        @contextlib.contextmanager
+        def bar():
+            console = self.console
+            enabled = console is not None and console.is_terminal and not self.settings.quiet
+            if not enabled:
+                yield lambda k: None
+                return
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=console, transient=True) as progress:
+                task = progress.add_task(description, total=total)
+                yield lambda k: progress.advance(task, k)
+
+        return bar()
+
+
+def run_evaluators(evaluators: list[Any], batch: Any) -> tuple[dict[str, Metric], dict[str, np.ndarray], list[str]]:
+    """Every evaluator on one batch; metric and column names must not collide between evaluators."""
+    from verl.trainer.evaluator_plugins import scalar_metrics
+
+    metrics: dict[str, Metric] = {}
+    columns: dict[str, np.ndarray] = {}
+    notes: list[str] = []
+    for evaluator in evaluators:
+        name = getattr(evaluator, "name", type(evaluator).__name__)
+        result = evaluator.evaluate(batch) if hasattr(evaluator, "evaluate") else evaluator(batch)
+        if hasattr(result, "metrics") and all(isinstance(m, Metric) for m in result.metrics.values()):
+            produced = result.metrics
+            columns.update({k: np.asarray(v, dtype=np.float64) for k, v in result.per_sample.items()})
+            notes.extend(getattr(result, "notes", []))
+        else:  # a plugin returning plain numbers: no error bars to report
+            nan = float("nan")
+            produced = {k: Metric(v, nan, nan, nan, len(batch), "none", evaluator=name)
+                        for k, v in scalar_metrics(result, name).items()}
+        clash = set(produced) & set(metrics)
+        if clash:
+            raise ConfigError(f"evaluator '{name}' reports {sorted(clash)}, already reported by another evaluator")
+        metrics.update(produced)
+    return metrics, columns, notes
+
+
+def summary_line(results: dict) -> str:
+    parts = []
+    for key in ("eval/accuracy", "eval/reward_mean", "eval/kl_exact", "eval/response_length_mean", "eval/distinct_1"):
+        metric = results["metrics"].get(key)
+        if metric and metric.get("value") is not None:
+            se = metric.get("se")
+            parts.append(f"{key[5:]} {metric['value']:.4g}" + (f" ± {1.96 * se:.2g}" if se is not None else ""))
+    rate = results["timing"].get("samples_per_second")
+    if rate:
+        parts.append(f"{rate:.0f} samples/s")
+    return ", ".join(parts)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)
+
+
+def _prompt_ids(dataset: Any, prompt_key: str) -> list[str]:
+    """A stable id per dataset row from the prompt's *content* (before any chat template), so two models with
+    different templates still pair up; a repeated prompt gets ``#2``, ``#3`` ..."""
+    ids, seen = [], {}
+    for row in dataset.rows:
+        content = json.dumps(_jsonable(row.get(prompt_key)), sort_keys=True, ensure_ascii=False)
+        base = hashlib.sha1(content.encode()).hexdigest()[:16]
+        seen[base] = seen.get(base, 0) + 1
+        ids.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def write_results(out_dir: Path, results: dict, samples: list[dict]) -> None:
+    from verl.utils.fs import atomic_write_json, atomic_write_text
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out_dir / "samples.jsonl",
+                      "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in samples))
+    atomic_write_json(out_dir / "results.json", results)  # last: its presence means the directory is complete
+
+
+def load_results(path: str | Path) -> dict:
+    file = Path(path)
+    file = file / "results.json" if file.is_dir() else file
+    if not file.is_file():
+        raise VerlError(f"no results.json in '{file.parent}'; run `verl eval --ckpt ...` first")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise VerlError(f"{file} is not valid JSON (line {exc.lineno}): delete it and re-run verl eval") from None
+    if data.get("schema") != SCHEMA:
+        raise VerlError(f"{file} has schema {data.get('schema')!r}, expected {SCHEMA!r}; re-run verl eval")
+    return data
+
+
+def load_samples(path: str | Path) -> list[dict]:
+    file = Path(path)
+    file = file / "samples.jsonl" if file.is_dir() else file
+    if not file.is_file():
+        raise VerlError(f"no samples.jsonl in '{file.parent}'; re-run `verl eval` to write it")
+    rows = []
+    for number, line in enumerate(file.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise VerlError(f"{file} row {number} is not valid JSON; re-run verl eval to rewrite it") from None
+        if "prompt_id" not in rows[-1]:
+            raise VerlError(f"{file} row {number} has no prompt_id; it was not written by verl eval")
+    return rows
+
+
+def _reusable(out_dir: Path, fingerprint: str, digest: str) -> dict | None:
+    try:
+        results = load_results(out_dir)
+    except VerlError:
+        return None
+    if results.get("settings_fingerprint") == fingerprint and results.get("model_hash") == digest and \
+            (out_dir / "samples.jsonl").is_file():
+        return results
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+
+
+def parse_select(select: str) -> tuple[str, str]:
+    metric, _, mode = select.partition(":")
+    mode = mode or "max"
+    if mode not in ("max", "min"):
+        raise ConfigError(f"--select '{select}': the mode after ':' must be max or min")
+    metric = metric.strip()
+    if not metric.startswith(METRIC_PREFIX):
+        metric = METRIC_PREFIX + metric
+    return metric, mode
+
+
+def run_eval(ckpt: str | Path, settings: EvalSettings, out: str | Path | None = None, console: Any = None) -> dict:
+    """Evaluate a checkpoint, a bare model or every checkpoint of a run. Returns the results (or run summary)."""
+    target = resolve_target(ckpt)
+    run_cfg, raw, notes = load_run_config(target.run_dir)
+    if console is not None and notes and not settings.quiet:
+        for note in notes:
+            console.print(f"[yellow]note:[/] {note}")
+    resolved = resolve_settings(settings, run_cfg, settings.reference)
+    resolved.notes.extend(notes)
+    if target.kind == "run":
+        return _evaluate_run(target, settings, resolved, run_cfg, raw, out, console)
+    evaluation = Evaluation(settings, resolved, run_cfg, raw, _tokenizer_source(target.path, run_cfg), console)
+    if out is not None:
+        out_dir = Path(out)
+    elif target.run_dir is not None:
+        out_dir = target.run_dir / "eval" / target.label
+    else:
+        out_dir = Path("outputs") / "eval" / target.label
+    return evaluation.evaluate(target.path, out_dir, target.label, target.step, target.run_dir)
+
+
+def _tokenizer_source(path: str, run_cfg: Any) -> str:
+    local = Path(path)
+    has_tokenizer = any((local / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    if local.is_dir() and not has_tokenizer and run_cfg is not None:
+        return run_cfg.model.tokenizer_path or run_cfg.model.path
+    return path
+
+
+def _evaluate_run(target: Target, settings: EvalSettings, resolved: Resolved, run_cfg: Any, raw: dict | None,
+                  out: str | Path | None, console: Any) -> dict:
+    from verl.trainer.checkpoint import list_checkpoints
+
+    run_dir = Path(target.path)
+    checkpoints = list_checkpoints(run_dir)
+    if not checkpoints:
+        raise CheckpointError(f"run '{run_dir}' has no complete checkpoints (checkpoints/global_step_N with "
+                              "meta.json); train with trainer.save_freq > 0 or wait for the first save")
+    metric, mode = parse_select(settings.select)
+    out_dir = Path(out) if out is not None else run_dir / "eval"
+    evaluation = Evaluation(settings, resolved, run_cfg, raw, _tokenizer_source(str(checkpoints[0][1]), run_cfg),
+                            console)
+    per_checkpoint = []
+    for step, path in checkpoints:
+        results = evaluation.evaluate(str(path), out_dir / path.name, path.name, step, run_dir)
+        per_checkpoint.append(results)
+    available = sorted(per_checkpoint[-1]["metrics"])
+    if metric not in available:
+        raise ConfigError(f"--select '{settings.select}': no metric '{metric}' in the results; available: "
+                          f"{', '.join(available)}")
+    best = select_best(per_checkpoint, metric, mode)
+    summary = {
+        "schema": SCHEMA + "-run",
+        "run_dir": str(run_dir),
+        "select": {"metric": metric, "mode": mode},
+        "sampling": resolved.sampling,
+        "checkpoints": [{"label": r["label"], "step": r["step"], "dir": str(out_dir / r["label"]),
+                         "checkpoint": r["checkpoint"], "metrics": r["metrics"]} for r in per_checkpoint],
+        "best": best,
+    }
+    from verl.utils.fs import atomic_write_json
+
+    atomic_write_json(out_dir / "best.json", best)
+    atomic_write_json(out_dir / "summary.json", summary)
+    from eval.report import write_run_report
+
+    write_run_report(out_dir, summary, run_dir)
+    if console is not None and not settings.quiet:
+        value = best["value"]
+        console.print(f"best by {metric}:{mode}: {best['label']} ({value:.4g}) -> {out_dir / 'best.json'}",
+                      highlight=False)
+    return summary
+
+
+def select_best(per_checkpoint: list[dict], metric: str, mode: str) -> dict:
+    """The checkpoint with the best ``metric`` (ties: the earlier step, so a plateau picks the cheaper model)."""
+    scored = [(r["metrics"][metric]["value"], r) for r in per_checkpoint
+              if r["metrics"].get(metric, {}).get("value") is not None]
+    if not scored:
+        raise VerlError(f"no checkpoint has a value for {metric}")
+    sign = 1.0 if mode == "max" else -1.0
+    value, best = max(scored, key=lambda item: (sign * item[0], -(item[1]["step"] or 0)))
+    m = best["metrics"][metric]
+    return {"label": best["label"], "step": best["step"], "checkpoint": best["checkpoint"], "metric": metric,
+            "mode": mode, "value": value, "se": m.get("se"), "ci95": [m.get("ci_low"), m.get("ci_high")],
+            "model_hash": best["model_hash"]}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use `verl eval`")

@@ -1,0 +1,105 @@
+"""Evaluator specs and resolution: built-ins, entry points, file.py:Class, module:Class, plain-dict plugins."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eval.evaluators import available_evaluators, build_evaluator, build_evaluators
+from tests.eval.helpers import make_batch
+from verl.errors import ConfigError
+from verl.trainer import evaluator_plugins
+
+USER_EVALUATOR = '''
+import numpy as np
+from eval.evaluators.base import EvalResult, Evaluator
+
+
+class ShortAnswers(Evaluator):
+    name = "short"
+    needs = frozenset({"generations"})
+
+    def __init__(self, limit=3):
+        self.limit = limit
+        self.options = {"limit": limit}
+
+    def evaluate(self, batch):
+        column = np.array([len(r) <= self.limit for r in batch.responses], dtype=float)
+        return EvalResult(metrics={"short_ratio": self.mean("short_ratio", column, batch, binary=True)},
+                          per_sample={"short": column})
+
+
+def plain(batch):
+    return {"count": len(batch)}
+'''
+
+
+def test_parse_and_split_specs():
+    assert evaluator_plugins.split_specs("accuracy, diversity(ngrams=1,2), length") == [
+        "accuracy", "diversity(ngrams=1,2)", "length"]
+    assert evaluator_plugins.parse_spec("diversity(ngrams=1;2;3, tokenize=chars)") == (
+        "diversity", {"ngrams": [1, 2, 3], "tokenize": "chars"})
+    assert evaluator_plugins.parse_spec("diversity(ngrams=1,2, tokenize=chars)")[1]["ngrams"] == [1, 2]
+    assert evaluator_plugins.parse_spec("a/b.py:C(x=0.5)") == ("a/b.py:C", {"x": 0.5})
+    with pytest.raises(ConfigError, match="not key=value"):
+        evaluator_plugins.parse_spec("diversity(ngrams)")
+
+
+def test_builtins_are_declared_as_entry_points():
+    names = evaluator_plugins.entry_point_names()
+    assert {"reward", "kl", "diversity", "accuracy", "length"} <= set(names)
+    evaluator = evaluator_plugins.build_evaluator("length(percentiles=50)")
+    assert type(evaluator).__module__ == "eval.evaluators.length" and evaluator.percentiles == [50.0]
+    assert set(available_evaluators()) >= set(names)
+
+
+def test_user_file_and_module_forms(tmp_path):
+    path = tmp_path / "my_eval.py"
+    path.write_text(USER_EVALUATOR)
+    evaluator = build_evaluator(f"{path}:ShortAnswers(limit=1)")
+    result = evaluator.evaluate(make_batch(["1", "22", "333"]))
+    assert result.metrics["short_ratio"].value == pytest.approx(1 / 3)
+    assert evaluator.spec == "short(limit=1)"
+    plain = build_evaluator(f"{path}:plain")
+    assert evaluator_plugins.scalar_metrics(plain(make_batch(["a", "b"])), "plain") == {"count": 2.0}
+    module_form = build_evaluator("eval.evaluators.reward:Reward")
+    assert module_form.name == "reward"
+
+
+def test_resolution_errors_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="unknown evaluator 'acuracy'.*registered: accuracy"):
+        build_evaluator("acuracy")
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_evaluator(f"{tmp_path}/missing.py:X")
+    (tmp_path / "e.py").write_text("class A: pass\n")
+    with pytest.raises(ConfigError, match="defines no 'B'.*classes there: \\['A'\\]"):
+        build_evaluator(f"{tmp_path}/e.py:B")
+    with pytest.raises(ConfigError, match="bad options"):
+        build_evaluator("diversity(colour=red)")
+    with pytest.raises(ConfigError, match="listed twice"):
+        build_evaluators("accuracy,accuracy")
+
+
+def test_validation_evaluators_run_through_entry_points():
+    from types import SimpleNamespace
+
+    import torch
+
+    from verl.config import VerlConfig
+    from verl.protocol import DataProto
+
+    cfg = VerlConfig()
+    cfg.trainer.evaluators = ["accuracy", "length"]
+    trainer = SimpleNamespace(config=cfg, evaluators=[lambda batch: {"custom": 1.0}])
+    batch = DataProto.from_dict(
+        {"response_mask": torch.ones((2, 3), dtype=torch.long)},
+        {"index": [0, 1], "raw_prompt": ["p", "q"], "ground_truth": ["4", "5"], "data_source": ["arithmetic"] * 2},
+    )
+    metrics = evaluator_plugins.run_validation_evaluators(
+        trainer, batch, [">> 4", "5"], np.array([1.0, 0.0]), {"acc": np.array([1.0, 0.0])})
+    assert metrics["accuracy"] == 0.5 and metrics["accuracy_flexible"] == 1.0
+    assert metrics["response_length_mean"] == 3.0 and metrics["custom"] == 1.0
+    cfg.trainer.evaluators = ["kl"]
+    trainer = SimpleNamespace(config=cfg, evaluators=[])
+    with pytest.raises(ConfigError, match="needs \\['ref_logprobs'\\]"):
+        evaluator_plugins.run_validation_evaluators(trainer, batch, ["a", "b"], np.zeros(2), {})
