@@ -85,7 +85,7 @@ def test_sigkill_then_resume_auto(tmp_path):
             proc.kill()
     checkpoints = list_checkpoints(run_dir)
     assert checkpoints
-    for step, path in checkpoints:
+    for _, path in checkpoints:
         assert {"model.safetensors", "config.json", "trainer_state.pt", "meta.json", "tokenizer.json"} <= {
             p.name for p in path.iterdir()}, f"partial checkpoint {path}"
     last = read_pointer(run_dir)

@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from verl.config import build_config
 from verl.data.dataset import RLHFDataset
 from verl.trainer.local import LocalPPOTrainer
 from verl.workers.actor import Actor

@@ -77,9 +77,13 @@ def _split_overrides(extra: list[str]) -> list[str]:
 def train(
     ctx: typer.Context,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in GRPO).")] = None,
-    log_dir: Annotated[Path | None, typer.Option("--log_dir", "--log-dir", help="Directory for verl_logs.jsonl.")] = None,
+    log_dir: Annotated[
+        Path | None, typer.Option("--log_dir", "--log-dir", help="Directory for verl_logs.jsonl.")
+    ] = None,
     log_level: Annotated[str | None, typer.Option("--log_level", "--log-level", help="INFO or DEBUG.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Resolve the config and check shapes; load no weights.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Resolve the config and check shapes; load no weights.")
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No console lines.")] = False,
 ) -> None:
     """RL post-training (PPO / GRPO / RLOO / REINFORCE++ / ReMax). Extra args are key=value overrides."""
@@ -115,7 +119,7 @@ def train(
 @app.command(context_settings=OVERRIDE_CONTEXT)
 def sft(
     ctx: typer.Context,
-    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: tiny arithmetic SFT).")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: tiny SFT).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
 ) -> None:
     """Supervised fine-tuning (the warm start before RL). Extra args are key=value overrides."""
@@ -161,7 +165,7 @@ def data_arithmetic(
 
 @data_app.command("gsm8k")
 def data_gsm8k(
-    src: Annotated[Path, typer.Option("--src", help="Directory with GSM8K's train/test parquet (openai/gsm8k 'main').")],
+    src: Annotated[Path, typer.Option("--src", help="Directory with GSM8K's train/test parquet (config 'main').")],
     out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("data/gsm8k"),
 ) -> None:
     """Convert the GSM8K parquet files into the trainer's format (prompt messages + ground truth)."""

@@ -20,7 +20,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from verl.errors import ConfigError
 
-
 # Mirrors verl.algos.kl.KL_ESTIMATORS; kept here so the config loads without importing torch.
 KL_ESTIMATOR_NAMES = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
 
@@ -352,7 +351,11 @@ class TrainerConfig(Section):
     log_dir: str | None = Field(None, description="Where verl_logs.jsonl goes; defaults to the run directory.")
     log_level: Literal["DEBUG", "INFO", "WARNING"] = Field("INFO")
     num_samples_to_log: int = Field(4, ge=0, description="Sample rows (prompt/response/reward) logged per step.")
-    evaluators: list[str] = Field(["accuracy"], description="Validation evaluators.")
+    evaluators: list[str] = Field(
+        ["accuracy"],
+        description="Validation evaluators (the verl.evaluators entry points: accuracy, length, diversity, reward; "
+        "options as name(key=value); your own as path/to/file.py:Class or module:Class). Same code as verl eval.",
+    )
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Tracker settings.")
     callbacks: CallbacksConfig = Field(default_factory=CallbacksConfig, description="Callbacks from YAML.")
     alerts: AlertsConfig = Field(default_factory=AlertsConfig, description="Metric health rules.")

@@ -63,7 +63,8 @@ def resolve_model_path(path: str) -> str:
                 model.save_pretrained(tmp)
                 tokenizer.save_pretrained(tmp)
         return str(target)
-    raise ModelError(f"unknown built-in model '{path}'; available: {', '.join(BUILTIN_PREFIX + n for n in builtin_names())}")
+    available = ", ".join(BUILTIN_PREFIX + n for n in builtin_names())
+    raise ModelError(f"unknown built-in model '{path}'; available: {available}")
 
 
 def _build_warm_start(name: str) -> Path:

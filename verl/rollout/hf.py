@@ -1,4 +1,4 @@
-"""The transformers rollout engine: batched ``model.generate`` with a KV cache.
+"""The transformers rollout engine: batched generation with a KV cache (shared prompt prefill, see sampler.py).
 
 In the local executor the engine holds the actor's own module, so the weights it samples from are always the
 latest ones (the "sync" is sharing). Sampling draws from a private generator seeded per call, so a run is
@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from verl.protocol import DataProto
 from verl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, pad_responses, register_rollout
+from verl.rollout.sampler import sample_with_shared_prefill, supports_shared_prefill
 
 
 @register_rollout("hf")
@@ -24,6 +25,7 @@ class HFRollout(RolloutEngine):
         tokenizer: PreTrainedTokenizerBase,
         micro_batch_size: int | None = None,
         autocast_dtype: torch.dtype | None = None,
+        shared_prefill: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -31,13 +33,15 @@ class HFRollout(RolloutEngine):
         self.autocast_dtype = autocast_dtype
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id
+        # Our loop prefills each prompt once for its n samples; `generate` stays as the fallback.
+        self.shared_prefill = shared_prefill and supports_shared_prefill(model)
 
     @torch.no_grad()
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         """``prompts``: ``input_ids``/``attention_mask`` (batch, prompt_len) -> batch*n rows (see base module)."""
-        chunk = self.micro_batch_size or len(prompts)
-        per_prompt = max(1, chunk // params.n)
-        parts = [self._generate_chunk(part, params) for part in prompts.split(per_prompt)]
+        # micro_batch_size counts sequences (prompts x n); None generates the whole batch in one call.
+        per_call = max(1, self.micro_batch_size // params.n) if self.micro_batch_size else len(prompts)
+        parts = [self._generate_chunk(part, params) for part in prompts.split(per_call)]
         return DataProto.concat(pad_responses(parts, self.pad_id))
 
     def _generate_chunk(self, prompts: DataProto, params: SamplingParams) -> DataProto:
@@ -57,11 +61,20 @@ class HFRollout(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         try:
-            with self._sampling_rng(params.seed, device), self._autocast(device):
-                out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            if self.shared_prefill:
+                with self._autocast(device):
+                    responses = sample_with_shared_prefill(self.model, ids, mask, params, self.eos_id, self.pad_id)
+            else:
+                if params.greedy:
+                    kwargs["num_return_sequences"] = 1  # greedy samples are identical; generate once, repeat
+                with self._sampling_rng(params.seed, device), self._autocast(device):
+                    out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+                responses = out[:, ids.shape[1] :]
+                if params.greedy and params.n > 1:
+                    responses = responses.repeat_interleave(params.n, dim=0)
         finally:
             self.model.train(was_training)
-        responses = out[:, ids.shape[1] :].cpu()
+        responses = responses.cpu()
         return assemble_rollout(prompts, ids.cpu(), mask.cpu(), responses, self.eos_id, self.pad_id, params.n)
 
     def _autocast(self, device: torch.device):

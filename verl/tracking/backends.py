@@ -1,4 +1,9 @@
-"""Built-in tracker backends. ``console`` prints one compact line per step."""
+"""Built-in tracker backends.
+
+``console`` prints one compact line per step; ``jsonl`` adds histogram rows to ``verl_logs.jsonl``. The
+tensorboard, wandb, mlflow and swanlab backends live in their own modules and are imported only when named, so
+their (heavy, optional) packages are loaded only by runs that use them.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Any
 from rich.console import Console
 
 from verl.tracking.base import Tracker, register_tracker
+from verl.tracking.common import histogram_summary
 
 # (metric key, short label) shown on the console line, in order, when present.
 CONSOLE_FIELDS = (
@@ -39,7 +45,66 @@ class ConsoleTracker(Tracker):
         for key, label in CONSOLE_FIELDS:
             if key in metrics:
                 parts.append(f"{label} {metrics[key]:.4g}")
-        self.console.print(" | ".join(parts))
+        self.console.print(" | ".join(parts), soft_wrap=True)  # one line per step, also in a log file
 
     def log_alert(self, alert: dict[str, Any], step: int) -> None:
-        self.console.print(f"[bold yellow]ALERT[/] step {step}: {alert.get('rule')}: {alert.get('message')}")
+        if not self.quiet:
+            self.console.print(f"[bold yellow]ALERT[/] step {step}: {alert.get('rule')}: {alert.get('message')}",
+                               soft_wrap=True)
+
+
+@register_tracker("jsonl")
+class JsonlTracker(Tracker):
+    """The part of ``verl_logs.jsonl`` the run logger does not write itself: distributions.
+
+    Each distribution becomes one ``histogram`` row with a fixed number of buckets::
+
+        {"scope": "histogram", "step": 3, "tag": "rollout/rewards", "min": 0.0, "max": 1.0, "num": 16, "sum": 4.0,
+         "sum_squares": 4.0, "bucket_limits": [...], "bucket_counts": [...]}
+
+    ``verl tensorboard`` turns these rows into TensorBoard histograms.
+    """
+
+    name = "jsonl"
+
+    def __init__(self, **_: Any):
+        pass
+
+    def log_histograms(self, values: dict[str, list[float]], step: int) -> None:
+        from verl.utils import log
+
+        logger = log.get_active()
+        if logger is None:
+            return
+        for tag, data in values.items():
+            summary = histogram_summary(data)
+            if summary is not None:
+                logger.event("histogram", step=step, tag=tag, **summary)
+
+
+@register_tracker("tensorboard")
+def _tensorboard(**context: Any) -> Tracker:
+    from verl.tracking.tensorboard_tracker import TensorBoardTracker
+
+    return TensorBoardTracker(**context)
+
+
+@register_tracker("wandb")
+def _wandb(**context: Any) -> Tracker:
+    from verl.tracking.wandb_tracker import WandbTracker
+
+    return WandbTracker(**context)
+
+
+@register_tracker("mlflow")
+def _mlflow(**context: Any) -> Tracker:
+    from verl.tracking.mlflow_tracker import MlflowTracker
+
+    return MlflowTracker(**context)
+
+
+@register_tracker("swanlab")
+def _swanlab(**context: Any) -> Tracker:
+    from verl.tracking.swanlab_tracker import SwanlabTracker
+
+    return SwanlabTracker(**context)

@@ -1,8 +1,9 @@
 """The tracker interface, the registry, and the fan-out the trainer talks to.
 
-``trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]`` names trackers; ``jsonl`` is the run logger itself
-(always on). Every backend is created at run start, so a missing package fails before the first step with the
-install command, never mid-run.
+``trainer.logger=[console,jsonl,tensorboard,wandb,mlflow,swanlab]`` names trackers; ``jsonl`` (always on) is the
+run logger's ``verl_logs.jsonl``. Every backend is created at run start, so a missing package fails before the first
+step with the install command, never mid-run. A new backend is a ``Tracker`` subclass (or factory) registered with
+``@register_tracker("name")``.
 """
 
 from __future__ import annotations
@@ -52,16 +53,26 @@ def register_tracker(name: str):
 
 
 def create_trackers(names: list[str], **context: Any) -> list[Tracker]:
-    """Instantiate the named trackers (``jsonl`` is the run logger and needs no tracker)."""
+    """Instantiate the named trackers, all of them now, so a missing package fails before the first step.
+
+    ``context`` carries what backends may need: ``config`` (the run's config model), ``run_dir``,
+    ``total_steps``, ``quiet``. ``jsonl`` maps to a tracker that adds histogram rows to the run's JSONL
+    (its metric rows are written by the run logger itself).
+    """
     import verl.tracking.backends  # noqa: F401  (registers the built-in backends)
 
-    trackers = []
-    for name in names:
-        if name == "jsonl":
-            continue
-        if name not in TRACKERS:
-            raise ConfigError(
-                f"trainer.logger: unknown tracker '{name}'; available: jsonl, {', '.join(sorted(TRACKERS))}"
-            )
-        trackers.append(TRACKERS[name](**context))
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise ConfigError(
+            f"trainer.logger: unknown tracker(s) {unknown}; available: {', '.join(sorted(TRACKERS))} "
+            "(e.g. trainer.logger=[console,jsonl,tensorboard])"
+        )
+    trackers: list[Tracker] = []
+    try:
+        for name in dict.fromkeys(names):  # a name given twice would log every point twice
+            trackers.append(TRACKERS[name](**context))
+    except BaseException:
+        for tracker in trackers:  # e.g. close a wandb run already started when mlflow is missing
+            tracker.finish()
+        raise
     return trackers

@@ -153,4 +153,6 @@ def load_model_weights(model: torch.nn.Module, path: Path) -> None:
     # Tied embeddings are saved once; anything else missing means the checkpoint is for another model.
     missing = [k for k in missing if "lm_head" not in k]
     if missing or unexpected:
-        raise CheckpointError(f"{weights} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise CheckpointError(
+            f"{weights} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )

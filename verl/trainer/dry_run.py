@@ -52,7 +52,8 @@ def dry_run(config: VerlConfig) -> str:
     mini = config.actor.ppo_mini_batch_size * config.rollout.n
     lines.append(
         f"step: {config.data.train_batch_size} prompts x {config.rollout.n} = {responses} responses, "
-        f"{responses // mini} optimizer step(s) x {config.actor.ppo_epochs} epoch(s); sequences up to {total_len} tokens"
+        f"{responses // mini} optimizer step(s) x {config.actor.ppo_epochs} epoch(s); "
+        f"sequences up to {total_len} tokens"
     )
     lines.append(f"roles: actor+rollout ({config.rollout.name})"
                  + (", reference" if config.use_reference else "") + (", critic" if config.use_critic else "")

@@ -72,7 +72,7 @@ class LocalPPOTrainer(PPOTrainer):
                                      cfg.trainer.seed)
         self.model = self._build_actor_model()
         self.actor = Actor(self.model, cfg.actor, cfg.trainer.total_steps, cfg.rollout.temperature,
-                           cfg.data.max_response_length)
+                           cfg.data.max_response_length, group_size=cfg.rollout.n)
         self.rollout = self._build_rollout()
         self.reference = self._build_reference() if cfg.use_reference else None
         self.critic = self._build_critic() if cfg.use_critic else None
@@ -106,10 +106,11 @@ class LocalPPOTrainer(PPOTrainer):
         autocast = torch.bfloat16 if cfg.actor.autocast == "bf16" else None
         if is_lora(self.model):
             return Reference(self.model, cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size,
-                             adapters_disabled=True, autocast_dtype=autocast)
+                             adapters_disabled=True, autocast_dtype=autocast, group_size=cfg.rollout.n)
         ref_device = torch.device("cpu") if cfg.reference.offload_to_cpu else self.device
         ref_model = load_causal_lm(cfg.model.path, cfg.model.dtype, ref_device, cfg.model.trust_remote_code)
-        return Reference(ref_model, cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size, autocast_dtype=autocast)
+        return Reference(ref_model, cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size, autocast_dtype=autocast,
+                         group_size=cfg.rollout.n)
 
     def _build_critic(self) -> Critic:
         cfg = self.config

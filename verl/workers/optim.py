@@ -29,10 +29,8 @@ def lr_multiplier(step: int, config: OptimConfig, total_steps: int) -> float:
         return 1.0
     span = max(1, total_steps - config.warmup_steps)
     progress = min(1.0, (step - config.warmup_steps) / span)
-    if config.lr_scheduler == "cosine":
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        decay = 1.0 - progress
+    cosine = config.lr_scheduler == "cosine"
+    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if cosine else 1.0 - progress
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * decay
 
 

@@ -13,13 +13,14 @@ import torch
 from verl.protocol import DataProto
 from verl.workers.forward import response_log_probs
 
-MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "prompts")
 
 
 class Reference:
     def __init__(self, model: torch.nn.Module, temperature: float, micro_batch_size: int | None = None,
-                 adapters_disabled: bool = False, autocast_dtype: torch.dtype | None = None):
+                 adapters_disabled: bool = False, autocast_dtype: torch.dtype | None = None, group_size: int = 1):
         self.model = model
+        self.group_size = group_size
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
         self.adapters_disabled = adapters_disabled
@@ -42,7 +43,7 @@ class Reference:
             for micro in data.split(self.micro_batch_size) if self.micro_batch_size else [data]:
                 batch = {k: micro.batch[k].to(device) for k in MODEL_KEYS}
                 log_probs, _ = response_log_probs(self.model, batch, self.temperature,
-                                                  autocast_dtype=self.autocast_dtype)
+                                                  autocast_dtype=self.autocast_dtype, group_size=self.group_size)
                 parts.append(log_probs.cpu())
         self.model.train(was_training)
         return torch.cat(parts)

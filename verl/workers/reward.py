@@ -60,7 +60,9 @@ class RewardManager:
             self.model = AutoModelForSequenceClassification.from_pretrained(local, use_safetensors=True).to(device)
             self.rm_tokenizer = AutoTokenizer.from_pretrained(local)
         except (OSError, ValueError) as exc:
-            raise ModelError(f"reward.model.path: cannot load a sequence-classification model from '{path}': {exc}")
+            raise ModelError(
+                f"reward.model.path: cannot load a sequence-classification model from '{path}': {exc}"
+            ) from None
         self.model.eval()
         if self.rm_tokenizer.pad_token is None:
             self.rm_tokenizer.pad_token = self.rm_tokenizer.eos_token

@@ -1,0 +1,48 @@
+"""The learning demos the foundation promises (slow group: `pytest -m slow`).
+
+Each runs the real `verl train` CLI and reads validation accuracy (strict `>> N` format, greedy) from
+verl_logs.jsonl: the first eval row is before training (val_before_train), the last one after the final step.
+Wall time is printed for the record, never asserted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.trainer_utils import rows, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def _train(tmp_path, name, *overrides):
+    start = time.perf_counter()
+    result = run_cli(["train", f"trainer.output_dir={tmp_path}", f"trainer.experiment_name={name}", "--quiet",
+                      *overrides], timeout=1800)
+    seconds = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    evals = rows(tmp_path / "verl" / name / "verl_logs.jsonl", "eval")
+    first, last = evals[0], evals[-1]
+    print(f"{name}: accuracy {first['accuracy']:.3f} -> {last['accuracy']:.3f} "
+          f"(flexible {first['accuracy_flexible']:.3f} -> {last['accuracy_flexible']:.3f}) in {seconds:.0f} s")
+    assert first["step"] == 0
+    return first, last
+
+
+def test_default_grpo_learns_the_format(tmp_path):
+    first, last = _train(tmp_path, "grpo")
+    assert first["accuracy"] < 0.6
+    assert last["accuracy"] - first["accuracy"] >= 0.5
+
+
+def test_ppo_with_critic_learns(tmp_path):
+    first, last = _train(tmp_path, "ppo", "--config", "configs/ppo_tiny.yaml")
+    assert first["accuracy"] < 0.6
+    assert last["accuracy"] - first["accuracy"] >= 0.3
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus"])
+def test_other_estimators_learn(tmp_path, estimator):
+    first, last = _train(tmp_path, estimator, f"algorithm.adv_estimator={estimator}")
+    assert last["accuracy"] - first["accuracy"] >= 0.3

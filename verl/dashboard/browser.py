@@ -1,0 +1,129 @@
+"""Driving the dashboard in a headless browser: the browser test and ``python -m verl.dashboard.browser``.
+
+    python -m verl.dashboard.browser --log_dir RUN_A RUN_B --out docs/dashboard.png
+
+starts the dashboard on a free local port, opens it in headless Chromium (Debian's ``chromium`` package, driven by
+Playwright; no browser download), waits until the charts have drawn every run's points, and saves a full-page
+screenshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from verl.errors import MissingDependencyError, VerlError
+
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+]
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "chrome")
+
+
+def find_chromium() -> str | None:
+    for name in CHROMIUM_NAMES:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def running_app(app: Any, port: int | None = None, timeout: float = 30.0) -> Iterator[str]:
+    """Serve ``app`` with uvicorn in a background thread; yields its base URL, stops it on exit."""
+    import uvicorn
+
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="verl-dashboard", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise VerlError(f"the dashboard server did not start on 127.0.0.1:{port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+
+
+@contextmanager
+def headless_chromium() -> Iterator[Any]:
+    """A Playwright ``Browser`` on the system Chromium."""
+    executable = find_chromium()
+    if executable is None:
+        raise MissingDependencyError("chromium", "the headless dashboard browser",
+                                     "apt-get install -y chromium chromium-driver")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        raise MissingDependencyError("playwright", "the headless dashboard browser") from None
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def wait_for_points(page: Any, panel: str, points_per_run: list[int], timeout_ms: int = 30000) -> None:
+    """Wait until chart ``panel`` holds at least ``points_per_run[i]`` non-null points for run series ``i``."""
+    page.wait_for_function(
+        """([panel, want]) => {
+            const chart = window.verlDashboard && window.verlDashboard.charts[panel];
+            if (!chart || chart.data.length - 1 < want.length) return false;
+            return want.every((n, i) => chart.data[i + 1].filter((v) => v !== null).length >= n);
+        }""",
+        arg=[panel, points_per_run], timeout=timeout_ms,
+    )
+
+
+def screenshot(log_dirs: list[Path], out: Path, width: int = 1400, height: int = 1000) -> Path:
+    """Save a full-page screenshot of the dashboard showing ``log_dirs`` once every run's reward curve is drawn."""
+    from verl.dashboard.app import create_app
+    from verl.dashboard.server import resolve_runs
+    from verl.tracking.follow import row_kind
+    from verl.utils.log import read_jsonl
+
+    logs = resolve_runs(log_dirs)
+    expected = [sum(1 for r in read_jsonl(p) if row_kind(r) == "metrics" and r.get("scope") == "rollout"
+                    and "reward_mean" in r) for p in logs]
+    app = create_app(logs, refresh_seconds=1.0)
+    with running_app(app) as url, headless_chromium() as browser:
+        page = browser.new_page(viewport={"width": width, "height": height})
+        page.goto(url)
+        wait_for_points(page, "reward", expected)
+        page.wait_for_timeout(300)  # let the last frame paint before the capture
+        out.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(out), full_page=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Screenshot the verl dashboard in headless Chromium.")
+    parser.add_argument("--log_dir", nargs="+", required=True, type=Path, help="run directories")
+    parser.add_argument("--out", type=Path, default=Path("dashboard.png"))
+    parser.add_argument("--width", type=int, default=1400)
+    parser.add_argument("--height", type=int, default=1000)
+    args = parser.parse_args(argv)
+    print(screenshot(args.log_dir, args.out, args.width, args.height))
+
+
+if __name__ == "__main__":
+    main()

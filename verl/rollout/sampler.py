@@ -1,0 +1,93 @@
+"""A lean sampling loop with a shared prompt prefill: prompts are run once, their KV cache repeated ``n`` times.
+
+``transformers``' ``generate(num_return_sequences=n)`` repeats the prompts *before* the prefill, so the prompt
+is computed ``n`` times; with ``n = 8`` and short answers the prefill is most of the rollout's compute. This loop
+prefills each prompt once, repeats the cache, then decodes all ``batch * n`` sequences together with
+transformers' own logits warpers (temperature, top-k, top-p). Greedy output equals ``generate``'s token for
+token (tested). Sampling draws from a private ``torch.Generator`` so the global RNG is untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from verl.rollout.base import SamplingParams
+
+
+def supports_shared_prefill(model: torch.nn.Module) -> bool:
+    """Dynamic-cache decoder models whose cache can be repeated along the batch."""
+    config = getattr(model, "config", None)
+    return bool(config is not None and getattr(config, "is_encoder_decoder", False) is False
+                and hasattr(model, "prepare_inputs_for_generation"))
+
+
+def _warpers(params: SamplingParams) -> LogitsProcessorList:
+    warpers = LogitsProcessorList()
+    if params.greedy:
+        return warpers
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    return warpers
+
+
+@torch.no_grad()
+def sample_with_shared_prefill(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    params: SamplingParams,
+    eos_token_id: int,
+    pad_token_id: int,
+) -> torch.Tensor:
+    """Generate ``(batch * n, <= max_new_tokens)`` token ids for left-padded prompts ``(batch, prompt_len)``.
+
+    Rows ``i*n .. i*n+n-1`` are prompt ``i``'s samples. Tokens after a row's eos are ``pad_token_id``.
+    """
+    n = params.n
+    device = input_ids.device
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                logits_to_keep=1)
+    cache = out.past_key_values
+    logits = out.logits[:, -1, :].float()
+    if n > 1:
+        cache.batch_repeat_interleave(n)
+        logits = logits.repeat_interleave(n, dim=0)
+        attention_mask = attention_mask.repeat_interleave(n, dim=0)
+        positions = positions.repeat_interleave(n, dim=0)
+    rows = logits.shape[0]
+    next_position = positions[:, -1:] + 1
+    generator = None
+    if not params.greedy:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    warpers = _warpers(params)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    tokens: list[torch.Tensor] = []
+    generated = torch.empty((rows, 0), dtype=torch.long, device=device)
+    for step in range(params.max_new_tokens):
+        if params.greedy:
+            token = logits.argmax(-1)
+        else:
+            scores = warpers(generated, logits) if warpers else logits
+            probs = torch.softmax(scores, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token = token.masked_fill(finished, pad_token_id)
+        tokens.append(token)
+        finished |= token == eos_token_id
+        if bool(finished.all()) or step == params.max_new_tokens - 1:
+            break
+        if warpers:
+            generated = torch.stack(tokens, dim=1)
+        attention_mask = torch.cat([attention_mask, torch.ones((rows, 1), dtype=attention_mask.dtype,
+                                                               device=device)], dim=1)
+        out = model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_position,
+                    past_key_values=cache, use_cache=True)
+        next_position = next_position + 1
+        logits = out.logits[:, -1, :].float()
+    return torch.stack(tokens, dim=1) if tokens else torch.empty((rows, 0), dtype=torch.long, device=device)
