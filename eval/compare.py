@@ -415,7 +415,8 @@ def _write(out_dir: Path, report: dict, entries: list[Entry]) -> None:
     doc = Doc("verl compare — " + " vs ".join(e.name for e in entries))
     doc.p(f"Baseline: **{entries[0].name}**. Paired by prompt; differences are candidate − baseline; "
           f"verdicts at α = {report['alpha']} (McNemar for binary per-prompt outcomes, paired bootstrap otherwise; "
-          "distinct-n / entropy: paired jackknife).")
+          "distinct-n / entropy: paired jackknife). McNemar wins/losses: prompts only the candidate / only the "
+          "baseline got right.")
     doc.h("Evaluations")
     doc.table(["name", "checkpoint", "chosen", "n", "temperature", "seed", "model hash"],
               [[e["name"], e["checkpoint"], e["chosen"], (e["sampling"] or {}).get("n"),
@@ -430,7 +431,7 @@ def _write(out_dir: Path, report: dict, entries: list[Entry]) -> None:
             test = row["test"]
             if "mcnemar" in row:
                 m = row["mcnemar"]
-                test += f", b/c = {m['n01']}/{m['n10']}"
+                test += f", wins/losses = {m['n01']}/{m['n10']}"
             rows.append([row["metric"], fmt(row["baseline"]), fmt(row["candidate"]), fmt(row["diff"]),
                          f"[{fmt(row['ci_low'])}, {fmt(row['ci_high'])}]", fmt(row["p_value"], 3), test,
                          fmt(row["correlation"], 3), row["verdict"]])
@@ -453,7 +454,8 @@ def _write(out_dir: Path, report: dict, entries: list[Entry]) -> None:
     doc.table(cols, [[r.get(c) for c in cols] for r in report["experiments"]])
     doc.p("final_reward / max_kl: last `rollout/reward_mean` and largest `ppo/kl_div` in the training log; "
           "train accuracy: the trainer's `eval/accuracy`; eval_accuracy: this comparison's evaluation.")
-    runs = {e.name: e.curves for e in entries if e.curves}
+    # Training curves belong to runs, not checkpoints: label them by run name.
+    runs = {(e.run_dir.name if e.run_dir else e.name): e.curves for e in entries if e.curves}
     if runs:
         doc.img(plots.overlaid_curves(runs, CURVE_METRICS, out_dir / "compare_curves.png", "training curves"),
                 "training curves, overlaid")

@@ -173,7 +173,7 @@ def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: s
     notes: list[str] = []
     n = settings.n if settings.n is not None else val.n
     temperature = settings.temperature if settings.temperature is not None else val.temperature
-    if n > 1 and temperature == 0.0 and settings.temperature is None:
+    if settings.n is not None and n > 1 and temperature == 0.0 and settings.temperature is None:
         # n identical greedy samples would make pass@k meaningless; sample at temperature 1 unless told otherwise.
         temperature = 1.0
         notes.append(f"n={n} with the run's greedy validation: sampling at temperature 1.0 (pass --temperature)")
@@ -356,10 +356,15 @@ class Evaluation:
         policy.requires_grad_(False)
         factory = get_rollout_factory(self.resolved.engine)
         if self.resolved.engine == "hf":
-            engine = factory(policy, self.tokenizer)
-        else:  # engines that load weights themselves (vLLM) take the path
-            engine = factory(model_path=model_path, tokenizer=self.tokenizer, config=self.run_cfg.rollout
-                             if self.run_cfg is not None else None,
+            # The run's generation chunking and autocast, so samples match the trainer's validation exactly.
+            micro = self.run_cfg.rollout.micro_batch_size if self.run_cfg is not None else None
+            autocast = torch.bfloat16 if self.run_cfg is not None and self.run_cfg.actor.autocast == "bf16" else None
+            engine = factory(policy, self.tokenizer, micro, autocast)
+        else:  # engines that load weights themselves (vLLM) take the path, as the trainer builds them
+            from verl.config import RolloutConfig
+
+            rollout_cfg = self.run_cfg.rollout if self.run_cfg is not None else RolloutConfig()
+            engine = factory(model_path=model_path, tokenizer=self.tokenizer, config=rollout_cfg,
                              max_model_len=self.data_cfg.max_prompt_length + self.resolved.max_new_tokens,
                              seed=self.resolved.seed, actor_model=policy)
         params = SamplingParams(n=self.resolved.n, temperature=self.resolved.temperature, top_p=self.resolved.top_p,

@@ -144,3 +144,18 @@ def test_help_works_without_matplotlib():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "eval" in result.stdout and "compare" in result.stdout
+
+
+def test_sampled_validation_matches_too(tmp_path):
+    """With n = 2 sampled validation, the seeded sampling makes verl eval reproduce training's numbers as well."""
+    cli("train", *TINY, "trainer.total_steps=1", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=s",
+        "rollout.val_kwargs.n=2", "rollout.val_kwargs.temperature=1.0", "data.val_max_samples=8", "--quiet")
+    run = tmp_path / "verl" / "s"
+    cli("eval", "--ckpt", str(run / "checkpoints" / "global_step_1"), "--evaluators", "accuracy", "--quiet")
+    results = json.loads((run / "eval" / "global_step_1" / "results.json").read_text())
+    trained = eval_rows(run)[1]
+    assert results["sampling"]["n"] == 2 and results["sampling"]["temperature"] == 1.0
+    assert results["data"]["num_samples"] == 16
+    for key in ("accuracy", "accuracy_flexible", "pass@2", "maj@2"):
+        assert results["metrics"][f"eval/{key}"]["value"] == trained[key], key
+    assert results["metrics"]["eval/accuracy"]["method"] == "cluster"
