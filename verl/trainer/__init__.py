@@ -1,1 +1,6 @@
 """Trainers: the PPO driver loop and its executors, SFT, callbacks, checkpoints."""
+
+# `from verl.trainer import TrainerCallback` (as in the user's guides); callbacks.py imports only the stdlib.
+from verl.trainer.callbacks import BestCheckpointSaver, EarlyStopper, TrainerCallback
+
+__all__ = ["BestCheckpointSaver", "EarlyStopper", "TrainerCallback"]
