@@ -78,11 +78,13 @@ def create_app(log_paths: list[Path], refresh_seconds: float = 5.0, title: str =
         for run, (generation, cursor) in zip(runs, parsed, strict=True):
             run.refresh()
             payload.append(run.delta(generation, cursor))
-        samples = sorted((s for r in runs for s in r.latest("samples", samples_limit)),
-                         key=lambda s: (str(s.get("timestamp") or ""), s.get("step") or 0), reverse=True)
+        # Each run gets its share of the table, so runs being compared all show their latest generations.
+        share = max(1, samples_limit // max(1, len(runs)))
+        samples = sorted((s for r in runs for s in r.latest("samples", share)),
+                         key=lambda s: (s.get("step") or 0, str(s.get("timestamp") or ""), -s["run_id"]), reverse=True)
         alerts = sorted((a for r in runs for a in r.latest("alerts", samples_limit)),
                         key=lambda a: (str(a.get("timestamp") or ""), a.get("step") or 0), reverse=True)
-        return JSONResponse({"runs": payload, "samples": samples[:samples_limit], "alerts": alerts[:samples_limit]})
+        return JSONResponse({"runs": payload, "samples": samples, "alerts": alerts[:samples_limit]})
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app

@@ -94,8 +94,8 @@ def wait_for_points(page: Any, panel: str, points_per_run: list[int], timeout_ms
     )
 
 
-def screenshot(log_dirs: list[Path], out: Path, width: int = 1400, height: int = 1000) -> Path:
-    """Save a full-page screenshot of the dashboard showing ``log_dirs`` once every run's reward curve is drawn."""
+def screenshot(log_dirs: list[Path], out: Path, width: int = 1400, height: int = 1000, full_page: bool = True) -> Path:
+    """Save a screenshot of the dashboard showing ``log_dirs`` once every run's reward curve is drawn."""
     from verl.dashboard.app import create_app
     from verl.dashboard.server import resolve_runs
     from verl.tracking.follow import row_kind
@@ -111,7 +111,7 @@ def screenshot(log_dirs: list[Path], out: Path, width: int = 1400, height: int =
         wait_for_points(page, "reward", expected)
         page.wait_for_timeout(300)  # let the last frame paint before the capture
         out.parent.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(out), full_page=True)
+        page.screenshot(path=str(out), full_page=full_page)
     return out
 
 
@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("dashboard.png"))
     parser.add_argument("--width", type=int, default=1400)
     parser.add_argument("--height", type=int, default=1000)
+    parser.add_argument("--viewport-only", action="store_true", help="capture the window, not the whole page")
     args = parser.parse_args(argv)
-    print(screenshot(args.log_dir, args.out, args.width, args.height))
+    print(screenshot(args.log_dir, args.out, args.width, args.height, full_page=not args.viewport_only))
 
 
 if __name__ == "__main__":
