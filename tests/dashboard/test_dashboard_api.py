@@ -72,3 +72,21 @@ def test_run_directories_and_directories_of_runs_resolve(runs, tmp_path):
     assert resolve_runs([runs[0].parent, runs[0]]) == [runs[0]]  # duplicates dropped
     with pytest.raises(ConfigError, match="no training log found"):
         resolve_runs([tmp_path / "nope"])
+
+
+def test_a_busy_port_and_bad_refresh_are_clear_errors(runs):
+    import socket
+
+    from verl.dashboard.server import check_port, serve
+    from verl.errors import VerlError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(VerlError, match=f"cannot listen on 127.0.0.1:{port}.*pass another --port"):
+            check_port("127.0.0.1", port)
+    with pytest.raises(ConfigError, match="--port must be between 1 and 65535"):
+        check_port("127.0.0.1", 70000)
+    with pytest.raises(ConfigError, match="--refresh must be > 0"):
+        serve([runs[0]], refresh_seconds=0)

@@ -35,7 +35,8 @@ def run(tmp_path_factory, repo_root):
     env.pop("WANDB_RUN_ID", None)
     cmd = [sys.executable, "-m", "verl.cli", "train", f"trainer.output_dir={out}", "trainer.experiment_name=e2e",
            f"trainer.total_steps={STEPS}", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=4",
-           "trainer.test_freq=2", "data.val_max_samples=8", f"trainer.logger={TRACKERS}"]
+           "trainer.test_freq=2", "data.val_max_samples=8", f"trainer.logger={TRACKERS}",
+           "trainer.tracking.wandb.log_artifacts=true", "trainer.tracking.wandb.group=e2e-group"]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dir = out / "verl" / "e2e"
@@ -112,6 +113,12 @@ def test_wandb_offline_run_holds_the_same_metrics(run):
     # The table accumulates (newest max_sample_rows): validations at steps 0, 2, 3 with 4 samples each.
     assert [by_step[s]["samples/val/nrows"] for s in (0, 2, 3)] == [4, 8, 12]
     assert by_step[1]["rollout/rewards/_type"] == "histogram"
+    assert record["run"].run_group == "e2e-group"
+    (artifact,) = record["artifacts"]  # the final checkpoint (trainer.tracking.wandb.log_artifacts=true)
+    assert artifact.type == "model" and artifact.name == "e2e-model"
+    assert {"step-3", "latest"} <= set(artifact.aliases)
+    files = {entry.path for entry in artifact.manifest.contents}
+    assert {"model.safetensors", "config.json", "meta.json"} <= files
 
 
 def test_mlflow_run_holds_the_same_metrics_params_and_samples(run):

@@ -47,10 +47,10 @@ def raw_records(path: Path) -> Iterator[bytes]:
 
 
 def read_run(path: Path) -> dict[str, Any]:
-    """``{"history": [{key: value}, ...], "config": {...}, "run": Record.run, "alerts": [...]}``."""
+    """``{"history": [{key: value}, ...], "config": {...}, "run": Record.run, "alerts": [...], "artifacts": [...]}``."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    out: dict[str, Any] = {"history": [], "config": {}, "run": None, "alerts": []}
+    out: dict[str, Any] = {"history": [], "config": {}, "run": None, "alerts": [], "artifacts": []}
     for raw in raw_records(path):
         record = pb.Record()
         record.ParseFromString(raw)
@@ -65,6 +65,8 @@ def read_run(path: Path) -> dict[str, Any]:
         elif kind == "config":
             for item in record.config.update:
                 out["config"][item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+        elif kind == "artifact" and record.artifact.type != "run_table":  # tables are stored as artifacts too
+            out["artifacts"].append(record.artifact)
         elif kind == "alert":
             out["alerts"].append({"title": record.alert.title, "text": record.alert.text})
     return out
