@@ -114,10 +114,12 @@ def _md_cell(value: Any) -> str:
 
 
 def _inline(text: str) -> str:
-    """Escape, then turn `code` spans into <code>."""
-    escaped = html.escape(text)
-    pieces = escaped.split("`")
-    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(pieces))
+    """Escape, then turn `code` spans into <code> and **bold** into <b> (the Markdown the reports use)."""
+    import re
+
+    pieces = html.escape(text).split("`")
+    out = "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(pieces))
+    return re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", out)
 
 
 def fmt(value: Any, digits: int = 4) -> str:

@@ -484,6 +484,8 @@ class Evaluation:
             if scores is not None:
                 row["reward"] = float(scores[i])
             for name, column in columns.items():
+                if name in row:  # e.g. response_length: the base field already holds it (as an int)
+                    continue
                 value = float(column[i])
                 row[name] = value if np.isfinite(value) else None
             rows.append(row)
@@ -671,7 +673,9 @@ def run_eval(ckpt: str | Path, settings: EvalSettings, out: str | Path | None = 
 def _tokenizer_source(path: str, run_cfg: Any) -> str:
     local = Path(path)
     has_tokenizer = any((local / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
-    if local.is_dir() and not has_tokenizer and run_cfg is not None:
+    # A LoRA checkpoint holds adapter files only (no config.json); its tokenizer is the base model's.
+    is_model_dir = (local / "config.json").is_file()
+    if local.is_dir() and not (has_tokenizer and is_model_dir) and run_cfg is not None:
         return run_cfg.model.tokenizer_path or run_cfg.model.path
     return path
 

@@ -159,3 +159,17 @@ def test_sampled_validation_matches_too(tmp_path):
     for key in ("accuracy", "accuracy_flexible", "pass@2", "maj@2"):
         assert results["metrics"][f"eval/{key}"]["value"] == trained[key], key
     assert results["metrics"]["eval/accuracy"]["method"] == "cluster"
+
+
+def test_lora_checkpoint_is_merged_onto_its_base(tmp_path):
+    cli("train", *TINY, "trainer.total_steps=1", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=l",
+        "model.lora.rank=4", "data.val_max_samples=8", "--quiet")
+    run = tmp_path / "verl" / "l"
+    ckpt = run / "checkpoints" / "global_step_1"
+    assert not (ckpt / "config.json").exists()  # adapter files only
+    cli("eval", "--ckpt", str(ckpt), "--evaluators", "accuracy,length,kl", "--quiet")
+    results = json.loads((run / "eval" / "global_step_1" / "results.json").read_text())
+    trained = eval_rows(run)[1]
+    assert results["metrics"]["eval/accuracy_flexible"]["value"] == trained["accuracy_flexible"]
+    assert results["metrics"]["eval/response_length_mean"]["value"] == pytest.approx(trained["response_length_mean"])
+    assert 0 <= results["metrics"]["eval/kl_exact"]["value"] < 0.1  # one small LoRA step from the base
