@@ -1,0 +1,93 @@
+"""``verl export`` and ``verl serve``, registered on the ``verl`` CLI by ``verl.cli.register_subcommands``.
+
+Heavy imports (torch, transformers, fastapi, uvicorn) happen inside the commands, so ``verl --help`` works in an
+environment without the serving extra.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer, run_guarded) -> None:
+    @app.command("export")
+    def export_command(
+        to: Annotated[Path, typer.Option("--to", help="Output directory (a self-contained HF model dir).")],
+        run: Annotated[Path | None, typer.Option("--run", help="Run dir (outputs/<project>/<experiment>).")] = None,
+        ckpt: Annotated[Path | None, typer.Option("--ckpt", help="A checkpoint/model dir instead of --run.")] = None,
+        select: Annotated[str, typer.Option("--select", help="With --run: best, latest or global_step_N.")] = "best",
+        metric: Annotated[str | None, typer.Option(
+            "--metric", help="With --select best: METRIC[:max|min] (default eval/accuracy:max).")] = None,
+        force: Annotated[bool, typer.Option("--force", help="Replace an existing export at --to.")] = False,
+        base: Annotated[str | None, typer.Option(
+            "--base", help="LoRA checkpoints: the base model, if it moved since training.")] = None,
+        dtype: Annotated[str, typer.Option("--dtype", help="auto (as saved), float32, bfloat16 or float16.")] = "auto",
+        logs: Annotated[Path | None, typer.Option(
+            "--logs", help="verl_logs.jsonl (or its dir) when it is not in the run dir.")] = None,
+        no_verify: Annotated[bool, typer.Option(
+            "--no-verify", help="Skip reloading the export to compare logits (saves memory on big models).")] = False,
+    ) -> None:
+        """Export a checkpoint as a servable HF model dir (LoRA merged, safetensors, tokenizer, export.json)."""
+
+        def _run() -> None:
+            from rich.console import Console
+
+            from serve.export import run_export
+            from verl.errors import ConfigError
+
+            if dtype not in ("auto", "float32", "bfloat16", "float16"):
+                raise ConfigError(f"--dtype '{dtype}' must be auto, float32, bfloat16 or float16")
+            _quiet_transformers()
+            path, selection = run_export(to, run=run, ckpt=ckpt, select=select, metric=metric, force=force,
+                                         base=base, dtype=dtype, logs=logs, verify=not no_verify)
+            console = Console(stderr=True, highlight=False)
+            for note in selection.notes:
+                console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+            why = selection.selected_by
+            if selection.metric:
+                m = selection.metric
+                value = "?" if m["value"] is None else f"{m['value']:.4g}"
+                why += f" by {m['name']}:{m['mode']} = {value} (from {m['source']})"
+            console.print(f"exported {selection.checkpoint} (step {selection.step}, {why}) -> {path}", soft_wrap=True)
+            console.print(f"serve it: VERL_SERVE_MODEL={path} uvicorn serve.api:app --host 127.0.0.1 --port 8000",
+                          soft_wrap=True)
+
+        run_guarded(_run)
+
+    @app.command("serve")
+    def serve_command(
+        model: Annotated[str | None, typer.Option("--model", help="Model dir or builtin:NAME "
+                                                  "(default: VERL_SERVE_MODEL or builtin:tiny-arith).")] = None,
+        host: Annotated[str | None, typer.Option("--host", help="Bind address (default 127.0.0.1).")] = None,
+        port: Annotated[int | None, typer.Option("--port", help="Port (default 8000).")] = None,
+        engine: Annotated[str | None, typer.Option("--engine", help="auto, transformers or vllm.")] = None,
+        config: Annotated[Path | None, typer.Option("--config", "-c", help="serve.yaml settings file.")] = None,
+    ) -> None:
+        """Run the inference service (same app as `uvicorn serve.api:app`); Ctrl-C drains and stops it."""
+
+        def _run() -> None:
+            import uvicorn
+
+            from serve.api import create_app
+            from serve.settings import load_settings
+
+            overrides = {k: v for k, v in {"model": model, "host": host, "port": port, "engine": engine}.items()
+                         if v is not None}
+            # Load before accepting traffic here: a bad model path fails the command with its message.
+            settings = load_settings(config, load_in_background=False, **overrides)
+            app = create_app(settings)
+            grace = settings.drain_grace_s + settings.shutdown_timeout_s + 1
+            uvicorn.run(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=int(grace) + 1,
+                        log_level="info")
+
+        run_guarded(_run)
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()

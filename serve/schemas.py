@@ -1,0 +1,236 @@
+"""Request and response bodies: OpenAI-compatible completions/chat, the simple ``/generate``, errors.
+
+Field names, defaults and shapes follow the OpenAI API (and vLLM's extensions ``top_k``, ``ignore_eos``,
+``stop_token_ids``) so the official ``openai`` client and tools built on it work unchanged. Unknown fields are
+rejected (422 naming the field) rather than ignored: a misspelt ``max_token`` must not silently become the default.
+Parameters that exist in the OpenAI API but are not implemented here are accepted only at their neutral value
+and otherwise answered with a 400 that says so.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+# Strict bools and ints: `"stream": "yes"` or `"n": 1.5` are client bugs worth a 422, not something to coerce.
+TokenId = Annotated[StrictInt, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------- shared sampling fields
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = Field(False, description="Send a last chunk with `usage` and empty `choices`.")
+
+
+class _SamplingFields(_Strict):
+    model: str | None = Field(None, description="Model id from /v1/models (optional: this server serves one model).")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="vLLM extension: keep the k most likely tokens (-1 or 0: all).")
+    n: StrictInt = Field(1, ge=1, description="Completions per prompt.")
+    stop: str | list[str] | None = Field(None, description="Up to 16 strings; generation stops before the first match.")
+    stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extension: token ids that end generation.")
+    seed: StrictInt | None = Field(None, description="Makes sampling reproducible (completion i uses seed + i).")
+    stream: StrictBool = Field(False, description="Server-sent events, ending with `data: [DONE]`.")
+    stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool = Field(False, description="vLLM extension: keep generating past the end-of-text token.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Not implemented: only 0 is accepted.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Not implemented: only 0 is accepted.")
+    logit_bias: dict[str, float] | None = Field(None, description="Not implemented: only null/{} is accepted.")
+    user: str | None = Field(None, description="Opaque end-user id (logged nowhere; accepted for compatibility).")
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else list(value)
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        ..., description="Text, a list of texts, token ids, or a list of token-id lists."
+    )
+    max_tokens: StrictInt | None = Field(None, ge=1, description="Tokens to generate at most (default: server's).")
+    echo: StrictBool = Field(False, description="Not implemented: only false is accepted.")
+    logprobs: StrictInt | None = Field(None, ge=0, le=20, description="Not implemented: only null/0 is accepted.")
+    best_of: StrictInt | None = Field(None, ge=1, description="Not implemented: only null/1 is accepted.")
+    suffix: str | None = Field(None, description="Not implemented: only null is accepted.")
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: str | int | None = Field(None, description="The stop string or token id that ended the choice.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, description="Deprecated OpenAI name of max_completion_tokens.")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="Tokens to generate at most.")
+    add_generation_prompt: StrictBool = Field(True, description="vLLM extension: end the prompt with the "
+                                              "assistant header so the model answers.")
+    logprobs: StrictBool = Field(False, description="Not implemented: only false is accepted.")
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="Not implemented: only null/0 is accepted.")
+    response_format: dict | None = Field(None, description="Not implemented: only null or {'type': 'text'}.")
+    tools: list[dict] | None = Field(None, description="Not implemented: only null/[] is accepted.")
+    tool_choice: str | dict | None = Field(None, description="Not implemented: only null/'none' is accepted.")
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: str | int | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+# ---------------------------------------------------------------- /generate (the tutorial-style endpoint)
+
+
+class GenerateRequest(_Strict):
+    prompt: str = Field(..., min_length=1, description="Raw text (no chat template applied).")
+    max_new_tokens: StrictInt | None = Field(None, ge=1, description="Tokens to generate at most (default: server's).")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 (default) = greedy, as model.generate does.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: StrictInt | None = None
+    stop: list[str] | None = Field(None, max_length=16)
+
+
+class GenerateResponse(BaseModel):
+    response: str = Field(..., description="The generated text (without the prompt).")
+    finish_reason: Literal["stop", "length", "abort"]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+# ---------------------------------------------------------------- models, tokenize, version, health
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "verl-suite"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(_Strict):
+    prompt: str | None = Field(None, description="Raw text to tokenize.")
+    messages: list[ChatMessage] | None = Field(None, description="Chat messages (the chat template is applied).")
+    add_generation_prompt: StrictBool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[TokenId] = Field(..., max_length=1_000_000)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+    engine: str
+    model: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "loading", "draining", "dead"]
+    engine: str | None = None
+    detail: str | None = None

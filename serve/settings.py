@@ -1,0 +1,155 @@
+"""Service settings: environment variables (``VERL_SERVE_*``) over an optional ``serve.yaml`` over defaults.
+
+    VERL_SERVE_MODEL=exports/grpo-a VERL_SERVE_MAX_BATCH_SIZE=16 uvicorn serve.api:app --host 127.0.0.1
+
+The YAML file is ``$VERL_SERVE_CONFIG`` when set, else ``./serve.yaml`` when it exists. Its keys are the field names
+below (``max_batch_size: 16``); an unknown key is an error that names it, so a typo never silently falls back to a
+default. Every field documents itself in ``docs/serving.md`` (generated from the descriptions here).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+
+from verl.errors import ConfigError
+
+ENV_PREFIX = "VERL_SERVE_"
+DEFAULT_CONFIG_FILE = "serve.yaml"
+# The YAML file for the settings object being built; a context variable (not a global) so concurrent builds
+# with different files (tests, several apps in one process) never see each other's file.
+_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("serve_config_file", default=None)
+
+
+class ServeSettings(BaseSettings):
+    """Everything the inference service can be told. Env var = ``VERL_SERVE_`` + field name in upper case."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # ---------------------------------------------------------------- model and engine
+    model: str = Field("builtin:tiny-arith", description="Model to serve: an export/checkpoint HF dir or builtin:NAME.")
+    served_model_name: str | None = Field(
+        None, description="Name clients use in the `model` field (default: the model dir's name or builtin name)."
+    )
+    engine: Literal["auto", "transformers", "vllm"] = Field(
+        "auto", description="Generation engine; auto = vllm when importable, else transformers."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    device: str = Field("auto", description="transformers engine device: auto, cpu, cuda, cuda:1, ...")
+    trust_remote_code: bool = Field(False, description="Run model code shipped in the model dir.")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads (1 is fastest on small shared CPUs).")
+    seed: int = Field(0, description="Seed of the engine's sampler for requests that give no `seed`.")
+
+    # ---------------------------------------------------------------- capacity and limits
+    max_batch_size: int = Field(32, ge=1, le=4096, description="Sequences decoded together in one forward pass.")
+    max_queue_size: int = Field(
+        256, ge=0, description="Sequences allowed to wait for a batch slot; beyond it requests get 429 + Retry-After."
+    )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Longest prompt accepted (default: the model's context length minus one)."
+    )
+    max_output_tokens: int = Field(512, ge=1, description="Largest `max_tokens` a request may ask for.")
+    default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request gives none.")
+    max_n: int = Field(8, ge=1, description="Largest `n` (completions per prompt) a request may ask for.")
+    max_prompts_per_request: int = Field(32, ge=1, description="Largest list of prompts in one /v1/completions call.")
+    request_timeout_s: float = Field(120.0, gt=0, description="A request still generating after this gets 504.")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 429/503.")
+    shutdown_timeout_s: float = Field(
+        15.0, ge=0, description="On shutdown, in-flight requests get this long to finish before they are aborted."
+    )
+    drain_grace_s: float = Field(
+        0.0, ge=0, description="After SIGTERM, answer /health and new requests with 503 this long before stopping "
+        "(lets a load balancer take the instance out first).",
+    )
+    load_in_background: bool = Field(
+        True, description="Accept connections while the model loads (/health answers 503 until ready)."
+    )
+
+    # ---------------------------------------------------------------- security
+    api_key: SecretStr | None = Field(
+        None, description="When set, /v1/*, /generate, /tokenize, /detokenize need `Authorization: Bearer <key>`."
+    )
+    cors_allow_origins: list[str] = Field(
+        default_factory=list, description="Origins allowed by CORS (empty: CORS off; other origins blocked)."
+    )
+
+    # ---------------------------------------------------------------- vLLM engine
+    vllm_kv_cache_gib: float = Field(1.0, gt=0, description="vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE, GiB).")
+    vllm_enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (starts in ~15 s, not ~45 s).")
+    vllm_max_model_len: int | None = Field(None, ge=1, description="vLLM max_model_len (default: the model's).")
+
+    # ---------------------------------------------------------------- `verl serve` only
+    host: str = Field("127.0.0.1", description="`verl serve` bind address (loopback unless you mean otherwise).")
+    port: int = Field(8000, ge=0, le=65535, description="`verl serve` port.")
+
+    @field_validator("api_key")
+    @classmethod
+    def _empty_key_is_none(cls, value: SecretStr | None) -> SecretStr | None:
+        # `VERL_SERVE_API_KEY=` (empty) must not mean "the key is the empty string".
+        return value if value is not None and value.get_secret_value() else None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Precedence: explicit arguments > environment > YAML file > defaults."""
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _CONFIG_FILE.get()
+        if path is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+    def model_name(self) -> str:
+        """The id clients see in /v1/models and send back in `model`."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model.startswith("builtin:"):
+            return self.model.split(":", 1)[1]
+        return Path(self.model).name or self.model
+
+
+def config_file_path(config_file: str | os.PathLike | None = None) -> Path | None:
+    """The YAML file to read: the argument, else ``$VERL_SERVE_CONFIG``, else ``./serve.yaml`` if present."""
+    named = config_file or os.environ.get("VERL_SERVE_CONFIG")
+    if named:
+        path = Path(named).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"serve config file '{path}' does not exist (from VERL_SERVE_CONFIG or --config)")
+        return path
+    default = Path(DEFAULT_CONFIG_FILE)
+    return default if default.is_file() else None
+
+
+def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any) -> ServeSettings:
+    """Build settings from ``overrides`` > env > YAML > defaults; any invalid value raises one ``ConfigError``."""
+    path = config_file_path(config_file)
+    token = _CONFIG_FILE.set(path)
+    try:
+        return ServeSettings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, path)) from None
+    finally:
+        _CONFIG_FILE.reset(token)
+
+
+def _describe(exc: ValidationError, path: Path | None) -> str:
+    where = f"env {ENV_PREFIX}*" + (f" or {path}" if path else "")
+    problems = []
+    for error in exc.errors():
+        field = ".".join(str(p) for p in error["loc"]) or "settings"
+        if error["type"] == "extra_forbidden":
+            known = ", ".join(sorted(ServeSettings.model_fields))
+            problems.append(f"unknown setting '{field}' (known: {known})")
+        else:
+            problems.append(f"{field}: {error['msg']} (got {error.get('input')!r})")
+    return f"invalid serve settings ({where}): " + "; ".join(problems)

@@ -1,0 +1,116 @@
+"""Run the real app under uvicorn on a loopback port (in a thread, or in a subprocess for signal tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from serve.api import create_app
+from serve.settings import load_settings
+
+REPO = Path(__file__).resolve().parents[2]
+# Small, quick defaults for tests: the shipped 1M-parameter warm start, short generations.
+TEST_SETTINGS = {"model": "builtin:tiny-arith", "max_batch_size": 8, "max_queue_size": 16, "default_max_tokens": 16,
+                 "max_output_tokens": 128, "engine": "transformers"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    app: object
+    server: uvicorn.Server | None = None
+
+    @property
+    def service(self):
+        return self.app.state.service
+
+
+def wait_healthy(url: str, timeout: float = 120.0) -> httpx.Response:
+    """Poll /health until 200; fail with the last answer (the service says why it is not ready)."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.get(url + "/health", timeout=5)
+            if last.status_code == 200:
+                return last
+            if last.json().get("status") == "dead":
+                raise AssertionError(f"server failed to start: {last.text}")
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"server not healthy after {timeout}s: {last.text if last is not None else 'no answer'}")
+
+
+@contextlib.contextmanager
+def run_server(wait: bool = True, **overrides) -> Iterator[Server]:
+    """Start ``create_app`` under uvicorn in a background thread on a free loopback port."""
+    settings = load_settings(**{**TEST_SETTINGS, **overrides})
+    app = create_app(settings)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=10))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if wait:
+            wait_healthy(url)
+        yield Server(url, app, server)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@contextlib.contextmanager
+def run_server_process(env: dict[str, str], python: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``python -m uvicorn serve.api:app`` in a subprocess (real signals, real startup), configured by env."""
+    port = free_port()
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **env}
+    proc = subprocess.Popen(
+        [python or sys.executable, "-m", "uvicorn", "serve.api:app", "--host", "127.0.0.1", "--port", str(port),
+         "--log-level", "warning", "--timeout-graceful-shutdown", "30"],
+        cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """One sample's value from Prometheus text (0 when the series does not exist yet)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total

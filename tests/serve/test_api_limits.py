@@ -1,0 +1,167 @@
+"""Overload, disconnects, timeouts, API keys, engine failure and graceful shutdown, on real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.helpers import metric_value, run_server, run_server_process, wait_healthy
+
+LONG = {"prompt": "<|user|>What is 1+1?\n<|assistant|>", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+# The 25M-parameter random model takes ~20 ms a token here: a 120-token request lasts seconds, so a client can
+# drop out (or a timeout fire) long before it would finish, however loaded the machine is.
+SLOW = {"model": "builtin:small-arith-base"}
+
+
+def _running(url: str) -> float:
+    return metric_value(httpx.get(url + "/metrics").text, "verl:num_requests_running")
+
+
+def test_overload_gets_429_with_retry_after_and_the_server_stays_healthy():
+    async def burst(url: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*[client.post("/v1/completions", json=LONG) for _ in range(12)])
+
+    # 2 in the batch + 2 waiting = 4 sequences admitted; the other 8 of a 12-request burst are refused.
+    with run_server(max_batch_size=2, max_queue_size=2, retry_after_s=3) as srv:
+        responses = asyncio.run(burst(srv.url))
+        codes = sorted(r.status_code for r in responses)
+        assert codes.count(200) >= 4 and codes.count(429) >= 1 and set(codes) <= {200, 429}
+        refused = next(r for r in responses if r.status_code == 429)
+        assert refused.headers["Retry-After"] == "3"
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert httpx.get(srv.url + "/health").status_code == 200
+        ok = httpx.post(srv.url + "/v1/completions", json={**LONG, "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200  # capacity comes back once the burst is served
+        text = httpx.get(srv.url + "/metrics").text
+        assert metric_value(text, "verl:requests_rejected_total", reason="queue_full") == codes.count(429)
+        assert metric_value(text, "verl:http_requests_total", path="/v1/completions", status="429") == codes.count(429)
+
+
+def test_dropped_stream_frees_its_slot():
+    # One batch slot and no queue: while the abandoned stream held its slot, every other request would get 429.
+    with run_server(max_batch_size=1, max_queue_size=0, **SLOW) as srv:
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["text"]
+            assert _running(srv.url) == 1
+        # Leaving the block closes the connection mid-stream (120 tokens were asked for).
+        deadline = time.monotonic() + 30
+        while _running(srv.url) != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _running(srv.url) == 0
+        after = httpx.post(srv.url + "/v1/completions", json={**LONG, "max_tokens": 3}, timeout=60)
+        assert after.status_code == 200
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert metric_value(metrics, "verl:request_success_total", finished_reason="abort") == 1
+        assert metric_value(metrics, "verl:generation_tokens_total") < 120 + 3
+
+
+def test_dropped_non_streaming_client_frees_its_slot():
+    with run_server(max_batch_size=1, max_queue_size=0, **SLOW) as srv:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json=LONG, timeout=0.5)
+        deadline = time.monotonic() + 30
+        while _running(srv.url) != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.post(srv.url + "/v1/completions", json={**LONG, "max_tokens": 2}, timeout=60).status_code == 200
+        aborted = metric_value(httpx.get(srv.url + "/metrics").text, "verl:request_success_total",
+                               finished_reason="abort")
+        assert aborted == 1
+
+
+def test_timeout_gives_504_and_frees_the_slot():
+    with run_server(request_timeout_s=0.2, max_batch_size=1, max_queue_size=0, **SLOW) as srv:
+        resp = httpx.post(srv.url + "/v1/completions", json=LONG, timeout=60)
+        assert resp.status_code == 504
+        assert resp.json()["error"]["code"] == "timeout"
+        with httpx.stream("POST", srv.url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as stream:
+            events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert '"code":"timeout"' in events[-2] and events[-1] == "data: [DONE]"
+        deadline = time.monotonic() + 30
+        while _running(srv.url) != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _running(srv.url) == 0
+
+
+def test_api_key_is_enforced_but_health_stays_open():
+    with run_server(api_key="s3cret") as srv:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        denied = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert denied.status_code == 401
+        assert denied.headers["WWW-Authenticate"] == "Bearer"
+        assert denied.json()["error"]["type"] == "authentication_error"
+        wrong = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model="tiny-arith", prompt="hi", max_tokens=2).choices
+        assert httpx.get(srv.url + "/generate").status_code in (401, 405)  # no key: never reaches the model
+
+
+def test_cors_is_off_by_default_and_on_when_configured(server):
+    preflight = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    resp = httpx.options(server.url + "/v1/completions", headers=preflight)
+    assert "access-control-allow-origin" not in resp.headers
+    with run_server(cors_allow_origins=["https://app.example"]) as srv:
+        resp = httpx.options(srv.url + "/v1/completions",
+                             headers={**preflight, "Origin": "https://app.example"})
+        assert resp.headers["access-control-allow-origin"] == "https://app.example"
+
+
+def test_engine_death_turns_health_and_requests_into_503():
+    with run_server() as srv:
+        engine = srv.service.engine
+        engine.model = None  # the next forward pass raises inside the engine thread
+        resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_dead"
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "dead"
+        again = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert again.status_code == 503
+
+
+def test_a_model_that_cannot_load_reports_dead_with_the_reason(tmp_path):
+    with run_server(wait=False, model=str(tmp_path / "missing")) as srv:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            body = httpx.get(srv.url + "/health").json()
+            if body["status"] != "loading":
+                break
+            time.sleep(0.05)
+        assert body["status"] == "dead" and "does not exist" in body["detail"]
+        resp = httpx.post(srv.url + "/generate", json={"prompt": "hi"})
+        assert resp.status_code == 503 and resp.headers["Retry-After"]
+
+
+def test_sigterm_drains_in_flight_work_and_refuses_new_work():
+    env = {"VERL_SERVE_MODEL": "builtin:tiny-arith", "VERL_SERVE_ENGINE": "transformers",
+           "VERL_SERVE_DRAIN_GRACE_S": "3", "VERL_SERVE_SHUTDOWN_TIMEOUT_S": "20"}
+    with run_server_process(env) as (url, proc):
+        wait_healthy(url)
+        with httpx.stream("POST", url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            health = httpx.get(url + "/health")
+            while health.status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.02)
+                health = httpx.get(url + "/health")
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+            refused = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in rest[-2]  # the in-flight request ran to its end
+        # uvicorn re-raises the signal it handled once it has shut down cleanly, so the exit status is SIGTERM's.
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        assert "Traceback" not in proc.stdout.read()

@@ -1,0 +1,174 @@
+"""The OpenAI-compatible API through the official ``openai`` client, plus /generate and the utility endpoints."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.helpers import metric_value
+
+PROMPT = "What is 12+30?"
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-arith"]
+
+
+def test_chat_completion_answers_with_the_warm_start(client):
+    out = client.chat.completions.create(model="tiny-arith", messages=[{"role": "user", "content": PROMPT}],
+                                         temperature=0, max_tokens=16)
+    choice = out.choices[0]
+    assert choice.message.role == "assistant"
+    assert "42" in choice.message.content  # the shipped warm start does arithmetic (97% flexible match)
+    assert choice.finish_reason == "stop"
+    # <s> <|user|> + 14 characters + newline + <|assistant|>: one token each (character-level tokenizer)
+    assert out.usage.prompt_tokens == 18
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_completion_text_n_and_usage(client):
+    out = client.completions.create(model="tiny-arith", prompt=["<|user|>What is 1+1?\n<|assistant|>", "ab"], n=2,
+                                    max_tokens=5, temperature=1.0, seed=7)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert all(c.finish_reason in ("stop", "length") for c in out.choices)
+    assert 4 <= out.usage.completion_tokens <= 4 * 5  # every choice made at least one token, at most max_tokens
+    assert out.usage.prompt_tokens == 15 + 2  # each prompt counted once, not once per n
+    again = client.completions.create(model="tiny-arith", prompt=["<|user|>What is 1+1?\n<|assistant|>", "ab"], n=2,
+                                      max_tokens=5, temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeds make sampling reproducible
+
+
+def test_completion_with_token_ids_prompt_and_max_tokens_length(client):
+    out = client.completions.create(model="tiny-arith", prompt=[10, 11, 12], max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 3
+    assert out.usage.prompt_tokens == 3
+
+
+def test_stop_string_cuts_the_text(client):
+    prompt = "<|user|>What is 123+456?\n<|assistant|>"
+    full = client.completions.create(model="tiny-arith", prompt=prompt, max_tokens=12, temperature=0).choices[0]
+    assert len(full.text) >= 2
+    stop = full.text[1]
+    cut = client.completions.create(model="tiny-arith", prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+    choice = cut.choices[0]
+    assert choice.text == full.text[: full.text.index(stop)]
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra.get("stop_reason") == stop
+
+
+def test_chat_stream_matches_non_stream_and_reports_usage(client):
+    messages = [{"role": "user", "content": "What is 7+8?"}]
+    plain = client.chat.completions.create(model="tiny-arith", messages=messages, temperature=0, max_tokens=16)
+    stream = client.chat.completions.create(model="tiny-arith", messages=messages, temperature=0, max_tokens=16,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [plain.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_completion_stream_ends_with_done(server):
+    body = {"prompt": "<|user|>What is 2+2?\n<|assistant|>", "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert '"finish_reason":"' in lines[-2]
+
+
+def test_generate_endpoint_seed_style(server):
+    resp = httpx.post(server.url + "/generate", json={"prompt": "<|user|>What is 12+30?\n<|assistant|>"}, timeout=30)
+    assert resp.status_code == 200
+    body = resp.json()
+    assert set(body) == {"response", "finish_reason", "prompt_tokens", "completion_tokens"}
+    assert body["response"].strip().endswith("2") and body["completion_tokens"] >= 1
+
+
+def test_tokenize_detokenize_roundtrip(server):
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": "12+30"}).json()
+    assert tok["count"] == 5 and tok["max_model_len"] == 256
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text == "12+30"
+    version = httpx.get(server.url + "/version").json()
+    assert version["engine"] == "transformers" and version["model"] == "tiny-arith"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {"prompt": "x" * 300}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x" * 200, "max_tokens": 100}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 422, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": 5}, 422, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "max_token": 3}, 422, "max_token"),
+        ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+        ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
+        ("/v1/chat/completions", {"messages": []}, 422, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 422, "messages.0.role"),
+        ("/generate", {"prompt": ""}, 422, "prompt"),
+        ("/generate", {"prompt": "hi", "max_new_tokens": -1}, 422, "max_new_tokens"),
+    ],
+)
+def test_bad_requests_get_clear_openai_errors(server, path, body, status, param):
+    resp = httpx.post(server.url + path, json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert len(error["message"]) > 10
+
+
+def test_invalid_json_and_unknown_route_keep_the_error_shape(server):
+    resp = httpx.post(server.url + "/v1/completions", content=b"{not json",
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 422 and "error" in resp.json()
+    resp = httpx.get(server.url + "/v1/nothing")
+    assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found_error"
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError, match="at most"):
+        client.completions.create(model="tiny-arith", prompt="hi", max_tokens=100000)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other-model", prompt="hi")
+
+
+def test_metrics_counters_move(server, client):
+    before = httpx.get(server.url + "/metrics").text
+    out = client.completions.create(model="tiny-arith", prompt="abc", max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    after = httpx.get(server.url + "/metrics").text
+    label = {"model_name": "tiny-arith"}
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
+
+    assert delta("verl:prompt_tokens_total", **label) == out.usage.prompt_tokens == 3
+    assert delta("verl:generation_tokens_total", **label) == 4
+    assert delta("verl:request_success_total", finished_reason="length", **label) == 1
+    assert delta("verl:time_to_first_token_seconds_count", **label) == 1
+    assert delta("verl:inter_token_latency_seconds_count", **label) == 3
+    assert delta("verl:e2e_request_latency_seconds_count", **label) == 1
+    assert delta("verl:request_queue_time_seconds_count", **label) == 1
+    assert delta("verl:http_requests_total", path="/v1/completions", method="POST", status="200") == 1
+    assert metric_value(after, "verl:num_requests_running", **label) == 0
+    assert metric_value(after, "verl:engine_healthy", **label) == 1
+    assert 'verl:server_info{engine="transformers"' in after

@@ -1,0 +1,137 @@
+"""The transformers engine's continuous batching: same tokens as ``model.generate``, per-request stops and seeds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from serve.engines import create_engine
+from serve.engines.base import EngineRequest, SamplingOptions, StopChecker
+from serve.settings import load_settings
+
+PROMPTS = ["<|user|>What is 12+30?\n<|assistant|>", "7*", "<|user|>What is 999+1?\n<|assistant|>",
+           "abc def", "<|user|>1+1\n<|assistant|>"]
+
+
+@pytest.fixture(scope="module")
+def engine_and_loop():
+    """One started engine (batch of 3, so five prompts force queueing and rows joining a running batch)."""
+    settings = load_settings(model="builtin:tiny-arith", engine="transformers", max_batch_size=3)
+    engine = create_engine(settings)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(engine.start())
+    yield engine, loop
+    loop.run_until_complete(engine.shutdown(5))
+    loop.close()
+
+
+async def _collect(engine, rid: str, ids: list[int], sampling: SamplingOptions, delay: float = 0.0) -> dict:
+    await asyncio.sleep(delay)
+    text, tokens, last = [], [], None
+    async for out in engine.generate(EngineRequest(rid, ids, sampling)):
+        text.append(out.text)
+        tokens += out.token_ids
+        last = out
+    return {"text": "".join(text), "tokens": tokens, "finish": last.finish_reason, "stop": last.stop_reason}
+
+
+def _run_all(engine, loop, prompts: list[list[int]], samplings: list[SamplingOptions], stagger: float = 0.0):
+    async def main():
+        return await asyncio.gather(*[_collect(engine, f"r{i}", p, s, i * stagger)
+                                      for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))])
+
+    return loop.run_until_complete(main())
+
+
+def test_greedy_batched_outputs_match_generate_one_by_one(engine_and_loop):
+    engine, loop = engine_and_loop
+    ids = [engine.tokenizer(p)["input_ids"] for p in PROMPTS]
+    results = _run_all(engine, loop, ids, [SamplingOptions(max_tokens=12, temperature=0.0)] * len(ids), stagger=0.01)
+    for prompt_ids, result in zip(ids, results, strict=True):
+        with torch.inference_mode():
+            ref = engine.model.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False,
+                                        eos_token_id=engine.tokenizer.eos_token_id,
+                                        pad_token_id=engine.tokenizer.pad_token_id)
+        expected = ref[0, len(prompt_ids):].tolist()
+        assert result["tokens"] == expected
+        assert result["text"] == engine.tokenizer.decode(expected, skip_special_tokens=True)
+        assert result["finish"] == ("stop" if expected[-1] == engine.tokenizer.eos_token_id else "length")
+    assert engine.num_running == 0 and engine.num_waiting == 0
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(engine_and_loop):
+    engine, loop = engine_and_loop
+    prompt = engine.tokenizer("abc")["input_ids"]
+    seeded = SamplingOptions(max_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = _run_all(engine, loop, [prompt], [seeded])[0]
+    crowd = _run_all(engine, loop, [prompt] * 3,
+                     [SamplingOptions(max_tokens=20, temperature=1.0, ignore_eos=True), seeded,
+                      SamplingOptions(max_tokens=5, temperature=0.7, top_p=0.5, ignore_eos=True)])
+    assert crowd[1]["tokens"] == alone["tokens"]
+    others = [_run_all(engine, loop, [prompt], [SamplingOptions(max_tokens=20, temperature=1.0, seed=s,
+                                                                ignore_eos=True)])[0]["tokens"] for s in (1, 2, 3)]
+    assert any(o != alone["tokens"] for o in others)  # different seeds explore different text
+
+
+def test_top_k_one_and_vanishing_top_p_equal_greedy(engine_and_loop):
+    engine, loop = engine_and_loop
+    prompt = engine.tokenizer(PROMPTS[0])["input_ids"]
+    # top_p=5e-324 was found by the schema fuzzer: it rounds to 0 in float32 and once made every probability NaN.
+    greedy, top1, tiny_p = _run_all(engine, loop, [prompt] * 3,
+                                    [SamplingOptions(max_tokens=10, temperature=0.0),
+                                     SamplingOptions(max_tokens=10, temperature=1.5, top_k=1, seed=5),
+                                     SamplingOptions(max_tokens=10, temperature=1.0, top_p=5e-324)])
+    assert top1["tokens"] == greedy["tokens"] == tiny_p["tokens"]
+
+
+def test_stop_strings_and_stop_token_ids(engine_and_loop):
+    engine, loop = engine_and_loop
+    prompt = engine.tokenizer("<|user|>What is 123+456?\n<|assistant|>")["input_ids"]
+    full = _run_all(engine, loop, [prompt], [SamplingOptions(max_tokens=12, temperature=0.0, ignore_eos=True)])[0]
+    text = full["text"]
+    assert len(text) >= 3
+    stop = text[1:3]
+    by_string, by_token = _run_all(engine, loop, [prompt, prompt], [
+        SamplingOptions(max_tokens=12, temperature=0.0, stop=[stop, "never-there"], ignore_eos=True),
+        SamplingOptions(max_tokens=12, temperature=0.0, stop_token_ids=[full["tokens"][2]], ignore_eos=True),
+    ])
+    assert by_string["text"] == text[: text.index(stop)]
+    assert (by_string["finish"], by_string["stop"]) == ("stop", stop)
+    assert by_token["finish"] == "stop" and by_token["stop"] == full["tokens"][2]
+    assert by_token["tokens"] == full["tokens"][: full["tokens"].index(full["tokens"][2]) + 1]
+
+
+def test_closing_a_stream_aborts_the_sequence(engine_and_loop):
+    engine, loop = engine_and_loop
+    prompt = engine.tokenizer("abc")["input_ids"]
+
+    async def main():
+        stream = engine.generate(EngineRequest("gone", prompt, SamplingOptions(max_tokens=200, ignore_eos=True,
+                                                                                temperature=0.0)))
+        first = await stream.__anext__()
+        await stream.aclose()
+        for _ in range(200):
+            if engine.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        return first
+
+    first = loop.run_until_complete(main())
+    assert first.num_generated_tokens == 1 and first.scheduled_time is not None
+    assert engine.num_running == 0
+
+
+def test_stop_checker_holds_back_partial_matches():
+    decode = "".join
+    checker = StopChecker(decode, ["END"])
+    # The last len("END") - 1 characters are held back: they could be the start of a stop string.
+    assert checker.update(list("abcE"), final=False) == ("ab", None)
+    assert checker.update(list("abcEN"), final=False) == ("c", None)
+    assert checker.update(list("abcENX"), final=False) == ("E", None)
+    assert checker.update(list("abcENXEND!"), final=False) == ("NX", "END")
+    plain = StopChecker(decode, [])
+    assert plain.update(list("ab"), final=False) == ("ab", None)
+    assert plain.update(list("ab\ufffd"), final=False) == ("", None)  # an incomplete UTF-8 character waits
+    assert plain.update(list("abc"), final=True) == ("c", None)
