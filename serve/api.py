@@ -60,7 +60,8 @@ from serve.schemas import (
 )
 from serve.settings import ServeSettings, load_settings
 
-log = logging.getLogger("serve")
+# A child of uvicorn's logger: our lines appear in the server log with its format and level.
+log = logging.getLogger("uvicorn.error.serve")
 SEED_MODULUS = 2**63  # torch generators take 64-bit seeds; seed + i for n > 1 must stay in range
 
 

@@ -17,8 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# `*_created` timestamp series double the exposition for no use to Prometheus (vLLM turns them off too).
+disable_created_metrics()
 
 PREFIX = "verl:"
 # Buckets as vLLM uses them, extended downwards: a small model on CPU produces tokens every few milliseconds.

@@ -83,4 +83,6 @@ def create_engine(settings: ServeSettings) -> Engine:
     max_len = model_max_len(path, tokenizer, settings.trust_remote_code)
     if name == "vllm" and settings.vllm_max_model_len:
         max_len = min(max_len, settings.vllm_max_model_len)
+    # The API checks prompt length itself (a clean 400); stop the tokenizer warning about long inputs in the log.
+    tokenizer.model_max_length = 10**9
     return cls(settings=settings, tokenizer=tokenizer, model_path=path, max_model_len=max_len)

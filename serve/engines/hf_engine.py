@@ -48,7 +48,7 @@ from serve.engines.base import (
 )
 from serve.settings import ServeSettings
 
-log = logging.getLogger("serve.engine")
+log = logging.getLogger("uvicorn.error.serve.engine")  # shows in the uvicorn server log
 
 
 @dataclass(eq=False)
@@ -157,8 +157,11 @@ class TransformersEngine(Engine):
         self._thread.start()
 
     def _load(self) -> None:
+        from transformers.utils import logging as hf_logging
+
         from verl.models.loader import load_causal_lm, pick_device
 
+        hf_logging.disable_progress_bar()  # a server log wants one line per load, not a progress bar
         torch.set_num_threads(self.settings.torch_threads)
         self.device = pick_device(self.settings.device)
         model = load_causal_lm(self.model_path, dtype=self.settings.dtype, device=self.device,

