@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export VERL_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install train test test-slow test-vllm test-all lint bench clean
+.PHONY: install train test test-slow test-vllm test-all lint bench clean loadtest
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ test-all: test test-slow test-vllm
 
 lint: install
 	$(BIN)/ruff check .
+
+# Service on 127.0.0.1 -> stepped Locust run (1, 2, 4, 8 users x 20 s) -> capacity report in outputs/loadtest.
+loadtest: install
+	$(BIN)/verl loadtest --out outputs/loadtest
 
 clean:
 	rm -rf $(VENV) $(VENV)-vllm .cache outputs

@@ -1,0 +1,104 @@
+"""``verl loadtest`` and ``verl loadtest-report`` (registered on the ``verl`` CLI by ``verl.cli.register_subcommands``).
+
+Only typer is imported at module level: ``verl --help`` must not load Locust, matplotlib or the service. (Locust
+also imports this file when given ``-f loadtest/``; it defines no users, so it adds nothing to the test.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+SLO_HELP = "p95 latency SLO in ms (end-to-end, successful requests of every endpoint)."
+
+
+def register(app: typer.Typer, run_guarded) -> None:
+    @app.command("loadtest")
+    def loadtest_command(
+        out: Annotated[Path, typer.Option("--out", help="Output dir (CSVs, logs, report).")] = Path(
+            "outputs/loadtest"),
+        model: Annotated[str | None, typer.Option("--model", help="Model to serve (export dir or builtin:NAME; "
+                                                                  "default: the service's default).")] = None,
+        engine: Annotated[str | None, typer.Option("--engine", help="auto, transformers or vllm.")] = None,
+        max_users: Annotated[int, typer.Option("--max-users", help="Levels 1, 2, 4, ... up to this.")] = 8,
+        step_users: Annotated[str, typer.Option("--step-users", help="Explicit levels, e.g. 1,2,4,8,12.")] = "",
+        step_time: Annotated[float, typer.Option("--step-time", help="Seconds each level is held.")] = 20.0,
+        step_settle: Annotated[float, typer.Option(
+            "--step-settle", help="Seconds at the start of a level left out of its percentiles.")] = 5.0,
+        user_mix: Annotated[str, typer.Option("--user-mix", help="mixed (each user sends all three requests) or "
+                                                                 "classes (one user class per endpoint).")] = "mixed",
+        users: Annotated[list[str] | None, typer.Option(
+            "--user", help="Run only these user classes (repeatable): GenerateUser, CompletionUser, "
+                           "ChatStreamUser, MixedUser.")] = None,
+        max_tokens: Annotated[int, typer.Option("--max-tokens", help="max_tokens per request.")] = 32,
+        slo_p95_ms: Annotated[float, typer.Option("--slo-p95-ms", help=SLO_HELP)] = 1000.0,
+        slo_ttft_p95_ms: Annotated[float | None, typer.Option("--slo-ttft-p95-ms",
+                                                              help="Also require TTFT p95 <= this (ms).")] = None,
+        max_failure_rate: Annotated[float, typer.Option("--max-failure-rate",
+                                                        help="Largest failure fraction a level may have.")] = 0.01,
+        headroom: Annotated[float, typer.Option("--headroom", help="Spare share at the planning point.")] = 0.2,
+        locust_arg: Annotated[list[str] | None, typer.Option(
+            "--locust-arg", help="Extra Locust option, repeatable, e.g. --locust-arg=--wait-max=0.5.")] = None,
+        quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the summary.")] = False,
+    ) -> None:
+        """Start the service on 127.0.0.1, run a stepped Locust test, stop the service, write a capacity report."""
+
+        def _run() -> None:
+            from rich.console import Console
+
+            from loadtest.report import SLO, summary_text
+            from loadtest.run import LoadTestConfig, run_loadtest
+            from verl.errors import ConfigError
+
+            if user_mix not in ("mixed", "classes"):
+                raise ConfigError(f"--user-mix must be mixed or classes (got {user_mix!r})")
+            console = Console(stderr=True, highlight=False)
+            config = LoadTestConfig(
+                out_dir=out, model=model, engine=engine, max_users=max_users, step_users=step_users,
+                step_time_s=step_time, step_settle_s=step_settle, user_mix=user_mix, user_classes=users or [],
+                max_tokens=max_tokens, extra_locust_args=locust_arg or [],
+                slo=SLO(slo_p95_ms, max_failure_rate, slo_ttft_p95_ms, headroom),
+            )
+            try:
+                config.plan()
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+            report, paths = run_loadtest(config, echo=None if quiet else console.print)
+            console.print(summary_text(report), soft_wrap=True)
+            console.print(f"report: {paths['markdown']} (also .html, .json and plots in {out})")
+
+        run_guarded(_run)
+
+    @app.command("loadtest-report")
+    def loadtest_report_command(
+        csv_prefix: Annotated[Path, typer.Argument(help="Locust's --csv prefix (out/run for out/run_stats.csv), "
+                                                        "one of its files, or their directory.")],
+        out: Annotated[Path | None, typer.Option("--out", help="Report dir (default: beside the CSVs).")] = None,
+        slo_p95_ms: Annotated[float, typer.Option("--slo-p95-ms", help=SLO_HELP)] = 1000.0,
+        slo_ttft_p95_ms: Annotated[float | None, typer.Option("--slo-ttft-p95-ms",
+                                                              help="Also require TTFT p95 <= this (ms).")] = None,
+        max_failure_rate: Annotated[float, typer.Option("--max-failure-rate",
+                                                        help="Largest failure fraction a level may have.")] = 0.01,
+        headroom: Annotated[float, typer.Option("--headroom", help="Spare share at the planning point.")] = 0.2,
+        server_metrics: Annotated[Path | None, typer.Option(
+            "--server-metrics", help="The service's /metrics saved after the run (shown as a cross-check).")] = None,
+        no_plots: Annotated[bool, typer.Option("--no-plots", help="Skip the PNGs (no matplotlib needed).")] = False,
+    ) -> None:
+        """Capacity report (Markdown, HTML, JSON, PNG) from Locust's CSVs: per-step numbers and max users in SLO."""
+
+        def _run() -> None:
+            from rich.console import Console
+
+            from loadtest.report import SLO, make_report, resolve_prefix, summary_text
+
+            prefix = resolve_prefix(csv_prefix)
+            report, paths = make_report(prefix, out or prefix.parent, SLO(slo_p95_ms, max_failure_rate,
+                                                                          slo_ttft_p95_ms, headroom),
+                                        plots=not no_plots, server_metrics=server_metrics)
+            console = Console(stderr=True, highlight=False)
+            console.print(summary_text(report), soft_wrap=True)
+            console.print(f"report: {paths['markdown']} (also .html and .json)")
+
+        run_guarded(_run)

@@ -1,0 +1,407 @@
+"""Locust users for the verl inference service (``uvicorn serve.api:app``) or any OpenAI-compatible server.
+
+    locust -f loadtest/ -H http://127.0.0.1:8000                          # web UI on :8089, stepped load
+    locust -f loadtest/ --config loadtest/locust.conf -H http://127.0.0.1:8000 --csv out/run   # headless
+
+Users (``--user-mix``, or name classes: ``locust -f loadtest/ ChatStreamUser``; weights with ``--*-weight``):
+
+- ``MixedUser`` (default, ``--user-mix mixed``): each request is one of the three below, drawn by weight.
+- ``GenerateUser``: ``POST /generate`` (the tutorial endpoint).
+- ``CompletionUser``: ``POST /v1/completions``.
+- ``ChatStreamUser``: ``POST /v1/chat/completions`` with ``stream: true``, read to ``[DONE]``.
+
+Every response is checked (status, JSON shape, non-empty text, usage counts; see ``checks.py``). Besides the HTTP
+entries, LLM numbers go into Locust's statistics as custom entries of type ``LLM`` (in the web UI, the console
+table and every CSV; the value sits in the "response time" columns, the unit is in the name):
+
+- ``e2e_latency_ms``: request start -> whole answer received, successful requests of every endpoint (the SLO
+  metric of the capacity report). For the stream this is also the HTTP entry's time: Locust would otherwise
+  stop the clock at the response headers.
+- ``ttft_ms``: time to first token (streams); ``itl_ms``: mean inter-token latency of one stream;
+- ``output_tokens``: generated tokens per request; ``output_tokens_per_s``: output_tokens / e2e latency.
+
+Locust's ``Aggregated`` row adds these entries to the HTTP ones, so read HTTP totals from the endpoint rows (the
+capacity report does). Our options (``add_arguments`` below; CLI, ``LOCUST_*`` env vars, ``locust.conf`` or the web
+UI's form) choose prompts, the request mix and the stepped shape (``StepShape``, plan in ``shapes.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import locust
+import locust.stats
+from locust import FastHttpUser, LoadTestShape, events
+from locust.env import Environment
+from locust.runners import WorkerRunner
+
+from loadtest.checks import BadResponse, SSEReader, check_chat_stream, check_completion, check_generate, error_message
+from loadtest.prompts import DEFAULT_PROMPT_FILE, Prompt, load_prompts, render_with_server
+from loadtest.shapes import StepPlan
+
+log = logging.getLogger("loadtest")
+
+LLM = "LLM"  # request_type of the custom entries
+DEFAULT_HOST = "http://127.0.0.1:8000"  # `uvicorn serve.api:app` / `verl serve` defaults
+STREAM_NAME = "/v1/chat/completions [stream]"  # the HTTP entry of streamed chats
+USER_WEIGHTS = {"GenerateUser": "generate_weight", "CompletionUser": "completion_weight",
+                "ChatStreamUser": "chat_weight"}
+
+# Filled once per process at test start (prompt file read, chats rendered, model name looked up).
+STATE: dict[str, Any] = {"prompts": [], "model": None, "ready": False}
+
+
+# ---------------------------------------------------------------- options
+
+
+@events.init_command_line_parser.add_listener
+def add_arguments(parser: Any) -> None:
+    """Our options; each also reads ``LOCUST_<NAME>``, a ``name = value`` line in the config file and the web UI."""
+
+    def option(name: str, **kwargs: Any) -> None:
+        # Locust's own add_argument (not an argument group's): only it knows is_secret and the web UI form.
+        parser.add_argument(f"--{name}", env_var="LOCUST_" + name.upper().replace("-", "_"), **kwargs)
+
+    option("prompt-file", default=DEFAULT_PROMPT_FILE,
+           help="Parquet or JSONL file with a prompt column (text or chat messages), or builtin:TASK/SPLIT.")
+    option("prompt-column", default="prompt", help="Column/field holding the prompt.")
+    option("num-prompts", type=int, default=256, help="Use the first N prompts of the file.")
+    option("text-prompts", choices=["template", "content"], default="template",
+           help="How chat prompts become text for /generate and /v1/completions: the model's chat template "
+                "(via the server's /tokenize + /detokenize) or the messages' contents.")
+    option("max-tokens", type=int, default=32, help="max_tokens / max_new_tokens per request.")
+    option("temperature", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
+    option("ignore-eos", action="store_true", default=False,
+           help="Always generate max-tokens tokens (vLLM extension; OpenAI endpoints only), like vllm bench.")
+    option("model", default="", help="Model name for the OpenAI endpoints (default: the first of /v1/models).")
+    option("api-key", default="", is_secret=True, help="Bearer key when the server sets VERL_SERVE_API_KEY.")
+    option("user-mix", choices=["mixed", "classes"], default="mixed",
+           help="mixed: every user sends all three requests by weight (MixedUser); classes: one user class per "
+                "endpoint, weighted (GenerateUser, CompletionUser, ChatStreamUser). Naming classes overrides this.")
+    option("generate-weight", type=int, default=1, help="Relative weight of /generate requests (0 = none).")
+    option("completion-weight", type=int, default=1, help="Relative weight of /v1/completions requests (0 = none).")
+    option("chat-weight", type=int, default=1, help="Relative weight of streamed chat requests (0 = none).")
+    option("wait-min", type=float, default=0.0, help="Each user waits uniform(wait-min, wait-max) s between requests.")
+    option("wait-max", type=float, default=0.0, help="See --wait-min (0 and 0: back to back, a closed loop).")
+    option("request-timeout", type=float, default=60.0, help="Seconds before a request counts as failed.")
+    option("health-timeout", type=float, default=120.0,
+           help="At start, wait up to this long for the server's /health to answer 200 (0: do not wait).")
+    option("load-shape", choices=["steps", "fixed"], default="steps",
+           help="steps: 1, 2, 4 ... users (below); fixed: Locust's own -u/-r/-t.")
+    option("max-users", type=int, default=16, help="Steps double up to this many users (1, 2, 4, ..., N).")
+    option("step-users", default="", help="Explicit levels instead, e.g. 1,2,4,8,12.")
+    option("step-time", type=float, default=30.0, help="Seconds each level is held.")
+    option("step-settle", type=float, default=5.0,
+           help="Seconds at the start of each level left out of its percentiles (spawning, queues filling).")
+
+
+def apply_options(environment: Environment) -> None:
+    """Validate options, set user weights and the percentile window (at init, and again at start: the web UI
+    may have changed the options in between)."""
+    options = environment.parsed_options
+    try:
+        plan = StepPlan.from_options(options)
+    except ValueError as exc:
+        raise SystemExit(f"loadtest: {exc}") from None
+    if options.wait_min < 0 or options.wait_max < options.wait_min:
+        raise SystemExit(f"loadtest: need 0 <= --wait-min <= --wait-max (got {options.wait_min}, {options.wait_max})")
+    if options.load_shape == "steps":
+        # The history row written at the end of a level then holds percentiles over that level after settling.
+        locust.stats.CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW = plan.window_s
+    weights = {}
+    for name, attribute in USER_WEIGHTS.items():
+        weights[name] = getattr(options, attribute)
+        if weights[name] < 0:
+            raise SystemExit(f"loadtest: --{attribute.replace('_', '-')} must be >= 0 (got {weights[name]})")
+    if not any(weights.values()):
+        raise SystemExit("loadtest: --generate-weight, --completion-weight and --chat-weight are all 0")
+    requests = {"GenerateUser": LLMUser.generate, "CompletionUser": LLMUser.completion,
+                "ChatStreamUser": LLMUser.chat_stream}
+    # A list with repeats is how Locust weighs tasks (it picks with random.choice).
+    MixedUser.tasks = [requests[name] for name, weight in weights.items() for _ in range(weight)]
+    # Classes named on the command line run as named; otherwise --user-mix picks MixedUser or the endpoint classes.
+    named = bool(options.user_classes)
+    for user_class in environment.user_classes:
+        if user_class is MixedUser:
+            user_class.weight = 1 if named or options.user_mix == "mixed" else 0
+        elif user_class.__name__ in weights:
+            user_class.weight = weights[user_class.__name__] if named or options.user_mix == "classes" else 0
+    if not any(getattr(c, "weight", 1) > 0 for c in environment.user_classes):
+        raise SystemExit("loadtest: no user class left to run (weights 0); check --user-mix and the --*-weight "
+                         "options")
+
+
+@events.init.add_listener
+def configure(environment: Environment, **_: Any) -> None:
+    if environment.parsed_options is not None:  # None when Locust runs as a library without our parser
+        apply_options(environment)
+
+
+@events.test_start.add_listener
+def prepare(environment: Environment, **_: Any) -> None:
+    """Load prompts and find the model name once; render chats as text through the server when asked."""
+    options = environment.parsed_options
+    STATE["ready"] = False
+    apply_options(environment)
+    host = environment.host or DEFAULT_HOST
+    headers = _auth_headers(options.api_key)
+    _wait_ready(host, options.health_timeout)
+    prompts = load_prompts(options.prompt_file, options.prompt_column, options.num_prompts)
+    if options.text_prompts == "template" and any(p.chat for p in prompts):
+        prompts, problem = render_with_server(prompts, host, headers)
+        if problem:
+            log.warning("loadtest: could not render chat prompts with the server's template (%s); text endpoints "
+                        "get the messages' contents instead", problem)
+    STATE["prompts"] = prompts
+    STATE["model"] = options.model or _first_model(host, headers)
+    log.info("loadtest: %d prompts from %s; model %s", len(prompts), options.prompt_file, STATE["model"] or "-")
+    if options.csv_prefix and not isinstance(environment.runner, WorkerRunner):
+        _write_run_info(environment, host, len(prompts))
+    STATE["ready"] = True
+    if environment.shape_class is not None:
+        environment.shape_class.reset_time()  # the first level gets its full time from now
+
+
+def _write_run_info(environment: Environment, host: str, num_prompts: int) -> None:
+    """``<csv prefix>_loadtest.json``: what this run did, so the report can name the step plan and the mix."""
+    from verl.utils.fs import atomic_write_json
+
+    options = environment.parsed_options
+    info = {
+        "locust_version": locust.__version__,
+        "host": host,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_shape": options.load_shape,
+        "plan": StepPlan.from_options(options).to_dict() if options.load_shape == "steps" else None,
+        "percentile_window_s": locust.stats.CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW,
+        "user_classes": {c.__name__: getattr(c, "weight", 1) for c in environment.user_classes},
+        "mixed_user_requests": {f.__name__: MixedUser.tasks.count(f) for f in set(MixedUser.tasks)},
+        "prompt_file": options.prompt_file,
+        "num_prompts": num_prompts,
+        "text_prompts": options.text_prompts,
+        "model": STATE["model"],
+        "max_tokens": options.max_tokens,
+        "temperature": options.temperature,
+        "ignore_eos": options.ignore_eos,
+        "wait_s": [options.wait_min, options.wait_max],
+    }
+    atomic_write_json(f"{options.csv_prefix}_loadtest.json", info)
+
+
+def _wait_ready(host: str, timeout_s: float) -> None:
+    """Wait while ``/health`` is refused or 503 (the model still loading), so no level measures a start-up.
+
+    A server without ``/health`` (404 or anything else) is taken as ready.
+    """
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(host.rstrip("/") + "/health", timeout=5):  # noqa: S310 (the target host)
+                return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503:
+                return
+            problem = "503 (loading?)"
+        except OSError as exc:
+            problem = str(exc)
+        if time.monotonic() >= deadline:
+            log.warning("loadtest: %s/health not ready after %g s (%s); starting anyway", host, timeout_s, problem)
+            return
+        time.sleep(0.5)  # gevent-patched: the rest of Locust keeps running
+
+
+def _auth_headers(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _first_model(host: str, headers: dict[str, str]) -> str | None:
+    import json
+    import urllib.request
+
+    try:
+        request = urllib.request.Request(host.rstrip("/") + "/v1/models", headers=headers)
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 (the test's own target host)
+            return json.loads(response.read())["data"][0]["id"]
+    except Exception as exc:  # noqa: BLE001 - the model field is optional for our server; say why it is missing
+        log.warning("loadtest: no model name from %s/v1/models (%s); sending requests without 'model'", host, exc)
+        return None
+
+
+# ---------------------------------------------------------------- users
+
+
+class LLMUser(FastHttpUser):
+    """Common parts: options, prompt choice, the custom LLM entries."""
+
+    abstract = True
+    host = DEFAULT_HOST
+
+    def __init__(self, environment: Environment) -> None:
+        self.options = environment.parsed_options
+        # FastHttpUser reads these when it builds its session in __init__, so they are set first.
+        self.network_timeout = self.options.request_timeout
+        self.default_headers = _auth_headers(self.options.api_key)
+        super().__init__(environment)
+
+    def wait_time(self) -> float:
+        return random.uniform(self.options.wait_min, self.options.wait_max)
+
+    def prompt(self) -> Prompt:
+        return random.choice(STATE["prompts"])
+
+    def openai_body(self, **fields: Any) -> dict[str, Any]:
+        body = {"max_tokens": self.options.max_tokens, "temperature": self.options.temperature, **fields}
+        if STATE["model"]:
+            body["model"] = STATE["model"]
+        if self.options.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    def fire(self, name: str, value: float) -> None:
+        """One custom entry; ``value`` goes where Locust keeps response times (the unit is in ``name``)."""
+        self.environment.events.request.fire(request_type=LLM, name=name, response_time=value, response_length=0,
+                                             exception=None, context={})
+
+    def record(self, latency_s: float, completion_tokens: int) -> None:
+        self.fire("e2e_latency_ms", latency_s * 1000)
+        self.fire("output_tokens", completion_tokens)
+        self.fire("output_tokens_per_s", completion_tokens / latency_s if latency_s > 0 else 0.0)
+
+    def post_checked(self, path: str, body: dict[str, Any], check: Any) -> None:
+        """POST, validate with ``check``, record the LLM entries for a success."""
+        start = time.perf_counter()
+        with self.client.post(path, json=body, catch_response=True) as response:
+            latency = time.perf_counter() - start
+            if response.status_code != 200:
+                response.failure(error_message(response.status_code, response.content))
+                return
+            try:
+                result = check(response.content)
+            except BadResponse as exc:
+                response.failure(str(exc))
+                return
+            response.success()
+        self.record(latency, result.completion_tokens)
+
+    # ------------------------------------------------------------ the three requests (tasks of the classes below)
+
+    def generate(self) -> None:
+        """``POST /generate`` with a text prompt."""
+        body = {"prompt": self.prompt().text, "max_new_tokens": self.options.max_tokens,
+                "temperature": self.options.temperature}
+        self.post_checked("/generate", body, check_generate)
+
+    def completion(self) -> None:
+        """``POST /v1/completions`` with a text prompt (not streamed)."""
+        self.post_checked("/v1/completions", self.openai_body(prompt=self.prompt().text), check_completion)
+
+    def chat_stream(self) -> None:
+        """``POST /v1/chat/completions`` with ``stream: true``, timing every chunk as it arrives."""
+        body = self.openai_body(messages=list(self.prompt().messages), stream=True,
+                                stream_options={"include_usage": True})
+        start = time.perf_counter()
+        with self.client.post("/v1/chat/completions", json=body, stream=True, catch_response=True,
+                              name=STREAM_NAME) as response:
+            if response.status_code != 200:
+                response.request_meta["response_time"] = (time.perf_counter() - start) * 1000
+                response.failure(error_message(response.status_code, response.content))
+                return
+            reader, payloads, size = SSEReader(), [], 0
+            try:
+                for line in _lines(response):
+                    now = time.perf_counter() - start
+                    size += len(line)
+                    payloads.extend((now, data) for data in reader.feed(line))
+                result = check_chat_stream(payloads)
+                failure = None
+            except BadResponse as exc:
+                failure = str(exc)
+            except Exception as exc:  # noqa: BLE001 - a broken connection mid-stream is a failed request
+                failure = f"stream broken: {type(exc).__name__}: {exc}"
+            # With stream=True Locust stops the clock at the headers; the request's time is the whole stream.
+            end = time.perf_counter() - start
+            response.request_meta["response_time"] = end * 1000
+            response.request_meta["response_length"] = size
+            if failure:
+                response.failure(failure)
+                return
+            response.success()
+        self.record(end, result.completion_tokens)
+        self.fire("ttft_ms", result.ttft_s * 1000)
+        if result.mean_itl_s is not None:
+            self.fire("itl_ms", result.mean_itl_s * 1000)
+
+
+class GenerateUser(LLMUser):
+    """Sends only ``POST /generate``."""
+
+    tasks = [LLMUser.generate]
+
+
+class CompletionUser(LLMUser):
+    """Sends only ``POST /v1/completions``."""
+
+    tasks = [LLMUser.completion]
+
+
+class ChatStreamUser(LLMUser):
+    """Sends only streamed ``POST /v1/chat/completions``."""
+
+    tasks = [LLMUser.chat_stream]
+
+
+class MixedUser(LLMUser):
+    """Each request picks generate / completion / streamed chat by the ``--*-weight`` options.
+
+    The default (``--user-mix mixed``): at 1 or 2 users every level still sends the whole mix, where one class
+    per endpoint would send only the first class's requests (Locust hands out classes, not requests, by weight).
+    """
+
+    tasks = [LLMUser.generate, LLMUser.completion, LLMUser.chat_stream]  # reweighted by apply_options
+
+
+def _lines(response: Any) -> Iterator[bytes]:
+    """The body line by line, each as soon as its newline arrives.
+
+    Not ``iter_content``/``iter_lines``: geventhttpclient's ``read(n)`` waits until ``n`` bytes (or the end) are
+    in, so several SSE events of a fast model arrive as one chunk and every token would get the same timestamp.
+    ``readline`` returns as soon as the separator is buffered.
+    """
+    raw = response._response  # geventhttpclient's HTTPSocketPoolResponse behind Locust's FastResponse
+    while line := raw.readline(b"\n"):
+        yield line
+
+
+# ---------------------------------------------------------------- load shape
+
+
+class StepShape(LoadTestShape):
+    """Steps through ``StepPlan`` levels, spawning each level's new users within about a second.
+
+    With ``--load-shape fixed`` it runs the plain ``-u/-r/-t`` test instead, so one locustfile serves both uses
+    (Locust always runs a shape class when the locustfile has one).
+    """
+
+    use_common_options = True  # we read -u/-r for the fixed mode, so Locust need not warn they are ignored
+
+    def tick(self) -> tuple[int, float] | None:
+        options = self.runner.environment.parsed_options
+        if not STATE["ready"]:
+            # test_start (waiting for /health, loading prompts) runs beside this greenlet: hold the clock at 0.
+            self.reset_time()
+        if options.load_shape == "fixed":
+            # Headless Locust waits for a shape to finish before it arms -t, so the shape enforces -t itself.
+            if options.run_time and self.get_run_time() >= options.run_time:
+                return None
+            return int(options.num_users or 1), float(options.spawn_rate or 1)
+        users = StepPlan.from_options(options).users_at(self.get_run_time())
+        if users is None:
+            return None
+        return users, float(users)  # spawn a whole level at once: the level's time is for measuring, not ramping

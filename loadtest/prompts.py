@@ -1,0 +1,124 @@
+"""Prompts for the load test: a parquet or JSONL file with a prompt column (default: the built-in validation set).
+
+A prompt cell is either text or a chat (a list of ``{"role", "content"}`` messages, as in verl's parquet files).
+Chat users send the messages; text users (``/generate``, ``/v1/completions``) need text, so a chat is rendered
+with the served model's own chat template through the server's ``/tokenize`` + ``/detokenize`` (vLLM's server has
+the same pair), falling back to the messages' joined contents when the server cannot do that.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from verl.errors import DataError
+
+DEFAULT_PROMPT_FILE = "builtin:arithmetic/val"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt in both forms the endpoints need."""
+
+    messages: tuple[dict[str, str], ...]  # for /v1/chat/completions
+    text: str  # for /generate and /v1/completions
+    chat: bool  # the file gave a chat (text endpoints want it rendered with the chat template)
+
+
+def _as_messages(cell: Any, where: str) -> tuple[dict[str, str], ...]:
+    if isinstance(cell, str):
+        if not cell.strip():
+            raise DataError(f"{where}: the prompt is empty")
+        return ({"role": "user", "content": cell},)
+    if isinstance(cell, (list, tuple)) and cell:
+        messages = []
+        for message in cell:
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise DataError(f"{where}: a chat prompt must be a list of {{'role': str, 'content': str}} "
+                                f"messages; got an item {message!r}")
+            messages.append({"role": message["role"], "content": message["content"]})
+        return tuple(messages)
+    raise DataError(f"{where}: the prompt must be text or a non-empty list of chat messages; got {cell!r}")
+
+
+def _read_cells(path: Path, column: str) -> list[Any]:
+    if not path.is_file():
+        raise DataError(f"prompt file '{path}' does not exist (give a .parquet or .jsonl file with a "
+                        f"'{column}' column, or builtin:arithmetic/val)")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if column not in table.column_names:
+            raise DataError(f"prompt file '{path}' has no column '{column}' (columns: "
+                            f"{', '.join(table.column_names)}); choose one with --prompt-column")
+        return table.column(column).to_pylist()
+    if suffix in (".jsonl", ".json"):
+        cells = []
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}, line {number}: not valid JSON ({exc.msg})") from None
+                if not isinstance(row, dict) or column not in row:
+                    raise DataError(f"{path}, line {number}: no '{column}' field; choose one with --prompt-column")
+                cells.append(row[column])
+        return cells
+    raise DataError(f"prompt file '{path}' must end in .parquet or .jsonl")
+
+
+def load_prompts(name: str = DEFAULT_PROMPT_FILE, column: str = "prompt", limit: int | None = None) -> list[Prompt]:
+    """Read prompts from ``name`` (a path or ``builtin:TASK/SPLIT``); text forms start as the joined contents."""
+    from verl.data.builtin import resolve_data_file
+
+    path = resolve_data_file(name)
+    cells = _read_cells(path, column)
+    if limit is not None:
+        cells = cells[:limit]
+    if not cells:
+        raise DataError(f"prompt file '{path}' has no prompts")
+    prompts = []
+    for row, cell in enumerate(cells):
+        messages = _as_messages(cell, f"{path}, row {row}, column '{column}'")
+        prompts.append(Prompt(messages, "\n".join(m["content"] for m in messages), chat=not isinstance(cell, str)))
+    return prompts
+
+
+def _post_json(url: str, body: dict, headers: dict[str, str], timeout: float) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", **headers})
+    with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (the test's own target host)
+        return json.loads(response.read())
+
+
+def render_with_server(prompts: list[Prompt], host: str, headers: dict[str, str] | None = None,
+                       timeout: float = 10.0) -> tuple[list[Prompt], str | None]:
+    """Text forms rendered by the server's chat template; on any failure the prompts come back unchanged.
+
+    Returns ``(prompts, problem)``; ``problem`` says why rendering was skipped (``None`` when it worked).
+    Only chats need it: a plain-text prompt file is sent as written.
+    """
+    headers = headers or {}
+    base = host.rstrip("/")
+    rendered = []
+    try:
+        for prompt in prompts:
+            if not prompt.chat:
+                rendered.append(prompt)
+                continue
+            tokens = _post_json(f"{base}/tokenize", {"messages": list(prompt.messages),
+                                                     "add_generation_prompt": True}, headers, timeout)["tokens"]
+            text = _post_json(f"{base}/detokenize", {"tokens": tokens}, headers, timeout)["prompt"]
+            rendered.append(Prompt(prompt.messages, text, chat=True))
+    except (OSError, urllib.error.URLError, KeyError, TypeError, ValueError) as exc:
+        return prompts, f"{type(exc).__name__}: {exc}"
+    return rendered, None

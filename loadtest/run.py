@@ -1,0 +1,194 @@
+"""One command for a capacity run: ``verl loadtest`` (``make loadtest``).
+
+1. start ``uvicorn serve.api:app`` on a free loopback port (one torch thread) and wait for ``/health``;
+2. run the stepped test headless: ``locust --config loadtest/locust.conf`` with our overrides, as a subprocess
+   with a hard time limit (the plan's length plus a margin);
+3. save the service's ``/metrics`` (a cross-check the report shows), stop the service (SIGINT: it drains);
+4. write the capacity report from Locust's CSVs.
+
+Traffic goes to 127.0.0.1 only. Everything lands in ``out_dir``: ``locust_*.csv``, ``locust.html`` (Locust's own
+report), ``locust.log``, ``server.log``, ``server_metrics.prom`` and the capacity report with its plots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtest.report import SLO, make_report
+from loadtest.shapes import StepPlan, doubling_levels, parse_levels
+from verl.errors import VerlError
+from verl.utils.fs import atomic_write_text
+
+HERE = Path(__file__).resolve().parent
+LOCUSTFILE = HERE / "locustfile.py"
+LOCUST_CONF = HERE / "locust.conf"
+LOOPBACK = "127.0.0.1"
+CSV_STEM = "locust"
+
+
+class LoadTestError(VerlError):
+    """The service or Locust did not start or finish as expected (the message points at the log)."""
+
+
+@dataclass
+class LoadTestConfig:
+    """A capacity run; the defaults match ``loadtest/locust.conf``."""
+
+    out_dir: Path
+    model: str | None = None  # VERL_SERVE_MODEL (None: the service's default, the built-in tiny model)
+    engine: str | None = None  # VERL_SERVE_ENGINE
+    max_users: int = 8
+    step_users: str = ""  # explicit levels, e.g. "1,2,4,8,12" (wins over max_users)
+    step_time_s: float = 20.0
+    step_settle_s: float = 5.0
+    user_mix: str = "mixed"
+    user_classes: list[str] = field(default_factory=list)  # e.g. ["ChatStreamUser"]; empty: per user_mix
+    max_tokens: int = 32
+    extra_locust_args: list[str] = field(default_factory=list)
+    slo: SLO = field(default_factory=SLO)
+    startup_timeout_s: float = 180.0
+    server_env: dict[str, str] = field(default_factory=dict)  # more VERL_SERVE_* settings
+
+    def plan(self) -> StepPlan:
+        levels = parse_levels(self.step_users) if self.step_users else doubling_levels(self.max_users)
+        return StepPlan(tuple(levels), self.step_time_s, self.step_settle_s)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (loopback only)
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    """Poll ``/health`` until 200; fail early if the process exits or the service reports itself dead."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise LoadTestError(f"the service exited with code {proc.returncode} while starting; see {log_path}")
+        try:
+            status, body = http_get(url + "/health", timeout=2)
+            if status == 200:
+                return
+            last = f"HTTP {status}: {body.decode(errors='replace')[:200]}"
+            if b'"dead"' in body:
+                raise LoadTestError(f"the service failed to start ({last}); see {log_path}")
+        except (OSError, urllib.error.URLError) as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise LoadTestError(f"the service was not healthy after {timeout_s:g} s (last: {last}); see {log_path}")
+
+
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout_s: float = 30.0) -> None:
+    """Signal the process (group) and wait; kill it if it does not stop in time."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+@contextlib.contextmanager
+def local_service(log_path: Path, env: dict[str, str] | None = None, startup_timeout_s: float = 180.0,
+                  cwd: Path | None = None) -> Iterator[str]:
+    """``python -m uvicorn serve.api:app`` on a free loopback port; yields its URL once ``/health`` is 200."""
+    port = free_port()
+    url = f"http://{LOOPBACK}:{port}"
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+                "VERL_SERVE_TORCH_THREADS": "1", **(env or {})}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        # Its own process group: stopping it never signals us, and a stuck worker is killed with it.
+        proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "serve.api:app", "--host", LOOPBACK, "--port",
+                                 str(port), "--log-level", "warning", "--timeout-graceful-shutdown", "20"],
+                                cwd=cwd, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_healthy(url, proc, startup_timeout_s, log_path)
+            yield url
+        finally:
+            _stop(proc)
+
+
+def locust_command(url: str, csv_prefix: Path, plan: StepPlan, config: LoadTestConfig) -> list[str]:
+    """The headless Locust command line: locust.conf's defaults, then our overrides (CLI wins)."""
+    command = [
+        sys.executable, "-m", "locust", "--config", str(LOCUST_CONF), "-f", str(LOCUSTFILE), "--headless",
+        "-H", url, "--csv", str(csv_prefix), "--csv-full-history", "--html", f"{csv_prefix}.html",
+        "--load-shape", "steps", "--step-users", ",".join(str(u) for u in plan.levels),
+        "--step-time", f"{plan.step_time_s:g}", "--step-settle", f"{plan.settle_s:g}",
+        "--user-mix", config.user_mix, "--max-tokens", str(config.max_tokens),
+        *config.extra_locust_args, *config.user_classes,
+    ]
+    return command
+
+
+def run_locust(command: list[str], timeout_s: float, log_path: Path, env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> int:
+    """Run Locust to completion (or kill it after ``timeout_s``); returns its exit code."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(command, cwd=cwd, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc, signal.SIGTERM, 15)
+            raise LoadTestError(f"Locust did not finish within {timeout_s:g} s; see {log_path}") from None
+        finally:
+            _stop(proc, signal.SIGTERM, 15)
+
+
+def run_loadtest(config: LoadTestConfig, echo: Any = None) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Service up -> stepped Locust run -> service down -> report. ``echo(str)`` reports progress."""
+    say = echo or (lambda _msg: None)
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = config.plan()
+    env = dict(config.server_env)
+    if config.model:
+        env["VERL_SERVE_MODEL"] = config.model
+    if config.engine:
+        env["VERL_SERVE_ENGINE"] = config.engine
+    csv_prefix = out / CSV_STEM
+    say(f"starting the service on {LOOPBACK} (log: {out / 'server.log'})")
+    with local_service(out / "server.log", env, config.startup_timeout_s) as url:
+        say(f"service ready at {url}; Locust: levels {list(plan.levels)} x {plan.step_time_s:g} s "
+            f"(about {plan.duration_s:g} s)")
+        command = locust_command(url, csv_prefix, plan, config)
+        # Margin: Locust start-up, prompt preparation and stopping users.
+        code = run_locust(command, plan.duration_s + 90, out / "locust.log")
+        status, metrics = http_get(url + "/metrics")
+        if status == 200:
+            atomic_write_text(out / "server_metrics.prom", metrics.decode())
+        say("stopping the service")
+    if code not in (0, 1) or not Path(f"{csv_prefix}_stats.csv").is_file():
+        raise LoadTestError(f"Locust exited with code {code} without complete CSVs; see {out / 'locust.log'}")
+    metrics_file = out / "server_metrics.prom"
+    return make_report(csv_prefix, out, config.slo, server_metrics=metrics_file if metrics_file.is_file() else None)

@@ -1,0 +1,155 @@
+"""End to end: the real service (uvicorn subprocess, loopback) under real Locust (headless subprocess).
+
+1. A stepped run (1, 2, 4 users x 8 s, the default mixed user) -> the capacity report's numbers are checked against
+   Locust's CSVs, read here independently with the csv module.
+2. A streaming-only run (2 users, 8 s): the client's TTFT (Locust ``LLM ttft_ms``) against the service's own
+   ``verl:time_to_first_token_seconds`` histogram over the same interval (two /metrics scrapes).
+
+Tolerance for (2), and why. For every request the client's interval contains the service's: the client starts its
+clock before sending and stops it when the chunk arrives; the service measures admission (after parsing, chat
+template and tokenization) -> first token. So the client mean is the service mean plus HTTP/JSON handling, chat
+template + tokenization, SSE delivery and the load generator's own scheduling; measured 3-5 ms on this machine.
+Allowed: client mean - service mean within [-(1 ms + 5%), 15 ms + 25%]. The lower slack covers the few requests
+the two sides do not share (Locust writes its CSV once a second, and users stopped mid-request are not counted);
+the upper slack covers scheduler noise on a shared 2-core box (absolute) and queueing (proportional). Means are
+compared because both are exact (Locust keeps the sum; Prometheus keeps ``_sum``/``_count``); the histogram's
+percentiles are only bucket interpolations. ITL gets a looser check whose job is to catch a client that reads
+the stream in big blocks (every token then seems to arrive at once, ITL ~ 0).
+
+About 60 s in all; no assertion depends on how fast this machine is.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.report import SLO, make_report, parse_server_metrics
+from loadtest.run import LOCUST_CONF, LOCUSTFILE, LoadTestConfig, http_get, local_service, locust_command, run_locust
+
+pytestmark = pytest.mark.timeout(170)
+
+HTTP_NAMES = {"/generate", "/v1/completions", "/v1/chat/completions [stream]"}
+LEVELS, STEP_S, SETTLE_S = (1, 2, 4), 8, 2
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    log = tmp_path_factory.mktemp("service") / "server.log"
+    with local_service(log, env={"VERL_SERVE_MODEL": "builtin:tiny-arith", "VERL_SERVE_ENGINE": "transformers"},
+                       startup_timeout_s=120) as url:
+        assert url.startswith("http://127.0.0.1:")
+        yield url
+
+
+def read_stats(prefix: Path) -> dict[tuple[str, str], dict[str, str]]:
+    with open(f"{prefix}_stats.csv", newline="") as handle:
+        return {(row["Type"], row["Name"]): row for row in csv.DictReader(handle)}
+
+
+def read_history(prefix: Path) -> list[dict[str, str]]:
+    with open(f"{prefix}_stats_history.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.fixture(scope="module")
+def stepped_run(service, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stepped")
+    config = LoadTestConfig(out_dir=out, step_users=",".join(map(str, LEVELS)), step_time_s=STEP_S,
+                            step_settle_s=SETTLE_S, extra_locust_args=["--num-prompts", "32"])
+    prefix = out / "locust"
+    code = run_locust(locust_command(service, prefix, config.plan(), config), 90, out / "locust.log")
+    assert code == 0, (out / "locust.log").read_text()[-3000:]
+    report, paths = make_report(prefix, out / "report", SLO(p95_ms=60_000, max_failure_rate=0.01))
+    return prefix, report, paths
+
+
+def test_stepped_run_csvs_and_report_agree(stepped_run):
+    prefix, report, paths = stepped_run
+    stats = read_stats(prefix)
+    http = {k: v for k, v in stats.items() if k[0] == "POST"}
+    assert {name for _, name in http} == HTTP_NAMES  # the mixed user sent all three requests
+    count = {name: int(row["Request Count"]) for (_, name), row in stats.items()}
+    failures = sum(int(row["Failure Count"]) for row in stats.values() if row["Name"] != "Aggregated")
+    # Every response passed the checks (status, JSON shape, non-empty text, usage counts) ...
+    assert failures == 0, Path(f"{prefix}_failures.csv").read_text()
+    assert all(count[name] > 0 for name in HTTP_NAMES)
+    # ... so each one fired its LLM entries (same greenlet, no yield in between: the CSV holds both or neither).
+    http_total = sum(count[name] for name in HTTP_NAMES)
+    assert count["e2e_latency_ms"] == count["output_tokens"] == count["output_tokens_per_s"] == http_total
+    assert count["ttft_ms"] == count["/v1/chat/completions [stream]"] >= count["itl_ms"]
+    # Locust's Aggregated row is every entry together; the report separates the HTTP requests.
+    assert count["Aggregated"] == sum(v for k, v in count.items() if k != "Aggregated")
+    totals = report["totals"]
+    assert totals["http_requests"] == http_total == totals["steps_requests"] == totals["history_http_requests"]
+    assert totals["locust_aggregated_requests"] == count["Aggregated"]
+    assert totals["llm_entries"] == count["Aggregated"] - http_total
+
+    # Per step, straight from _stats_history.csv: the last second of each level.
+    history = read_history(prefix)
+    by_ts: dict[int, dict[str, dict[str, str]]] = {}
+    for row in history:
+        by_ts.setdefault(int(row["Timestamp"]), {})[row["Name"]] = row
+    last_at = {}  # level -> its last timestamp
+    for ts in sorted(by_ts):
+        users = int(by_ts[ts]["Aggregated"]["User Count"])
+        if users:
+            last_at[users] = ts
+    assert sorted(last_at) == list(LEVELS)
+
+    def http_at(ts: int) -> int:
+        return sum(int(r["Total Request Count"]) for n, r in by_ts[ts].items() if n in HTTP_NAMES)
+
+    ends = [http_at(last_at[level]) for level in LEVELS]
+    ends[-1] = http_at(max(by_ts))  # requests finishing while users stop belong to the last level
+    expected = [b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    steps = report["steps"]
+    assert [s["users"] for s in steps] == list(LEVELS)
+    assert [s["requests"] for s in steps] == expected
+    for step, level in zip(steps, LEVELS, strict=True):
+        end = by_ts[last_at[level]]
+        assert step["end"] == last_at[level]
+        assert step["latency_p95_ms"] == float(end["e2e_latency_ms"]["95%"])
+        assert step["latency_p99_ms"] == float(end["e2e_latency_ms"]["99%"])
+        assert step["ttft_p50_ms"] == float(end["ttft_ms"]["50%"])
+        assert step["requests_per_s"] > 0 and step["output_tokens_per_s"] > 0 and step["failure_rate"] == 0
+        assert 1 <= step["window_s"] <= STEP_S - SETTLE_S
+
+    # The SLO search on real numbers: a 60 s p95 holds everywhere; no 1 ms p95 holds anywhere.
+    cap = report["capacity"]
+    assert (cap["max_users_within_slo"], cap["planning_users"], cap["all_levels_within_slo"]) == (4, 3, True)
+    assert cap["rps_at_max"] == steps[-1]["requests_per_s"]
+    strict, _ = make_report(prefix, prefix.parent / "strict", SLO(p95_ms=1))
+    assert strict["capacity"]["max_users_within_slo"] is None
+
+    info = json.loads(Path(f"{prefix}_loadtest.json").read_text())
+    assert info["plan"]["levels"] == list(LEVELS) and info["percentile_window_s"] == STEP_S - SETTLE_S
+    assert report["window_s"] == STEP_S - SETTLE_S
+    assert json.loads(paths["json"].read_text())["totals"] == totals
+    assert "**Capacity: 4 users**" in paths["markdown"].read_text()
+    for key in ("latency", "throughput"):
+        assert paths[key].stat().st_size > 10_000
+
+
+def test_stream_ttft_agrees_with_service_metrics(service, tmp_path):
+    prefix = tmp_path / "stream"
+    before = http_get(service + "/metrics")[1].decode()
+    command = [sys.executable, "-m", "locust", "--config", str(LOCUST_CONF), "-f", str(LOCUSTFILE), "--headless",
+               "-H", service, "--csv", str(prefix), "--load-shape", "fixed", "-u", "2", "-r", "2", "-t", "8s",
+               "--num-prompts", "32", "--text-prompts", "content", "ChatStreamUser"]
+    assert run_locust(command, 60, tmp_path / "locust.log") == 0, (tmp_path / "locust.log").read_text()[-3000:]
+    server = parse_server_metrics(http_get(service + "/metrics")[1].decode(), baseline=before)
+    stats = read_stats(prefix)
+    ttft, itl = stats[("LLM", "ttft_ms")], stats[("LLM", "itl_ms")]
+    client_n, client_ms = int(ttft["Request Count"]), float(ttft["Average Response Time"])
+    server_n, server_ms = server["ttft"]["count"], server["ttft"]["mean_ms"]
+    assert client_n >= 20 and int(stats[("POST", "/v1/chat/completions [stream]")]["Failure Count"]) == 0
+    # Only streamed chats ran, so both sides count the same requests but the edges (see the module docstring).
+    assert 0 <= server_n - client_n <= 2 + 1.5 * client_n / 8
+    assert server_ms * 0.95 - 1.0 <= client_ms <= server_ms * 1.25 + 15.0, (client_ms, server_ms)
+    client_itl, server_itl = float(itl["Average Response Time"]), server["itl"]["mean_ms"]
+    assert server_itl * 0.5 <= client_itl <= server_itl + 15.0, (client_itl, server_itl)

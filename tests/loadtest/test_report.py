@@ -1,0 +1,259 @@
+"""loadtest/report.py on hand-written Locust CSVs: per-step numbers, SLO search and planning point by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from loadtest.report import (
+    SLO,
+    build_report,
+    capacity,
+    histogram_quantile,
+    make_report,
+    parse_server_metrics,
+    resolve_prefix,
+)
+from tests.loadtest.locust_csv import history_row, stats_row, write_run
+from verl.errors import DataError
+
+GEN, CHAT = "/generate", "/v1/chat/completions [stream]"
+
+# A stepped run, 1 -> 2 -> 4 users, 4 history rows per step, 2 s percentile window, a trailing row after the users
+# stopped. Columns: timestamp, users, /generate total, /generate failures, chat total.
+TIMELINE = [
+    (99, 0, 0, 0, 0),
+    (100, 1, 2, 0, 1), (101, 1, 4, 0, 2), (102, 1, 6, 0, 3), (103, 1, 8, 0, 4),
+    (104, 2, 11, 0, 6), (105, 2, 14, 0, 8), (106, 2, 17, 0, 10), (107, 2, 20, 0, 12),
+    (108, 4, 24, 1, 15), (109, 4, 28, 2, 18), (110, 4, 32, 2, 21), (111, 4, 36, 3, 24),
+    (112, 0, 37, 3, 24),
+]
+# Percentiles Locust wrote at each step's last row (the step's window): e2e p50/p95/p99 and TTFT p50/p95/p99.
+E2E_AT = {103: (50, 80, 90), 107: (60, 120, 150), 111: (90, 400, 500)}
+TTFT_AT = {103: (20, 30, 35), 107: (25, 45, 50), 111: (40, 90, 95)}
+
+
+def tokens_mean(ts: int) -> float:
+    return 4.0 if ts <= 103 else 5.0 if ts <= 109 else 6.0
+
+
+def history() -> list[list]:
+    rows = []
+    for ts, users, gen, gen_fail, chat in TIMELINE:
+        ok = gen + chat - gen_fail
+        e2e, ttft = E2E_AT.get(ts, (55, 85, 95)), TTFT_AT.get(ts, (22, 33, 44))
+        rows += [
+            history_row(ts, users, "POST", GEN, gen, gen_fail, 100.0, 100, 150, 160),
+            history_row(ts, users, "POST", CHAT, chat, 0, 110.0, 110, 160, 170),
+            history_row(ts, users, "LLM", "e2e_latency_ms", ok, 0, 90.0, *e2e),
+            history_row(ts, users, "LLM", "output_tokens", ok, 0, tokens_mean(ts), 5, 6, 7),
+            history_row(ts, users, "LLM", "ttft_ms", chat, 0, 30.0, *ttft),
+            history_row(ts, users, "", "Aggregated", gen + chat + 2 * ok + chat, gen_fail, 70.0, 60, 140, 300),
+        ]
+    return rows
+
+
+STATS = [
+    stats_row("POST", GEN, 37, 3, 100.0, 100, 150, 160),
+    stats_row("POST", CHAT, 24, 0, 110.0, 110, 160, 170),
+    stats_row("LLM", "e2e_latency_ms", 58, 0, 90.0, 80, 300, 450),
+    stats_row("LLM", "output_tokens", 58, 0, 6.0, 6, 7, 7),
+    stats_row("LLM", "ttft_ms", 24, 0, 30.0, 25, 80, 90),
+    stats_row("", "Aggregated", 201, 3, 70.0, 60, 140, 300),
+]
+FAILURES = [["POST", GEN, "HTTP 429: the server is at capacity", 3, "", ""]]
+INFO = {"plan": {"levels": [1, 2, 4], "step_time_s": 4, "settle_s": 2, "window_s": 2}, "percentile_window_s": 2}
+
+
+@pytest.fixture()
+def prefix(tmp_path):
+    return write_run(tmp_path / "csv", STATS, history(), FAILURES, INFO)
+
+
+def test_steps_by_hand(prefix):
+    report = build_report(prefix, SLO(p95_ms=200, max_failure_rate=0.05))
+    steps = report["steps"]
+    assert [s["users"] for s in steps] == [1, 2, 4]
+    # Requests: differences of the HTTP totals at each step's last row (the trailing row counts for the last step).
+    assert [s["requests"] for s in steps] == [12, 32 - 12, 61 - 32]
+    assert [s["failures"] for s in steps] == [0, 0, 3]
+    assert steps[2]["failure_rate"] == pytest.approx(3 / 29)
+    # Requests/s over the last 2 s: (12-6)/2, (32-22)/2, (60-46)/2.
+    assert [s["requests_per_s"] for s in steps] == [3.0, 5.0, 7.0]
+    assert [s["window_s"] for s in steps] == [2, 2, 2]
+    # Output tokens/s: (12*4 - 6*4)/2, (32*5 - 22*5)/2, (57*6 - 44*5)/2.
+    assert [s["output_tokens_per_s"] for s in steps] == [12.0, 25.0, 61.0]
+    assert [(s["latency_p50_ms"], s["latency_p95_ms"], s["latency_p99_ms"]) for s in steps] == list(E2E_AT.values())
+    assert [(s["ttft_p50_ms"], s["ttft_p95_ms"]) for s in steps] == [v[:2] for v in TTFT_AT.values()]
+    totals = report["totals"]
+    assert totals["http_requests"] == 61 == totals["steps_requests"] == totals["history_http_requests"]
+    assert totals["locust_aggregated_requests"] == 201
+    assert totals["llm_entries"] == 58 + 58 + 24
+    assert totals["output_tokens"] == 58 * 6
+    assert totals["duration_s"] == 111 - 100
+    assert report["window_s"] == 2
+    assert report["notes"] == []
+
+
+def test_capacity_and_planning_point(prefix):
+    # p95 200 ms, failures <= 5%: the 4-user step misses both (400 ms, 10.3%), so capacity is 2 users.
+    report = build_report(prefix, SLO(p95_ms=200, max_failure_rate=0.05))
+    assert [s["meets_slo"] for s in report["steps"]] == [True, True, False]
+    assert report["steps"][2]["why_not"] == ["p95 400 ms > 200 ms", "failure rate 10.34% > 5.00%"]
+    cap = report["capacity"]
+    assert cap["max_users_within_slo"] == 2 and cap["first_failing_users"] == 4
+    assert cap["planning_users"] == 1  # floor(2 * 0.8)
+    assert cap["rps_at_max"] == 5.0 and cap["planning_rps"] == pytest.approx(4.0)
+
+    # A loose SLO: every level meets it; 4 users -> plan floor(3.2) = 3 users, 0.8 * 7 req/s.
+    cap = build_report(prefix, SLO(p95_ms=1000, max_failure_rate=0.2))["capacity"]
+    assert (cap["max_users_within_slo"], cap["planning_users"], cap["all_levels_within_slo"]) == (4, 3, True)
+    assert cap["planning_rps"] == pytest.approx(5.6)
+    # 50% headroom instead of 20%: 2 users, 3.5 req/s.
+    cap = build_report(prefix, SLO(p95_ms=1000, max_failure_rate=0.2, headroom=0.5))["capacity"]
+    assert (cap["planning_users"], cap["planning_rps"]) == (2, pytest.approx(3.5))
+    # Only the failure rate breaks the 4-user level.
+    report = build_report(prefix, SLO(p95_ms=1000, max_failure_rate=0.05))
+    assert report["capacity"]["max_users_within_slo"] == 2
+    assert report["steps"][2]["why_not"] == ["failure rate 10.34% > 5.00%"]
+    # Even 1 user misses a 70 ms p95: no capacity, plan 0.
+    cap = build_report(prefix, SLO(p95_ms=70))["capacity"]
+    assert (cap["max_users_within_slo"], cap["planning_users"], cap["first_failing_users"]) == (None, 0, 1)
+    # A TTFT SLO of 40 ms: 2 users have TTFT p95 45 ms -> capacity 1, plan floor(0.8) = 0.
+    report = build_report(prefix, SLO(p95_ms=1000, max_failure_rate=0.2, ttft_p95_ms=40))
+    assert report["capacity"]["max_users_within_slo"] == 1 and report["capacity"]["planning_users"] == 0
+    assert report["steps"][1]["why_not"] == ["TTFT p95 45 ms > 40 ms"]
+
+
+def _step(users: int, ok: bool, rps: float = 10.0) -> dict:
+    return {"users": users, "why_not": [] if ok else ["too slow"], "requests_per_s": rps}
+
+
+def test_capacity_stops_at_first_failing_level():
+    slo = SLO()
+    # A lucky higher level after a failing one never counts.
+    cap = capacity([_step(1, True), _step(2, False), _step(4, True)], slo)
+    assert (cap["max_users_within_slo"], cap["first_failing_users"]) == (1, 2)
+    # A level tested twice must pass both times; steps come in any order.
+    cap = capacity([_step(2, True), _step(1, True), _step(2, False)], slo)
+    assert cap["max_users_within_slo"] == 1
+    # 10 users hold, 12 do not: plan floor(10 * 0.8) = 8 users and 0.8 x the mean rps measured at 10 users.
+    steps = [_step(1, True), _step(2, True), _step(4, True), _step(8, True), _step(10, True, 40.0),
+             _step(10, True, 50.0), _step(12, False)]
+    cap = capacity(steps, slo)
+    assert (cap["max_users_within_slo"], cap["planning_users"]) == (10, 8)
+    assert cap["rps_at_max"] == 45.0 and cap["planning_rps"] == pytest.approx(36.0)
+    assert capacity([_step(5, True)], slo)["planning_users"] == 4  # 5 * 0.8 = 4.000000000000001 in floats
+
+
+def test_report_files(prefix, tmp_path):
+    out = tmp_path / "report"
+    report, paths = make_report(prefix, out, SLO(p95_ms=200, max_failure_rate=0.05))
+    assert set(paths) == {"json", "markdown", "html", "latency", "throughput"}
+    assert json.loads(paths["json"].read_text()) == json.loads(json.dumps(report, default=str))
+    md = paths["markdown"].read_text()
+    assert "**Capacity: 2 users** within the SLO (5 requests/s)." in md
+    assert "**Plan for 1 users** per replica (80% of capacity, 20% headroom; about 4 requests/s)." in md
+    assert "The next level, 4 users, misses it: p95 400 ms > 200 ms; failure rate 10.34% > 5.00%." in md
+    assert "| 4 | 29 | 7 | 10.34% | 90 | 400 | 500 | 40 | 90 | 61 | no: " in md
+    assert "HTTP 429: the server is at capacity" in md and "![Latency vs users](latency_vs_users.png)" in md
+    html = paths["html"].read_text()
+    assert "<b>Capacity: 2 users</b>" in html and "<img src='throughput_vs_users.png'" in html
+    for key in ("latency", "throughput"):
+        assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(out.glob(".*.tmp"))  # atomic writes leave no temporaries
+
+
+def test_prefix_forms(prefix, tmp_path):
+    assert resolve_prefix(f"{prefix}_stats.csv") == prefix
+    assert resolve_prefix(f"{prefix}_stats_history.csv") == prefix
+    assert resolve_prefix(prefix.parent) == prefix
+    with pytest.raises(DataError, match="exactly one Locust"):
+        resolve_prefix(tmp_path)  # no *_stats.csv directly inside
+
+
+def test_without_llm_entries_uses_aggregated(tmp_path):
+    # Another locustfile: only HTTP entries. Latency comes from the Aggregated row; no TTFT or tokens/s.
+    rows = []
+    for ts, users, total in ((10, 1, 5), (11, 1, 10), (12, 2, 20), (13, 2, 30)):
+        rows += [history_row(ts, users, "GET", "/", total, 0, 50.0, 40, 90, 99),
+                 history_row(ts, users, "", "Aggregated", total, 0, 50.0, 40 + ts, 90 + ts, 99 + ts)]
+    prefix = write_run(tmp_path, [stats_row("GET", "/", 30, 0, 50.0), stats_row("", "Aggregated", 30, 0, 50.0)],
+                       rows)
+    report = build_report(prefix)
+    assert [(s["users"], s["requests"], s["latency_p95_ms"]) for s in report["steps"]] == [(1, 10, 101), (2, 20, 103)]
+    assert report["steps"][0]["ttft_p95_ms"] is None and report["steps"][0]["output_tokens_per_s"] is None
+    assert report["slo"]["latency_metric"] == "Aggregated"
+    assert any("default 10 s percentile window" in n for n in report["notes"])
+    # Window 10 s is longer than these steps: rates cover the whole step (base = the previous step's end).
+    assert report["steps"][1]["requests_per_s"] == (30 - 10) / 2
+
+
+def test_errors_name_file_and_column(prefix, tmp_path):
+    with pytest.raises(DataError, match=r"run_stats\.csv' does not exist; run Locust with --csv"):
+        build_report(tmp_path / "run")
+    history_file = f"{prefix}_stats_history.csv"
+    with open(history_file) as handle:
+        text = handle.read()
+    with open(history_file, "w") as handle:
+        handle.write(text.replace("Total Request Count", "Total Requests", 1))
+    with pytest.raises(DataError, match=r"stats_history\.csv' has no column 'Total Request Count'"):
+        build_report(prefix)
+    with open(history_file, "w") as handle:
+        handle.write(text.replace("\n101,1,POST", "\nsoon,1,POST", 1))
+    with pytest.raises(DataError, match=r"stats_history\.csv', line \d+, column 'Timestamp': 'soon' is not a number"):
+        build_report(prefix)
+    # History without per-endpoint rows (Locust ran without --csv-full-history).
+    aggregated_only = [line for line in text.splitlines() if ",Aggregated," in line or line.startswith("Timestamp")]
+    with open(history_file, "w") as handle:
+        handle.write("\n".join(aggregated_only) + "\n")
+    with pytest.raises(DataError, match="--csv-full-history"):
+        build_report(prefix)
+    open(f"{prefix}_stats.csv", "w").close()
+    with pytest.raises(DataError, match=r"run_stats\.csv' has no column 'Type'.*empty file"):
+        build_report(prefix)
+    with pytest.raises(DataError, match="must be > 0 ms"):
+        SLO(p95_ms=0)
+    with pytest.raises(DataError, match="headroom"):
+        SLO(headroom=1.0)
+
+
+def test_histogram_quantile_by_hand():
+    # 10 observations: 4 <= 0.01, 4 in (0.01, 0.02], 2 in (0.02, 0.04].
+    buckets = [(0.01, 4.0), (0.02, 8.0), (0.04, 10.0), (math.inf, 10.0)]
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.01 + 0.01 * (5 - 4) / 4)  # rank 5 in bucket 2
+    assert histogram_quantile(0.95, buckets) == pytest.approx(0.02 + 0.02 * (9.5 - 8) / 2)
+    assert histogram_quantile(0.2, buckets) == pytest.approx(0.01 * 2 / 4)  # first bucket starts at 0
+    assert histogram_quantile(0.5, [(0.01, 0.0), (math.inf, 0.0)]) is None
+    assert histogram_quantile(0.99, [(0.01, 1.0), (math.inf, 10.0)]) == 0.01  # +Inf bucket: largest finite bound
+
+
+SCRAPE = """# TYPE verl:time_to_first_token_seconds histogram
+verl:time_to_first_token_seconds_bucket{le="0.01",model_name="m"} {b1}
+verl:time_to_first_token_seconds_bucket{le="0.02",model_name="m"} {b2}
+verl:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} {b3}
+verl:time_to_first_token_seconds_count{model_name="m"} {b3}
+verl:time_to_first_token_seconds_sum{model_name="m"} {total}
+# TYPE verl:http_requests counter
+verl:http_requests_total{method="POST",path="/generate",status="200"} {ok}
+verl:http_requests_total{method="POST",path="/generate",status="429"} 1.0
+"""
+
+
+def scrape(b1, b2, b3, total, ok):
+    return SCRAPE.replace("{b1}", str(b1)).replace("{b2}", str(b2)).replace("{b3}", str(b3)).replace(
+        "{total}", str(total)).replace("{ok}", str(ok))
+
+
+def test_server_metrics_difference():
+    before, after = scrape(1, 2, 2, 0.02, 2), scrape(3, 8, 10, 0.17, 12)
+    whole = parse_server_metrics(after)
+    assert whole["ttft"]["count"] == 10 and whole["ttft"]["mean_ms"] == pytest.approx(17.0)
+    assert whole["http_requests"] == {"/generate": {"200": 12, "429": 1}}
+    delta = parse_server_metrics(after, baseline=before)
+    # Between the scrapes: 8 first tokens summing to 0.15 s; 2 in <=10 ms, 4 in (10, 20], 2 above 20 ms.
+    assert delta["ttft"]["count"] == 8 and delta["ttft"]["mean_ms"] == pytest.approx(150 / 8)
+    assert delta["ttft"]["p50_ms"] == pytest.approx(10 + 10 * (4 - 2) / 4)
+    assert delta["http_requests"] == {"/generate": {"200": 10}}
