@@ -268,7 +268,11 @@ def _rate(delta: float, seconds: float) -> float | None:
 
 
 def _pct(row: HistoryRow | None) -> tuple[float | None, float | None, float | None]:
-    return (row.p50, row.p95, row.p99) if row is not None else (None, None, None)
+    """A row's windowed p50/p95/p99; 0 means "not computed" (Locust writes 0 when its sliding window found no
+    snapshot to diff against, e.g. after a long stall) -- no latency here is really 0 ms -- so it becomes None."""
+    if row is None:
+        return None, None, None
+    return tuple(v if v else None for v in (row.p50, row.p95, row.p99))  # type: ignore[return-value]
 
 
 def step_metrics(steps: list[list[Snapshot]], snapshots: list[Snapshot], window_s: int) -> list[dict]:
@@ -324,7 +328,7 @@ def judge_step(step: dict, slo: SLO) -> list[str]:
     if not step["requests"]:
         reasons.append("no requests finished")
     elif p95 is None:
-        reasons.append("no latency percentile (no successful request in the window)")
+        reasons.append("no latency percentile for the window (no successful request, or Locust could not compute one)")
     elif p95 > slo.p95_ms:
         reasons.append(f"p95 {p95:g} ms > {slo.p95_ms:g} ms")
     rate = step["failure_rate"]

@@ -139,7 +139,8 @@ def test_stream_ttft_agrees_with_service_metrics(service, tmp_path):
     prefix = tmp_path / "stream"
     before = http_get(service + "/metrics")[1].decode()
     command = [sys.executable, "-m", "locust", "--config", str(LOCUST_CONF), "-f", str(LOCUSTFILE), "--headless",
-               "-H", service, "--csv", str(prefix), "--load-shape", "fixed", "-u", "2", "-r", "2", "-t", "8s",
+               "-H", service, "--csv", str(prefix), "--html", f"{prefix}.html", "--load-shape", "fixed",
+               "-u", "2", "-r", "2", "-t", "8s",
                "--num-prompts", "32", "--text-prompts", "content", "ChatStreamUser"]
     assert run_locust(command, 60, tmp_path / "locust.log") == 0, (tmp_path / "locust.log").read_text()[-3000:]
     server = parse_server_metrics(http_get(service + "/metrics")[1].decode(), baseline=before)
@@ -153,3 +154,27 @@ def test_stream_ttft_agrees_with_service_metrics(service, tmp_path):
     assert server_ms * 0.95 - 1.0 <= client_ms <= server_ms * 1.25 + 15.0, (client_ms, server_ms)
     client_itl, server_itl = float(itl["Average Response Time"]), server["itl"]["mean_ms"]
     assert server_itl * 0.5 <= client_itl <= server_itl + 15.0, (client_itl, server_itl)
+
+
+@pytest.mark.slow
+def test_verl_loadtest_command(tmp_path):
+    """The one command: service up on loopback, stepped Locust run, service down, report (about 40 s)."""
+    import subprocess
+
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "verl.cli", "loadtest", "--out", str(out), "--step-users", "1,2", "--step-time", "6",
+         "--step-settle", "2", "--slo-p95-ms", "60000", "--locust-arg=--num-prompts=16"],
+        capture_output=True, text=True, timeout=150,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Capacity: 2 users within the SLO" in result.stderr
+    report = json.loads((out / "capacity_report.json").read_text())
+    assert [s["users"] for s in report["steps"]] == [1, 2]
+    stats = read_stats(out / "locust")
+    assert report["totals"]["locust_aggregated_requests"] == int(stats[("", "Aggregated")]["Request Count"])
+    # The service was scraped before it stopped: it served at least what Locust counted as successes.
+    served = sum(report["server"]["http_requests"].get(p, {}).get("200", 0)
+                 for p in ("/generate", "/v1/completions", "/v1/chat/completions"))
+    assert served >= report["totals"]["http_requests"] - report["totals"]["http_failures"] > 0
+    assert "server.log" in {p.name for p in out.iterdir()} and (out / "latency_vs_users.png").is_file()

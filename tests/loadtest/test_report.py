@@ -257,3 +257,19 @@ def test_server_metrics_difference():
     assert delta["ttft"]["count"] == 8 and delta["ttft"]["mean_ms"] == pytest.approx(150 / 8)
     assert delta["ttft"]["p50_ms"] == pytest.approx(10 + 10 * (4 - 2) / 4)
     assert delta["http_requests"] == {"/generate": {"200": 10}}
+
+
+def test_uncomputed_percentile_never_passes(tmp_path):
+    # Locust writes 0 for a windowed percentile it could not compute (a long stall): not "0 ms, within SLO".
+    rows = []
+    for ts, total, p95 in ((10, 5, 90), (11, 10, 90), (12, 12, 0), (13, 14, 0)):
+        users = 1 if ts < 12 else 2
+        rows += [history_row(ts, users, "GET", "/", total, 0, 50.0, 40, 90, 99),
+                 history_row(ts, users, "", "Aggregated", total, 0, 50.0, p95 and 40, p95, p95 and 99)]
+    prefix = write_run(tmp_path, [stats_row("GET", "/", 14, 0, 50.0), stats_row("", "Aggregated", 14, 0, 50.0)],
+                       rows)
+    report = build_report(prefix, SLO(p95_ms=100))
+    assert [s["meets_slo"] for s in report["steps"]] == [True, False]
+    assert report["steps"][1]["latency_p95_ms"] is None
+    assert report["steps"][1]["why_not"][0].startswith("no latency percentile for the window")
+    assert report["capacity"]["max_users_within_slo"] == 1
