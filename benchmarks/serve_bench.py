@@ -9,7 +9,8 @@
 (d) ``vllm-server``  vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
 
 Same model (``builtin:small-arith-base``, ~25M parameters, materialised as a directory), same prompts (raw text,
-no chat template, as the tutorial sends them), greedy, fp32, the same ``max_tokens``; closed-loop clients (each
+no chat template, as the tutorial sends them), greedy, fp32, the same ``max_tokens`` (100, the tutorial's
+``max_new_tokens``; the random model never emits eos, so every request really generates them); closed-loop clients (each
 sends its next request when the previous answer arrives). Servers run one after another, never together; each is
 warmed up first. Latency is send -> complete response (non-streaming). Targets: (a) >= 5x (b) requests/s at 32
 clients with a p95 no worse, (c) >= 0.9x (d).
@@ -91,7 +92,7 @@ def start(name: str, model_dir: str, max_tokens: int, batch: int, logs: Path) ->
     elif name == "vllm-server":
         cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host",
                "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-num-seqs",
-               str(batch), "--served-model-name", "small-arith-base", "--seed", "0", "--disable-log-stats",
+               str(batch), "--served-model-name", "small-arith-base", "--seed", "0",
                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
     else:
         raise SystemExit(f"unknown server {name}; choose from {', '.join(SERVERS)}")
@@ -168,8 +169,8 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:small-arith-base")
     parser.add_argument("--only", default=",".join(SERVERS), help="comma-separated subset of " + ", ".join(SERVERS))
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--requests-per-client", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=100, help="the tutorial's max_new_tokens")
+    parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--batch", type=int, default=32, help="max batch (ours) / --max-num-seqs (vLLM)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "serve_bench_results.json"))

@@ -206,14 +206,14 @@ class Service:
         self.in_flight += sequences
 
     def start_pumps(self, request_id: str, specs: list[SequenceSpec],
-                    sink: Callable[[int, EngineOutput | BaseException], None]) -> list[asyncio.Task]:
-        """One task per sequence, reading the engine stream and passing each delta to ``sink``."""
+                    sink: Callable[[int, EngineOutput | BaseException], None], stream: bool) -> list[asyncio.Task]:
+        """One task per sequence, reading the engine stream and passing each output to ``sink``."""
         engine = self.engine
         arrival = time.perf_counter()
         tasks = []
         for spec in specs:
             timer = SequenceTimer(self.metrics, arrival, len(spec.prompt_ids))
-            req = EngineRequest(f"{request_id}-{spec.index}", spec.prompt_ids, spec.sampling, arrival)
+            req = EngineRequest(f"{request_id}-{spec.index}", spec.prompt_ids, spec.sampling, arrival, stream)
             task = asyncio.create_task(self._pump(engine, req, spec.index, timer, sink))
             self.pumps.add(task)
             task.add_done_callback(self.pumps.discard)
@@ -227,7 +227,7 @@ class Service:
             stream = engine.generate(req)
             try:
                 async for out in stream:
-                    timer.on_output(time.perf_counter(), len(out.token_ids), out.scheduled_time)
+                    timer.on_output(time.perf_counter(), len(out.token_ids), out.scheduled_time, out.token_times)
                     produced = out.num_generated_tokens
                     sink(index, out)
                     if out.finished:
@@ -401,7 +401,7 @@ async def run_to_completion(service: Service, request: Request, request_id: str,
         if out.finished:
             result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
 
-    pending = set(service.start_pumps(request_id, specs, sink))
+    pending = set(service.start_pumps(request_id, specs, sink, stream=False))
     watcher = asyncio.create_task(_wait_disconnect(request))
     deadline = time.monotonic() + service.settings.request_timeout_s
     try:
@@ -460,7 +460,7 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
                     usage_chunk: Callable[[dict], dict]) -> StreamingResponse:
     """SSE: ``preamble`` chunks, then one chunk per delta with text or a finish, optional usage, ``[DONE]``."""
     queue: asyncio.Queue = asyncio.Queue()
-    tasks = service.start_pumps(request_id, specs, lambda index, out: queue.put_nowait((index, out)))
+    tasks = service.start_pumps(request_id, specs, lambda index, out: queue.put_nowait((index, out)), stream=True)
     deadline = time.monotonic() + service.settings.request_timeout_s
 
     async def events() -> AsyncIterator[str]:

@@ -104,10 +104,16 @@ class SequenceTimer:
         metrics.prompt_tokens.labels(self.label).inc(prompt_tokens)
         metrics.prompt_hist.labels(self.label).observe(prompt_tokens)
 
-    def on_output(self, now: float, new_tokens: int, scheduled_time: float | None) -> None:
+    def on_output(self, now: float, new_tokens: int, scheduled_time: float | None,
+                  token_times: list[float] | None = None) -> None:
+        """A delta arrived at ``now`` with ``new_tokens`` tokens (or an aggregated output with ``token_times``)."""
         m = self.metrics
         if scheduled_time is not None:
             m.queue_time.labels(self.label).observe(max(0.0, scheduled_time - self.arrival))
+        if token_times is not None:
+            for t in token_times:
+                self.on_output(t, 1, None)
+            return
         if new_tokens:
             if self.last is None:
                 m.ttft.labels(self.label).observe(now - self.arrival)

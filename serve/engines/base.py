@@ -47,6 +47,9 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     arrival_time: float = 0.0
+    # False: the caller only needs the final result, so an engine may send one aggregated output (with
+    # ``token_times``) instead of a delta per token -- far less event-loop work for non-streamed requests.
+    stream: bool = True
 
 
 @dataclass
@@ -59,6 +62,9 @@ class EngineOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the matched stop string or stop token id
     scheduled_time: float | None = None  # perf_counter() when the sequence left the queue (first output only)
+    # Aggregated outputs only: perf_counter() time of each generated token (or an even spread between the first
+    # and last when the engine knows only those), so latency metrics stay exact without per-token deltas.
+    token_times: list[float] | None = None
 
     @property
     def finished(self) -> bool:

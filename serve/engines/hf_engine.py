@@ -64,6 +64,9 @@ class _Seq:
     scheduled_time: float | None = None
     aborted: bool = False
     finished: bool = False
+    # Non-streamed sequences: text and token times collected here and delivered once, at the end.
+    text_parts: list[str] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def sampling(self) -> SamplingOptions:
@@ -333,21 +336,22 @@ class TransformersEngine(Engine):
         batch.keep(keep)
 
     def _after_sampling(self, seqs: list[_Seq], tokens: torch.Tensor, deliveries: list) -> list[int]:
-        """Append each row's token, check stops, queue its delta; returns the rows that go on."""
+        """Append each row's token, check stops, queue its output; returns the rows that go on."""
         keep = []
+        now = time.perf_counter()
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
             if seq.aborted:
                 continue
-            output = self._advance(seq, token)
-            if output.text or output.finished or output.scheduled_time is not None or output.token_ids:
+            output = self._advance(seq, token, now)
+            if output is not None:
                 deliveries.append((seq, output))
-            if output.finished:
-                seq.finished = True
-            else:
-                keep.append(i)
+            if seq.finished:
+                continue
+            keep.append(i)
         return keep
 
-    def _advance(self, seq: _Seq, token: int) -> EngineOutput:
+    def _advance(self, seq: _Seq, token: int, now: float) -> EngineOutput | None:
+        """One token for ``seq``: a delta (streamed), the aggregated result (non-streamed, at the end) or None."""
         seq.generated.append(token)
         sampling = seq.sampling
         finish, stop_reason = None, None
@@ -357,14 +361,27 @@ class TransformersEngine(Engine):
             len(seq.request.prompt_token_ids) + len(seq.generated) >= self.max_model_len
         ):
             finish = "length"
-        # The stop token itself is not text (vLLM convention); it still counts as a generated token.
-        text_ids = seq.generated[:-1] if finish == "stop" else seq.generated
-        text, matched = seq.stop.update(text_ids, final=finish is not None)
-        if matched is not None:
-            finish, stop_reason = "stop", matched
-        scheduled = seq.scheduled_time if len(seq.generated) == 1 else None
-        return EngineOutput(text=text, token_ids=[token], num_generated_tokens=len(seq.generated),
-                            finish_reason=finish, stop_reason=stop_reason, scheduled_time=scheduled)
+        text = ""
+        # Text is needed per step only to stream it or to look for stop strings; otherwise once, at the end.
+        if seq.request.stream or sampling.stop or finish is not None:
+            # The stop token itself is not text (vLLM convention); it still counts as a generated token.
+            text_ids = seq.generated[:-1] if finish == "stop" else seq.generated
+            text, matched = seq.stop.update(text_ids, final=finish is not None)
+            if matched is not None:
+                finish, stop_reason = "stop", matched
+        seq.finished = finish is not None
+        if seq.request.stream:
+            scheduled = seq.scheduled_time if len(seq.generated) == 1 else None
+            return EngineOutput(text=text, token_ids=[token], num_generated_tokens=len(seq.generated),
+                                finish_reason=finish, stop_reason=stop_reason, scheduled_time=scheduled)
+        seq.text_parts.append(text)
+        seq.token_times.append(now)
+        if finish is None:
+            return None
+        return EngineOutput(text="".join(seq.text_parts), token_ids=list(seq.generated),
+                            num_generated_tokens=len(seq.generated), finish_reason=finish,
+                            stop_reason=stop_reason, scheduled_time=seq.scheduled_time,
+                            token_times=seq.token_times)
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
         """Next token per row: greedy rows take the argmax; others sample after temperature/top-k/top-p."""

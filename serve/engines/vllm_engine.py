@@ -57,7 +57,9 @@ class VLLMEngine(Engine):
             trust_remote_code=self.settings.trust_remote_code,
             seed=self.settings.seed,
             load_format="safetensors",  # the service loads weights from safetensors only
-            disable_log_stats=True,
+            # Stats on (vLLM's default): they give non-streamed requests their first/last token times, so the
+            # API can send them FINAL_ONLY (one output instead of one per token) and still time them.
+            disable_log_stats=False,
         )
         return AsyncLLM.from_engine_args(args)
 
@@ -74,7 +76,8 @@ class VLLMEngine(Engine):
             n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
             top_k=s.top_k if s.top_k > 0 else 0, seed=s.seed, stop=list(s.stop) or None,
             stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos,
-            output_kind=RequestOutputKind.DELTA, skip_special_tokens=True,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+            skip_special_tokens=True,
         )
         rid = request.request_id
         self._waiting.add(rid)
@@ -91,9 +94,14 @@ class VLLMEngine(Engine):
                 stop_reason = completion.stop_reason
                 if finish == "stop" and stop_reason is None and completion.token_ids:
                     stop_reason = int(completion.token_ids[-1])  # vLLM leaves eos as None; name the token
-                yield EngineOutput(text=completion.text, token_ids=list(completion.token_ids),
-                                   num_generated_tokens=produced, finish_reason=finish,
-                                   stop_reason=stop_reason if finish else None)
+                output = EngineOutput(text=completion.text, token_ids=list(completion.token_ids),
+                                      num_generated_tokens=produced, finish_reason=finish,
+                                      stop_reason=stop_reason if finish else None)
+                if not request.stream:
+                    _add_timing(output, out.metrics, request.arrival_time)
+                elif produced == len(completion.token_ids):  # the first delta: report the queue time
+                    output.scheduled_time = _scheduled_time(out.metrics, request.arrival_time)
+                yield output
                 if out.finished:
                     return
         except Exception as exc:
@@ -124,3 +132,25 @@ class VLLMEngine(Engine):
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+
+def _add_timing(output: EngineOutput, stats: Any, arrival: float) -> None:
+    """Token times and scheduling time of a FINAL_ONLY output from vLLM's per-request stats (when logged).
+
+    vLLM knows the first and last token times; the tokens between are spread evenly (the mean gap is exact).
+    Its clocks are monotonic seconds like ``perf_counter`` on Linux, but only differences are used.
+    """
+    if stats is None or not getattr(stats, "first_token_ts", 0.0):
+        return
+    first = arrival + stats.first_token_latency
+    count = output.num_generated_tokens
+    span = max(0.0, stats.last_token_ts - stats.first_token_ts)
+    output.token_times = [first + span * i / max(1, count - 1) for i in range(count)]
+    output.scheduled_time = _scheduled_time(stats, arrival)
+
+
+def _scheduled_time(stats: Any, arrival: float) -> float | None:
+    """Our clock's time when vLLM scheduled the request: arrival + vLLM's own queue time."""
+    if stats is None or not getattr(stats, "scheduled_ts", 0.0) or not getattr(stats, "queued_ts", 0.0):
+        return None
+    return arrival + max(0.0, stats.scheduled_ts - stats.queued_ts)

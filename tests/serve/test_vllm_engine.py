@@ -88,3 +88,18 @@ def test_dropped_stream_is_aborted_and_metrics_move(vllm_url):
     assert aborted - metric_value(before, "verl:request_success_total", finished_reason="abort") == 1
     assert metric_value(after, "verl:generation_tokens_total") > metric_value(before, "verl:generation_tokens_total")
     assert metric_value(after, "verl:time_to_first_token_seconds_count") > 0
+
+
+def test_non_streamed_requests_are_timed_from_vllm_stats(vllm_url):
+    before = httpx.get(vllm_url + "/metrics").text
+    out = _greedy(vllm_url, "abc")  # non-streamed: vLLM sends one FINAL_ONLY output with its own timestamps
+    after = httpx.get(vllm_url + "/metrics").text
+
+    def delta(name: str) -> float:
+        return metric_value(after, name) - metric_value(before, name)
+
+    assert out["usage"]["completion_tokens"] == 16
+    assert delta("verl:time_to_first_token_seconds_count") == 1
+    assert delta("verl:inter_token_latency_seconds_count") == 15
+    assert delta("verl:request_queue_time_seconds_count") == 1
+    assert delta("verl:generation_tokens_total") == 16
