@@ -137,7 +137,11 @@ class OptimConfig(Section):
 
 
 class ActorConfig(Section):
-    strategy: Literal["local", "fsdp"] = Field("local", description="local = one process; fsdp = sharded.")
+    strategy: Literal["local", "fsdp"] = Field(
+        "local", description="local: plain module (replicas under Ray); fsdp: FSDP2 fully_shard over the workers "
+                             "(one process: with fsdp_offload, parameters live on CPU between uses)."
+    )
+    fsdp_offload: bool = Field(False, description="FSDP only: keep parameters/gradients on CPU (CPUOffloadPolicy).")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     ppo_mini_batch_size: int = Field(16, ge=1, description="Prompts per optimizer step (times rollout.n responses).")
@@ -332,6 +336,21 @@ class AlertsConfig(Section):
     cooldown_steps: int = Field(10, ge=1, description="While a rule keeps firing, repeat its alert every N steps.")
 
 
+class RayConfig(Section):
+    """Placement of roles for ``trainer.executor=ray`` (resource pools, as HybridFlow describes)."""
+
+    address: str | None = Field(None, description="ray.init(address=...) for a cluster; None starts Ray locally.")
+    placement: Literal["colocate", "split"] = Field(
+        "colocate",
+        description="colocate: actor/rollout, reference and critic share each worker process; "
+                    "split: separate worker groups per role (reference, critic, reward in their own processes).",
+    )
+    num_cpus_per_worker: float = Field(1.0, gt=0.0, description="Logical CPUs each worker asks Ray for.")
+    num_gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs each actor/critic worker asks Ray for.")
+    ref_workers: int = Field(1, ge=1, description="Reference workers when placement=split.")
+    timeout_s: float = Field(900.0, gt=0.0, description="Longest wait for one role call before failing.")
+
+
 class TrainerConfig(Section):
     output_dir: str = Field("outputs", description="Root of run directories.")
     project_name: str = Field("verl")
@@ -347,7 +366,8 @@ class TrainerConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto")
     num_threads: int = Field(1, ge=0, description="torch threads (0 = torch default). One is fastest on small CPUs.")
     executor: Literal["local", "ray"] = Field("local")
-    n_workers: int = Field(1, ge=1, description="Data-parallel actor workers (ray executor).")
+    n_workers: int = Field(1, ge=1, description="Data-parallel actor (and critic) workers (ray executor).")
+    ray: RayConfig = Field(default_factory=RayConfig)
     log_dir: str | None = Field(None, description="Where verl_logs.jsonl goes; defaults to the run directory.")
     log_level: Literal["DEBUG", "INFO", "WARNING"] = Field("INFO")
     num_samples_to_log: int = Field(4, ge=0, description="Sample rows (prompt/response/reward) logged per step.")
@@ -398,6 +418,12 @@ class VerlConfig(Section):
             raise ValueError(
                 f"data.train_batch_size ({self.data.train_batch_size}) must be divisible by "
                 f"critic.ppo_mini_batch_size ({critic_mini})"
+            )
+        workers = self.trainer.n_workers if self.trainer.executor == "ray" else 1
+        if self.data.train_batch_size % workers or self.actor.ppo_mini_batch_size % workers:
+            raise ValueError(
+                f"data.train_batch_size ({self.data.train_batch_size}) and actor.ppo_mini_batch_size "
+                f"({self.actor.ppo_mini_batch_size}) must be divisible by trainer.n_workers ({workers})"
             )
         if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
             raise ValueError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2")

@@ -26,6 +26,7 @@ class HFRollout(RolloutEngine):
         micro_batch_size: int | None = None,
         autocast_dtype: torch.dtype | None = None,
         shared_prefill: bool = True,
+        stop_when=None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -35,6 +36,7 @@ class HFRollout(RolloutEngine):
         self.pad_id = tokenizer.pad_token_id
         # Our loop prefills each prompt once for its n samples; `generate` stays as the fallback.
         self.shared_prefill = shared_prefill and supports_shared_prefill(model)
+        self.stop_when = stop_when  # sharded models: agree across ranks on when decoding stops
 
     @torch.no_grad()
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
@@ -63,7 +65,9 @@ class HFRollout(RolloutEngine):
         try:
             if self.shared_prefill:
                 with self._autocast(device):
-                    responses = sample_with_shared_prefill(self.model, ids, mask, params, self.eos_id, self.pad_id)
+                    seeds = [int(i) for i in prompts.non_tensor["index"]] if "index" in prompts.non_tensor else None
+                    responses = sample_with_shared_prefill(self.model, ids, mask, params, self.eos_id, self.pad_id,
+                                                           prompt_seeds=seeds, stop_when=self.stop_when)
             else:
                 if params.greedy:
                     kwargs["num_return_sequences"] = 1  # greedy samples are identical; generate once, repeat

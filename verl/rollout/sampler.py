@@ -4,10 +4,16 @@
 is computed ``n`` times; with ``n = 8`` and short answers the prefill is most of the rollout's compute. This loop
 prefills each prompt once, repeats the cache, then decodes all ``batch * n`` sequences together with
 transformers' own logits warpers (temperature, top-k, top-p). Greedy output equals ``generate``'s token for
-token (tested). Sampling draws from a private ``torch.Generator`` so the global RNG is untouched.
+token (tested).
+
+Sampling draws from private generators, one per prompt, seeded from (call seed, prompt id): a prompt's samples
+do not depend on which other prompts share the batch, so splitting a batch across data-parallel workers or
+micro-batches gives exactly the same rollouts (and the global RNG is untouched).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -43,10 +49,15 @@ def sample_with_shared_prefill(
     params: SamplingParams,
     eos_token_id: int,
     pad_token_id: int,
+    prompt_seeds: list[int] | None = None,
+    stop_when: Callable[[bool], bool] | None = None,
 ) -> torch.Tensor:
     """Generate ``(batch * n, <= max_new_tokens)`` token ids for left-padded prompts ``(batch, prompt_len)``.
 
     Rows ``i*n .. i*n+n-1`` are prompt ``i``'s samples. Tokens after a row's eos are ``pad_token_id``.
+    ``prompt_seeds`` (one per prompt) make each prompt's samples independent of the rest of the batch.
+    ``stop_when(all_local_rows_finished)`` decides early stopping; sharded (FSDP) models pass an all-reduce so
+    every rank runs the same number of forward passes.
     """
     n = params.n
     device = input_ids.device
@@ -62,10 +73,13 @@ def sample_with_shared_prefill(
         positions = positions.repeat_interleave(n, dim=0)
     rows = logits.shape[0]
     next_position = positions[:, -1:] + 1
-    generator = None
+    generators: list[torch.Generator] = []
     if not params.greedy:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        seeds = prompt_seeds if prompt_seeds is not None else [base]
+        for seed in seeds:
+            generators.append(torch.Generator(device=device))
+            generators[-1].manual_seed((base * 1_000_003 + int(seed)) % 2**63 if prompt_seeds is not None else base)
     warpers = _warpers(params)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     tokens: list[torch.Tensor] = []
@@ -76,11 +90,18 @@ def sample_with_shared_prefill(
         else:
             scores = warpers(generated, logits) if warpers else logits
             probs = torch.softmax(scores, dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            if len(generators) == 1:
+                token = torch.multinomial(probs, 1, generator=generators[0]).squeeze(-1)
+            else:  # one generator per prompt: draw that prompt's n rows from it
+                token = torch.cat([torch.multinomial(group_probs, 1, generator=gen).squeeze(-1)
+                                   for group_probs, gen in zip(probs.split(n), generators, strict=True)])
         token = token.masked_fill(finished, pad_token_id)
         tokens.append(token)
         finished |= token == eos_token_id
-        if bool(finished.all()) or step == params.max_new_tokens - 1:
+        done = bool(finished.all())
+        if stop_when is not None:
+            done = stop_when(done)
+        if done or step == params.max_new_tokens - 1:
             break
         if warpers:
             generated = torch.stack(tokens, dim=1)

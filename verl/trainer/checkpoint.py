@@ -5,7 +5,9 @@ Layout of ``<run>/checkpoints/global_step_<N>/``:
 - the HF model (``config.json``, ``model.safetensors``, ``generation_config.json``) and tokenizer files, so
   ``AutoModelForCausalLM.from_pretrained`` and vLLM load the directory as it is (with LoRA: the adapter files);
 - ``critic/``: the critic as an HF token-classification model, when there is one;
-- ``trainer_state.pt``: optimizer, scheduler, RNG, step, data position, KL controller;
+- ``actor_state.pt`` / ``critic_state.pt``: optimizer, scheduler and shuffle state of the roles (per rank
+  ``actor_state_rank<r>.pt`` under FSDP);
+- ``trainer_state.pt``: the driver's state: step, data position, KL controller, RNG;
 - ``meta.json``: step, time, metrics at save time.
 
 A checkpoint is assembled in a ``.tmp-*`` sibling and renamed when complete; ``latest`` (a text file naming the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,28 @@ def write_pointer(run_dir: str | Path, target: Path, name: str = "latest") -> No
     atomic_write_text(checkpoint_root(run_dir) / name, target.name + "\n")
 
 
+def write_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    write_parts: Callable[[Path], None],
+    trainer_state: dict[str, Any],
+    metrics: dict[str, float] | None = None,
+    max_to_keep: int | None = None,
+) -> Path:
+    """Assemble ``global_step_<step>`` atomically: ``write_parts(tmp)`` writes the model(s) and role states,
+    then the trainer state and ``meta.json``; the directory is renamed into place, ``latest`` updated last,
+    then retention applied."""
+    target = checkpoint_root(run_dir) / f"global_step_{step}"
+    with atomic_dir(target, overwrite=True) as tmp:
+        write_parts(tmp)
+        torch.save(trainer_state, tmp / TRAINER_STATE)
+        atomic_write_json(tmp / META, {"step": step, "time": time.time(), "metrics": metrics or {}})
+    write_pointer(run_dir, target)
+    if max_to_keep:
+        apply_retention(run_dir, max_to_keep)
+    return target
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -67,22 +92,15 @@ def save_checkpoint(
     tokenizer: Any,
     trainer_state: dict[str, Any],
     metrics: dict[str, float] | None = None,
-    critic: torch.nn.Module | None = None,
     max_to_keep: int | None = None,
 ) -> Path:
-    """Write ``global_step_<step>`` atomically, point ``latest`` at it, then apply retention."""
-    target = checkpoint_root(run_dir) / f"global_step_{step}"
-    with atomic_dir(target, overwrite=True) as tmp:
+    """A checkpoint of one model and its tokenizer (the SFT trainer's)."""
+
+    def write_parts(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if critic is not None:
-            critic.save_pretrained(tmp / "critic", safe_serialization=True)
-        torch.save(trainer_state, tmp / TRAINER_STATE)
-        atomic_write_json(tmp / META, {"step": step, "time": time.time(), "metrics": metrics or {}})
-    write_pointer(run_dir, target)
-    if max_to_keep:
-        apply_retention(run_dir, max_to_keep)
-    return target
+
+    return write_checkpoint(run_dir, step, write_parts, trainer_state, metrics, max_to_keep)
 
 
 def apply_retention(run_dir: str | Path, max_to_keep: int) -> list[Path]:
@@ -131,6 +149,16 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
         return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
     except Exception as exc:
         raise CheckpointError(f"cannot read {path / TRAINER_STATE}: {exc}") from None
+
+
+def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The full-weight state dict saved in a checkpoint dir (``model.safetensors``)."""
+    from safetensors.torch import load_file
+
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{path} has no model.safetensors")
+    return load_file(weights)
 
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:

@@ -31,7 +31,12 @@ from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams
 from verl.trainer.alerts import ngram_repetition_rate
 from verl.trainer.callbacks import CallbackList, TrainerCallback, callbacks_from_config
-from verl.trainer.checkpoint import find_resume_checkpoint, remove_stale_temp_dirs
+from verl.trainer.checkpoint import (
+    find_resume_checkpoint,
+    load_trainer_state,
+    remove_stale_temp_dirs,
+    write_checkpoint,
+)
 from verl.utils import log
 from verl.utils.fs import atomic_write_text
 from verl.utils.system import SystemMonitor
@@ -76,10 +81,11 @@ class PPOTrainer:
     def update_critic(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]:
         raise NotImplementedError
 
-    def save_checkpoint(self, step: int, metrics: dict[str, float]) -> Path:
+    def save_role_states(self, directory: Path) -> None:
+        """Write the roles' models and optimizer states into a checkpoint's temp ``directory``."""
         raise NotImplementedError
 
-    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+    def load_role_states(self, directory: Path) -> None:
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -321,6 +327,16 @@ class PPOTrainer:
         for tracker in self.trackers:
             tracker.log_checkpoint(str(path), step, metrics)
         self.callbacks.on_save(self, step, path)
+
+    def save_checkpoint(self, step: int, metrics: dict[str, float]) -> Path:
+        return write_checkpoint(self.run_dir, step, self.save_role_states, self.trainer_state(), metrics,
+                                self.config.trainer.max_ckpt_to_keep)
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        state = load_trainer_state(path)
+        self.load_role_states(path)
+        self.restore_trainer_state(state)
+        return state
 
     def trainer_state(self) -> dict[str, Any]:
         from verl.utils.seeding import rng_state

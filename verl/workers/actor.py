@@ -22,18 +22,19 @@ from verl.algos.losses import agg_loss, get_policy_loss
 from verl.algos.masked import masked_mean
 from verl.config import ActorConfig
 from verl.protocol import DataProto
+from verl.workers.dist import DistInfo, all_reduce_gradients, all_reduce_sums, grad_norm_value, local_shard
 from verl.workers.forward import response_log_probs
 from verl.workers.optim import build_optimizer, build_scheduler
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "prompts")
 
 
-def group_shuffle(size: int, group_size: int) -> torch.Tensor:
+def group_shuffle(size: int, group_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """A random order of ``size`` rows that keeps each run of ``group_size`` rows (one prompt's responses)
     together, so mini-batches stay grouped and the shared-prefix forward applies."""
     if group_size <= 1 or size % group_size:
-        return torch.randperm(size)
-    groups = torch.randperm(size // group_size)
+        return torch.randperm(size, generator=generator)
+    groups = torch.randperm(size // group_size, generator=generator)
     return (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1)
 
 
@@ -43,8 +44,12 @@ def micro_batches(data: DataProto, size: int | None) -> list[DataProto]:
 
 class Actor:
     def __init__(self, model: torch.nn.Module, config: ActorConfig, total_steps: int, temperature: float,
-                 max_response_length: int, group_size: int = 1):
+                 max_response_length: int, group_size: int = 1, dist_info: DistInfo | None = None, seed: int = 0):
         self.model = model
+        self.dist = dist_info or DistInfo()
+        # Mini-batch order comes from a private generator seeded alike on every rank, so data-parallel
+        # ranks agree on the order without communicating (and resume restores it from the checkpoint).
+        self.shuffle_generator = torch.Generator().manual_seed(seed)
         self.group_size = group_size  # responses per prompt, adjacent: enables the shared-prefix forward
         self.config = config
         self.temperature = temperature
@@ -67,7 +72,7 @@ class Actor:
         for micro in micro_batches(data, micro_batch_size or self.config.ppo_micro_batch_size):
             batch = {k: micro.batch[k].to(self.device) for k in MODEL_KEYS}
             log_probs, _ = response_log_probs(self.model, batch, self.temperature, autocast_dtype=self.autocast_dtype,
-                                              group_size=self.group_size)
+                                              group_size=1 if self.dist.fsdp else self.group_size)
             parts.append(log_probs.cpu())
         self.model.train()
         return torch.cat(parts)
@@ -82,7 +87,8 @@ class Actor:
         metrics: dict[str, list[float]] = defaultdict(list)
         for _ in range(cfg.ppo_epochs):
             shuffle = len(data) > mini_batch_size
-            order = group_shuffle(len(data), self.group_size) if shuffle else torch.arange(len(data))
+            order = (group_shuffle(len(data), self.group_size, self.shuffle_generator) if shuffle
+                     else torch.arange(len(data)))
             for start in range(0, len(data), mini_batch_size):
                 mini = data.index(order[start : start + mini_batch_size])
                 self._update_mini_batch(mini, on_policy, metrics)
@@ -98,16 +104,18 @@ class Actor:
         agg_kwargs = {"num_tokens": float(mask_all.sum().clamp(min=1)), "num_seqs": float(len(mini)),
                       "norm_length": float(self.max_response_length)}
         need_entropy_grad = cfg.entropy_coeff != 0.0
-        # Loss terms are exact partial sums over micro-batches; mean-type metrics are token-weighted.
+        # Loss terms are exact partial sums over micro-batches (and ranks: counts above are global);
+        # mean-type metrics are token-weighted by the same global counts.
         sums: dict[str, float] = defaultdict(float)
+        group = 1 if self.dist.fsdp else self.group_size  # sharded forwards must match across ranks: plain path
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in micro_batches(mini, cfg.ppo_micro_batch_size):
+        for micro in micro_batches(local_shard(mini, self.dist), cfg.ppo_micro_batch_size):
             batch = {k: v.to(self.device) for k, v in micro.batch.items()}
             mask = batch["response_mask"].float()
             weight = float(mask.sum()) / agg_kwargs["num_tokens"]
             log_prob, entropy = response_log_probs(
                 self.model, batch, self.temperature, with_entropy=True, autocast_dtype=self.autocast_dtype,
-                group_size=self.group_size,
+                group_size=group,
             )
             old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
             pg_loss, pg_metrics = self.policy_loss_fn(
@@ -126,17 +134,17 @@ class Actor:
             if "ref_log_prob" in batch:
                 sums["kl_div"] += weight * masked_mean(kl_penalty(log_prob.detach(), batch["ref_log_prob"], "k3"),
                                                        mask).item()
-            loss.backward()
+            (loss * self.dist.loss_scale).backward()
             sums["policy_loss"] += pg_loss.item()
             sums["entropy"] += weight * masked_mean(entropy.detach(), mask).item()
             for key, value in pg_metrics.items():
                 sums[key] += weight * value.item()
-        for key, value in sums.items():
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        all_reduce_gradients(trainable, self.dist)
+        for key, value in all_reduce_sums(dict(sums), self.dist).items():
             metrics[key].append(value)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], cfg.optim.grad_clip
-        )
-        if not math.isfinite(float(grad_norm)):
+        grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(trainable, cfg.optim.grad_clip))
+        if not math.isfinite(grad_norm):
             # A NaN/Inf gradient would poison the weights: skip this optimizer step and count it.
             self.optimizer.zero_grad(set_to_none=True)
             self.nan_skipped += 1
@@ -148,9 +156,11 @@ class Actor:
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "nan_skipped": self.nan_skipped}
+                "nan_skipped": self.nan_skipped, "shuffle_generator": self.shuffle_generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.nan_skipped = int(state.get("nan_skipped", 0))
+        if "shuffle_generator" in state:
+            self.shuffle_generator.set_state(state["shuffle_generator"])

@@ -6,6 +6,7 @@ The critic is an HF ``AutoModelForTokenClassification`` with one label, initiali
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import numpy as np
@@ -18,6 +19,7 @@ from verl.config import CriticConfig
 from verl.errors import ModelError
 from verl.models.loader import DTYPES, resolve_model_path
 from verl.protocol import DataProto
+from verl.workers.dist import DistInfo, all_reduce_gradients, all_reduce_sums, grad_norm_value, local_shard
 from verl.workers.forward import response_values
 from verl.workers.optim import build_optimizer, build_scheduler
 
@@ -47,8 +49,10 @@ def load_critic_model(path: str, dtype: str, device: torch.device) -> torch.nn.M
 
 class Critic:
     def __init__(self, model: torch.nn.Module, config: CriticConfig, ppo_epochs: int, micro_batch_size: int | None,
-                 total_steps: int):
+                 total_steps: int, dist_info: DistInfo | None = None, seed: int = 0):
         self.model = model
+        self.dist = dist_info or DistInfo()
+        self.shuffle_generator = torch.Generator().manual_seed(seed + 1)
         self.config = config
         self.ppo_epochs = config.ppo_epochs or ppo_epochs
         self.micro_batch_size = config.ppo_micro_batch_size or micro_batch_size
@@ -75,39 +79,45 @@ class Critic:
         metrics: dict[str, list[float]] = defaultdict(list)
         self.model.train()
         for _ in range(self.ppo_epochs):
-            order = torch.randperm(len(data))
+            order = torch.randperm(len(data), generator=self.shuffle_generator)
             for start in range(0, len(data), mini_batch_size):
                 mini = data.index(order[start : start + mini_batch_size])
                 mask_all = mini.batch["response_mask"]
                 agg = {"num_tokens": float(mask_all.sum().clamp(min=1)), "num_seqs": float(len(mini))}
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_sum, clip_sum, vpred_sum = 0.0, 0.0, 0.0
-                for micro in self._micro(mini):
+                for micro in self._micro(local_shard(mini, self.dist)):
                     batch = {k: v.to(self.device) for k, v in micro.batch.items()}
                     mask = batch["response_mask"].float()
                     weight = float(mask.sum()) / agg["num_tokens"]
                     vpreds = response_values(self.model, batch)
                     loss, clipfrac = value_loss(vpreds, batch["values"], batch["returns"], mask,
                                                 self.config.cliprange_value, self.config.loss_agg_mode, **agg)
-                    loss.backward()
+                    (loss * self.dist.loss_scale).backward()
                     loss_sum += loss.item()
                     clip_sum += weight * clipfrac.item()
                     vpred_sum += weight * masked_mean(vpreds.detach(), mask).item()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip)
-                if torch.isfinite(grad_norm):
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                all_reduce_gradients(params, self.dist)
+                grad_norm = grad_norm_value(torch.nn.utils.clip_grad_norm_(params, self.config.optim.grad_clip))
+                if math.isfinite(grad_norm):
                     self.optimizer.step()
-                metrics["value_loss"].append(loss_sum)
-                metrics["value_clipfrac"].append(clip_sum)
-                metrics["vpred_mean"].append(vpred_sum)
-                metrics["grad_norm"].append(float(grad_norm))
+                sums = all_reduce_sums({"value_loss": loss_sum, "value_clipfrac": clip_sum, "vpred_mean": vpred_sum},
+                                       self.dist)
+                for key, value in sums.items():
+                    metrics[key].append(value)
+                metrics["grad_norm"].append(grad_norm)
         self.scheduler.step()
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out["lr"] = self.scheduler.get_last_lr()[0]
         return out
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "shuffle_generator": self.shuffle_generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if "shuffle_generator" in state:
+            self.shuffle_generator.set_state(state["shuffle_generator"])

@@ -1,0 +1,263 @@
+"""``RayPPOTrainer``: the same driver loop, with roles in Ray worker groups (``trainer.executor=ray``).
+
+Placement (``trainer.ray.placement``), as HybridFlow's resource pools:
+
+- ``colocate`` (default): ``trainer.n_workers`` processes each hold actor + rollout, reference and critic;
+  the reward runs in the driver. Fewest processes and copies.
+- ``split``: an actor/rollout group (``n_workers``), a critic group (``n_workers``, PPO only), a reference
+  group (``ray.ref_workers``) and one reward worker, each a separate process.
+
+Actor and critic groups are data-parallel: every call's batch is split into equal contiguous shares (whole
+prompt groups), and the update's gradients are summed over ranks with ``torch.distributed`` (gloo on CPU,
+NCCL on GPU), or sharded with FSDP (``actor.strategy=fsdp``). Losses use global counts, so the step equals
+the single-process one; rollouts are seeded per prompt, so they do not depend on how prompts are split — the
+first-step loss matches ``LocalPPOTrainer`` from the same seed (tested).
+
+A dead or failing worker raises a ``VerlError`` naming the role and rank; checkpoints are written atomically,
+so the last complete one stays intact for ``trainer.resume=auto``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from verl.config import VerlConfig
+from verl.data.dataset import PromptSampler, RLHFDataset
+from verl.errors import MissingDependencyError, VerlError
+from verl.models.loader import load_tokenizer
+from verl.protocol import DataProto
+from verl.rollout.base import SamplingParams, pad_responses
+from verl.trainer.checkpoint import read_pointer
+from verl.trainer.local import needed_roles
+from verl.trainer.ppo import PPOTrainer
+from verl.utils.seeding import seed_everything, set_num_threads
+from verl.workers.dist import free_port
+from verl.workers.ray_worker import RoleWorker
+from verl.workers.reward import RewardManager
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise MissingDependencyError("ray", "trainer.executor=ray", "pip install -e '.[ray]'") from None
+    return ray
+
+
+class WorkerGroup:
+    """Ray actors running ``RoleWorker`` for one role set; ranks 0..n-1."""
+
+    def __init__(self, ray, name: str, config: dict, roles: list[str], size: int, num_cpus: float,
+                 num_gpus: float, timeout: float, distributed: bool):
+        self.ray, self.name, self.timeout = ray, name, timeout
+        port = free_port() if distributed and size > 1 else 0
+        remote = ray.remote(RoleWorker).options(num_cpus=num_cpus, num_gpus=num_gpus)
+        self.workers = [
+            remote.remote(config, roles, rank, size if distributed else 1, "127.0.0.1", port) for rank in range(size)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def get(self, refs: list, method: str) -> list:
+        """Wait for every rank; a failure names the group, the rank and the cause."""
+        out = []
+        for rank, ref in enumerate(refs):
+            try:
+                out.append(self.ray.get(ref, timeout=self.timeout))
+            except self.ray.exceptions.GetTimeoutError:
+                raise VerlError(f"Ray worker '{self.name}' rank {rank} did not finish {method} within "
+                                f"{self.timeout:.0f} s (trainer.ray.timeout_s)") from None
+            except self.ray.exceptions.RayActorError as exc:
+                raise VerlError(f"Ray worker '{self.name}' rank {rank} died during {method}: "
+                                f"{str(exc).splitlines()[0]}") from None
+            except self.ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                raise VerlError(f"Ray worker '{self.name}' rank {rank} failed in {method}: "
+                                f"{type(cause).__name__}: {cause}") from None
+        return out
+
+    def call_all(self, method: str, *args: Any) -> list:
+        """Every rank runs ``method(*args)`` (large args are shared through the object store once)."""
+        shared = [self.ray.put(a) if isinstance(a, DataProto) else a for a in args]
+        return self.get([getattr(w, method).remote(*shared) for w in self.workers], method)
+
+    def call_split(self, method: str, data: DataProto, *args: Any) -> list:
+        """Rank r runs ``method(share_r, *args)`` on its contiguous share of ``data``."""
+        shares = data.chunk(len(self.workers)) if len(self.workers) > 1 else [data]
+        return self.get([getattr(w, method).remote(s, *args) for w, s in zip(self.workers, shares, strict=True)],
+                        method)
+
+
+class RayPPOTrainer(PPOTrainer):
+    def __init__(self, config: VerlConfig, train_dataset: RLHFDataset | None = None,
+                 val_dataset: RLHFDataset | None = None, quiet: bool = False):
+        super().__init__(config, quiet=quiet)
+        ray = _import_ray()
+        cfg = self.config
+        set_num_threads(cfg.trainer.num_threads)
+        seed_everything(cfg.trainer.seed)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+        self.train_dataset = train_dataset or RLHFDataset(cfg.data.train_files, self.tokenizer, cfg.data,
+                                                          "data.train_files")
+        self.val_dataset = val_dataset or RLHFDataset(cfg.data.val_files, self.tokenizer, cfg.data, "data.val_files")
+        self.sampler = PromptSampler(len(self.train_dataset), cfg.data.train_batch_size, cfg.data.shuffle,
+                                     cfg.trainer.seed)
+        self.device = torch.device("cpu")  # the driver holds no model
+        self._start_ray(ray)
+        self._check_resources(ray)
+        self.groups = self._create_groups(ray)
+        self.reward_manager = RewardManager(self.tokenizer, cfg.reward)  # validation scoring (and colocated reward)
+        for group in self.groups.values():
+            group.call_all("ping")  # surface construction errors now, naming the group
+
+    # ------------------------------------------------------------------ setup
+
+    def _start_ray(self, ray) -> None:
+        cfg = self.config.trainer
+        # Without this Ray 2.60 writes an auth token under ~/.ray and expects it on every connection.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        self._owns_ray = not ray.is_initialized()
+        if not self._owns_ray:
+            return
+        env = {k: v for k, v in os.environ.items() if k.startswith(("VERL_", "HF_", "TOKENIZERS_", "OMP_"))}
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
+                                  "runtime_env": {"env_vars": env}}
+        if cfg.ray.address:
+            ray.init(address=cfg.ray.address, **kwargs)
+        else:
+            needed = self._process_count() * cfg.ray.num_cpus_per_worker
+            ray.init(num_cpus=max(1, int(np.ceil(needed))), **kwargs)
+
+    def _check_resources(self, ray) -> None:
+        """Fail now, not after a timeout, when the placement asks for more than the cluster has."""
+        rc = self.config.trainer.ray
+        need_cpu = self._process_count() * rc.num_cpus_per_worker
+        have = ray.available_resources()
+        if have.get("CPU", 0.0) + 1e-9 < need_cpu:
+            raise VerlError(
+                f"trainer.ray.placement={rc.placement} needs {need_cpu:g} CPUs for {self._process_count()} worker "
+                f"processes but the Ray cluster has {have.get('CPU', 0.0):g} free; lower "
+                f"trainer.ray.num_cpus_per_worker (fractions are fine) or use placement=colocate"
+            )
+        gpu_workers = self.config.trainer.n_workers * (1 if rc.placement == "colocate" else
+                                                       (2 if self.config.use_critic else 1) + rc.ref_workers)
+        need_gpu = gpu_workers * rc.num_gpus_per_worker
+        if need_gpu and have.get("GPU", 0.0) + 1e-9 < need_gpu:
+            raise VerlError(f"the placement needs {need_gpu:g} GPUs but the Ray cluster has {have.get('GPU', 0.0):g} "
+                            "free; lower trainer.n_workers or trainer.ray.num_gpus_per_worker")
+
+    def _process_count(self) -> int:
+        cfg = self.config
+        if cfg.trainer.ray.placement == "colocate":
+            return cfg.trainer.n_workers
+        return cfg.trainer.n_workers * (2 if cfg.use_critic else 1) + cfg.trainer.ray.ref_workers + 1
+
+    def _create_groups(self, ray) -> dict[str, WorkerGroup]:
+        cfg = self.config
+        rc = cfg.trainer.ray
+        config = cfg.model_dump(mode="json")
+        n = cfg.trainer.n_workers
+        common = {"num_cpus": rc.num_cpus_per_worker, "timeout": rc.timeout_s}
+        if rc.placement == "colocate":
+            roles = [r for r in needed_roles(cfg) if r != "reward"]
+            group = WorkerGroup(ray, "actor_rollout_ref" + ("_critic" if cfg.use_critic else ""), config, roles, n,
+                                num_gpus=rc.num_gpus_per_worker, distributed=True, **common)
+            groups = {"actor": group}
+            if cfg.use_reference:
+                groups["ref"] = group
+            if cfg.use_critic:
+                groups["critic"] = group
+            return groups
+        groups = {"actor": WorkerGroup(ray, "actor_rollout", config, ["actor"], n, num_gpus=rc.num_gpus_per_worker,
+                                       distributed=True, **common)}
+        if cfg.use_reference:
+            groups["ref"] = WorkerGroup(ray, "reference", config, ["ref"], rc.ref_workers,
+                                        num_gpus=rc.num_gpus_per_worker, distributed=False, **common)
+        if cfg.use_critic:
+            groups["critic"] = WorkerGroup(ray, "critic", config, ["critic"], n, num_gpus=rc.num_gpus_per_worker,
+                                           distributed=True, **common)
+        groups["reward"] = WorkerGroup(ray, "reward", config, ["reward"], 1, num_gpus=0.0, distributed=False,
+                                       **common)
+        return groups
+
+    # ------------------------------------------------------------------ role operations
+
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        group = self.groups["actor"]
+        extra = -len(prompts) % len(group)
+        if extra:  # e.g. a validation tail: repeat the last prompt so every rank gets an equal share
+            prompts = DataProto.concat([prompts, prompts.index([len(prompts) - 1] * extra)])
+        parts = group.call_split("generate", prompts, params)
+        out = DataProto.concat(pad_responses(parts, self.tokenizer.pad_token_id))
+        return out.index(slice(0, len(out) - extra * params.n)) if extra else out
+
+    def compute_reward(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, np.ndarray], list[str]]:
+        if "reward" in self.groups:
+            return self.groups["reward"].call_all("compute_reward", batch)[0]
+        return self.reward_manager.compute(batch)
+
+    def _split_cat(self, role: str, method: str, batch: DataProto) -> torch.Tensor:
+        return torch.cat(self.groups[role].call_split(method, batch))
+
+    def compute_old_log_prob(self, batch: DataProto) -> torch.Tensor:
+        return self._split_cat("actor", "compute_old_log_prob", batch)
+
+    def compute_ref_log_prob(self, batch: DataProto) -> torch.Tensor:
+        return self._split_cat("ref", "compute_ref_log_prob", batch)
+
+    def compute_values(self, batch: DataProto) -> torch.Tensor:
+        return self._split_cat("critic", "compute_values", batch)
+
+    def update_actor(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]:
+        # Every rank gets the whole batch and takes its own share of each mini-batch (global loss counts).
+        return self.groups["actor"].call_all("update_actor", batch, mini_batch_size)[0]
+
+    def update_critic(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]:
+        return self.groups["critic"].call_all("update_critic", batch, mini_batch_size)[0]
+
+    def rollout_engine_for_validation(self):
+        return self  # generate() above has the engine signature
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_role_states(self, directory: Path) -> None:
+        seen = set()
+        for group in self.groups.values():
+            if id(group) in seen or group.name in ("reference", "reward"):
+                continue
+            seen.add(id(group))
+            group.call_all("save", str(directory))
+
+    def load_role_states(self, directory: Path) -> None:
+        seen = set()
+        for group in self.groups.values():
+            if id(group) in seen or group.name in ("reference", "reward"):
+                continue
+            seen.add(id(group))
+            group.call_all("load", str(directory))
+
+    def fit(self) -> dict[str, float]:
+        try:
+            return super().fit()
+        except VerlError as exc:
+            latest = read_pointer(self.run_dir)
+            where = f"; last complete checkpoint: {latest}" if latest else "; no checkpoint was written yet"
+            raise VerlError(f"{exc}{where}") from None
+
+    def shutdown(self) -> None:
+        ray = _import_ray()
+        for group in {id(g): g for g in self.groups.values()}.values():
+            for worker in group.workers:
+                with contextlib.suppress(Exception):  # a dead worker has nothing left to shut down
+                    ray.get(worker.shutdown.remote(), timeout=30)
+                ray.kill(worker)
+        if self._owns_ray:
+            ray.shutdown()

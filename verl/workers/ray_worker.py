@@ -1,0 +1,192 @@
+"""``RoleWorker``: one worker process hosting some roles (actor + rollout, reference, critic, reward).
+
+The Ray executor starts these as Ray actors in worker groups. The role code is the very same as in the local
+executor (``Actor``, ``Critic``, ``Reference``, ``HFRollout``, ``RewardManager``); this class only builds the
+roles a placement asks for, joins the group's ``torch.distributed`` process group, and exposes one method per
+role operation. It imports nothing from Ray, so it is testable in-process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl.config import VerlConfig
+from verl.models.loader import load_causal_lm, load_tokenizer, pick_device
+from verl.models.lora import apply_lora, is_lora
+from verl.protocol import DataProto
+from verl.rollout.base import SamplingParams, get_rollout_factory
+from verl.trainer.checkpoint import load_model_weights
+from verl.utils.seeding import seed_everything, set_num_threads
+from verl.workers.actor import Actor
+from verl.workers.critic import Critic, load_critic_model
+from verl.workers.dist import DistInfo, all_ranks, apply_fsdp, free_port, full_state_dict, init_process_group
+from verl.workers.reference import Reference
+from verl.workers.reward import RewardManager
+
+ACTOR_STATE = "actor_state.pt"
+CRITIC_STATE = "critic_state.pt"
+
+
+def actor_state_file(rank: int, fsdp: bool) -> str:
+    """Replicas hold identical optimizer state (rank 0's file serves all); FSDP shards it per rank."""
+    return f"actor_state_rank{rank}.pt" if fsdp else ACTOR_STATE
+
+
+class RoleWorker:
+    def __init__(self, config: dict, roles: list[str], rank: int = 0, world_size: int = 1,
+                 master_addr: str = "127.0.0.1", master_port: int = 0, tokenizer: Any = None):
+        self.config = VerlConfig.model_validate(config)
+        self.roles = set(roles)
+        cfg = self.config
+        set_num_threads(cfg.trainer.num_threads)
+        seed_everything(cfg.trainer.seed)  # identical on every rank: replicas start identical
+        self.device = pick_device(cfg.trainer.device)
+        if self.device.type == "cuda" and torch.cuda.device_count() > 1:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        trains = bool(self.roles & {"actor", "critic"})
+        fsdp = cfg.actor.strategy == "fsdp"
+        self.dist = DistInfo(rank, world_size, fsdp) if trains else DistInfo()
+        if trains and (world_size > 1 or fsdp):
+            init_process_group(rank, world_size, master_addr, master_port or free_port(), self.device)
+        self.tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
+                                                     cfg.model.trust_remote_code)
+        self.model = self.actor = self.rollout = self.reference = self.critic = self.reward = None
+        if "actor" in self.roles:
+            self._build_actor()
+        if "ref" in self.roles:
+            self._build_reference()
+        if "critic" in self.roles:
+            self._build_critic()
+        if "reward" in self.roles:
+            self.reward = RewardManager(self.tokenizer, cfg.reward, self.device)
+
+    # ------------------------------------------------------------------ construction
+
+    def _build_actor(self) -> None:
+        cfg = self.config
+        model = load_causal_lm(cfg.model.path, cfg.model.dtype, self.device, cfg.model.trust_remote_code)
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.model.lora.rank > 0:
+            model = apply_lora(model, cfg.model.lora)
+        if self.dist.fsdp:
+            model = apply_fsdp(model, self.dist, self.device, offload=cfg.actor.fsdp_offload)
+        model.train()
+        self.model = model
+        self.actor = Actor(model, cfg.actor, cfg.trainer.total_steps, cfg.rollout.temperature,
+                           cfg.data.max_response_length, group_size=cfg.rollout.n, dist_info=self.dist,
+                           seed=cfg.trainer.seed)
+        factory = get_rollout_factory(cfg.rollout.name)
+        autocast = torch.bfloat16 if cfg.actor.autocast == "bf16" else None
+        if cfg.rollout.name == "hf":
+            # Sharded models run collectives in every forward: ranks must agree on when decoding stops.
+            stop_when = (lambda done: all_ranks(done, self.dist)) if self.dist.fsdp else None
+            self.rollout = factory(model, self.tokenizer, cfg.rollout.micro_batch_size, autocast,
+                                   stop_when=stop_when)
+        else:
+            self.rollout = factory(model_path=cfg.model.path, tokenizer=self.tokenizer, config=cfg.rollout,
+                                   max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                                   seed=cfg.trainer.seed, actor_model=model)
+
+    def _build_reference(self) -> None:
+        cfg = self.config
+        autocast = torch.bfloat16 if cfg.actor.autocast == "bf16" else None
+        if self.model is not None and is_lora(self.model):
+            self.reference = Reference(self.model, cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size,
+                                       adapters_disabled=True, autocast_dtype=autocast, group_size=cfg.rollout.n)
+            return
+        device = torch.device("cpu") if cfg.reference.offload_to_cpu else self.device
+        model = load_causal_lm(cfg.model.path, cfg.model.dtype, device, cfg.model.trust_remote_code)
+        self.reference = Reference(model, cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size,
+                                   autocast_dtype=autocast, group_size=cfg.rollout.n)
+
+    def _build_critic(self) -> None:
+        cfg = self.config
+        model = load_critic_model(cfg.critic.model_path or cfg.model.path, cfg.model.dtype, self.device)
+        if self.dist.fsdp:
+            model = apply_fsdp(model, self.dist, self.device, offload=cfg.actor.fsdp_offload)
+        self.critic = Critic(model, cfg.critic, cfg.actor.ppo_epochs, cfg.actor.ppo_micro_batch_size,
+                             cfg.trainer.total_steps, dist_info=self.dist, seed=cfg.trainer.seed)
+
+    # ------------------------------------------------------------------ role operations
+
+    def ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "roles": sorted(self.roles), "rank": self.dist.rank,
+                "world_size": self.dist.world_size, "device": str(self.device), "threads": torch.get_num_threads()}
+
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        return self.rollout.generate(prompts, params)
+
+    def compute_old_log_prob(self, data: DataProto) -> torch.Tensor:
+        return self.actor.compute_log_prob(data)
+
+    def compute_ref_log_prob(self, data: DataProto) -> torch.Tensor:
+        return self.reference.compute_ref_log_prob(data)
+
+    def compute_values(self, data: DataProto) -> torch.Tensor:
+        return self.critic.compute_values(data)
+
+    def compute_reward(self, data: DataProto):
+        return self.reward.compute(data)
+
+    def update_actor(self, data: DataProto, mini_batch_size: int) -> dict[str, float]:
+        metrics = self.actor.update_policy(data, mini_batch_size)
+        self.rollout.sync_weights(self.model)
+        return metrics
+
+    def update_critic(self, data: DataProto, mini_batch_size: int) -> dict[str, float]:
+        return self.critic.update(data, mini_batch_size)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, directory: str) -> None:
+        """Write this worker's part of a checkpoint into ``directory`` (a temp dir the driver renames).
+
+        Rank 0 writes the HF model (+ ``critic/``); optimizer states go to ``actor_state*.pt`` /
+        ``critic_state.pt``. Under FSDP every rank takes part in gathering the full weights.
+        """
+        path = Path(directory)
+        if self.actor is not None:
+            weights = full_state_dict(self.model, self.dist)
+            if self.dist.rank == 0:
+                self.model.save_pretrained(path, state_dict=weights, safe_serialization=True)
+                self.tokenizer.save_pretrained(path)
+            if self.dist.rank == 0 or self.dist.fsdp:
+                torch.save(self.actor.state_dict(), path / actor_state_file(self.dist.rank, self.dist.fsdp))
+        if self.critic is not None:
+            weights = full_state_dict(self.critic.model, self.dist)
+            if self.dist.rank == 0:
+                self.critic.model.save_pretrained(path / "critic", state_dict=weights, safe_serialization=True)
+                torch.save(self.critic.state_dict(), path / CRITIC_STATE)
+
+    def load(self, directory: str) -> None:
+        path = Path(directory)
+        if self.actor is not None:
+            if self.dist.fsdp:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+                from verl.trainer.checkpoint import read_model_weights
+
+                set_model_state_dict(self.model, read_model_weights(path),
+                                     options=StateDictOptions(full_state_dict=True))
+            else:
+                load_model_weights(self.model, path)
+            state_file = path / actor_state_file(self.dist.rank, self.dist.fsdp)
+            self.actor.load_state_dict(torch.load(state_file, map_location="cpu", weights_only=False))
+            self.rollout.sync_weights(self.model)
+        if self.critic is not None:
+            load_model_weights(self.critic.model, path / "critic")
+            self.critic.load_state_dict(torch.load(path / CRITIC_STATE, map_location="cpu", weights_only=False))
+
+    def shutdown(self) -> None:
+        if self.rollout is not None:
+            self.rollout.shutdown()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
