@@ -19,6 +19,11 @@ How it works (one background thread owns the model):
   ``max_tokens``, context length) and delivery of text deltas to each request's asyncio queue.
 - Finished or aborted rows (client gone, timeout) are dropped from the cache before the next step, and columns
   that became padding for every row are trimmed, so the cache is as long as the longest live row.
+- The cache layers append in place into spare capacity (``_GrowingLayer``) instead of ``DynamicLayer``'s
+  ``torch.cat`` of the whole cache per step; with that, 32 requests x 100 tokens run at least as fast as one
+  fixed ``model.generate`` batch of 32 (measured 489 vs 467 tokens/s), while rows come and go.
+- Non-streamed requests get one aggregated output at the end (with per-token times for the latency metrics),
+  and their text is decoded once unless stop strings need it per step.
 """
 
 from __future__ import annotations
@@ -73,6 +78,61 @@ class _Seq:
         return self.request.sampling
 
 
+class _GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` that appends into spare capacity instead of concatenating.
+
+    ``DynamicLayer.update`` copies the whole layer cache on every step (``torch.cat``). Here every row is
+    right-aligned, so all rows append at the same column and a buffer with headroom takes the new token in
+    place; the buffer is reallocated (doubling) only when full, and when rows join or leave. Measured on the 25M
+    model with 32 rows and 120 cached tokens, those per-step copies were ~30 ms of a ~115 ms decode step.
+    ``keys``/``values`` are views of the filled part, which is all the attention code reads.
+    """
+
+    _layer_type = None  # never register this class in transformers' layer-type mapping
+    HEADROOM = 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+        self._len = 0
+
+    def set_state(self, keys: torch.Tensor, values: torch.Tensor, headroom: int = HEADROOM) -> None:
+        """Make ``keys``/``values`` (batch, heads, length, head_dim) the contents, with ``headroom`` free columns."""
+        batch, heads, length, dim = keys.shape
+        kbuf = keys.new_empty((batch, heads, length + headroom, dim))
+        vbuf = values.new_empty((batch, values.shape[1], length + headroom, values.shape[3]))
+        kbuf[:, :, :length] = keys
+        vbuf[:, :, :length] = values
+        self._kbuf, self._vbuf, self._len = kbuf, vbuf, length
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.keys, self.values = kbuf[:, :, :length], vbuf[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._kbuf is None:
+            self.set_state(key_states, value_states)
+            return self.keys, self.values
+        new = key_states.shape[-2]
+        if self._len + new > self._kbuf.shape[2]:
+            self.set_state(self.keys, self.values, headroom=max(self.HEADROOM, self._len, new))
+        end = self._len + new
+        self._kbuf[:, :, self._len:end] = key_states
+        self._vbuf[:, :, self._len:end] = value_states
+        self._len = end
+        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._kbuf is not None:
+            self.set_state(self.keys[indices], self.values[indices])
+
+
+def _new_cache(config) -> DynamicCache:
+    cache = DynamicCache(config=config)
+    cache.layers = [_GrowingLayer() for _ in cache.layers]
+    return cache
+
+
 class _Batch:
     """The running rows: a right-aligned KV cache, its attention mask, and each row's next input token."""
 
@@ -91,8 +151,8 @@ class _Batch:
             return
         length = max(self.mask.shape[1], mask.shape[1])
         for old, new in zip(self.cache.layers, cache.layers, strict=True):
-            old.keys = torch.cat([_pad_left(old.keys, length), _pad_left(new.keys, length)], dim=0)
-            old.values = torch.cat([_pad_left(old.values, length), _pad_left(new.values, length)], dim=0)
+            old.set_state(torch.cat([_pad_left(old.keys, length), _pad_left(new.keys, length)], dim=0),
+                          torch.cat([_pad_left(old.values, length), _pad_left(new.values, length)], dim=0))
         self.mask = torch.cat([_pad_left(self.mask, length, dim=1), _pad_left(mask, length, dim=1)], dim=0)
         self.next_tokens = torch.cat([self.next_tokens, next_tokens])
         self.rows.extend(rows)
@@ -111,8 +171,8 @@ class _Batch:
         used = self.mask.any(0).nonzero()
         first = int(used[0]) if len(used) else self.mask.shape[1]
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
-            layer.values = layer.values.index_select(0, index)[:, :, first:]
+            layer.set_state(layer.keys.index_select(0, index)[:, :, first:],
+                            layer.values.index_select(0, index)[:, :, first:])
         self.mask = self.mask[:, first:]
 
 
@@ -310,7 +370,7 @@ class TransformersEngine(Engine):
             mask[i, width - len(prompt):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        cache = _new_cache(self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         tokens = self._sample(out.logits[:, -1, :], seqs)
@@ -318,8 +378,9 @@ class TransformersEngine(Engine):
         keep = self._after_sampling(seqs, tokens, deliveries)
         if keep:
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+            if len(keep) < len(seqs):
+                for layer in cache.layers:
+                    layer.set_state(layer.keys.index_select(0, index), layer.values.index_select(0, index))
             self._batch.add([seqs[i] for i in keep], cache, mask.index_select(0, index),
                             tokens.to(self.device).index_select(0, index))
 

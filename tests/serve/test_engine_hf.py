@@ -135,3 +135,26 @@ def test_stop_checker_holds_back_partial_matches():
     assert plain.update(list("ab"), final=False) == ("ab", None)
     assert plain.update(list("ab\ufffd"), final=False) == ("", None)  # an incomplete UTF-8 character waits
     assert plain.update(list("abc"), final=True) == ("c", None)
+
+
+def test_growing_cache_layer_matches_dynamic_layer_past_its_headroom():
+    from transformers.cache_utils import DynamicLayer
+
+    from serve.engines.hf_engine import _GrowingLayer
+
+    gen = torch.Generator().manual_seed(0)
+    ours, ref = _GrowingLayer(), DynamicLayer()
+    prefill = (torch.randn(3, 2, 5, 4, generator=gen), torch.randn(3, 2, 5, 4, generator=gen))
+    for layer in (ours, ref):
+        layer.update(*prefill)
+    rows = 3
+    for step in range(2 * _GrowingLayer.HEADROOM + 7):  # forces two reallocations
+        kv = (torch.randn(rows, 2, 1, 4, generator=gen), torch.randn(rows, 2, 1, 4, generator=gen))
+        got, want = ours.update(*kv), ref.update(*kv)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        if step == 30:  # rows leaving mid-way (what the batch does when a request finishes)
+            index = torch.tensor([0, 2])
+            ours.batch_select_indices(index)
+            ref.batch_select_indices(index)
+            rows = 2
+    assert ours.get_seq_length() == ref.get_seq_length() == 5 + 2 * _GrowingLayer.HEADROOM + 7
