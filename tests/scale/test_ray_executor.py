@@ -71,6 +71,7 @@ def test_two_ray_workers_match_the_local_executor(tmp_path):
         torch.testing.assert_close(w_ray[name], tensor, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow  # six worker processes on two cores: minutes
 def test_split_placement_ppo_with_critic_and_resume(tmp_path):
     from verl.trainer.ray import RayPPOTrainer
 
@@ -101,6 +102,7 @@ def test_placement_larger_than_the_cluster_fails_at_once(tmp_path):
         RayPPOTrainer(config, quiet=True)
 
 
+@pytest.mark.slow
 def test_worker_failure_names_role_and_rank_and_keeps_the_checkpoint(tmp_path):
     from verl.trainer.callbacks import TrainerCallback
     from verl.trainer.ray import RayPPOTrainer
@@ -118,6 +120,7 @@ def test_worker_failure_names_role_and_rank_and_keeps_the_checkpoint(tmp_path):
     assert (read_pointer(trainer.run_dir) / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_fsdp_over_two_ray_workers_matches_the_local_executor(tmp_path):
     """FSDP2 (fully_shard over a gloo group of two CPU processes): same first steps as the plain local run."""
     from verl.trainer.ray import RayPPOTrainer
