@@ -37,6 +37,16 @@ class ConsoleTracker(Tracker):
         self.total_steps = total_steps
         self.quiet = quiet
         self.console = Console(file=sys.stderr, highlight=False)
+        self.progress = None
+        # On a terminal a progress bar (steps, elapsed, ETA) stays under the step lines; piped output gets the
+        # lines alone, so log files stay clean.
+        if not quiet and total_steps and self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+
+            self.progress = Progress("train", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), "eta",
+                                     TimeRemainingColumn(), console=self.console, transient=True)
+            self.task = self.progress.add_task("train", total=total_steps)
+            self.progress.start()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self.quiet or not metrics:
@@ -46,6 +56,12 @@ class ConsoleTracker(Tracker):
             if key in metrics:
                 parts.append(f"{label} {metrics[key]:.4g}")
         self.console.print(" | ".join(parts), soft_wrap=True)  # one line per step, also in a log file
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
+
+    def finish(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
 
     def log_alert(self, alert: dict[str, Any], step: int) -> None:
         if not self.quiet:
