@@ -15,7 +15,8 @@ Run from the vLLM environment (scripts/vllm_env.sh builds it); ``--engines hf`` 
     .venv-vllm/bin/python benchmarks/grpo_engines_bench.py                    # both sizes, hf and vllm, 10 steps
     .venv-vllm/bin/python benchmarks/grpo_engines_bench.py --models builtin:tiny-arith --steps 20 --repeats 2
 
-The lead's ray variants plug in as more ``--executors`` values once ``trainer.executor=ray`` exists.
+``--executors local ray trl`` adds the Ray executor (``trainer.n_workers=2``) and TRL's ``GRPOTrainer`` on the
+same settings (one process, transformers generation; its step time is the whole optimizer step incl. generation).
 """
 
 from __future__ import annotations
@@ -36,13 +37,31 @@ MODELS = ["builtin:tiny-arith", "builtin:small-arith-base"]
 VERL = str(Path(sys.executable).parent / "verl")
 
 
+def run_trl(model: str, steps: int, skip: int, workdir: Path) -> dict:
+    """TRL's GRPOTrainer on the same settings (benchmarks/grpo_vs_trl.py's worker); per-step wall times."""
+    out_file = workdir / f"trl-{model.split(':')[-1]}.json"
+    workdir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "grpo_vs_trl.py"), "--worker", "trl", "--steps",
+                    str(steps), "--model", model, "--no-eval", "--out", str(out_file)], check=True, timeout=7200)
+    wall = time.perf_counter() - start
+    seconds = json.loads(out_file.read_text())["step_seconds"][skip:]
+    return {"model": model, "executor": "trl", "engine": "hf", "steps": steps, "wall_s": wall,
+            "start_s": float("nan"), "total": statistics.median(seconds), "gen": float("nan"),
+            "ref": float("nan"), "update_actor": float("nan"), "total_min": min(seconds), "total_max": max(seconds)}
+
+
 def run_one(model: str, executor: str, engine: str, steps: int, skip: int, workdir: Path) -> dict:
     """One ``verl train`` run; returns median step timings (seconds) from its verl_logs.jsonl."""
+    if executor == "trl":
+        return run_trl(model, steps, skip, workdir)
     name = f"{model.split(':')[-1]}-{executor}-{engine}"
     args = [VERL, "train", "--quiet", f"model.path={model}", f"rollout.name={engine}", f"trainer.executor={executor}",
             f"trainer.total_steps={steps}", "trainer.val_before_train=false", "trainer.test_freq=0",
             "trainer.save_freq=0", "trainer.logger=[jsonl]", f"trainer.output_dir={workdir}",
             f"trainer.experiment_name={name}", "trainer.resume=disable"]
+    if executor == "ray":
+        args.append("trainer.n_workers=2")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VERL_CACHE_DIR": os.environ.get("VERL_CACHE_DIR",
                                                                                     str(REPO / ".cache"))}
     launched = datetime.now()
@@ -68,14 +87,16 @@ def run_one(model: str, executor: str, engine: str, steps: int, skip: int, workd
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model | executor + engine | s/step (min–max) | gen | ref | update (+ sync) | start | vs local+hf |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | executor + engine | s/step (min–max) | gen | ref | update (+ sync) | start | vs local+hf | "
+             "vs TRL |", "|---|---|---|---|---|---|---|---|---|"]
     base = {r["model"]: r["total"] for r in results if r["executor"] == "local" and r["engine"] == "hf"}
+    trl = {r["model"]: r["total"] for r in results if r["executor"] == "trl"}
     for r in results:
         speedup = base.get(r["model"], float("nan")) / r["total"]
+        vs_trl = trl.get(r["model"], float("nan")) / r["total"]
         lines.append(f"| {r['model']} | {r['executor']}+{r['engine']} | {r['total']:.2f} ({r['total_min']:.2f}–"
                      f"{r['total_max']:.2f}) | {r['gen']:.2f} | {r['ref']:.2f} | {r['update_actor']:.2f} | "
-                     f"{r['start_s']:.0f} s | {speedup:.2f}× |")
+                     f"{r['start_s']:.0f} s | {speedup:.2f}× | {vs_trl:.2f}× |")
     return "\n".join(lines)
 
 
@@ -94,7 +115,7 @@ def main() -> None:
         for model in args.models:
             runs: dict[tuple[str, str], list[dict]] = {}
             for repeat in range(args.repeats):
-                combos = [(x, e) for x in args.executors for e in args.engines]
+                combos = [(x, e) for x in args.executors for e in args.engines if not (x == "trl" and e != "hf")]
                 if repeat % 2:
                     combos.reverse()  # alternate the order so machine noise hits every configuration alike
                 for executor, engine in combos:

@@ -56,10 +56,12 @@ def evaluate(model, tokenizer) -> dict[str, float]:
     return {"accuracy": metrics["accuracy"], "accuracy_flexible": metrics["accuracy_flexible"]}
 
 
-def run_ours(steps: int, seed: int, workdir: Path) -> dict:
+def run_ours(steps: int, seed: int, workdir: Path, model_path: str = "builtin:tiny-arith",
+             evaluate_model: bool = True) -> dict:
     from verl.trainer.local import LocalPPOTrainer
 
     trainer = LocalPPOTrainer({
+        "model": {"path": model_path},
         "data": {"train_batch_size": PROMPTS_PER_STEP, "max_response_length": MAX_NEW},
         "rollout": {"n": GROUP, "temperature": 1.0},
         "actor": {"optim": {"lr": LR}, "ppo_mini_batch_size": PROMPTS_PER_STEP, "use_kl_loss": True,
@@ -74,10 +76,13 @@ def run_ours(steps: int, seed: int, workdir: Path) -> dict:
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in trainer.config.log_path().read_text().splitlines()]
     step_seconds = [r["total"] for r in rows if r["scope"] == "timing"]
-    return {"step_seconds": step_seconds, "wall": wall, **evaluate(trainer.model, trainer.tokenizer)}
+    scores = evaluate(trainer.model, trainer.tokenizer) if evaluate_model else {"accuracy": float("nan"),
+                                                                                 "accuracy_flexible": float("nan")}
+    return {"step_seconds": step_seconds, "wall": wall, **scores}
 
 
-def run_trl(steps: int, seed: int, workdir: Path) -> dict:
+def run_trl(steps: int, seed: int, workdir: Path, model_path: str = "builtin:tiny-arith",
+            evaluate_model: bool = True) -> dict:
     import datasets
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -86,8 +91,8 @@ def run_trl(steps: int, seed: int, workdir: Path) -> dict:
     from verl.models.loader import load_tokenizer, resolve_model_path
     from verl.rewards.registry import arithmetic
 
-    path = resolve_model_path("builtin:tiny-arith")
-    tokenizer = load_tokenizer("builtin:tiny-arith")
+    path = resolve_model_path(model_path)
+    tokenizer = load_tokenizer(model_path)
     rows = read_rows(["builtin:arithmetic/train"], "data.train_files")
     dataset = datasets.Dataset.from_list(
         [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows]
@@ -128,13 +133,15 @@ def run_trl(steps: int, seed: int, workdir: Path) -> dict:
     ends = [t for kind, t in clock.marks if kind == "end"]
     # A TRL "step" includes generation (done inside the step for the first micro-step).
     step_seconds = [e - b for b, e in zip(begins, ends, strict=False)]
-    return {"step_seconds": step_seconds, "wall": wall, **evaluate(trainer.model, tokenizer)}
+    scores = evaluate(trainer.model, tokenizer) if evaluate_model else {"accuracy": float("nan"),
+                                                                         "accuracy_flexible": float("nan")}
+    return {"step_seconds": step_seconds, "wall": wall, **scores}
 
 
-def worker(kind: str, steps: int, seed: int, out: Path) -> None:
+def worker(kind: str, steps: int, seed: int, out: Path, model_path: str, evaluate_model: bool) -> None:
     _setup()
     with tempfile.TemporaryDirectory() as tmp:
-        result = (run_ours if kind == "ours" else run_trl)(steps, seed, Path(tmp))
+        result = (run_ours if kind == "ours" else run_trl)(steps, seed, Path(tmp), model_path, evaluate_model)
     out.write_text(json.dumps(result))
 
 
@@ -145,9 +152,11 @@ def main() -> None:
     parser.add_argument("--worker", choices=["ours", "trl"])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--model", default="builtin:tiny-arith", help="worker mode: model to train")
+    parser.add_argument("--no-eval", action="store_true", help="worker mode: skip the final accuracy evaluation")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.seed, args.out)
+        worker(args.worker, args.steps, args.seed, args.out, args.model, not args.no_eval)
         return
 
     results: dict[str, list[dict]] = {"ours": [], "trl": []}
