@@ -21,10 +21,10 @@ train: install
 	$(BIN)/verl train
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-slow: install
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow --durations=15
 
 test-vllm: install
 	bash scripts/vllm_env.sh

@@ -62,19 +62,24 @@ def test_resume_disable_and_explicit_path(tmp_path):
         LocalPPOTrainer(tiny_config(tmp_path, trainer={"resume": str(tmp_path)}), quiet=True).fit()
 
 
+@pytest.mark.slow  # a real process killed mid-run, then the same command again: ~1 minute
 def test_sigkill_then_resume_auto(tmp_path):
     """Kill -9 while training; every checkpoint left is complete; the same command continues."""
     args = ["train", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=killed", "trainer.total_steps=200",
             "trainer.save_freq=2", "trainer.test_freq=0", "trainer.val_before_train=false", *TINY[:3]]
     run_dir = tmp_path / "verl" / "killed"
-    proc = subprocess.Popen([VERL, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stderr = (tmp_path / "stderr.txt").open("w")
+    proc = subprocess.Popen([VERL, *args], stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         deadline = time.time() + 240
         while time.time() < deadline:
             latest = read_pointer(run_dir)
-            if latest is not None and latest.name == "global_step_4":
+            if latest is not None and int(latest.name.split("_")[-1]) >= 4:
                 break
-            time.sleep(0.2)
+            if proc.poll() is not None:
+                pytest.fail(f"training exited ({proc.returncode}) before it could be killed: "
+                            f"{(tmp_path / 'stderr.txt').read_text()[-2000:]}")
+            time.sleep(0.1)
         else:
             pytest.fail("no checkpoint appeared")
         time.sleep(0.5)  # kill somewhere inside the following steps (possibly while writing a checkpoint)
