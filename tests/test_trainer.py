@@ -62,13 +62,19 @@ def test_every_estimator_runs_a_step(tmp_path, estimator, extra):
     assert changed == advantages_nonzero
 
 
-def test_on_policy_shortcut_equals_explicit_old_log_probs(tmp_path):
-    """Skipping the old-log-prob forward pass (one epoch, one mini-batch) must not change the update."""
-    trainer = LocalPPOTrainer(tiny_config(tmp_path), quiet=True)
+def update_ready_batch(trainer):
+    """A real rollout of 4 prompts with random advantages and reference log-probs: the actor update's input."""
     prompts = trainer.train_dataset.collate([0, 1, 2, 3])
     batch = trainer.generate(prompts, trainer.train_sampling(1))
     batch.batch["advantages"] = torch.randn(batch.batch["responses"].shape) * batch.batch["response_mask"]
     batch.batch["ref_log_prob"] = trainer.compute_ref_log_prob(batch)
+    return batch
+
+
+def test_on_policy_shortcut_equals_explicit_old_log_probs(tmp_path):
+    """Skipping the old-log-prob forward pass (one epoch, one mini-batch) must not change the update."""
+    trainer = LocalPPOTrainer(tiny_config(tmp_path), quiet=True)
+    batch = update_ready_batch(trainer)
     explicit = copy.deepcopy(batch)
     explicit.batch["old_log_probs"] = trainer.actor.compute_log_prob(batch)
 
@@ -86,10 +92,7 @@ def test_on_policy_shortcut_equals_explicit_old_log_probs(tmp_path):
 
 def test_micro_batches_accumulate_to_the_full_batch_update(tmp_path):
     trainer = LocalPPOTrainer(tiny_config(tmp_path), quiet=True)
-    prompts = trainer.train_dataset.collate([0, 1, 2, 3])
-    batch = trainer.generate(prompts, trainer.train_sampling(1))
-    batch.batch["advantages"] = torch.randn(batch.batch["responses"].shape) * batch.batch["response_mask"]
-    batch.batch["ref_log_prob"] = trainer.compute_ref_log_prob(batch)
+    batch = update_ready_batch(trainer)
     cfg = trainer.config
     whole = Actor(copy.deepcopy(trainer.model), cfg.actor, 1, 1.0, cfg.data.max_response_length)
     micro_cfg = cfg.actor.model_copy(update={"ppo_micro_batch_size": 2})

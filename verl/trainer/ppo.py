@@ -274,13 +274,10 @@ class PPOTrainer:
         self._log_samples(step, batch, texts, scores)
 
     def _log_samples(self, step: int, batch: DataProto, texts: list[str], scores: torch.Tensor) -> None:
-        # One response per prompt (responses to a prompt are adjacent), so the rows show different problems.
-        stride = self.config.rollout.n
-        indices = list(range(0, len(texts), stride))[: self.config.trainer.num_samples_to_log]
+        from verl.trainer.validation import sample_rows
+
         samples = []
-        for i in indices:
-            row = {"prompt": str(batch.non_tensor["raw_prompt"][i]), "response": texts[i],
-                   "ground_truth": str(batch.non_tensor["ground_truth"][i]), "score": float(scores[i])}
+        for row in sample_rows(batch, texts, scores, self.config.trainer.num_samples_to_log, self.config.rollout.n):
             self.logger.event("sample", step=step, split="train", **row)
             samples.append({**row, "split": "train"})
         if samples:

@@ -12,7 +12,7 @@ import numpy as np
 
 from verl.data.dataset import RLHFDataset
 from verl.protocol import DataProto
-from verl.rollout.base import RolloutEngine, SamplingParams
+from verl.rollout.base import RolloutEngine, SamplingParams, pad_responses
 from verl.workers.reward import RewardManager
 
 
@@ -37,8 +37,6 @@ def generate_and_score(
         texts.extend(txt)
         for key, value in ex.items():
             extras.setdefault(key, []).append(value)
-    from verl.rollout.base import pad_responses
-
     batch = DataProto.concat(pad_responses(outputs, dataset.tokenizer.pad_token_id))
     return batch, np.concatenate(scores), {k: np.concatenate(v) for k, v in extras.items()}, texts
 
@@ -57,10 +55,13 @@ def validation_metrics(
     return metrics
 
 
-def sample_rows(batch: DataProto, texts: list[str], scores: np.ndarray, limit: int) -> list[dict[str, Any]]:
-    """The first ``limit`` generations as ``sample`` rows (prompt, response, ground truth, score)."""
+def sample_rows(batch: DataProto, texts: list[str], scores, limit: int, stride: int = 1) -> list[dict[str, Any]]:
+    """Up to ``limit`` generations, every ``stride``-th, as ``sample`` rows (prompt, response, ground truth, score).
+
+    With ``stride = n`` (a prompt's n responses are adjacent) the rows show different prompts.
+    """
     rows = []
-    for i in range(min(limit, len(texts))):
+    for i in list(range(0, len(texts), stride))[:limit]:
         rows.append({
             "prompt": str(batch.non_tensor["raw_prompt"][i]),
             "response": texts[i],
