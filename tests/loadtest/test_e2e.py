@@ -178,3 +178,26 @@ def test_verl_loadtest_command(tmp_path):
                  for p in ("/generate", "/v1/completions", "/v1/chat/completions"))
     assert served >= report["totals"]["http_requests"] - report["totals"]["http_failures"] > 0
     assert "server.log" in {p.name for p in out.iterdir()} and (out / "latency_vs_users.png").is_file()
+
+
+@pytest.mark.slow
+def test_distributed_locust_processes_aggregate_custom_entries(service, tmp_path):
+    """``--processes 2`` (a master and two forked workers): the LLM entries each worker fires reach the master's
+    CSVs, and the report's counts still equal Locust's (about 25 s)."""
+    config = LoadTestConfig(out_dir=tmp_path, step_users="1,2", step_time_s=8, step_settle_s=SETTLE_S,
+                            extra_locust_args=["--num-prompts", "32", "--processes", "2"])
+    prefix = tmp_path / "locust"
+    code = run_locust(locust_command(service, prefix, config.plan(), config), 90, tmp_path / "locust.log")
+    log = (tmp_path / "locust.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "The last worker quit" in log, log[-3000:]  # the master ran the test through its workers
+    stats = read_stats(prefix)
+    count = {name: int(row["Request Count"]) for (_, name), row in stats.items()}
+    http_total = sum(count[name] for name in HTTP_NAMES)
+    assert all(count[name] > 0 for name in HTTP_NAMES)
+    assert count["e2e_latency_ms"] == count["output_tokens"] == http_total
+    assert count["ttft_ms"] == count["/v1/chat/completions [stream]"]
+    report, _ = make_report(prefix, tmp_path / "report", SLO(p95_ms=60_000, max_failure_rate=0.01))
+    assert [s["users"] for s in report["steps"]] == [1, 2]
+    assert report["totals"]["http_requests"] == http_total == report["totals"]["steps_requests"]
+    assert report["totals"]["locust_aggregated_requests"] == count["Aggregated"]
