@@ -19,27 +19,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from eval.evaluators.base import EvalBatch, EvalResult, Evaluator
 from verl.errors import VerlError
 
-MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
-
-
-def token_kl_terms(policy_logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor
-                   ) -> dict[str, torch.Tensor]:
-    """Per-token terms from logits ``(B, L, V)`` and the generated ``tokens`` ``(B, L)``.
-
-    Returns ``policy_log_probs``, ``ref_log_probs`` (of the generated tokens) and ``token_kl`` (exact
-    ``KL(π || π_ref)`` at each position), each ``(B, L)``.
-    """
-    logp = F.log_softmax(policy_logits.float(), dim=-1)
-    logq = F.log_softmax(ref_logits.float(), dim=-1)
-    exact = (logp.exp() * (logp - logq)).sum(-1).clamp(min=0.0)  # rounding can give -1e-9
-    index = tokens.unsqueeze(-1)
-    return {"policy_log_probs": logp.gather(-1, index).squeeze(-1), "ref_log_probs": logq.gather(-1, index).squeeze(-1),
-            "token_kl": exact}
+# The forward passes live in verl core: training validation computes the same terms (trainer.evaluators=[kl]).
+from verl.workers.kl_terms import compute_kl_terms, token_kl_terms  # noqa: F401  (re-exported)
 
 
 def k1_k3(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,32 +32,6 @@ def k1_k3(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> tuple[
     log_r = ref_log_probs - policy_log_probs
     return -log_r, torch.exp(log_r) - 1.0 - log_r
 
-
-@torch.no_grad()
-def compute_kl_terms(policy: torch.nn.Module, reference: torch.nn.Module, data: Any, micro_batch_size: int = 32,
-                     temperature: float = 1.0, progress: Any = None) -> dict[str, torch.Tensor]:
-    """Run both models over the rollout ``data`` (``input_ids`` etc. ``(N, prompt+response)``) once, in micro
-    batches, keeping only response positions. Returns the ``token_kl_terms`` fields ``(N, L)``, zero on padding."""
-    mask = data.batch["response_mask"].float()
-    width = data.batch["responses"].shape[1]
-    parts: dict[str, list[torch.Tensor]] = {}
-    for model in (policy, reference):
-        model.eval()
-    device = next(policy.parameters()).device
-    ref_device = next(reference.parameters()).device
-    for start in range(0, len(data), micro_batch_size):
-        rows = {k: data.batch[k][start : start + micro_batch_size] for k in MODEL_KEYS}
-        logits = []
-        for model, dev in ((policy, device), (reference, ref_device)):
-            out = model(input_ids=rows["input_ids"].to(dev), attention_mask=rows["attention_mask"].to(dev),
-                        position_ids=rows["position_ids"].to(dev), logits_to_keep=width + 1, use_cache=False)
-            logits.append(out.logits[:, -width - 1 : -1, :].float().to(device) / temperature)
-        terms = token_kl_terms(logits[0], logits[1], rows["responses"].to(device))
-        for key, value in terms.items():
-            parts.setdefault(key, []).append(value.cpu())
-        if progress is not None:
-            progress(len(rows["responses"]))
-    return {k: torch.cat(v) * mask for k, v in parts.items()}
 
 
 class KL(Evaluator):

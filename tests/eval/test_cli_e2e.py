@@ -36,7 +36,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name, lr in (("a", "1e-4"), ("b", "3e-3")):
         cli("train", *TINY, f"trainer.output_dir={root}", f"trainer.experiment_name={name}",
-            f"actor.optim.lr={lr}", "trainer.evaluators=[accuracy,length,diversity]", "--quiet")
+            f"actor.optim.lr={lr}", "trainer.evaluators=[accuracy,length,diversity,kl]", "--quiet")
         out[name] = root / "verl" / name
     return out
 
@@ -48,8 +48,11 @@ def eval_rows(run_dir: Path) -> dict[int, dict]:
 def test_training_validation_runs_the_plugin_evaluators(runs):
     row = eval_rows(runs["a"])[2]
     # length and diversity came through the verl.evaluators entry points, next to the trainer's own numbers.
-    for key in ("accuracy", "accuracy_flexible", "exact_match", "response_length_p90", "distinct_1", "self_bleu"):
+    for key in ("accuracy", "accuracy_flexible", "exact_match", "response_length_p90", "distinct_1", "self_bleu",
+                "kl_exact", "kl_k3"):
         assert key in row
+    # Before the first update the policy is the reference: the exact KL is zero; after two updates it is not.
+    assert eval_rows(runs["a"])[0]["kl_exact"] == 0.0 and row["kl_exact"] > 0
 
 
 def test_eval_checkpoint_matches_training_accuracy(runs):
@@ -63,6 +66,8 @@ def test_eval_checkpoint_matches_training_accuracy(runs):
     assert results["metrics"]["eval/accuracy_flexible"]["value"] == trained["accuracy_flexible"]
     assert results["metrics"]["eval/reward_mean"]["value"] == pytest.approx(trained["reward_mean"])
     assert results["metrics"]["eval/response_length_mean"]["value"] == pytest.approx(trained["response_length_mean"])
+    for key in ("kl_exact", "kl_k1", "kl_k3", "kl_exact_per_token"):  # same forward passes, same reference
+        assert results["metrics"][f"eval/{key}"]["value"] == pytest.approx(trained[key], rel=1e-5, abs=1e-7), key
     # Every metric carries an SE and a 95% CI; the run's initial model is the KL reference by default.
     assert results["reference"] == "builtin:tiny-arith" and results["metrics"]["eval/kl_exact"]["value"] >= 0
     for name, metric in results["metrics"].items():
@@ -163,7 +168,7 @@ def test_sampled_validation_matches_too(tmp_path):
 
 def test_lora_checkpoint_is_merged_onto_its_base(tmp_path):
     cli("train", *TINY, "trainer.total_steps=1", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=l",
-        "model.lora.rank=4", "data.val_max_samples=8", "--quiet")
+        "model.lora.rank=4", "data.val_max_samples=8", "trainer.evaluators=[kl]", "--quiet")
     run = tmp_path / "verl" / "l"
     ckpt = run / "checkpoints" / "global_step_1"
     assert not (ckpt / "config.json").exists()  # adapter files only
@@ -173,3 +178,6 @@ def test_lora_checkpoint_is_merged_onto_its_base(tmp_path):
     assert results["metrics"]["eval/accuracy_flexible"]["value"] == trained["accuracy_flexible"]
     assert results["metrics"]["eval/response_length_mean"]["value"] == pytest.approx(trained["response_length_mean"])
     assert 0 <= results["metrics"]["eval/kl_exact"]["value"] < 0.1  # one small LoRA step from the base
+    # In training the reference is the same module with its adapters disabled; verl eval loads the base model.
+    assert results["metrics"]["eval/kl_exact"]["value"] == pytest.approx(trained["kl_exact"], rel=1e-4, abs=1e-7)
+    assert eval_rows(run)[0]["kl_exact"] == 0.0

@@ -99,7 +99,17 @@ def test_validation_evaluators_run_through_entry_points():
         trainer, batch, [">> 4", "5"], np.array([1.0, 0.0]), {"acc": np.array([1.0, 0.0])})
     assert metrics["accuracy"] == 0.5 and metrics["accuracy_flexible"] == 1.0
     assert metrics["response_length_mean"] == 3.0 and metrics["custom"] == 1.0
+    # kl needs the reference: without one it is refused with the fix; with one the trainer computes the terms.
     cfg.trainer.evaluators = ["kl"]
+    cfg.actor.use_kl_loss, cfg.algorithm.use_kl_in_reward = False, False
     trainer = SimpleNamespace(config=cfg, evaluators=[])
-    with pytest.raises(ConfigError, match="needs \\['ref_logprobs'\\]"):
+    with pytest.raises(ConfigError, match="needs the reference model.*reference.enable=true"):
         evaluator_plugins.run_validation_evaluators(trainer, batch, ["a", "b"], np.zeros(2), {})
+    cfg.reference.enable = True
+    terms = {"policy_log_probs": torch.tensor([[-1.0, -2.0, 0.0], [-1.0, 0.0, 0.0]]),
+             "ref_log_probs": torch.tensor([[-1.5, -2.0, 0.0], [-0.5, 0.0, 0.0]]),
+             "token_kl": torch.tensor([[0.25, 0.5, 0.0], [0.75, 0.0, 0.0]])}
+    trainer = SimpleNamespace(config=cfg, evaluators=[], compute_kl_terms=lambda data: terms)
+    metrics = evaluator_plugins.run_validation_evaluators(trainer, batch, ["a", "b"], np.zeros(2), {})
+    assert metrics["kl_exact"] == pytest.approx((0.75 + 0.75) / 2)
+    assert metrics["kl_k1"] == pytest.approx((0.5 - 0.5) / 2)  # k1 = logp - ref, summed per response

@@ -33,6 +33,20 @@ def ray_config(tmp_path, **sections):
     return cfg
 
 
+# Validation before and after two steps, with the exact-KL evaluator (actor and reference forwards in the workers);
+# 7 prompts do not split evenly over 2 workers, so the padded split is exercised too.
+VALIDATE_KL = {"total_steps": 2, "test_freq": 2, "val_before_train": True, "evaluators": ["accuracy", "kl"]}
+
+
+def assert_same_validation(a_dir, b_dir):
+    a, b = first_rows(a_dir, "eval"), first_rows(b_dir, "eval")
+    assert set(a) == set(b) == {0, 2}
+    assert a[0]["kl_exact"] == b[0]["kl_exact"] == 0.0  # before any update the policy is the reference
+    for key in ("accuracy", "accuracy_flexible", "kl_exact", "kl_k3"):
+        assert b[2][key] == pytest.approx(a[2][key], abs=1e-6, rel=1e-4), key
+    assert a[2]["kl_exact"] > 0
+
+
 def first_rows(run_dir, scope):
     rows = [json.loads(line) for line in (run_dir / "verl_logs.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if r["scope"] == scope}
@@ -49,9 +63,10 @@ def test_two_ray_workers_match_the_local_executor(tmp_path):
     """Same seed -> same rollouts (per-prompt seeding), same rewards, same first-step loss and update."""
     from verl.trainer.ray import RayPPOTrainer
 
-    local = LocalPPOTrainer(tiny_config(tmp_path / "local", trainer={"total_steps": 2}), quiet=True)
+    data = {"val_max_samples": 7}
+    local = LocalPPOTrainer(tiny_config(tmp_path / "local", trainer=VALIDATE_KL, data=data), quiet=True)
     run(local)
-    remote = RayPPOTrainer(build_config(ray_config(tmp_path / "ray", trainer={"total_steps": 2})), quiet=True)
+    remote = RayPPOTrainer(build_config(ray_config(tmp_path / "ray", trainer=VALIDATE_KL, data=data)), quiet=True)
     run(remote)
     for scope, keys in (("rollout", ["reward_mean", "response_length_mean", "advantages_mean"]),
                         ("ppo", ["policy_loss", "kl_div", "entropy", "grad_norm"])):
@@ -60,6 +75,7 @@ def test_two_ray_workers_match_the_local_executor(tmp_path):
         for step in (1, 2):  # step 2 also matches: the update itself was identical
             for key in keys:
                 assert b[step][key] == pytest.approx(a[step][key], abs=1e-5, rel=1e-4), (scope, step, key)
+    assert_same_validation(local.run_dir, remote.run_dir)
     # The checkpoint is the same HF model dir, written once by rank 0, loadable by the local executor.
     ray_ckpt = read_pointer(remote.run_dir)
     assert sorted(p.name for p in ray_ckpt.iterdir() if p.suffix == ".pt") == ["actor_state.pt", "trainer_state.pt"]
@@ -125,11 +141,13 @@ def test_fsdp_over_two_ray_workers_matches_the_local_executor(tmp_path):
     """FSDP2 (fully_shard over a gloo group of two CPU processes): same first steps as the plain local run."""
     from verl.trainer.ray import RayPPOTrainer
 
-    local = LocalPPOTrainer(tiny_config(tmp_path / "local", trainer={"total_steps": 2}), quiet=True)
+    data = {"val_max_samples": 7}
+    local = LocalPPOTrainer(tiny_config(tmp_path / "local", trainer=VALIDATE_KL, data=data), quiet=True)
     run(local)
     sharded = RayPPOTrainer(build_config(ray_config(tmp_path / "fsdp", actor={"strategy": "fsdp"},
-                                                    trainer={"total_steps": 2})), quiet=True)
+                                                    trainer=VALIDATE_KL, data=data)), quiet=True)
     run(sharded)
+    assert_same_validation(local.run_dir, sharded.run_dir)
     for scope, keys in (("rollout", ["reward_mean", "response_length_mean"]), ("ppo", ["policy_loss", "kl_div"])):
         a, b = first_rows(local.run_dir, scope), first_rows(sharded.run_dir, scope)
         for step in (1, 2):

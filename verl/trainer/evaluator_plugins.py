@@ -262,6 +262,23 @@ def scalar_metrics(result: Any, where: str) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------- validation
 
 
+def check_validation_needs(trainer: Any, evaluator: Any, label: str) -> None:
+    """Refuse, with the fix, an evaluator whose inputs validation during training cannot compute."""
+    needs = evaluator_needs(evaluator)
+    if "ref_logprobs" in needs and not trainer.config.use_reference:
+        raise ConfigError(
+            f"trainer.evaluators: '{label}' needs the reference model, which this run does not load "
+            "(actor.use_kl_loss and algorithm.use_kl_in_reward are off); set reference.enable=true, or run "
+            f"`verl eval --evaluators {label}` on the checkpoints"
+        )
+    missing = needs - {"generations", "ground_truth", "rewards", "ref_logprobs"}
+    if missing:
+        raise ConfigError(
+            f"trainer.evaluators: '{label}' needs {sorted(missing)}, which validation during training does not "
+            f"compute; drop it there and run `verl eval --evaluators {label}` on the checkpoints"
+        )
+
+
 def _config_evaluators(trainer: Any) -> list[Any]:
     """Resolve ``trainer.evaluators`` once per trainer (cached on it)."""
     cached = getattr(trainer, "_plugin_evaluators", None)
@@ -270,13 +287,7 @@ def _config_evaluators(trainer: Any) -> list[Any]:
     evaluators = []
     for spec in trainer.config.trainer.evaluators:
         evaluator = build_evaluator(spec)
-        missing = evaluator_needs(evaluator) - {"generations", "ground_truth", "rewards"}
-        if missing:
-            raise ConfigError(
-                f"trainer.evaluators: '{spec}' needs {sorted(missing)}, which validation during training does not "
-                "compute; drop it there (ppo/kl_div tracks KL in training) and run `verl eval --evaluators "
-                f"{spec}` on the checkpoints"
-            )
+        check_validation_needs(trainer, evaluator, spec)
         evaluators.append(evaluator)
     trainer._plugin_evaluators = evaluators
     return evaluators
@@ -296,8 +307,13 @@ def run_validation_evaluators(trainer: Any, batch: Any, texts: list[str], scores
     eval_batch = EvalBatch.from_rollout(batch, texts, scores, extras, n=v.n,
                                         max_new_tokens=cfg.data.max_response_length, sampling=sampling,
                                         n_bootstrap=0, seed=cfg.trainer.seed)
+    for evaluator in trainer.evaluators:  # register_evaluator() objects
+        check_validation_needs(trainer, evaluator, getattr(evaluator, "name", type(evaluator).__name__))
+    evaluators = [*_config_evaluators(trainer), *trainer.evaluators]
+    if any("ref_logprobs" in evaluator_needs(e) for e in evaluators):
+        eval_batch.kl_terms = trainer.compute_kl_terms(batch)
     metrics: dict[str, float] = {}
-    for evaluator in [*_config_evaluators(trainer), *trainer.evaluators]:
+    for evaluator in evaluators:
         where = getattr(evaluator, "name", type(evaluator).__name__)
         result = evaluator.evaluate(eval_batch) if hasattr(evaluator, "evaluate") else evaluator(eval_batch)
         metrics.update(scalar_metrics(result, where))

@@ -102,6 +102,9 @@ class LocalPPOTrainer(PPOTrainer):
     def compute_values(self, batch: DataProto) -> torch.Tensor:
         return self.worker.compute_values(batch)
 
+    def compute_kl_terms(self, batch: DataProto) -> dict[str, torch.Tensor]:
+        return self.worker.compute_kl_terms(batch)
+
     def update_actor(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]:
         return self.worker.update_actor(batch, mini_batch_size)
 

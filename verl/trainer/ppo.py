@@ -75,6 +75,11 @@ class PPOTrainer:
     def compute_values(self, batch: DataProto) -> torch.Tensor:
         raise NotImplementedError
 
+    def compute_kl_terms(self, batch: DataProto) -> dict[str, torch.Tensor]:
+        """Exact per-token KL of the actor from the reference along ``batch``'s responses, for the ``kl``
+        evaluator in validation (``verl.workers.kl_terms``); each field ``(batch, response_len)``."""
+        raise NotImplementedError
+
     def update_actor(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]:
         raise NotImplementedError
 

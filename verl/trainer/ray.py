@@ -29,7 +29,7 @@ import torch
 
 from verl.config import VerlConfig
 from verl.data.dataset import PromptSampler, RLHFDataset
-from verl.errors import MissingDependencyError, VerlError
+from verl.errors import ConfigError, MissingDependencyError, VerlError
 from verl.models.loader import load_tokenizer
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams, pad_responses
@@ -93,6 +93,14 @@ class WorkerGroup:
         shares = data.chunk(len(self.workers)) if len(self.workers) > 1 else [data]
         return self.get([getattr(w, method).remote(s, *args) for w, s in zip(self.workers, shares, strict=True)],
                         method)
+
+    def call_split_padded(self, method: str, data: DataProto, *args: Any) -> tuple[list, int]:
+        """``call_split`` for any batch size: the last row is repeated until every rank gets an equal share
+        (sharded models need every rank in every forward). Returns the parts and how many rows were added."""
+        extra = -len(data) % len(self.workers)
+        if extra:
+            data = DataProto.concat([data, data.index([len(data) - 1] * extra)])
+        return self.call_split(method, data, *args), extra
 
 
 class RayPPOTrainer(PPOTrainer):
@@ -191,11 +199,8 @@ class RayPPOTrainer(PPOTrainer):
     # ------------------------------------------------------------------ role operations
 
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
-        group = self.groups["actor"]
-        extra = -len(prompts) % len(group)
-        if extra:  # e.g. a validation tail: repeat the last prompt so every rank gets an equal share
-            prompts = DataProto.concat([prompts, prompts.index([len(prompts) - 1] * extra)])
-        parts = group.call_split("generate", prompts, params)
+        # e.g. a validation tail: the last prompt is repeated so every rank gets an equal share
+        parts, extra = self.groups["actor"].call_split_padded("generate", prompts, params)
         out = DataProto.concat(pad_responses(parts, self.tokenizer.pad_token_id))
         return out.index(slice(0, len(out) - extra * params.n)) if extra else out
 
@@ -215,6 +220,14 @@ class RayPPOTrainer(PPOTrainer):
 
     def compute_values(self, batch: DataProto) -> torch.Tensor:
         return self._split_cat("critic", "compute_values", batch)
+
+    def compute_kl_terms(self, batch: DataProto) -> dict[str, torch.Tensor]:
+        if self.groups.get("ref") is not self.groups["actor"]:
+            raise ConfigError("trainer.evaluators: 'kl' in validation needs the reference in the actor's workers "
+                              "(trainer.ray.placement=colocate); with a split placement run `verl eval "
+                              "--evaluators kl` on the checkpoints")
+        parts, _ = self.groups["actor"].call_split_padded("compute_kl_terms", batch)
+        return {key: torch.cat([p[key] for p in parts])[: len(batch)] for key in parts[0]}
 
     def update_actor(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]:
         # Every rank gets the whole batch and takes its own share of each mini-batch (global loss counts).

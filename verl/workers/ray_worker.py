@@ -131,6 +131,14 @@ class RoleWorker:
     def compute_values(self, data: DataProto) -> torch.Tensor:
         return self.critic.compute_values(data)
 
+    def compute_kl_terms(self, data: DataProto) -> dict[str, torch.Tensor]:
+        """Exact per-token KL of the actor from the reference along ``data``'s responses (the ``kl`` evaluator's
+        inputs, at temperature 1 as ``verl eval`` computes them); each field ``(batch, response_len)``."""
+        from verl.workers.kl_terms import compute_kl_terms
+
+        return compute_kl_terms(self.model, self.reference.model, data, self.config.actor.ppo_micro_batch_size or 32,
+                                reference_context=self.reference.weights)
+
     def compute_reward(self, data: DataProto):
         return self.reward.compute(data)
 

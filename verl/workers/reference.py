@@ -29,7 +29,8 @@ class Reference:
             model.eval()
             model.requires_grad_(False)
 
-    def _context(self):
+    def weights(self):
+        """Context in which ``self.model`` computes the reference policy (LoRA: adapters disabled)."""
         return self.model.disable_adapter() if self.adapters_disabled else contextlib.nullcontext()
 
     @torch.no_grad()
@@ -39,7 +40,7 @@ class Reference:
         was_training = self.model.training
         self.model.eval()
         parts = []
-        with self._context():
+        with self.weights():
             for micro in data.split(self.micro_batch_size) if self.micro_batch_size else [data]:
                 batch = {k: micro.batch[k].to(device) for k in MODEL_KEYS}
                 log_probs, _ = response_log_probs(self.model, batch, self.temperature,
