@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from verl.utils.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_PY = REPO / ".venv" / "bin" / "python"
@@ -44,12 +45,6 @@ SERVERS = ("ours-hf", "naive", "ours-vllm", "vllm-server")
 def prompts(count: int = 64) -> list[str]:
     """Arithmetic questions like the built-in task's, as raw text."""
     return [f"What is {(i * 37) % 900 + 10}+{(i * 53) % 90 + 5}? Answer:" for i in range(count)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,11 +29,11 @@ from loadtest.report import SLO, make_report
 from loadtest.shapes import StepPlan, doubling_levels, parse_levels
 from verl.errors import VerlError
 from verl.utils.fs import atomic_write_text
+from verl.utils.net import LOOPBACK, free_port
 
 HERE = Path(__file__).resolve().parent
 LOCUSTFILE = HERE / "locustfile.py"
 LOCUST_CONF = HERE / "locust.conf"
-LOOPBACK = "127.0.0.1"
 CSV_STEM = "locust"
 
 
@@ -64,13 +63,6 @@ class LoadTestConfig:
     def plan(self) -> StepPlan:
         levels = parse_levels(self.step_users) if self.step_users else doubling_levels(self.max_users)
         return StepPlan(tuple(levels), self.step_time_s, self.step_settle_s)
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,17 +18,12 @@ import uvicorn
 
 from serve.api import create_app
 from serve.settings import load_settings
+from verl.utils.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Small, quick defaults for tests: the shipped 1M-parameter warm start, short generations.
 TEST_SETTINGS = {"model": "builtin:tiny-arith", "max_batch_size": 8, "max_queue_size": 16, "default_max_tokens": 16,
                  "max_output_tokens": 128, "engine": "transformers"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from verl.errors import MissingDependencyError, VerlError
+from verl.utils.net import free_port
 
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -34,12 +34,6 @@ def find_chromium() -> str | None:
         if path:
             return path
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @contextmanager

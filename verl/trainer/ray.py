@@ -36,8 +36,8 @@ from verl.rollout.base import SamplingParams, pad_responses
 from verl.trainer.checkpoint import read_pointer
 from verl.trainer.local import needed_roles
 from verl.trainer.ppo import PPOTrainer
+from verl.utils.net import free_port
 from verl.utils.seeding import seed_everything, set_num_threads
-from verl.workers.dist import free_port
 from verl.workers.ray_worker import RoleWorker
 from verl.workers.reward import RewardManager
 

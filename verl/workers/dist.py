@@ -100,14 +100,6 @@ def all_ranks(flag: bool, info: DistInfo) -> bool:
     return bool(value.item() > 0)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def apply_fsdp(model: torch.nn.Module, info: DistInfo, device: torch.device, offload: bool = False) -> torch.nn.Module:
     """Shard ``model`` with FSDP2 (``fully_shard``): each decoder layer, then the root.
 

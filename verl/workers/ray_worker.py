@@ -20,10 +20,11 @@ from verl.models.lora import apply_lora, is_lora
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams, get_rollout_factory
 from verl.trainer.checkpoint import load_model_weights
+from verl.utils.net import free_port
 from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.actor import Actor
 from verl.workers.critic import Critic, load_critic_model
-from verl.workers.dist import DistInfo, all_ranks, apply_fsdp, free_port, full_state_dict, init_process_group
+from verl.workers.dist import DistInfo, all_ranks, apply_fsdp, full_state_dict, init_process_group
 from verl.workers.reference import Reference
 from verl.workers.reward import RewardManager
 
