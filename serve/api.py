@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve import __version__
 from serve.engines import create_engine
 from serve.engines.base import Engine, EngineDeadError, EngineError, EngineOutput, EngineRequest, SamplingOptions
+from serve.logprobs import CompletionLogprobs, chat_logprobs, token_texts
 from serve.metrics import CONTENT_TYPE, SequenceTimer, ServeMetrics
 from serve.schemas import (
     ChatCompletionRequest,
@@ -110,6 +111,9 @@ class SequenceResult:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: BaseException | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per generated token, when asked for
+    prompt_logprobs: list | None = None  # TokenLogprob | None per prompt token, when asked for
 
 
 @dataclass
@@ -270,17 +274,14 @@ async def require_api_key(request: Request,
 
 def _check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Parameters of the OpenAI API we accept only at their neutral value: say so instead of ignoring them."""
-    problems: dict[str, bool] = {
-        "presence_penalty": body.presence_penalty != 0,
-        "frequency_penalty": body.frequency_penalty != 0,
-        "logit_bias": bool(body.logit_bias),
-    }
+    problems: dict[str, bool] = {"logit_bias": bool(body.logit_bias)}
     if isinstance(body, CompletionRequest):
-        problems.update(echo=body.echo, logprobs=bool(body.logprobs), best_of=(body.best_of or 1) > 1,
-                        suffix=body.suffix is not None)
+        problems.update(best_of=(body.best_of or 1) > 1, suffix=body.suffix is not None)
     else:
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         problems.update(
-            logprobs=body.logprobs, top_logprobs=bool(body.top_logprobs), tools=bool(body.tools),
+            tools=bool(body.tools),
             response_format=body.response_format not in (None, {"type": "text"}),
             tool_choice=body.tool_choice not in (None, "none", "auto"),
         )
@@ -314,6 +315,15 @@ def _completion_prompts(engine: Engine, prompt: Any) -> list[list[int]]:
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return [list(p) for p in prompt]
+
+
+def _echo_texts(engine: Engine, prompt: Any, prompts: list[list[int]]) -> list[str]:
+    """What ``echo`` repeats for each prompt: the text as sent, or the decoded ids when ids were sent."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts]
 
 
 def _chat_prompt(engine: Engine, messages: list, add_generation_prompt: bool) -> list[int]:
@@ -361,9 +371,17 @@ def _plan_tokens(service: Service, engine: Engine, prompts: list[list[int]], req
 
 def _sampling(body: Any, max_tokens: int, seed: int | None) -> SamplingOptions:
     temperature = body.temperature if body.temperature > 1e-5 else 0.0
+    if isinstance(body, CompletionRequest):
+        logprobs = body.logprobs
+        prompt_logprobs = body.logprobs if body.echo else None
+    else:
+        logprobs, prompt_logprobs = (body.top_logprobs or 0) if body.logprobs else None, None
     return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p,
                            top_k=body.top_k if body.top_k > 0 else -1, seed=seed, stop=list(body.stop or []),
-                           stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos)
+                           stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
+                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                           repetition_penalty=body.repetition_penalty, logprobs=logprobs,
+                           prompt_logprobs=prompt_logprobs)
 
 
 def _specs(prompts: list[list[int]], body: Any, max_tokens: int) -> list[SequenceSpec]:
@@ -398,6 +416,10 @@ async def run_to_completion(service: Service, request: Request, request_id: str,
             return
         result.text.append(out.text)
         result.tokens = out.num_generated_tokens
+        result.token_ids.extend(out.token_ids)
+        result.logprobs.extend(out.logprobs or [])
+        if out.prompt_logprobs is not None:
+            result.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
 
@@ -677,12 +699,27 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         prompt_tokens = sum(len(p) for p in prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        echo_texts = _echo_texts(engine, body.prompt, prompts) if body.echo else None
+        text_of = token_texts(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
         service.admit(len(specs))
         if body.stream:
+            started: dict[int, CompletionLogprobs] = {}
+
             def chunk(index: int, text: str, out: EngineOutput | None) -> dict | None:
-                if not text and not (out and out.finished):
+                spec = specs[index]
+                first = index not in started
+                logprobs = started.setdefault(index, CompletionLogprobs(text_of))
+                block = None
+                if echo_texts is not None and first:
+                    text = echo_texts[spec.prompt_index] + text
+                    if body.logprobs is not None and out is not None:
+                        block = logprobs.block(spec.prompt_ids, out.prompt_logprobs or [None] * len(spec.prompt_ids))
+                if out is not None and out.logprobs:
+                    more = logprobs.block(out.token_ids, out.logprobs)
+                    block = more if block is None else {k: block[k] + more[k] for k in block}
+                if not text and block is None and not (out and out.finished):
                     return None
-                choice = {"index": index, "text": text, "logprobs": None,
+                choice = {"index": index, "text": text, "logprobs": block,
                           "finish_reason": out.finish_reason if out else None}
                 if out is not None and out.finished:
                     choice["stop_reason"] = out.stop_reason
@@ -693,8 +730,19 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             include = bool(body.stream_options and body.stream_options.include_usage)
             return stream_response(service, request_id, specs, prompt_tokens, chunk, [], include, usage_chunk)
         results = await run_to_completion(service, request, request_id, specs)
-        choices = [{"index": i, "text": "".join(r.text), "logprobs": None, "finish_reason": r.finish_reason,
-                    "stop_reason": r.stop_reason} for i, r in enumerate(results)]
+        choices = []
+        for spec, r in zip(specs, results, strict=True):
+            text, block = "".join(r.text), None
+            if body.logprobs is not None:
+                ids, entries = r.token_ids, r.logprobs
+                if echo_texts is not None:
+                    ids = [*spec.prompt_ids, *ids]
+                    entries = [*(r.prompt_logprobs or [None] * len(spec.prompt_ids)), *entries]
+                block = CompletionLogprobs(text_of).block(ids, entries)
+            if echo_texts is not None:
+                text = echo_texts[spec.prompt_index] + text
+            choices.append({"index": spec.index, "text": text, "logprobs": block, "finish_reason": r.finish_reason,
+                            "stop_reason": r.stop_reason})
         return JSONResponse({"id": request_id, "object": "text_completion", "created": created,
                              "model": service.model_name, "choices": choices,
                              "usage": _usage(prompt_tokens, results)})
@@ -715,16 +763,18 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         specs = _specs([prompt], body, max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
+        text_of = token_texts(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
         service.admit(len(specs))
         if body.stream:
             base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                     "model": service.model_name}
 
             def chunk(index: int, text: str, out: EngineOutput | None) -> dict | None:
-                if not text and not (out and out.finished):
+                block = chat_logprobs(out.logprobs, text_of) if out is not None and out.logprobs else None
+                if not text and block is None and not (out and out.finished):
                     return None
                 finished = out is not None and out.finished
-                choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
+                choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": block,
                           "finish_reason": out.finish_reason if finished else None}
                 if finished:
                     choice["stop_reason"] = out.stop_reason
@@ -736,7 +786,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             include = bool(body.stream_options and body.stream_options.include_usage)
             return stream_response(service, request_id, specs, len(prompt), chunk, preamble, include, usage_chunk)
         results = await run_to_completion(service, request, request_id, specs)
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(r.text)}, "logprobs": None,
+        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(r.text)},
+                    "logprobs": chat_logprobs(r.logprobs, text_of) if body.logprobs else None,
                     "finish_reason": r.finish_reason, "stop_reason": r.stop_reason} for i, r in enumerate(results)]
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,
                              "model": service.model_name, "choices": choices,

@@ -57,8 +57,12 @@ class _SamplingFields(_Strict):
     stream: StrictBool = Field(False, description="Server-sent events, ending with `data: [DONE]`.")
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = Field(False, description="vLLM extension: keep generating past the end-of-text token.")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Not implemented: only 0 is accepted.")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Not implemented: only 0 is accepted.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from the logit of every "
+                                    "token already generated.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit per time "
+                                     "it was generated.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM extension: divides positive (multiplies "
+                                      "negative) logits of tokens in the prompt or output; 1 = off.")
     logit_bias: dict[str, float] | None = Field(None, description="Not implemented: only null/{} is accepted.")
     user: str | None = Field(None, description="Opaque end-user id (logged nowhere; accepted for compatibility).")
 
@@ -83,16 +87,25 @@ class CompletionRequest(_SamplingFields):
         ..., description="Text, a list of texts, token ids, or a list of token-id lists."
     )
     max_tokens: StrictInt | None = Field(None, ge=1, description="Tokens to generate at most (default: server's).")
-    echo: StrictBool = Field(False, description="Not implemented: only false is accepted.")
-    logprobs: StrictInt | None = Field(None, ge=0, le=20, description="Not implemented: only null/0 is accepted.")
+    echo: StrictBool = Field(False, description="Return the prompt before the completion (with its tokens' "
+                             "log-probs when `logprobs` is set; the first token has none).")
+    logprobs: StrictInt | None = Field(None, ge=0, le=20, description="Log-prob of each generated token and of the "
+                                       "k most likely alternatives (raw model distribution).")
     best_of: StrictInt | None = Field(None, ge=1, description="Not implemented: only null/1 is accepted.")
     suffix: str | None = Field(None, description="Not implemented: only null is accepted.")
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: str | int | None = Field(None, description="The stop string or token id that ended the choice.")
 
@@ -139,8 +152,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = Field(None, ge=1, description="Tokens to generate at most.")
     add_generation_prompt: StrictBool = Field(True, description="vLLM extension: end the prompt with the "
                                               "assistant header so the model answers.")
-    logprobs: StrictBool = Field(False, description="Not implemented: only false is accepted.")
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="Not implemented: only null/0 is accepted.")
+    logprobs: StrictBool = Field(False, description="Return the log-prob of each generated token.")
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="With `logprobs`: also the k most likely "
+                                           "alternatives at each position.")
     response_format: dict | None = Field(None, description="Not implemented: only null or {'type': 'text'}.")
     tools: list[dict] | None = Field(None, description="Not implemented: only null/[] is accepted.")
     tool_choice: str | dict | None = Field(None, description="Not implemented: only null/'none' is accepted.")
@@ -151,10 +165,24 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: str | int | None = None
 

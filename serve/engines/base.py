@@ -35,10 +35,34 @@ class SamplingOptions:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Penalties as vLLM defines them, applied to the logits before temperature (and before a greedy argmax):
+    # presence/frequency subtract per generated occurrence; repetition divides positive logits (multiplies
+    # negative ones) of every token seen in the prompt or the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # None: no log-probs. k >= 0: each generated token's log-prob and the k most likely alternatives, from the
+    # model's raw distribution (before penalties and temperature: vLLM's default ``raw_logprobs`` mode).
+    logprobs: int | None = None
+    # The same for the prompt's tokens (the first has none), sent with the first output.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass
+class TokenLogprob:
+    """One position: the chosen token's log-prob and the ``top`` alternatives as (token id, log-prob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -65,6 +89,10 @@ class EngineOutput:
     # Aggregated outputs only: perf_counter() time of each generated token (or an even spread between the first
     # and last when the engine knows only those), so latency metrics stay exact without per-token deltas.
     token_times: list[float] | None = None
+    # When asked for (SamplingOptions.logprobs): one entry per id in ``token_ids``.
+    logprobs: list[TokenLogprob] | None = None
+    # When asked for (SamplingOptions.prompt_logprobs), first output only: one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

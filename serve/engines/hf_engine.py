@@ -50,6 +50,7 @@ from serve.engines.base import (
     EngineRequest,
     SamplingOptions,
     StopChecker,
+    TokenLogprob,
 )
 from serve.settings import ServeSettings
 
@@ -72,6 +73,8 @@ class _Seq:
     # Non-streamed sequences: text and token times collected here and delivered once, at the end.
     text_parts: list[str] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # non-streamed sequences that asked for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # computed at admission when asked for
 
     @property
     def sampling(self) -> SamplingOptions:
@@ -373,9 +376,13 @@ class TransformersEngine(Engine):
         cache = _new_cache(self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
-        tokens = self._sample(out.logits[:, -1, :], seqs)
+        logits = out.logits[:, -1, :].float().cpu()
+        tokens = self._sample(logits, seqs)
+        for seq in seqs:
+            if seq.sampling.prompt_logprobs is not None:
+                seq.prompt_logprobs = self._prompt_logprobs(seq.request.prompt_token_ids, seq.sampling.prompt_logprobs)
         self._prefilling = 0
-        keep = self._after_sampling(seqs, tokens, deliveries)
+        keep = self._after_sampling(seqs, tokens, deliveries, _token_logprobs(logits, tokens, seqs))
         if keep:
             index = torch.tensor(keep, dtype=torch.long, device=self.device)
             if len(keep) < len(seqs):
@@ -391,19 +398,28 @@ class TransformersEngine(Engine):
         out = self.model(input_ids=batch.next_tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
                          past_key_values=batch.cache, use_cache=True)
         batch.mask = mask
-        tokens = self._sample(out.logits[:, -1, :], batch.rows)
+        logits = out.logits[:, -1, :].float().cpu()
+        tokens = self._sample(logits, batch.rows)
         batch.next_tokens = tokens.to(self.device)
-        keep = self._after_sampling(batch.rows, tokens, deliveries)
+        keep = self._after_sampling(batch.rows, tokens, deliveries, _token_logprobs(logits, tokens, batch.rows))
         batch.keep(keep)
 
-    def _after_sampling(self, seqs: list[_Seq], tokens: torch.Tensor, deliveries: list) -> list[int]:
+    def _prompt_logprobs(self, prompt: list[int], top: int) -> list[TokenLogprob | None]:
+        """Log-probs of each prompt token given the ones before it (one extra forward, only when asked for)."""
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float().cpu()
+        targets = torch.tensor(prompt[1:], dtype=torch.long)
+        return [None, *_logprob_entries(logits, targets, [top] * len(targets))]
+
+    def _after_sampling(self, seqs: list[_Seq], tokens: torch.Tensor, deliveries: list,
+                        logprobs: dict[int, TokenLogprob]) -> list[int]:
         """Append each row's token, check stops, queue its output; returns the rows that go on."""
         keep = []
         now = time.perf_counter()
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
             if seq.aborted:
                 continue
-            output = self._advance(seq, token, now)
+            output = self._advance(seq, token, now, logprobs.get(i))
             if output is not None:
                 deliveries.append((seq, output))
             if seq.finished:
@@ -411,7 +427,8 @@ class TransformersEngine(Engine):
             keep.append(i)
         return keep
 
-    def _advance(self, seq: _Seq, token: int, now: float) -> EngineOutput | None:
+    def _advance(self, seq: _Seq, token: int, now: float, logprob: TokenLogprob | None = None
+                 ) -> EngineOutput | None:
         """One token for ``seq``: a delta (streamed), the aggregated result (non-streamed, at the end) or None."""
         seq.generated.append(token)
         sampling = seq.sampling
@@ -431,22 +448,34 @@ class TransformersEngine(Engine):
             if matched is not None:
                 finish, stop_reason = "stop", matched
         seq.finished = finish is not None
+        first = len(seq.generated) == 1
         if seq.request.stream:
-            scheduled = seq.scheduled_time if len(seq.generated) == 1 else None
             return EngineOutput(text=text, token_ids=[token], num_generated_tokens=len(seq.generated),
-                                finish_reason=finish, stop_reason=stop_reason, scheduled_time=scheduled)
+                                finish_reason=finish, stop_reason=stop_reason,
+                                scheduled_time=seq.scheduled_time if first else None,
+                                logprobs=[logprob] if logprob is not None else None,
+                                prompt_logprobs=seq.prompt_logprobs if first else None)
         seq.text_parts.append(text)
         seq.token_times.append(now)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         if finish is None:
             return None
         return EngineOutput(text="".join(seq.text_parts), token_ids=list(seq.generated),
                             num_generated_tokens=len(seq.generated), finish_reason=finish,
                             stop_reason=stop_reason, scheduled_time=seq.scheduled_time,
-                            token_times=seq.token_times)
+                            token_times=seq.token_times,
+                            logprobs=seq.logprobs if seq.sampling.logprobs is not None else None,
+                            prompt_logprobs=seq.prompt_logprobs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
-        """Next token per row: greedy rows take the argmax; others sample after temperature/top-k/top-p."""
-        logits = logits.float().cpu()
+        """Next token per row (``logits``: (rows, vocab) float32 on CPU): penalties first, then greedy rows take
+        the argmax and the others sample after temperature/top-k/top-p."""
+        penalized = [i for i, seq in enumerate(seqs) if seq.sampling.penalized]
+        if penalized:
+            logits = logits.clone()  # the raw logits stay untouched for the log-probs
+            for i in penalized:
+                _apply_penalties(logits[i], seqs[i].request.prompt_token_ids, seqs[i].generated, seqs[i].sampling)
         tokens = logits.argmax(-1)
         sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
         if not sampled:
@@ -479,6 +508,44 @@ class TransformersEngine(Engine):
         # RuntimeError: the event loop closed under us (process exiting); nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(put_all)
+
+
+def _apply_penalties(row: torch.Tensor, prompt: list[int], generated: list[int], sampling: SamplingOptions) -> None:
+    """vLLM's penalties on one row of logits ``(vocab,)``, in place: repetition over prompt and output tokens,
+    then frequency (per occurrence) and presence (once) over output tokens."""
+    if sampling.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.long)
+        values = row[seen]
+        penalty = sampling.repetition_penalty
+        row[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if generated and (sampling.frequency_penalty or sampling.presence_penalty):
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=row.shape[0]).to(row.dtype)
+        row -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[TokenLogprob]:
+    """``logits`` (rows, vocab) and the chosen ``tokens`` (rows,) -> each row's log-prob and its ``tops[r]`` best."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
+    k = max(tops, default=0)
+    best_values, best_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+    entries = []
+    for r, (token, value) in enumerate(zip(tokens.tolist(), chosen, strict=True)):
+        top = [] if not tops[r] else list(zip(best_ids[r, : tops[r]].tolist(), best_values[r, : tops[r]].tolist(),
+                                              strict=True))
+        entries.append(TokenLogprob(int(token), float(value), top))
+    return entries
+
+
+def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[_Seq]) -> dict[int, TokenLogprob]:
+    """Row -> the sampled token's raw log-prob (+ alternatives), for the rows that asked (others cost nothing)."""
+    wanted = [i for i, seq in enumerate(seqs) if seq.sampling.logprobs is not None]
+    if not wanted:
+        return {}
+    index = torch.tensor(wanted)
+    entries = _logprob_entries(logits.index_select(0, index), tokens.index_select(0, index),
+                               [seqs[i].sampling.logprobs for i in wanted])
+    return dict(zip(wanted, entries, strict=True))
 
 
 def _filter_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

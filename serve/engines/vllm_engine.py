@@ -19,7 +19,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from serve.engines import register_engine
-from serve.engines.base import Engine, EngineDeadError, EngineError, EngineOutput, EngineRequest
+from serve.engines.base import Engine, EngineDeadError, EngineError, EngineOutput, EngineRequest, TokenLogprob
 from serve.settings import ServeSettings
 
 
@@ -76,6 +76,8 @@ class VLLMEngine(Engine):
             n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
             top_k=s.top_k if s.top_k > 0 else 0, seed=s.seed, stop=list(s.stop) or None,
             stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
         )
@@ -97,6 +99,13 @@ class VLLMEngine(Engine):
                 output = EngineOutput(text=completion.text, token_ids=list(completion.token_ids),
                                       num_generated_tokens=produced, finish_reason=finish,
                                       stop_reason=stop_reason if finish else None)
+                if s.logprobs is not None:
+                    output.logprobs = [_entry(t, d, s.logprobs)
+                                       for t, d in zip(completion.token_ids, completion.logprobs or [], strict=True)]
+                if s.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    output.prompt_logprobs = [None if d is None else _entry(t, d, s.prompt_logprobs)
+                                              for t, d in zip(request.prompt_token_ids, out.prompt_logprobs,
+                                                              strict=True)]
                 if not request.stream:
                     _add_timing(output, out.metrics, request.arrival_time)
                 elif produced == len(completion.token_ids):  # the first delta: report the queue time
@@ -132,6 +141,13 @@ class VLLMEngine(Engine):
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+
+def _entry(token: int, candidates: dict, top: int) -> TokenLogprob:
+    """vLLM's ``{token id: Logprob(logprob, rank, ...)}`` for one position (the chosen token plus the ``top`` best,
+    ranks from 1) -> a ``TokenLogprob``."""
+    best = sorted((c.rank, i, c.logprob) for i, c in candidates.items() if c.rank is not None and c.rank <= top)
+    return TokenLogprob(int(token), float(candidates[token].logprob), [(i, float(lp)) for _, i, lp in best])
 
 
 def _add_timing(output: EngineOutput, stats: Any, arrival: float) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -118,7 +120,11 @@ def test_tokenize_detokenize_roundtrip(server):
         ("/v1/completions", {"prompt": "hi", "max_token": 3}, 422, "max_token"),
         ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-        ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 422, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 422, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+         "top_logprobs"),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
         ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
         ("/v1/chat/completions", {"messages": []}, 422, "messages"),
@@ -172,3 +178,88 @@ def test_metrics_counters_move(server, client):
     assert metric_value(after, "verl:num_requests_running", **label) == 0
     assert metric_value(after, "verl:engine_healthy", **label) == 1
     assert 'verl:server_info{engine="transformers"' in after
+
+
+def test_completion_logprobs_legacy_shape(client):
+    out = client.completions.create(model="tiny-arith", prompt="<|user|>What is 12+30?\n<|assistant|>", max_tokens=8,
+                                    temperature=0, logprobs=2)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    count = out.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == count
+    # The answer, then the end-of-text token: reported with its log-prob (as vLLM does), not part of the text.
+    assert choice.finish_reason == "stop" and lp.tokens[-1] == "</s>"
+    assert "".join(lp.tokens[:-1]) == choice.text and choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(count)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and token in top and top[token] == value
+        assert 2 <= len(top) <= 3  # the two best, plus the chosen token when it is not one of them
+        assert value == max(top.values())  # greedy picks the most likely token
+
+
+def test_echo_returns_the_prompt_with_its_logprobs(client):
+    prompt = "<|user|>What is 2+2?\n<|assistant|>"
+    plain = client.completions.create(model="tiny-arith", prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    out = client.completions.create(model="tiny-arith", prompt=prompt, max_tokens=3, temperature=0, logprobs=1,
+                                    echo=True, extra_body={"ignore_eos": True})
+    choice, lp = out.choices[0], out.choices[0].logprobs
+    assert choice.text == prompt + plain.text
+    assert len(lp.tokens) == out.usage.prompt_tokens + out.usage.completion_tokens
+    # The first token (bos) has no log-prob; every later prompt token has one; the completion part is unchanged.
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.token_logprobs[-3:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    assert lp.tokens[-3:] == plain.logprobs.tokens
+    # echo without logprobs: text only
+    bare = client.completions.create(model="tiny-arith", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                     extra_body={"ignore_eos": True}).choices[0]
+    assert bare.text == choice.text and bare.logprobs is None
+
+
+def test_chat_logprobs_stream_and_non_stream_agree(client):
+    messages = [{"role": "user", "content": "What is 7+8?"}]
+    out = client.chat.completions.create(model="tiny-arith", messages=messages, temperature=0, max_tokens=8,
+                                         logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 2
+        assert item.bytes == list(item.token.encode())
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy: the chosen token is the best
+    streamed = []
+    for chunk in client.chat.completions.create(model="tiny-arith", messages=messages, temperature=0, max_tokens=8,
+                                                logprobs=True, top_logprobs=2, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(model="tiny-arith", messages=messages, temperature=0, max_tokens=8)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_stream_with_echo_and_logprobs(server):
+    body = {"prompt": "7*8=", "max_tokens": 4, "temperature": 0, "logprobs": 0, "echo": True, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert chunks[0]["text"].startswith("7*8=")
+    tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert len(tokens) == 4 + 4  # the prompt's 4 characters (no bos for a plain completion prompt) + 4 generated
+    assert chunks[0]["logprobs"]["token_logprobs"][0] is None  # the first prompt token has no log-prob
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]  # offsets run across chunks
+    assert "".join(c["text"] for c in chunks) == "".join(t for t in tokens if t != "</s>")
+
+
+def test_penalties_change_greedy_output(client):
+    prompt = "abc def"
+    plain = client.completions.create(model="tiny-arith", prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    penalized = client.completions.create(model="tiny-arith", prompt=prompt, max_tokens=12, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=1.0,
+                                          extra_body={"ignore_eos": True, "repetition_penalty": 1.5}).choices[0].text
+    assert penalized != plain
+    assert len(set(penalized)) > len(set(plain))  # fewer repeats

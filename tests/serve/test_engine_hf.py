@@ -158,3 +158,72 @@ def test_growing_cache_layer_matches_dynamic_layer_past_its_headroom():
             ref.batch_select_indices(index)
             rows = 2
     assert ours.get_seq_length() == ref.get_seq_length() == 5 + 2 * _GrowingLayer.HEADROOM + 7
+
+
+def _collect_outputs(engine, loop, rid: str, ids: list[int], sampling: SamplingOptions, stream: bool) -> list:
+    async def main():
+        return [out async for out in engine.generate(EngineRequest(rid, ids, sampling, stream=stream))]
+
+    return loop.run_until_complete(main())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_logprobs_equal_a_plain_forward_pass(engine_and_loop, stream):
+    """Each generated token's log-prob and top-3, and the prompt's log-probs, against one full forward of
+    prompt + response through the model (log_softmax of the raw logits, as vLLM's default reports them)."""
+    engine, loop = engine_and_loop
+    ids = engine.tokenizer(PROMPTS[2])["input_ids"]
+    sampling = SamplingOptions(max_tokens=6, temperature=1.0, seed=5, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    outs = _collect_outputs(engine, loop, f"lp{stream}", ids, sampling, stream)
+    generated = [t for out in outs for t in out.token_ids]
+    entries = [e for out in outs for e in (out.logprobs or [])]
+    assert len(generated) == len(entries) == 6 and [e.token_id for e in entries] == generated
+    prompt_entries = outs[0].prompt_logprobs
+    assert prompt_entries[0] is None and len(prompt_entries) == len(ids)
+    assert all(out.prompt_logprobs is None for out in outs[1:])
+    with torch.inference_mode():
+        logits = engine.model(torch.tensor([ids + generated])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)
+    for pos, entry in enumerate([*prompt_entries[1:], *entries]):  # position pos predicts token pos + 1
+        row = expected[pos]
+        assert entry.logprob == pytest.approx(row[entry.token_id].item(), abs=1e-4)
+        want = len(entry.top)
+        assert want == (2 if pos < len(ids) - 1 else 3)
+        assert [i for i, _ in entry.top] == row.topk(want).indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(row.topk(want).values.tolist(), abs=1e-4)
+
+
+def test_penalties_follow_their_definitions():
+    from serve.engines.hf_engine import _apply_penalties
+
+    row = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.0])
+    sampling = SamplingOptions(max_tokens=1, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    _apply_penalties(row, prompt=[0], generated=[2, 2, 3], sampling=sampling)
+    # repetition over {0, 2, 3} (prompt + output): 2/2, 0.5/2, 3/2; token 1 unseen stays -1 (a negative logit of
+    # a seen token would be multiplied); then output counts [0, 0, 2, 1, 0]: -0.5*count - 0.25*(count > 0).
+    assert row.tolist() == pytest.approx([1.0, -1.0, 0.25 - 1.0 - 0.25, 1.5 - 0.5 - 0.25, 1.0])
+    negative = torch.tensor([-2.0, 4.0])
+    _apply_penalties(negative, prompt=[0, 1], generated=[], sampling=SamplingOptions(1, repetition_penalty=2.0))
+    assert negative.tolist() == [-4.0, 2.0]
+
+
+def test_penalized_greedy_decoding_equals_a_reference_loop(engine_and_loop):
+    """Greedy with penalties through the batched engine == a step-by-step loop over full forwards applying the
+    penalties written out here independently; and the penalties change the output."""
+    engine, loop = engine_and_loop
+    prompt = engine.tokenizer(PROMPTS[3])["input_ids"]
+    options = {"repetition_penalty": 1.5, "frequency_penalty": 0.7, "presence_penalty": 0.3}
+    sampling = SamplingOptions(max_tokens=10, temperature=0.0, ignore_eos=True, **options)
+    [result] = _run_all(engine, loop, [prompt], [sampling])
+    tokens: list[int] = []
+    with torch.inference_mode():
+        for _ in range(10):
+            logits = engine.model(torch.tensor([prompt + tokens])).logits[0, -1].float().tolist()
+            for t in set(prompt + tokens):
+                logits[t] = logits[t] / 1.5 if logits[t] > 0 else logits[t] * 1.5
+            for t in set(tokens):
+                logits[t] -= 0.7 * tokens.count(t) + 0.3
+            tokens.append(max(range(len(logits)), key=logits.__getitem__))
+    assert result["tokens"] == tokens
+    [plain] = _run_all(engine, loop, [prompt], [SamplingOptions(max_tokens=10, temperature=0.0, ignore_eos=True)])
+    assert plain["tokens"] != tokens

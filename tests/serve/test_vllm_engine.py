@@ -52,6 +52,45 @@ def test_greedy_text_matches_the_transformers_engine(vllm_url):
             assert ours["usage"] == ref["usage"]
 
 
+def test_logprobs_echo_and_penalties_match_the_transformers_engine(vllm_url):
+    """Same raw log-probs (chosen token and top-3, prompt included under echo), streamed and not, and the same
+    penalized greedy text on both engines (fp32)."""
+    bodies = [
+        {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "logprobs": 3, "echo": True, "ignore_eos": True},
+        {"prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0, "logprobs": 2, "stream": True},
+        {"prompt": "abc def", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "frequency_penalty": 1.5,
+         "presence_penalty": 0.5, "repetition_penalty": 1.3},
+    ]
+
+    def run(url: str, body: dict) -> tuple[str, dict]:
+        if not body.get("stream"):
+            choice = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+            return choice["text"], choice["logprobs"]
+        text, merged = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    for key, values in (choice["logprobs"] or {}).items():
+                        merged[key] += values
+        return text, merged
+
+    with run_server(engine="transformers") as reference:
+        for body in bodies:
+            (text, ours), (ref_text, ref) = run(vllm_url, body), run(reference.url, body)
+            assert text == ref_text, body
+            if "logprobs" not in body:
+                continue
+            assert ours["tokens"] == ref["tokens"] and ours["text_offset"] == ref["text_offset"]
+            assert ours["token_logprobs"] == pytest.approx(ref["token_logprobs"], abs=1e-4)
+            for mine, theirs in zip(ours["top_logprobs"], ref["top_logprobs"], strict=True):
+                assert (mine is None) == (theirs is None)
+                if mine is not None:
+                    assert set(mine) == set(theirs)
+                    assert [mine[k] for k in theirs] == pytest.approx(list(theirs.values()), abs=1e-4)
+
+
 def test_openai_client_chat_stream_n_seed_and_stop(vllm_url):
     client = openai.OpenAI(base_url=vllm_url + "/v1", api_key="x", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "What is 7+8?"}]
