@@ -68,7 +68,7 @@ def bench_model(path: str, args: argparse.Namespace) -> list[dict]:
     dataset = RLHFDataset(["builtin:arithmetic/val"], tokenizer)
     start = time.perf_counter()
     vllm_engine = VLLMRollout(path, tokenizer, max_model_len=64 + max(s[2] for s in shapes), seed=0,
-                              actor_model=model)
+                              actor_model=model, engine_kwargs=json.loads(args.engine_kwargs))
     start_s = time.perf_counter() - start
     engines = {"hf": HFRollout(model, tokenizer), "vllm": vllm_engine}
     results = []
@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--engine-kwargs", default="{}", help='JSON for vllm.LLM, e.g. \'{"block_size": 16}\'')
     args = parser.parse_args()
     _setup()
     results = []
