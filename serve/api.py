@@ -274,7 +274,7 @@ async def require_api_key(request: Request,
 
 def _check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
     """Parameters of the OpenAI API we accept only at their neutral value: say so instead of ignoring them."""
-    problems: dict[str, bool] = {"logit_bias": bool(body.logit_bias)}
+    problems: dict[str, bool] = {}
     if isinstance(body, CompletionRequest):
         problems.update(best_of=(body.best_of or 1) > 1, suffix=body.suffix is not None)
     else:
@@ -369,7 +369,22 @@ def _plan_tokens(service: Service, engine: Engine, prompts: list[list[int]], req
     return requested
 
 
-def _sampling(body: Any, max_tokens: int, seed: int | None) -> SamplingOptions:
+def _logit_bias(engine: Engine, given: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` -> ``{id: bias}``, each id in the vocabulary and each bias in [-100, 100]."""
+    out: dict[int, float] = {}
+    vocab = len(engine.tokenizer)
+    for key, bias in (given or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise ApiError(400, f"logit_bias key '{key}' is not a token id of this model (0..{vocab - 1})",
+                           param="logit_bias")
+        if not -100.0 <= bias <= 100.0:
+            raise ApiError(400, f"logit_bias for token {key} is {bias}; biases must be within [-100, 100]",
+                           param="logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
+def _sampling(body: Any, max_tokens: int, seed: int | None, logit_bias: dict[int, float]) -> SamplingOptions:
     temperature = body.temperature if body.temperature > 1e-5 else 0.0
     if isinstance(body, CompletionRequest):
         logprobs = body.logprobs
@@ -380,16 +395,17 @@ def _sampling(body: Any, max_tokens: int, seed: int | None) -> SamplingOptions:
                            top_k=body.top_k if body.top_k > 0 else -1, seed=seed, stop=list(body.stop or []),
                            stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
                            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                           repetition_penalty=body.repetition_penalty, logprobs=logprobs,
+                           repetition_penalty=body.repetition_penalty, logit_bias=logit_bias, logprobs=logprobs,
                            prompt_logprobs=prompt_logprobs)
 
 
-def _specs(prompts: list[list[int]], body: Any, max_tokens: int) -> list[SequenceSpec]:
+def _specs(engine: Engine, prompts: list[list[int]], body: Any, max_tokens: int) -> list[SequenceSpec]:
     specs = []
+    logit_bias = _logit_bias(engine, body.logit_bias)
     for p, ids in enumerate(prompts):
         for j in range(body.n):
             seed = None if body.seed is None else (body.seed + j) % SEED_MODULUS
-            specs.append(SequenceSpec(p * body.n + j, p, ids, _sampling(body, max_tokens, seed)))
+            specs.append(SequenceSpec(p * body.n + j, p, ids, _sampling(body, max_tokens, seed, logit_bias)))
     return specs
 
 
@@ -695,7 +711,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         if body.n > service.settings.max_n:
             raise ApiError(400, f"'n' is {body.n}; this server allows at most {service.settings.max_n}", param="n")
         max_tokens = _plan_tokens(service, engine, prompts, body.max_tokens, "max_tokens", "prompt")
-        specs = _specs(prompts, body, max_tokens)
+        specs = _specs(engine, prompts, body, max_tokens)
         prompt_tokens = sum(len(p) for p in prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -760,7 +776,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = _plan_tokens(service, engine, [prompt], requested, param, "messages")
-        specs = _specs([prompt], body, max_tokens)
+        specs = _specs(engine, [prompt], body, max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         text_of = token_texts(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))

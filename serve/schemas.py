@@ -63,7 +63,8 @@ class _SamplingFields(_Strict):
                                      "it was generated.")
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM extension: divides positive (multiplies "
                                       "negative) logits of tokens in the prompt or output; 1 = off.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not implemented: only null/{} is accepted.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100] "
+                                                "added to its logit before sampling.")
     user: str | None = Field(None, description="Opaque end-user id (logged nowhere; accepted for compatibility).")
 
     @field_validator("stop")

@@ -41,6 +41,7 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI)
     # None: no log-probs. k >= 0: each generated token's log-prob and the k most likely alternatives, from the
     # model's raw distribution (before penalties and temperature: vLLM's default ``raw_logprobs`` mode).
     logprobs: int | None = None
@@ -53,7 +54,8 @@ class SamplingOptions:
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))
 
 
 @dataclass

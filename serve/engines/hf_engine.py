@@ -512,7 +512,7 @@ class TransformersEngine(Engine):
 
 def _apply_penalties(row: torch.Tensor, prompt: list[int], generated: list[int], sampling: SamplingOptions) -> None:
     """vLLM's penalties on one row of logits ``(vocab,)``, in place: repetition over prompt and output tokens,
-    then frequency (per occurrence) and presence (once) over output tokens."""
+    then frequency (per occurrence) and presence (once) over output tokens, then OpenAI's ``logit_bias``."""
     if sampling.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.long)
         values = row[seen]
@@ -521,6 +521,9 @@ def _apply_penalties(row: torch.Tensor, prompt: list[int], generated: list[int],
     if generated and (sampling.frequency_penalty or sampling.presence_penalty):
         counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=row.shape[0]).to(row.dtype)
         row -= sampling.frequency_penalty * counts + sampling.presence_penalty * (counts > 0).to(row.dtype)
+    if sampling.logit_bias:
+        ids = torch.tensor(list(sampling.logit_bias), dtype=torch.long)
+        row[ids] += torch.tensor(list(sampling.logit_bias.values()), dtype=row.dtype)
 
 
 def _logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, tops: list[int]) -> list[TokenLogprob]:

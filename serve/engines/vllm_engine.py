@@ -78,6 +78,7 @@ class VLLMEngine(Engine):
             stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             repetition_penalty=s.repetition_penalty, logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
+            logit_bias=dict(s.logit_bias) or None,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
         )

@@ -120,7 +120,9 @@ def test_tokenize_detokenize_roundtrip(server):
         ("/v1/completions", {"prompt": "hi", "max_token": 3}, 422, "max_token"),
         ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101.0}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
         ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 422, "repetition_penalty"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 422, "logprobs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
@@ -263,3 +265,23 @@ def test_penalties_change_greedy_output(client):
                                           extra_body={"ignore_eos": True, "repetition_penalty": 1.5}).choices[0].text
     assert penalized != plain
     assert len(set(penalized)) > len(set(plain))  # fewer repeats
+
+
+def test_logit_bias_forces_and_bans_tokens(client):
+    prompt = "<|user|>What is 12+30?\n<|assistant|>"
+    plain = client.completions.create(model="tiny-arith", prompt=prompt, max_tokens=4, temperature=0, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    from verl.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:tiny-arith")  # character-level: one token per character
+    first_id, x_id = (str(tokenizer.convert_tokens_to_ids(c)) for c in (first, "x"))
+    banned = client.completions.create(model="tiny-arith", prompt=prompt, max_tokens=4, temperature=0, logprobs=0,
+                                       logit_bias={first_id: -100})
+    assert banned.choices[0].logprobs.tokens[0] != first
+    forced = client.completions.create(model="tiny-arith", prompt=prompt, max_tokens=3, temperature=1.0, seed=1,
+                                       logit_bias={x_id: 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == "xxx"
+    # Log-probs stay those of the model: the forced token is still unlikely under it.
+    forced_lp = client.completions.create(model="tiny-arith", prompt=prompt, max_tokens=1, temperature=0, logprobs=0,
+                                          logit_bias={x_id: 100})
+    assert forced_lp.choices[0].logprobs.tokens == ["x"] and forced_lp.choices[0].logprobs.token_logprobs[0] < -5

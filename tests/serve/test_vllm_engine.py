@@ -52,14 +52,19 @@ def test_greedy_text_matches_the_transformers_engine(vllm_url):
             assert ours["usage"] == ref["usage"]
 
 
-def test_logprobs_echo_and_penalties_match_the_transformers_engine(vllm_url):
+def test_logprobs_echo_penalties_and_bias_match_the_transformers_engine(vllm_url):
     """Same raw log-probs (chosen token and top-3, prompt included under echo), streamed and not, and the same
-    penalized greedy text on both engines (fp32)."""
+    penalized and logit-biased greedy text on both engines (fp32)."""
+    from verl.models.loader import load_tokenizer
+
+    x_id = load_tokenizer("builtin:tiny-arith").convert_tokens_to_ids("x")
     bodies = [
         {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "logprobs": 3, "echo": True, "ignore_eos": True},
         {"prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0, "logprobs": 2, "stream": True},
         {"prompt": "abc def", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "frequency_penalty": 1.5,
          "presence_penalty": 0.5, "repetition_penalty": 1.3},
+        {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+         "logit_bias": {str(x_id): 100.0}},  # forces "x": vLLM must apply it (and report raw log-probs)
     ]
 
     def run(url: str, body: dict) -> tuple[str, dict]:
@@ -80,6 +85,8 @@ def test_logprobs_echo_and_penalties_match_the_transformers_engine(vllm_url):
         for body in bodies:
             (text, ours), (ref_text, ref) = run(vllm_url, body), run(reference.url, body)
             assert text == ref_text, body
+            if "logit_bias" in body:
+                assert text == "x" * 8
             if "logprobs" not in body:
                 continue
             assert ours["tokens"] == ref["tokens"] and ours["text_offset"] == ref["text_offset"]
