@@ -113,3 +113,22 @@ def test_validation_evaluators_run_through_entry_points():
     metrics = evaluator_plugins.run_validation_evaluators(trainer, batch, ["a", "b"], np.zeros(2), {})
     assert metrics["kl_exact"] == pytest.approx((0.75 + 0.75) / 2)
     assert metrics["kl_k1"] == pytest.approx((0.5 - 0.5) / 2)  # k1 = logp - ref, summed per response
+
+
+@pytest.mark.parametrize(
+    ("evaluators", "overrides", "message"),
+    [
+        (["kl"], {"actor": {"use_kl_loss": False}}, "needs the reference model"),
+        (["acuracy"], {}, "acuracy"),
+    ],
+)
+def test_bad_trainer_evaluators_fail_before_the_first_step(tmp_path, evaluators, overrides, message):
+    """Checked when fit() starts, not at the first validation (here there is none before step 1)."""
+    from tests.test_trainer import tiny_config
+    from verl.trainer.local import LocalPPOTrainer
+
+    sections = {"trainer": {"test_freq": 1, "evaluators": evaluators}, **overrides}
+    trainer = LocalPPOTrainer(tiny_config(tmp_path, **sections), quiet=True)
+    with pytest.raises(ConfigError, match=message):
+        trainer.fit()
+    assert trainer.global_step == 0 and not trainer.run_dir.exists()

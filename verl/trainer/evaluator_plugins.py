@@ -279,18 +279,20 @@ def check_validation_needs(trainer: Any, evaluator: Any, label: str) -> None:
         )
 
 
-def _config_evaluators(trainer: Any) -> list[Any]:
-    """Resolve ``trainer.evaluators`` once per trainer (cached on it)."""
-    cached = getattr(trainer, "_plugin_evaluators", None)
-    if cached is not None:
-        return cached
-    evaluators = []
-    for spec in trainer.config.trainer.evaluators:
-        evaluator = build_evaluator(spec)
-        check_validation_needs(trainer, evaluator, spec)
-        evaluators.append(evaluator)
-    trainer._plugin_evaluators = evaluators
-    return evaluators
+def resolve_validation_evaluators(trainer: Any) -> list[Any]:
+    """Resolve ``trainer.evaluators`` once per trainer (cached on it) and check the ``register_evaluator`` objects;
+    returns every evaluator validation runs."""
+    configured = getattr(trainer, "_plugin_evaluators", None)
+    if configured is None:
+        configured = []
+        for spec in trainer.config.trainer.evaluators:
+            evaluator = build_evaluator(spec)
+            check_validation_needs(trainer, evaluator, spec)
+            configured.append(evaluator)
+        trainer._plugin_evaluators = configured
+    for evaluator in trainer.evaluators:  # register_evaluator() objects, which may be added at any time
+        check_validation_needs(trainer, evaluator, getattr(evaluator, "name", type(evaluator).__name__))
+    return [*configured, *trainer.evaluators]
 
 
 def run_validation_evaluators(trainer: Any, batch: Any, texts: list[str], scores: np.ndarray,
@@ -307,9 +309,7 @@ def run_validation_evaluators(trainer: Any, batch: Any, texts: list[str], scores
     eval_batch = EvalBatch.from_rollout(batch, texts, scores, extras, n=v.n,
                                         max_new_tokens=cfg.data.max_response_length, sampling=sampling,
                                         n_bootstrap=0, seed=cfg.trainer.seed)
-    for evaluator in trainer.evaluators:  # register_evaluator() objects
-        check_validation_needs(trainer, evaluator, getattr(evaluator, "name", type(evaluator).__name__))
-    evaluators = [*_config_evaluators(trainer), *trainer.evaluators]
+    evaluators = resolve_validation_evaluators(trainer)
     if any("ref_logprobs" in evaluator_needs(e) for e in evaluators):
         eval_batch.kl_terms = trainer.compute_kl_terms(batch)
     metrics: dict[str, float] = {}

@@ -117,6 +117,12 @@ class PPOTrainer:
 
     def fit(self) -> dict[str, float]:
         cfg = self.config
+        if cfg.trainer.test_freq > 0:
+            # Resolve trainer.evaluators now: an unknown name or an input validation cannot compute fails before
+            # any step (and before the run dir is written), not at the first validation, steps into the run.
+            from verl.trainer.evaluator_plugins import resolve_validation_evaluators
+
+            resolve_validation_evaluators(self)
         self._start_run()
         last_metrics: dict[str, float] = {}
         try:
