@@ -13,6 +13,12 @@ import typer
 
 SLO_HELP = "p95 latency SLO in ms (end-to-end, successful requests of every endpoint)."
 
+# The SLO options both commands take (a run judges its own report; loadtest-report judges saved CSVs).
+SloP95 = Annotated[float, typer.Option("--slo-p95-ms", help=SLO_HELP)]
+SloTtftP95 = Annotated[float | None, typer.Option("--slo-ttft-p95-ms", help="Also require TTFT p95 <= this (ms).")]
+MaxFailureRate = Annotated[float, typer.Option("--max-failure-rate", help="Largest failure fraction a level may have.")]
+Headroom = Annotated[float, typer.Option("--headroom", help="Spare share at the planning point.")]
+
 
 def register(app: typer.Typer, run_guarded) -> None:
     @app.command("loadtest")
@@ -33,12 +39,10 @@ def register(app: typer.Typer, run_guarded) -> None:
             "--user", help="Run only these user classes (repeatable): GenerateUser, CompletionUser, "
                            "ChatStreamUser, MixedUser.")] = None,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="max_tokens per request.")] = 32,
-        slo_p95_ms: Annotated[float, typer.Option("--slo-p95-ms", help=SLO_HELP)] = 1000.0,
-        slo_ttft_p95_ms: Annotated[float | None, typer.Option("--slo-ttft-p95-ms",
-                                                              help="Also require TTFT p95 <= this (ms).")] = None,
-        max_failure_rate: Annotated[float, typer.Option("--max-failure-rate",
-                                                        help="Largest failure fraction a level may have.")] = 0.01,
-        headroom: Annotated[float, typer.Option("--headroom", help="Spare share at the planning point.")] = 0.2,
+        slo_p95_ms: SloP95 = 1000.0,
+        slo_ttft_p95_ms: SloTtftP95 = None,
+        max_failure_rate: MaxFailureRate = 0.01,
+        headroom: Headroom = 0.2,
         locust_arg: Annotated[list[str] | None, typer.Option(
             "--locust-arg", help="Extra Locust option, repeatable, e.g. --locust-arg=--wait-max=0.5.")] = None,
         quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the summary.")] = False,
@@ -76,12 +80,10 @@ def register(app: typer.Typer, run_guarded) -> None:
         csv_prefix: Annotated[Path, typer.Argument(help="Locust's --csv prefix (out/run for out/run_stats.csv), "
                                                         "one of its files, or their directory.")],
         out: Annotated[Path | None, typer.Option("--out", help="Report dir (default: beside the CSVs).")] = None,
-        slo_p95_ms: Annotated[float, typer.Option("--slo-p95-ms", help=SLO_HELP)] = 1000.0,
-        slo_ttft_p95_ms: Annotated[float | None, typer.Option("--slo-ttft-p95-ms",
-                                                              help="Also require TTFT p95 <= this (ms).")] = None,
-        max_failure_rate: Annotated[float, typer.Option("--max-failure-rate",
-                                                        help="Largest failure fraction a level may have.")] = 0.01,
-        headroom: Annotated[float, typer.Option("--headroom", help="Spare share at the planning point.")] = 0.2,
+        slo_p95_ms: SloP95 = 1000.0,
+        slo_ttft_p95_ms: SloTtftP95 = None,
+        max_failure_rate: MaxFailureRate = 0.01,
+        headroom: Headroom = 0.2,
         server_metrics: Annotated[Path | None, typer.Option(
             "--server-metrics", help="The service's /metrics saved after the run (shown as a cross-check).")] = None,
         no_plots: Annotated[bool, typer.Option("--no-plots", help="Skip the PNGs (no matplotlib needed).")] = False,

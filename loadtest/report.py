@@ -110,6 +110,11 @@ def _num(row: dict[str, str], column: str, path: Path, line: int) -> float | Non
         raise DataError(f"'{path}', line {line}, column '{column}': {value!r} is not a number") from None
 
 
+def _is_http(entry_type: str, name: str) -> bool:
+    """An HTTP endpoint row: not Locust's ``Aggregated`` total and not one of our ``LLM`` custom entries."""
+    return name != "Aggregated" and entry_type != LLM
+
+
 @dataclass
 class Entry:
     """One row of ``_stats.csv``."""
@@ -129,7 +134,7 @@ class Entry:
 
     @property
     def is_http(self) -> bool:
-        return self.name != "Aggregated" and self.type != LLM
+        return _is_http(self.type, self.name)
 
 
 @dataclass
@@ -149,7 +154,7 @@ class HistoryRow:
 
     @property
     def is_http(self) -> bool:
-        return self.name != "Aggregated" and self.type != LLM
+        return _is_http(self.type, self.name)
 
 
 @dataclass

@@ -241,20 +241,17 @@ class RayPPOTrainer(PPOTrainer):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _stateful_groups(self) -> list[WorkerGroup]:
+        """Each group that holds trained state (actor, critic) once, though colocation maps several roles to it."""
+        unique = {id(g): g for g in self.groups.values()}
+        return [g for g in unique.values() if g.name not in ("reference", "reward")]
+
     def save_role_states(self, directory: Path) -> None:
-        seen = set()
-        for group in self.groups.values():
-            if id(group) in seen or group.name in ("reference", "reward"):
-                continue
-            seen.add(id(group))
+        for group in self._stateful_groups():
             group.call_all("save", str(directory))
 
     def load_role_states(self, directory: Path) -> None:
-        seen = set()
-        for group in self.groups.values():
-            if id(group) in seen or group.name in ("reference", "reward"):
-                continue
-            seen.add(id(group))
+        for group in self._stateful_groups():
             group.call_all("load", str(directory))
 
     def fit(self) -> dict[str, float]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,20 +85,20 @@ def all_reduce_sums(values: dict[str, float], info: DistInfo) -> dict[str, float
     return dict(zip(keys, packed.tolist(), strict=True))
 
 
-def any_rank(flag: bool, info: DistInfo) -> bool:
+def _reduce_flag(flag: bool, info: DistInfo, op: Any) -> bool:
     if not info.enabled:
         return flag
     value = torch.tensor([1.0 if flag else 0.0], device=_collective_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    dist.all_reduce(value, op=op)
     return bool(value.item() > 0)
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    return _reduce_flag(flag, info, dist.ReduceOp.MAX)
 
 
 def all_ranks(flag: bool, info: DistInfo) -> bool:
-    if not info.enabled:
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=_collective_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item() > 0)
+    return _reduce_flag(flag, info, dist.ReduceOp.MIN)
 
 
 def apply_fsdp(model: torch.nn.Module, info: DistInfo, device: torch.device, offload: bool = False) -> torch.nn.Module:
