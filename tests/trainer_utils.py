@@ -34,3 +34,16 @@ def rows(path: Path, scope: str | None = None) -> list[dict]:
         if scope is None or row["scope"] == scope:
             out.append(row)
     return out
+
+
+def rows_by_step(run_dir: Path, scope: str) -> dict[int, dict]:
+    """The run's ``scope`` rows keyed by step (one row per step and scope)."""
+    return {r["step"]: r for r in rows(Path(run_dir) / "verl_logs.jsonl", scope)}
+
+
+def fit_and_shutdown(trainer):
+    """``trainer.fit()``, releasing its workers and engines even when it fails."""
+    try:
+        return trainer.fit()
+    finally:
+        trainer.shutdown()

@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch.distributed as dist
 
 from tests.test_trainer import tiny_config
+from tests.trainer_utils import fit_and_shutdown as run
+from tests.trainer_utils import rows_by_step
 from verl.trainer.checkpoint import read_pointer
 from verl.trainer.local import LocalPPOTrainer
-
-
-def rows(trainer, scope):
-    lines = trainer.config.log_path().read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines) if r["scope"] == scope}
-
-
-def run(trainer):
-    try:
-        return trainer.fit()
-    finally:
-        trainer.shutdown()
 
 
 def test_single_process_fsdp_matches_plain_and_resumes(tmp_path):
@@ -34,7 +22,8 @@ def test_single_process_fsdp_matches_plain_and_resumes(tmp_path):
     assert not dist.is_initialized()  # shutdown leaves no process group behind
     for step in (1, 2):
         for scope, key in (("rollout", "reward_mean"), ("ppo", "policy_loss"), ("ppo", "kl_div")):
-            assert rows(sharded, scope)[step][key] == pytest.approx(rows(plain, scope)[step][key], abs=1e-5)
+            assert rows_by_step(sharded.run_dir, scope)[step][key] == pytest.approx(
+                rows_by_step(plain.run_dir, scope)[step][key], abs=1e-5)
     resumed = LocalPPOTrainer(tiny_config(tmp_path / "fsdp", actor={"strategy": "fsdp"},
                                           trainer={"total_steps": 3}), quiet=True)
     run(resumed)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from tests.test_trainer import tiny_config
+from tests.trainer_utils import fit_and_shutdown as run
+from tests.trainer_utils import rows_by_step
 from verl.config import build_config
 from verl.errors import VerlError
 from verl.trainer.checkpoint import list_checkpoints, read_pointer
@@ -39,24 +39,12 @@ VALIDATE_KL = {"total_steps": 2, "test_freq": 2, "val_before_train": True, "eval
 
 
 def assert_same_validation(a_dir, b_dir):
-    a, b = first_rows(a_dir, "eval"), first_rows(b_dir, "eval")
+    a, b = rows_by_step(a_dir, "eval"), rows_by_step(b_dir, "eval")
     assert set(a) == set(b) == {0, 2}
     assert a[0]["kl_exact"] == b[0]["kl_exact"] == 0.0  # before any update the policy is the reference
     for key in ("accuracy", "accuracy_flexible", "kl_exact", "kl_k3"):
         assert b[2][key] == pytest.approx(a[2][key], abs=1e-6, rel=1e-4), key
     assert a[2]["kl_exact"] > 0
-
-
-def first_rows(run_dir, scope):
-    rows = [json.loads(line) for line in (run_dir / "verl_logs.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if r["scope"] == scope}
-
-
-def run(trainer):
-    try:
-        return trainer.fit()
-    finally:
-        trainer.shutdown()
 
 
 def test_two_ray_workers_match_the_local_executor(tmp_path):
@@ -70,8 +58,8 @@ def test_two_ray_workers_match_the_local_executor(tmp_path):
     run(remote)
     for scope, keys in (("rollout", ["reward_mean", "response_length_mean", "advantages_mean"]),
                         ("ppo", ["policy_loss", "kl_div", "entropy", "grad_norm"])):
-        a = first_rows(local.run_dir, scope)
-        b = first_rows(remote.run_dir, scope)
+        a = rows_by_step(local.run_dir, scope)
+        b = rows_by_step(remote.run_dir, scope)
         for step in (1, 2):  # step 2 also matches: the update itself was identical
             for key in keys:
                 assert b[step][key] == pytest.approx(a[step][key], abs=1e-5, rel=1e-4), (scope, step, key)
@@ -105,7 +93,7 @@ def test_split_placement_ppo_with_critic_and_resume(tmp_path):
     resumed = RayPPOTrainer(build_config(ray_config(tmp_path, **sections)), quiet=True)
     run(resumed)
     assert resumed.global_step == 2
-    critic_rows = first_rows(resumed.run_dir, "critic")
+    critic_rows = rows_by_step(resumed.run_dir, "critic")
     assert set(critic_rows) == {1, 2} and all("value_loss" in r for r in critic_rows.values())
 
 
@@ -149,7 +137,7 @@ def test_fsdp_over_two_ray_workers_matches_the_local_executor(tmp_path):
     run(sharded)
     assert_same_validation(local.run_dir, sharded.run_dir)
     for scope, keys in (("rollout", ["reward_mean", "response_length_mean"]), ("ppo", ["policy_loss", "kl_div"])):
-        a, b = first_rows(local.run_dir, scope), first_rows(sharded.run_dir, scope)
+        a, b = rows_by_step(local.run_dir, scope), rows_by_step(sharded.run_dir, scope)
         for step in (1, 2):
             for key in keys:
                 assert b[step][key] == pytest.approx(a[step][key], abs=1e-5, rel=1e-4), (scope, step, key)
