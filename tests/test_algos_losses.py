@@ -15,6 +15,7 @@ from verl.algos.losses import (
     clipped_policy_loss,
     entropy_from_logits,
     get_policy_loss,
+    global_agg_denominators,
     value_loss,
 )
 from verl.errors import ConfigError
@@ -35,7 +36,8 @@ MASK = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=F64)
         ("token-mean", (1 + 2 + 4 + 5 + 6) / 5),  # 3.6
         ("seq-mean-token-sum", ((1 + 2) + (4 + 5 + 6)) / 2),  # 9
         ("seq-mean-token-mean", ((1 + 2) / 2 + (4 + 5 + 6) / 3) / 2),  # 3.25
-        ("seq-mean-token-sum-norm", ((1 + 2) / 3 + (4 + 5 + 6) / 3) / 2),  # 3 (norm = response_len 3)
+        # verl: sum of all valid token losses / response-length axis (3); no mean over sequences.
+        ("seq-mean-token-sum-norm", (1 + 2 + 4 + 5 + 6) / 3),  # 6
     ],
 )
 def test_agg_loss_modes_by_hand(mode, expected):
@@ -43,10 +45,33 @@ def test_agg_loss_modes_by_hand(mode, expected):
 
 
 def test_seq_mean_token_sum_norm_uses_the_given_max_length():
-    # Dr.GRPO divides every sequence's sum by the same constant (the max response length), not its own length.
+    # Dr.GRPO divides the batch's token-loss sum by one constant (the max response length), not by lengths.
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_length=5).item() == pytest.approx(
-        (3 / 5 + 15 / 5) / 2, abs=1e-12
+        (3 + 15) / 5, abs=1e-12
     )
+
+
+# A third row with no valid token (a response cut to nothing): verl leaves it out of the sequence count.
+LOSS_EMPTY = torch.cat([LOSS, torch.tensor([[7.0, 8.0, 9.0]], dtype=F64)])
+MASK_EMPTY = torch.cat([MASK, torch.zeros(1, 3, dtype=F64)])
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("token-mean", (1 + 2 + 4 + 5 + 6) / 5),
+        ("seq-mean-token-sum", ((1 + 2) + (4 + 5 + 6)) / 2),  # 2 sequences count, not 3
+        ("seq-mean-token-mean", ((1 + 2) / 2 + (4 + 5 + 6) / 3) / 2),
+        ("seq-mean-token-sum-norm", (1 + 2 + 4 + 5 + 6) / 3),
+    ],
+)
+def test_rows_without_valid_tokens_are_left_out_of_the_sequence_count(mode, expected):
+    assert agg_loss(LOSS_EMPTY, MASK_EMPTY, mode).item() == pytest.approx(expected, abs=1e-12)
+    # ... and the global denominators a mini-batch hands its micro-batches count the same way.
+    denominators = global_agg_denominators(MASK_EMPTY)
+    assert denominators == {"num_tokens": 5.0, "num_seqs": 2.0, "norm_length": 3.0}
+    parts = [agg_loss(LOSS_EMPTY[a:b], MASK_EMPTY[a:b], mode, **denominators) for a, b in ((0, 1), (1, 3))]
+    assert sum(p.item() for p in parts) == pytest.approx(expected, abs=1e-12)
 
 
 def test_unknown_agg_mode_is_rejected():
@@ -61,9 +86,8 @@ def test_micro_batches_with_global_denominators_sum_to_the_mini_batch_loss(mode)
     mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]],
                         dtype=F64)
     whole = agg_loss(loss, mask, mode)
-    num_tokens, num_seqs = mask.sum().item(), mask.shape[0]
     parts = [
-        agg_loss(loss[a:b], mask[a:b], mode, num_tokens=num_tokens, num_seqs=num_seqs, norm_length=4)
+        agg_loss(loss[a:b], mask[a:b], mode, **global_agg_denominators(mask))
         for a, b in ((0, 2), (2, 3), (3, 6))  # uneven micro-batches, one with a single short row
     ]
     assert sum(p.item() for p in parts) == pytest.approx(whole.item(), abs=1e-12)

@@ -89,14 +89,16 @@ def train(
     """RL post-training (PPO / GRPO / RLOO / REINFORCE++ / ReMax). Extra args are key=value overrides."""
 
     def _run():
-        from verl.config import load_config
+        from verl.trainer.resume import load_train_config
 
         overrides = _split_overrides(list(ctx.args))
         if log_dir is not None:
             overrides.append(f"trainer.log_dir={log_dir}")
         if log_level is not None:
             overrides.append(f"trainer.log_level={log_level.upper()}")
-        cfg = load_config(config, overrides)
+        cfg, resume = load_train_config(config, overrides)
+        if resume is not None:
+            err.print(resume.summary(), soft_wrap=True, markup=False)
         if dry_run:
             from verl.trainer.dry_run import dry_run as check
 

@@ -355,11 +355,20 @@ class TrainerConfig(Section):
     output_dir: str = Field("outputs", description="Root of run directories.")
     project_name: str = Field("verl")
     experiment_name: str | None = Field(None, description="Defaults to <config name>-<timestamp>.")
-    total_steps: int = Field(60, ge=1, description="Training steps (one rollout batch each).")
+    total_steps: int | None = Field(
+        60, ge=1, description="Training steps (one rollout batch each); None = total_epochs passes over the data."
+    )
+    total_epochs: int | None = Field(
+        None, ge=1, description="Passes over the training prompts; sets total_steps when total_steps is not given."
+    )
     save_freq: int = Field(20, description="Checkpoint every N steps (and at the end); <= 0 only at the end.")
     test_freq: int = Field(10, description="Validate every N steps (and at the end); <= 0 disables.")
     val_before_train: bool = Field(True)
     resume: str = Field("auto", description="auto (continue from latest if any), disable, or a checkpoint path.")
+    resume_allow_changes: bool = Field(
+        False, description="Resume even when this command changes the algorithm, model, critic or batch shape of "
+        "the run's config.yaml (never carried over to a later resume).",
+    )
     max_ckpt_to_keep: int | None = Field(None, ge=1, description="Keep only the newest N checkpoints.")
     logger: list[str] = Field(["console", "jsonl"], description="Trackers; jsonl is always on.")
     seed: int = Field(1)
@@ -379,6 +388,12 @@ class TrainerConfig(Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Tracker settings.")
     callbacks: CallbacksConfig = Field(default_factory=CallbacksConfig, description="Callbacks from YAML.")
     alerts: AlertsConfig = Field(default_factory=AlertsConfig, description="Metric health rules.")
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainerConfig:
+        if self.total_steps is None and self.total_epochs is None:
+            raise ValueError("set trainer.total_steps or trainer.total_epochs")
+        return self
 
     @field_validator("logger")
     @classmethod
@@ -440,6 +455,13 @@ class VerlConfig(Section):
         if self.reference.enable == "auto":
             return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
         return bool(self.reference.enable)
+
+    def resolve_total_steps(self, num_prompts: int) -> int:
+        """``trainer.total_steps``; when only ``total_epochs`` is set, that many passes over ``num_prompts``
+        training prompts (the ragged tail of each epoch is dropped, as the sampler does)."""
+        if self.trainer.total_steps is None:
+            self.trainer.total_steps = self.trainer.total_epochs * (num_prompts // self.data.train_batch_size)
+        return self.trainer.total_steps
 
     def run_dir(self) -> Path:
         assert self.trainer.experiment_name, "resolve_experiment_name() first"
@@ -509,6 +531,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     parsed = []
     for item in overrides:
         text = item[2:] if item.startswith("--") else item
+        text = text.lstrip("+")  # Hydra's +key=value (add) and ++key=value (add or override): one meaning here
         key, sep, raw = text.partition("=")
         if not sep or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. actor.optim.lr=1e-5)")
@@ -520,7 +543,8 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     return parsed
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Set ``tree["a"]["b"]["c"] = value`` for ``dotted = "a.b.c"``, creating the dicts on the way."""
     node = tree
     parts = dotted.split(".")
     for part in parts[:-1]:
@@ -606,14 +630,45 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists and scalars are leaves."""
+    if not isinstance(tree, dict) or (prefix and not tree):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def explicit_settings(
+    path: str | Path | None, overrides: list[str] | None, schema: type[Section] = VerlConfig
+) -> dict[str, Any]:
+    """The keys a command sets, flat and in order: the YAML file's, then the overrides (later wins).
+
+    verl's own key names (``actor_rollout_ref.actor.optim.lr`` ...) are mapped onto ours here, for YAML files and
+    overrides alike. ``trainer.total_epochs`` without ``trainer.total_steps`` means "run that many epochs".
+    """
+    settings = flatten(load_yaml(path)) if path else {}
+    for key, value in parse_overrides(overrides or []):
+        settings.pop(key, None)  # re-insert: an override comes after what the file set
+        settings[key] = value
+    if schema is VerlConfig:
+        from verl.config_aliases import map_verl_keys
+
+        settings = map_verl_keys(settings)
+        if settings.get("trainer.total_epochs") is not None and "trainer.total_steps" not in settings:
+            settings["trainer.total_steps"] = None
+    return settings
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, schema: type[Section] = VerlConfig,
     default_name: str = "grpo_tiny",
 ) -> Any:
     """Load ``path`` (or the defaults), apply dotted overrides, validate, and name the experiment."""
-    data = load_yaml(path) if path else {}
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(data, key, value)
+    data: dict = {}
+    for key, value in explicit_settings(path, overrides, schema).items():
+        set_dotted(data, key, value)
     source = f"{path}" if path else "defaults"
     if overrides:
         source += " + overrides"

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.trainer_utils import run_cli
 from verl.errors import ConfigError, MissingDependencyError
 from verl.tracking import create_trackers
 from verl.tracking.backends import ConsoleTracker, JsonlTracker
@@ -45,8 +46,48 @@ def test_a_run_with_a_missing_tracker_package_fails_before_the_first_step(monkey
                                            "logger": ["console", "jsonl", "wandb"]}}, quiet=True)
     with pytest.raises(MissingDependencyError, match="pip install wandb"):
         trainer.fit()
-    log_path = tmp_path / "verl" / "x" / "verl_logs.jsonl"
-    assert not log_path.exists() or not [r for r in read_jsonl(log_path) if r.get("step", 0) > 0]
+    assert not (tmp_path / "verl" / "x").exists()  # checked before the run directory is made
+
+
+def test_wandb_without_login_fails_in_one_line_and_leaves_no_run_dir(tmp_path):
+    # No key, no netrc (HOME is empty), online mode: one line naming both fixes, no traceback, no run dir.
+    env = {"HOME": str(tmp_path), "WANDB_API_KEY": "", "WANDB_MODE": "", "NETRC": str(tmp_path / "none"),
+           "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
+    result = run_cli(["train", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=w",
+                      "trainer.logger=[console,jsonl,wandb]"], env=env)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "wandb login" in result.stderr and "WANDB_MODE=offline" in result.stderr
+    assert not (tmp_path / "verl" / "w").exists()
+
+
+def test_offline_wandb_passes_the_login_check(monkeypatch):
+    from verl.config import VerlConfig
+    from verl.tracking import check_trackers
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_trackers(["console", "wandb"], VerlConfig())  # no error: offline runs need no login
+
+
+def test_a_start_up_failure_after_the_run_dir_exists_removes_it(tmp_path):
+    from verl.tracking.base import TRACKERS, register_tracker
+    from verl.trainer.local import LocalPPOTrainer
+
+    @register_tracker("fails_to_start")
+    def _fails(**_):
+        raise ConfigError("this tracker cannot start")
+
+    try:
+        trainer = LocalPPOTrainer({"data": {"train_batch_size": 4}, "actor": {"ppo_mini_batch_size": 4},
+                                   "rollout": {"n": 4},
+                                   "trainer": {"total_steps": 1, "output_dir": str(tmp_path), "experiment_name": "s",
+                                               "logger": ["jsonl", "fails_to_start"]}}, quiet=True)
+        with pytest.raises(ConfigError, match="cannot start"):
+            trainer.fit()
+    finally:
+        TRACKERS.pop("fails_to_start")
+    assert not (tmp_path / "verl" / "s").exists()
 
 
 def test_histogram_summary_is_compact_and_exact_in_its_moments():

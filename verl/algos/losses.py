@@ -22,29 +22,44 @@ def agg_loss(
     num_seqs: float | None = None,
     norm_length: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a ``(batch, response_len)`` loss to a scalar.
+    """Reduce a ``(batch, response_len)`` loss to a scalar, as verl defines each mode.
 
     - ``token-mean``: sum over all valid tokens / number of valid tokens.
-    - ``seq-mean-token-sum``: per-sequence token sum, averaged over sequences.
-    - ``seq-mean-token-mean``: per-sequence token mean, averaged over sequences.
-    - ``seq-mean-token-sum-norm`` (Dr.GRPO): per-sequence token sum / ``norm_length`` (the maximum response
-      length; defaults to ``response_len``), averaged over sequences.
+    - ``seq-mean-token-sum``: per-sequence token sum, averaged over sequences that have a valid token.
+    - ``seq-mean-token-mean``: per-sequence token mean, averaged over sequences that have a valid token.
+    - ``seq-mean-token-sum-norm`` (Dr.GRPO): the sum of *all* valid token losses divided by ``norm_length``
+      (defaults to the response-length axis, ``mask.shape[-1]``); there is no mean over sequences.
 
-    ``num_tokens`` / ``num_seqs`` override the denominators so that micro-batches of one mini-batch sum to the
-    mini-batch loss exactly (gradient accumulation).
+    Rows without a valid token (e.g. a response cut to nothing) are left out of the ``seq-mean-*`` sequence
+    count, so they do not dilute the others. ``num_tokens`` / ``num_seqs`` / ``norm_length`` override the
+    denominators with the mini-batch's (global) values, so micro-batches of one mini-batch, on any number of
+    workers, sum to the mini-batch loss exactly (``global_agg_denominators``).
     """
     masked = loss_mat * mask
     if mode == "token-mean":
         return masked.sum() / (num_tokens if num_tokens is not None else mask.sum().clamp(min=1))
-    seqs = num_seqs if num_seqs is not None else loss_mat.shape[0]
+    if mode == "seq-mean-token-sum-norm":
+        length = norm_length if norm_length is not None else mask.shape[-1]
+        return masked.sum() / length
+    seqs = num_seqs if num_seqs is not None else valid_sequences(mask).clamp(min=1)
     if mode == "seq-mean-token-sum":
         return masked.sum(-1).sum() / seqs
     if mode == "seq-mean-token-mean":
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / seqs
-    if mode == "seq-mean-token-sum-norm":
-        length = norm_length if norm_length is not None else loss_mat.shape[-1]
-        return (masked.sum(-1) / length).sum() / seqs
     raise ValueError(f"unknown loss_agg_mode '{mode}'; use one of {LOSS_AGG_MODES}")
+
+
+def valid_sequences(mask: torch.Tensor) -> torch.Tensor:
+    """Number of rows of a ``(batch, response_len)`` mask with at least one valid token (a 0-dim tensor)."""
+    return (mask.sum(-1) > 0).sum()
+
+
+def global_agg_denominators(mask: torch.Tensor, norm_length: float | None = None) -> dict[str, float]:
+    """``agg_loss`` denominators of a whole mini-batch ``mask`` ``(batch, response_len)``, to pass to every
+    micro-batch: valid tokens, sequences with a valid token, and the fixed length of ``seq-mean-token-sum-norm``
+    (the configured max response length, so micro-batches padded to different widths divide alike)."""
+    return {"num_tokens": float(mask.sum().clamp(min=1)), "num_seqs": float(valid_sequences(mask).clamp(min=1)),
+            "norm_length": float(norm_length if norm_length is not None else mask.shape[-1])}
 
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]

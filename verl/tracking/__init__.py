@@ -1,5 +1,5 @@
 """Experiment trackers behind one fan-out: jsonl (always), console, tensorboard, wandb, mlflow."""
 
-from verl.tracking.base import TRACKERS, Tracker, create_trackers, register_tracker
+from verl.tracking.base import TRACKERS, Tracker, check_trackers, create_trackers, register_tracker
 
-__all__ = ["TRACKERS", "Tracker", "create_trackers", "register_tracker"]
+__all__ = ["TRACKERS", "Tracker", "check_trackers", "create_trackers", "register_tracker"]

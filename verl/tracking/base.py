@@ -52,13 +52,16 @@ def register_tracker(name: str):
     return decorator
 
 
-def create_trackers(names: list[str], **context: Any) -> list[Tracker]:
-    """Instantiate the named trackers, all of them now, so a missing package fails before the first step.
+# Checks that need no run directory, run before one is made: "module:function(config)" per tracker name.
+PREFLIGHTS = {
+    "wandb": "verl.tracking.wandb_tracker:preflight",
+    "mlflow": "verl.tracking.mlflow_tracker:preflight",
+    "tensorboard": "verl.tracking.tensorboard_tracker:preflight",
+    "swanlab": "verl.tracking.swanlab_tracker:preflight",
+}
 
-    ``context`` carries what backends may need: ``config`` (the run's config model), ``run_dir``,
-    ``total_steps``, ``quiet``. ``jsonl`` maps to a tracker that adds histogram rows to the run's JSONL
-    (its metric rows are written by the run logger itself).
-    """
+
+def _check_names(names: list[str]) -> None:
     import verl.tracking.backends  # noqa: F401  (registers the built-in backends)
 
     unknown = [name for name in names if name not in TRACKERS]
@@ -67,6 +70,28 @@ def create_trackers(names: list[str], **context: Any) -> list[Tracker]:
             f"trainer.logger: unknown tracker(s) {unknown}; available: {', '.join(sorted(TRACKERS))} "
             "(e.g. trainer.logger=[console,jsonl,tensorboard])"
         )
+
+
+def check_trackers(names: list[str], config: Any = None) -> None:
+    """Everything about the named trackers that can fail without a run: unknown names, missing packages, no
+    wandb login. The trainer calls this before it creates the run directory, so such a failure leaves nothing."""
+    import importlib
+
+    _check_names(names)
+    for name in dict.fromkeys(names):
+        if name in PREFLIGHTS:
+            module, function = PREFLIGHTS[name].split(":")
+            getattr(importlib.import_module(module), function)(config)
+
+
+def create_trackers(names: list[str], **context: Any) -> list[Tracker]:
+    """Instantiate the named trackers, all of them now, so a missing package fails before the first step.
+
+    ``context`` carries what backends may need: ``config`` (the run's config model), ``run_dir``,
+    ``total_steps``, ``quiet``. ``jsonl`` maps to a tracker that adds histogram rows to the run's JSONL
+    (its metric rows are written by the run logger itself).
+    """
+    _check_names(names)
     trackers: list[Tracker] = []
     try:
         for name in dict.fromkeys(names):  # a name given twice would log every point twice

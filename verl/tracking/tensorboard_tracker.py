@@ -24,6 +24,12 @@ from verl.tracking.common import (
 HPARAM_METRICS = ("rollout/reward_mean", "eval/accuracy", "ppo/kl_div", "ppo/entropy")
 
 
+
+def preflight(config: Any = None) -> None:
+    """Fail before the run directory exists when the package is missing."""
+    require("torch.utils.tensorboard", "tensorboard", "tensorboard")
+
+
 class TensorBoardTracker(Tracker):
     name = "tensorboard"
 

@@ -25,6 +25,43 @@ from verl.tracking.common import SAMPLE_COLUMNS, RunIds, backend_settings, exiti
 ALERT_COLUMNS = ("step", "rule", "severity", "message", "value", "threshold", "action")
 
 
+def _logged_in() -> bool:
+    """Whether online wandb has credentials: ``WANDB_API_KEY`` or a netrc entry for the wandb host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    try:  # wandb's own reader knows its netrc location rules; its module path moves between releases
+        from wandb.sdk.lib.wbauth import read_netrc_auth
+
+        return bool(read_netrc_auth(host=host))
+    except ImportError:
+        import netrc
+        from urllib.parse import urlsplit
+
+        path = os.environ.get("NETRC") or str(Path.home() / ".netrc")
+        try:
+            return netrc.netrc(path).authenticators(urlsplit(host).netloc) is not None
+        except (OSError, netrc.NetrcParseError):
+            return False
+
+
+def preflight(config: Any = None) -> None:
+    """Fail before the run directory exists when wandb cannot start: package missing, or online with no login."""
+    from verl.errors import ConfigError
+
+    require("wandb", "wandb", "wandb")
+    settings = backend_settings(config, "wandb")
+    mode = settings.mode or os.environ.get("WANDB_MODE") or "online"
+    if mode in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_DISABLED", "").lower() in ("1", "true"):
+        return
+    if not _logged_in():
+        raise ConfigError(
+            "trainer.logger has wandb in online mode, but wandb is not logged in: run `wandb login` (or set "
+            "WANDB_API_KEY), or log locally with WANDB_MODE=offline (or trainer.tracking.wandb.mode=offline) "
+            "and `wandb sync` the run later"
+        )
+
+
 class WandbTracker(Tracker):
     name = "wandb"
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from verl.config import VerlConfig, build_config, load_config, resolve_experiment_name
+from verl.config import VerlConfig, build_config, resolve_experiment_name
 from verl.data.dataset import PromptSampler, RLHFDataset
 from verl.errors import ConfigError
 from verl.models.loader import load_tokenizer
@@ -40,7 +40,9 @@ def coerce_config(config: VerlConfig | dict | str | Path | None, config_path: st
         built = build_config(config, "config dict")
         resolve_experiment_name(built, "grpo_tiny")
         return built
-    return load_config(config_path or config, overrides)
+    from verl.trainer.resume import load_train_config
+
+    return load_train_config(config_path or config, overrides)[0]
 
 
 def needed_roles(config: VerlConfig) -> list[str]:
@@ -74,6 +76,7 @@ class LocalPPOTrainer(PPOTrainer):
         self.val_dataset = val_dataset or RLHFDataset(cfg.data.val_files, self.tokenizer, cfg.data, "data.val_files")
         self.sampler = PromptSampler(len(self.train_dataset), cfg.data.train_batch_size, cfg.data.shuffle,
                                      cfg.trainer.seed)
+        cfg.resolve_total_steps(len(self.train_dataset))  # trainer.total_epochs, as verl counts them
         self.worker = RoleWorker(cfg.model_dump(mode="json"), needed_roles(cfg), tokenizer=self.tokenizer)
         self.device = self.worker.device
 

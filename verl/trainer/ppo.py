@@ -16,6 +16,7 @@ Executors (``LocalPPOTrainer``, ``RayPPOTrainer``) subclass ``PPOTrainer`` and i
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -363,6 +364,33 @@ class PPOTrainer:
     # ------------------------------------------------------------------ run setup
 
     def _start_run(self) -> None:
+        """Check what can fail without a run, then make (or reopen) the run directory and start logging.
+
+        A start-up failure of a new run removes the directory it made, so nothing half-made is left behind.
+        """
+        from verl.tracking import check_trackers
+
+        cfg = self.config
+        check_trackers(cfg.trainer.logger, cfg)  # unknown tracker, missing package, no wandb login: no run dir yet
+        resume_from = find_resume_checkpoint(self.run_dir, cfg.trainer.resume)
+        changes = self._check_resume(resume_from)
+        fresh = not self.run_dir.exists()
+        try:
+            self._open_run(resume_from, changes)
+        except BaseException:
+            self._end_run()
+            if fresh:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+
+    def _check_resume(self, resume_from: Path | None) -> list[tuple[str, Any, Any]]:
+        """The keys this run changes from the run's own config.yaml (refusing what a checkpoint cannot take)."""
+        from verl.trainer.resume import check_resumable, saved_config
+
+        saved = saved_config(self.run_dir) if resume_from is not None else None
+        return check_resumable(self.run_dir, saved, self.config) if saved is not None else []
+
+    def _open_run(self, resume_from: Path | None, changes: list[tuple[str, Any, Any]]) -> None:
         from verl.tracking import create_trackers
 
         cfg = self.config
@@ -376,10 +404,10 @@ class PPOTrainer:
         self.monitor = SystemMonitor()
         for tracker in self.trackers:
             tracker.log_config(cfg.model_dump(mode="json"))
-        resume_from = find_resume_checkpoint(self.run_dir, cfg.trainer.resume)
         if resume_from is not None:
             self.load_checkpoint(resume_from)
-            self.logger.event("train", step=self.global_step, status="resumed", checkpoint=str(resume_from))
+            self.logger.event("train", step=self.global_step, status="resumed", checkpoint=str(resume_from),
+                              changed={k: [old, new] for k, old, new in changes})
         else:
             self.logger.event("train", step=0, status="started", run_dir=str(self.run_dir),
                               train_prompts=len(self.train_dataset), val_prompts=len(self.val_dataset),
@@ -391,6 +419,7 @@ class PPOTrainer:
     def _end_run(self) -> None:
         for tracker in getattr(self, "trackers", []):
             tracker.finish()
+        self.trackers = []
         log.set_active(None)
         if hasattr(self, "logger"):
             self.logger.close()

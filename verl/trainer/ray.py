@@ -117,6 +117,7 @@ class RayPPOTrainer(PPOTrainer):
         self.val_dataset = val_dataset or RLHFDataset(cfg.data.val_files, self.tokenizer, cfg.data, "data.val_files")
         self.sampler = PromptSampler(len(self.train_dataset), cfg.data.train_batch_size, cfg.data.shuffle,
                                      cfg.trainer.seed)
+        cfg.resolve_total_steps(len(self.train_dataset))  # trainer.total_epochs, as verl counts them
         self.device = torch.device("cpu")  # the driver holds no model
         self._start_ray(ray)
         self._check_resources(ray)

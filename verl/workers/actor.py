@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from verl.algos.kl import kl_penalty
-from verl.algos.losses import agg_loss, get_policy_loss
+from verl.algos.losses import agg_loss, get_policy_loss, global_agg_denominators
 from verl.algos.masked import masked_mean
 from verl.config import ActorConfig
 from verl.protocol import DataProto
@@ -101,8 +101,7 @@ class Actor:
     def _update_mini_batch(self, mini: DataProto, on_policy: bool, metrics: dict[str, list[float]]) -> None:
         cfg = self.config
         mask_all = mini.batch["response_mask"]
-        agg_kwargs = {"num_tokens": float(mask_all.sum().clamp(min=1)), "num_seqs": float(len(mini)),
-                      "norm_length": float(self.max_response_length)}
+        agg_kwargs = global_agg_denominators(mask_all, self.max_response_length)
         need_entropy_grad = cfg.entropy_coeff != 0.0
         # Loss terms are exact partial sums over micro-batches (and ranks: counts above are global);
         # mean-type metrics are token-weighted by the same global counts.

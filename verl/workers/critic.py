@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForTokenClassification
 
-from verl.algos.losses import value_loss
+from verl.algos.losses import global_agg_denominators, value_loss
 from verl.algos.masked import masked_mean
 from verl.config import CriticConfig
 from verl.errors import ModelError
@@ -83,7 +83,7 @@ class Critic:
             for start in range(0, len(data), mini_batch_size):
                 mini = data.index(order[start : start + mini_batch_size])
                 mask_all = mini.batch["response_mask"]
-                agg = {"num_tokens": float(mask_all.sum().clamp(min=1)), "num_seqs": float(len(mini))}
+                agg = global_agg_denominators(mask_all)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_sum, clip_sum, vpred_sum = 0.0, 0.0, 0.0
                 for micro in self._micro(local_shard(mini, self.dist)):

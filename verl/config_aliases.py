@@ -1,0 +1,162 @@
+"""verl's own config key names, mapped onto ours, so a verl launch line runs as it is.
+
+verl nests the actor, rollout, reference and model under ``actor_rollout_ref`` and names a few things
+differently (``trainer.total_training_steps``, ``custom_reward_function.path``, ``*_per_gpu`` micro-batches).
+``map_verl_keys`` rewrites those dotted keys to ours. Keys that only tune GPU engines we do not have (tensor
+parallelism, padding removal, FSDP offload of a sharded optimizer ...) are dropped, and both the renames and the
+drops are announced once per process, so nothing happens silently.
+
+Works on flat ``{"dotted.key": value}`` settings (``verl.config.explicit_settings``), before validation.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from verl.errors import ConfigError
+
+# Section prefixes: verl's -> ours. Longest first.
+PREFIXES: tuple[tuple[str, str], ...] = (
+    ("actor_rollout_ref.actor.", "actor."),
+    ("actor_rollout_ref.rollout.", "rollout."),
+    ("actor_rollout_ref.ref.", "reference."),
+    ("actor_rollout_ref.model.", "model."),
+    ("custom_reward_function.", "reward.custom_reward."),
+    ("reward_model.", "reward.model."),
+)
+
+# After the prefix: keys whose name differs (ours on the right).
+RENAMES: dict[str, str] = {
+    "actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size",
+    "actor.grad_clip": "actor.optim.grad_clip",
+    "actor.optim.lr_warmup_steps": "actor.optim.warmup_steps",
+    "actor.optim.warmup_style": "actor.optim.lr_scheduler",
+    "actor.optim.lr_scheduler_type": "actor.optim.lr_scheduler",
+    "actor.policy_loss.loss_mode": "actor.policy_loss",
+    "reference.fsdp_config.param_offload": "reference.offload_to_cpu",
+    "model.enable_gradient_checkpointing": "model.gradient_checkpointing",
+    "model.lora_rank": "model.lora.rank",
+    "model.lora_alpha": "model.lora.alpha",
+    "model.target_modules": "model.lora.target_modules",
+    "critic.model.path": "critic.model_path",
+    "critic.ppo_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size",
+    "critic.grad_clip": "critic.optim.grad_clip",
+    "critic.optim.lr_warmup_steps": "critic.optim.warmup_steps",
+    "critic.optim.warmup_style": "critic.optim.lr_scheduler",
+    "reward.model.micro_batch_size_per_gpu": "reward.model.micro_batch_size",
+    "reward.model.model.path": "reward.model.path",
+    "trainer.total_training_steps": "trainer.total_steps",
+    "trainer.resume_mode": "trainer.resume",
+    "trainer.critic_warmup": "critic.warmup_steps",
+    "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    "trainer.log_val_generations": "trainer.num_samples_to_log",
+}
+
+# Keys with no effect here: GPU engine tuning, cluster shape, features of verl we do not have. Prefixes end in ".".
+IGNORED: tuple[str, ...] = (
+    "actor.fsdp_config.", "actor.use_dynamic_bsz", "actor.ppo_max_token_len_per_gpu", "actor.use_torch_compile",
+    "actor.ulysses_sequence_parallel_size", "actor.checkpoint.", "actor.shuffle", "actor.use_fused_kernels",
+    "actor.optim.lr_warmup_steps_ratio", "actor.optim.total_training_steps", "actor.data_loader_seed",
+    "actor.profiler.", "actor.loss_scale_factor",
+    "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_micro_batch_size",
+    "rollout.tensor_model_parallel_size", "rollout.data_parallel_size", "rollout.max_num_batched_tokens",
+    "rollout.max_num_seqs", "rollout.free_cache_engine", "rollout.load_format", "rollout.mode",
+    "rollout.enable_chunked_prefill", "rollout.dtype", "rollout.layered_summon", "rollout.prompt_length",
+    "rollout.response_length", "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu",
+    "rollout.disable_log_stats", "rollout.do_sample", "rollout.val_kwargs.do_sample", "rollout.calculate_log_probs",
+    "rollout.multi_turn.", "rollout.engine_kwargs.", "rollout.agent.", "rollout.ignore_eos", "rollout.max_model_len",
+    "rollout.enable_prefix_caching", "rollout.trace.", "rollout.update_weights_bucket_megabytes",
+    "reference.log_prob_micro_batch_size_per_gpu", "reference.log_prob_micro_batch_size", "reference.fsdp_config.",
+    "reference.log_prob_use_dynamic_bsz", "reference.log_prob_max_token_len_per_gpu", "reference.ulysses_",
+    "reference.use_torch_compile", "reference.strategy",
+    "model.use_remove_padding", "model.use_shm", "model.external_lib", "model.override_config.",
+    "model.enable_activation_offload", "model.use_liger", "model.use_fused_kernels", "model.custom_chat_template",
+    "critic.model.", "critic.strategy", "critic.fsdp_config.", "critic.forward_micro_batch_size_per_gpu",
+    "critic.forward_micro_batch_size", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu",
+    "critic.forward_max_token_len_per_gpu", "critic.ulysses_sequence_parallel_size", "critic.checkpoint.",
+    "critic.rollout_n", "critic.enable", "critic.shuffle", "critic.data_loader_seed",
+    "reward.model.enable", "reward.model.strategy", "reward.model.reward_manager", "reward.model.model.input_tokenizer",
+    "reward.model.model.use_remove_padding", "reward.model.model.fsdp_config.", "reward.model.model.trust_remote_code",
+    "reward.model.max_length", "reward.model.use_dynamic_bsz", "reward.model.forward_max_token_len_per_gpu",
+    "reward.model.launch_reward_fn_async", "reward.model.sandbox_fusion.", "reward.model.ulysses_sequence_parallel_size",
+    "reward.custom_reward.reward_kwargs.",
+    "data.tokenizer", "data.use_shm", "data.return_raw_input_ids", "data.return_raw_chat", "data.return_full_prompt",
+    "data.dataloader_num_workers", "data.reward_fn_key", "data.image_key", "data.video_key", "data.custom_cls.",
+    "data.sampler.", "data.filter_overlong_prompts_workers", "data.trust_remote_code", "data.validation_shuffle",
+    "data.return_multi_modal_inputs", "data.datagen.", "data.seed", "data.gen_batch_size",
+    "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.default_local_dir", "trainer.default_hdfs_dir",
+    "trainer.del_local_ckpt_after_load", "trainer.balance_batch", "trainer.ray_wait_register_center_timeout",
+    "trainer.max_critic_ckpt_to_keep", "trainer.rollout_data_dir", "trainer.validation_data_dir",
+    "trainer.esi_redundant_time", "trainer.val_only", "trainer.log_val_generations_freq", "trainer.profile_steps",
+    "trainer.use_legacy_worker_impl", "trainer.critic_warmup_steps",
+    "algorithm.use_pf_ppo", "algorithm.pf_ppo.", "algorithm.rollout_is", "algorithm.rollout_correction.",
+    "ray_init.", "ray_kwargs.", "global_profiler.", "transfer_queue.",
+)
+
+# verl values that mean the same as one of ours.
+VALUE_MAPS: dict[str, dict[Any, Any]] = {
+    "actor.strategy": {"fsdp2": "fsdp"},
+    "rollout.top_k": {-1: 0},
+    "rollout.val_kwargs.top_k": {-1: 0},
+}
+
+_ANNOUNCED: set[str] = set()
+
+
+def _notice(message: str) -> None:
+    """Print ``message`` to stderr once per process (a resumed or re-read config does not repeat it)."""
+    if message not in _ANNOUNCED:
+        _ANNOUNCED.add(message)
+        print(f"note: {message}", file=sys.stderr)
+
+
+def _ignored(key: str) -> bool:
+    return any(key == p or (p.endswith((".", "_")) and key.startswith(p)) for p in IGNORED)
+
+
+def map_verl_keys(settings: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite verl's dotted keys in ``settings`` (in order) to ours; drop the ones with no effect here.
+
+    Raises ``ConfigError`` only for verl combinations that have no meaning here (``resume_mode=resume_path``
+    without ``resume_from_path``); unknown keys are left to the schema, which names them with a suggestion.
+    """
+    mapped: dict[str, Any] = {}
+    renamed, dropped = [], []
+    filter_overlong = None
+    resume_from_path = settings.get("trainer.resume_from_path")
+    for key, value in settings.items():
+        ours = key
+        for theirs, prefix in PREFIXES:
+            if key.startswith(theirs):
+                ours = prefix + key[len(theirs):]
+                break
+        ours = RENAMES.get(ours, ours)
+        if key == "trainer.resume_from_path":
+            continue  # folded into trainer.resume below
+        if key == "data.filter_overlong_prompts":
+            filter_overlong = bool(value)
+            renamed.append(f"{key} -> data.truncation=filter" if value else f"{key}=False (dropped)")
+            continue
+        if _ignored(ours):
+            dropped.append(key)
+            continue
+        if ours == "trainer.resume" and value == "resume_path":
+            if not resume_from_path:
+                raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")
+            value = str(resume_from_path)
+        value = VALUE_MAPS.get(ours, {}).get(value, value) if isinstance(value, (str, int)) else value
+        if ours != key:
+            renamed.append(f"{key} -> {ours}")
+        mapped[ours] = value
+    if resume_from_path and "trainer.resume" not in mapped:
+        mapped["trainer.resume"] = str(resume_from_path)
+        renamed.append("trainer.resume_from_path -> trainer.resume")
+    if filter_overlong:
+        # verl filters over-long prompts before its truncation rule can see them: the effect is ours 'filter'.
+        mapped["data.truncation"] = "filter"
+    if renamed:
+        _notice("verl keys mapped to verl-suite's: " + ", ".join(renamed))
+    if dropped:
+        _notice("verl keys with no effect here (GPU engine tuning / cluster shape), ignored: " + ", ".join(dropped))
+    return mapped
