@@ -144,3 +144,27 @@ def test_best_checkpoint_kept_through_retention_and_early_stop_from_python(tmp_p
     resumed.on_train_start(trainer)
     assert (resumed.best_value, resumed.best_step) == (pytest.approx(1 / 6), 1)
     assert not resumed.better(0.5) and resumed.better(0.1)
+
+
+def test_plain_objects_with_some_hooks_are_callbacks_and_others_are_refused_at_add(tmp_path):
+    from verl.trainer.local import LocalPPOTrainer
+
+    class CountSteps:  # no base class, only one hook: the others are no-ops
+        def __init__(self):
+            self.steps = []
+
+        def on_step_end(self, trainer, step, metrics):
+            self.steps.append(step)
+
+    config = {"data": {"train_batch_size": 4}, "actor": {"ppo_mini_batch_size": 4}, "rollout": {"n": 4},
+              "trainer": {"total_steps": 2, "test_freq": 1, "output_dir": str(tmp_path), "experiment_name": "duck",
+                          "logger": ["jsonl"]}}
+    trainer = LocalPPOTrainer(config, quiet=True)
+    counter = CountSteps()
+    trainer.add_callback(counter)
+    with pytest.raises(ConfigError, match="none of the hooks on_train_start.*subclass .*TrainerCallback"):
+        trainer.add_callback(object())
+    with pytest.raises(ConfigError, match=r"pass an instance: add_callback\(CountSteps\(...\)\)"):
+        trainer.add_callback(CountSteps)
+    trainer.fit()  # validation (on_evaluate), checkpoints (on_save): hooks the object lacks are skipped
+    assert counter.steps == [1, 2]

@@ -99,6 +99,11 @@ class DataConfig(Section):
     apply_chat_template: bool = Field(True, description="Wrap prompts with the tokenizer's chat template.")
     arithmetic: ArithmeticTaskConfig = Field(default_factory=ArithmeticTaskConfig)
 
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_file_is_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # verl's launch lines pass a single path
+
 
 # ---------------------------------------------------------------------------------------------- rollout
 

@@ -132,6 +132,11 @@ def map_verl_keys(settings: dict[str, Any]) -> dict[str, Any]:
             if key.startswith(theirs):
                 ours = prefix + key[len(theirs):]
                 break
+        if ours.startswith("actor_rollout_ref."):
+            raise ConfigError(
+                f"unknown config key '{key}': verl's actor_rollout_ref holds actor, rollout, ref, model "
+                "(here: actor.*, rollout.*, reference.*, model.*)"
+            )
         ours = RENAMES.get(ours, ours)
         if key == "trainer.resume_from_path":
             continue  # folded into trainer.resume below

@@ -35,20 +35,41 @@ class TrainerCallback:
     def on_train_end(self, trainer: Any, reason: str) -> None: ...
 
 
+HOOKS = tuple(name for name in vars(TrainerCallback) if name.startswith("on_"))
+
+
+def check_callback(callback: Any) -> Any:
+    """Accept any object with at least one hook method (the others are no-ops); refuse the rest at once, with the
+    fix, instead of failing inside ``fit()``."""
+    from verl.errors import ConfigError
+
+    if isinstance(callback, type):
+        raise ConfigError(f"add_callback got the class {callback.__name__}; pass an instance: "
+                          f"add_callback({callback.__name__}(...))")
+    if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
+        raise ConfigError(
+            f"add_callback got a {type(callback).__name__} with none of the hooks {', '.join(HOOKS)}; subclass "
+            "verl.trainer.callbacks.TrainerCallback and override the hooks you need"
+        )
+    return callback
+
+
 class CallbackList:
     def __init__(self, callbacks: list[TrainerCallback] | None = None):
-        self.callbacks = list(callbacks or [])
+        self.callbacks = [check_callback(c) for c in callbacks or []]
 
     def add(self, callback: TrainerCallback) -> None:
-        self.callbacks.append(callback)
+        self.callbacks.append(check_callback(callback))
 
     def __getattr__(self, hook: str):
-        if not hook.startswith("on_"):
+        if hook not in HOOKS:
             raise AttributeError(hook)
 
         def dispatch(*args: Any, **kwargs: Any) -> None:
             for callback in self.callbacks:
-                getattr(callback, hook)(*args, **kwargs)
+                method = getattr(callback, hook, None)  # duck-typed callbacks may implement only some hooks
+                if method is not None:
+                    method(*args, **kwargs)
 
         return dispatch
 

@@ -1,0 +1,116 @@
+"""verl users' habits: verl's own key names, Hydra's +key=value, and verl's GRPO GSM8K launch line as it is."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.trainer_utils import rows, run_cli
+from verl.config import load_config
+from verl.errors import ConfigError
+
+# verl's examples/grpo_trainer GSM8K launch line (Qwen2-7B), with only the model path and data files replaced.
+VERL_GRPO_GSM8K = [
+    "algorithm.adv_estimator=grpo",
+    "data.train_files=builtin:arithmetic/train",
+    "data.val_files=builtin:arithmetic/val",
+    "data.train_batch_size=1024",
+    "data.max_prompt_length=512",
+    "data.max_response_length=1024",
+    "data.filter_overlong_prompts=True",
+    "data.truncation=error",
+    "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.rollout.n=5",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "algorithm.use_kl_in_reward=False",
+    "trainer.critic_warmup=0",
+    "trainer.logger=['console','wandb']",
+    "trainer.project_name=verl_grpo_example_gsm8k",
+    "trainer.experiment_name=qwen2_7b_function_rm",
+    "trainer.n_gpus_per_node=8",
+    "trainer.nnodes=1",
+    "trainer.save_freq=20",
+    "trainer.test_freq=5",
+    "trainer.total_epochs=15",
+]
+
+
+def test_verl_grpo_gsm8k_line_maps_onto_our_keys(capsys):
+    cfg = load_config(None, VERL_GRPO_GSM8K)
+    assert cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert (cfg.actor.optim.lr, cfg.actor.ppo_mini_batch_size, cfg.actor.ppo_micro_batch_size) == (1e-6, 256, 40)
+    assert (cfg.actor.use_kl_loss, cfg.actor.kl_loss_coef, cfg.actor.kl_loss_type) == (True, 0.001, "low_var_kl")
+    assert cfg.model.gradient_checkpointing and cfg.reference.offload_to_cpu
+    assert (cfg.rollout.name, cfg.rollout.n, cfg.rollout.gpu_memory_utilization) == ("vllm", 5, 0.6)
+    assert cfg.data.truncation == "filter"  # verl filters over-long prompts before 'error' can see them
+    assert cfg.critic.warmup_steps == 0 and cfg.trainer.logger == ["console", "wandb", "jsonl"]
+    assert cfg.trainer.total_epochs == 15 and cfg.trainer.total_steps is None  # resolved from the data at start
+    assert cfg.resolve_total_steps(20000) == 15 * (20000 // 1024)
+    notes = capsys.readouterr().err
+    assert "actor_rollout_ref.actor.optim.lr -> actor.optim.lr" in notes
+    assert "ignored: " in notes and "actor_rollout_ref.rollout.tensor_model_parallel_size" in notes
+    load_config(None, VERL_GRPO_GSM8K)
+    assert capsys.readouterr().err == ""  # the notice is printed once per process
+
+
+def test_verl_line_passes_a_dry_run_through_the_cli():
+    result = run_cli(["train", "--dry-run", *VERL_GRPO_GSM8K])
+    assert result.returncode == 0, result.stderr
+    assert "config OK: verl_grpo_example_gsm8k/qwen2_7b_function_rm" in result.stderr
+    assert "1024 prompts x 5 = 5120 responses" in result.stderr
+
+
+def test_verl_line_trains_on_the_tiny_model(tmp_path):
+    # The same line, on the built-in model, shrunk to one step by verl's own keys; wandb offline (no login here).
+    small = ["actor_rollout_ref.model.path=builtin:tiny-arith", "data.max_prompt_length=64",
+             "data.max_response_length=16", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.name=hf",
+             "actor_rollout_ref.rollout.n=2", "+trainer.total_training_steps=1", "+data.val_max_samples=8",
+             f"trainer.output_dir={tmp_path}", "trainer.val_before_train=False"]
+    result = run_cli(["train", *VERL_GRPO_GSM8K, *small], env={"WANDB_MODE": "offline"})
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "verl_grpo_example_gsm8k" / "qwen2_7b_function_rm"
+    assert [r["step"] for r in rows(run_dir / "verl_logs.jsonl", "rollout")] == [1]
+    assert (run_dir / "checkpoints" / "global_step_1" / "model.safetensors").is_file()
+    assert (run_dir / "wandb").is_dir()
+
+
+def test_hydra_plus_prefix_and_verl_resume_keys(tmp_path):
+    assert load_config(None, ["+trainer.total_training_steps=7", "++actor.optim.lr=2e-5"]).trainer.total_steps == 7
+    assert load_config(None, ["trainer.resume_mode=disable"]).trainer.resume == "disable"
+    ckpt = str(tmp_path / "global_step_3")
+    cfg = load_config(None, ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={ckpt}"])
+    assert cfg.trainer.resume == ckpt
+    with pytest.raises(ConfigError, match="resume_from_path"):
+        load_config(None, ["trainer.resume_mode=resume_path"])
+    cfg = load_config(None, ["custom_reward_function.path=my_reward.py", "custom_reward_function.name=score",
+                             "algorithm.kl_ctrl.kl_coef=0.02", "algorithm.kl_ctrl.type=adaptive"])
+    assert (cfg.reward.custom_reward.path, cfg.reward.custom_reward.name) == ("my_reward.py", "score")
+    assert (cfg.algorithm.kl_ctrl.kl_coef, cfg.algorithm.kl_ctrl.type) == (0.02, "adaptive")
+    # total_steps given beside total_epochs wins, as verl's total_training_steps does.
+    assert load_config(None, ["trainer.total_epochs=3", "trainer.total_steps=5"]).trainer.total_steps == 5
+
+
+def test_unknown_verl_keys_get_a_hint_that_fits():
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor.optim.lrr'; did you mean 'actor.optim.lr'"):
+        load_config(None, ["actor_rollout_ref.actor.optim.lrr=1e-6"])
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["actor_rollout_ref.critic.lr=1e-6"])
+    message = str(info.value)
+    assert "actor_rollout_ref" in message and "actor, rollout, ref, model" in message
+    assert "did you mean 'rollout'" not in message
