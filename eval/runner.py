@@ -124,6 +124,7 @@ def is_run_dir(path: Path) -> bool:
 
 
 def resolve_target(spec: str | Path) -> Target:
+    from verl.models.loader import check_hub_id, looks_local, missing_dir_error
     from verl.trainer.checkpoint import STEP_DIR
 
     text = str(spec)
@@ -146,9 +147,11 @@ def resolve_target(spec: str | Path) -> Target:
         )
     if text.startswith("builtin:"):
         return Target("model", text)
-    if path.exists() or text.startswith((".", "/", "~")):
+    if path.exists():
         raise CheckpointError(f"--ckpt '{text}' is not a directory; give a checkpoint dir, a run dir or builtin:NAME")
-    return Target("model", text)  # a hub id; from_pretrained resolves it (needs a local copy offline)
+    if looks_local(text):
+        raise missing_dir_error(text, "--ckpt")
+    return Target("model", check_hub_id(text))  # a hub id: fails in seconds when the Hub cannot be asked
 
 
 def load_run_config(run_dir: Path | None) -> tuple[Any, dict | None, list[str]]:

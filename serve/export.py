@@ -424,6 +424,10 @@ def run_export(to: str | Path, run: str | Path | None = None, ckpt: str | Path |
         raise ConfigError("give exactly one of --run RUN_DIR (with --select) or --ckpt CHECKPOINT_DIR")
     if ckpt is not None:
         path = Path(ckpt).expanduser()
+        if not path.exists():
+            from verl.models.loader import missing_dir_error
+
+            raise missing_dir_error(str(ckpt), "--ckpt")
         if not path.is_dir():
             raise CheckpointError(f"--ckpt '{path}' is not a directory")
         selection = Selection(path, step_of(path), "ckpt", find_run_dir(path))

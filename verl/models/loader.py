@@ -14,6 +14,8 @@ checkpoint take the same code path.
 from __future__ import annotations
 
 import os
+import re
+import socket
 from pathlib import Path
 
 import torch
@@ -37,17 +39,81 @@ def builtin_names() -> list[str]:
     return sorted([*SHIPPED_MODELS, *BUILTIN_SPECS])
 
 
+# A Hugging Face Hub id: ``name`` or ``org/name``.
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def looks_local(path: str) -> bool:
+    """Whether a model path that does not exist was meant as a local directory rather than a hub id: it starts
+    with ``.``, ``/`` or ``~``, is not of the form ``org/name``, or its first part is a local directory
+    (``exports/grpo-typo`` while ``./exports`` exists)."""
+    if path.startswith((".", "/", "~")) or not HUB_ID.match(path):
+        return True
+    head, sep, _ = path.partition("/")
+    return bool(sep) and Path(head).is_dir()
+
+
+def missing_dir_error(path: str, what: str = "model path") -> ModelError:
+    """'no such directory', with the closest names beside it (a typo is the usual cause)."""
+    import difflib
+
+    local = Path(path).expanduser()
+    parent = local.parent if str(local.parent) else Path(".")
+    near = []
+    if parent.is_dir():
+        names = [p.name for p in parent.iterdir() if p.is_dir()]
+        near = [str(parent / n) for n in difflib.get_close_matches(local.name, names, n=3, cutoff=0.6)]
+    hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+    return ModelError(f"{what} '{path}': no such directory{hint}")
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def check_hub_id(repo_id: str) -> str:
+    """``repo_id`` when it can load: in the local HF cache, or the Hub answers. Otherwise fail in seconds with the
+    reason, instead of ``from_pretrained``'s minute of retries and a message blaming the network."""
+    from urllib.parse import urlsplit
+
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+            return repo_id
+    except Exception:  # an unusual cache layout: let the probe decide
+        pass
+    fix = "copy the model to a local directory and point at it, or use builtin:NAME"
+    if _hub_offline():
+        raise ModelError(f"model '{repo_id}' is not a local directory nor in the Hugging Face cache, and "
+                         f"HF_HUB_OFFLINE is set, so the Hub is not asked; {fix}")
+    endpoint = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ModelError(f"model '{repo_id}' is not a local directory nor in the Hugging Face cache, and the Hub "
+                         f"({host}) cannot be reached: {exc.strerror or exc}; {fix}") from None
+    return repo_id
+
+
 def resolve_model_path(path: str) -> str:
-    """A local directory (or hub id) for ``path``; builtin models are materialised on first use."""
+    """A local directory (or hub id) for ``path``; builtin models are materialised on first use.
+
+    A mistyped local path fails at once ("no such directory"), never as a Hub download; a hub id fails in
+    seconds when the Hub cannot be asked (``check_hub_id``).
+    """
     if not path.startswith(BUILTIN_PREFIX):
         local = Path(path).expanduser()
         if local.exists():
             if not (local / "config.json").is_file():
                 raise ModelError(f"model path '{path}' exists but has no config.json; point it at a HF model dir")
             return str(local)
-        if path.startswith((".", "/", "~")) or os.sep in path.strip("/").split("/", 1)[-1]:
-            raise ModelError(f"model path '{path}' does not exist")
-        return path  # a hub id: from_pretrained resolves it (offline machines need a local copy)
+        if looks_local(path):
+            raise missing_dir_error(path)
+        return check_hub_id(path)
     name = path[len(BUILTIN_PREFIX) :]
     if name in SHIPPED_MODELS:
         shipped = ASSETS_DIR / name
