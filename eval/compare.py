@@ -43,6 +43,7 @@ from eval.runner import (
     load_samples,
     parse_select,
     resolve_settings,
+    results_root,
 )
 from eval.stats import mcnemar, paired_resample, pearson, permutation_importance
 from verl.errors import CheckpointError, ConfigError, VerlError
@@ -126,12 +127,8 @@ def resolve_entry(spec: str, ckpt: str, settings: EvalSettings, console: Any) ->
                         "or a checkpoint dir (<run>/checkpoints/global_step_N)")
     run_cfg, raw, _ = load_run_config(run_dir if (run_dir / "config.yaml").is_file() else None)
     resolved = resolve_settings(settings, run_cfg, settings.reference)
-    out_dir = run_dir / "eval" / checkpoint.name
-    if (out_dir / "results.json").is_file():
-        existing = load_results(out_dir)
-        if existing.get("settings_fingerprint") != resolved.fingerprint:
-            # Keep the user's earlier evaluation; these settings get their own directory.
-            out_dir = run_dir / "eval" / f"compare-{resolved.fingerprint[:8]}" / checkpoint.name
+    # Results under other data/sampling settings live in their own directory: an earlier evaluation is kept.
+    out_dir = results_root(run_dir, resolved, run_cfg) / checkpoint.name
     evaluation = Evaluation(settings, resolved, run_cfg, raw, str(checkpoint), console)
     step = int(checkpoint.name.rsplit("_", 1)[-1]) if checkpoint.name.startswith("global_step_") else None
     results = evaluation.evaluate(str(checkpoint), out_dir, checkpoint.name, step, run_dir)

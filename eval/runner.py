@@ -98,6 +98,36 @@ class Resolved:
         payload = {k: v for k, v in asdict(self).items() if k != "notes"}
         return hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+    @property
+    def results_settings(self) -> dict[str, Any]:
+        """What decides the numbers (data and sampling): results under other values are never mixed with these."""
+        return {k: getattr(self, k) for k in RESULT_SETTINGS}
+
+    @property
+    def settings_tag(self) -> str:
+        """A directory name for these results settings: ``greedy-n1-<hash>`` / ``t1-n8-<hash>``."""
+        digest = hashlib.sha1(json.dumps(self.results_settings, sort_keys=True, default=str).encode()).hexdigest()
+        sampling = "greedy" if self.temperature == 0.0 else f"t{self.temperature:g}"
+        return f"{sampling}-n{self.n}-{digest[:8]}"
+
+
+# The settings that change an evaluation's numbers. Results under different values live in different directories,
+# and selecting the best checkpoint only compares results made under one of them.
+RESULT_SETTINGS = ("data_files", "n", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "max_samples",
+                   "engine")
+
+
+def results_root(run_dir: Path, resolved: Resolved, run_cfg: Any) -> Path:
+    """Where a run's results under ``resolved`` go: ``<run>/eval/`` for the run's own validation settings (what the
+    trainer reported and what ``verl export --select best`` and ``verl compare`` rank by), ``<run>/eval/<tag>/``
+    for any other data or sampling settings, so e.g. a sampled pass@k evaluation never overwrites the greedy one."""
+    return run_dir / "eval" if is_run_default(resolved, run_cfg) else run_dir / "eval" / resolved.settings_tag
+
+
+def is_run_default(resolved: Resolved, run_cfg: Any) -> bool:
+    """Whether ``resolved`` evaluates with the run's own validation data and sampling."""
+    return resolved.results_settings == resolve_settings(EvalSettings(), run_cfg, None).results_settings
+
 
 # ---------------------------------------------------------------------------------------------- targets
 
@@ -667,7 +697,7 @@ def run_eval(ckpt: str | Path, settings: EvalSettings, out: str | Path | None = 
     if out is not None:
         out_dir = Path(out)
     elif target.run_dir is not None:
-        out_dir = target.run_dir / "eval" / target.label
+        out_dir = results_root(target.run_dir, resolved, run_cfg) / target.label
     else:
         out_dir = Path("outputs") / "eval" / target.label
     return evaluation.evaluate(target.path, out_dir, target.label, target.step, target.run_dir)
@@ -693,7 +723,7 @@ def _evaluate_run(target: Target, settings: EvalSettings, resolved: Resolved, ru
         raise CheckpointError(f"run '{run_dir}' has no complete checkpoints (checkpoints/global_step_N with "
                               "meta.json); train with trainer.save_freq > 0 or wait for the first save")
     metric, mode = parse_select(settings.select)
-    out_dir = Path(out) if out is not None else run_dir / "eval"
+    out_dir = Path(out) if out is not None else results_root(run_dir, resolved, run_cfg)
     evaluation = Evaluation(settings, resolved, run_cfg, raw, _tokenizer_source(str(checkpoints[0][1]), run_cfg),
                             console)
     per_checkpoint = []
@@ -705,6 +735,8 @@ def _evaluate_run(target: Target, settings: EvalSettings, resolved: Resolved, ru
         raise ConfigError(f"--select '{settings.select}': no metric '{metric}' in the results; available: "
                           f"{', '.join(available)}")
     best = select_best(per_checkpoint, metric, mode)
+    best["settings"] = {**resolved.results_settings, "tag": resolved.settings_tag,
+                        "run_defaults": is_run_default(resolved, run_cfg)}
     summary = {
         "schema": SCHEMA + "-run",
         "run_dir": str(run_dir),
@@ -723,8 +755,11 @@ def _evaluate_run(target: Target, settings: EvalSettings, resolved: Resolved, ru
     write_run_report(out_dir, summary, run_dir)
     if console is not None and not settings.quiet:
         value = best["value"]
-        console.print(f"best by {metric}:{mode}: {best['label']} ({value:.4g}) -> {out_dir / 'best.json'}",
-                      highlight=False)
+        where = ("the run's validation settings" if best["settings"]["run_defaults"] else
+                 f"settings {best['settings']['tag']} (n={resolved.n}, temperature {resolved.temperature:g}); "
+                 "`verl export --select best` and `verl compare` rank by the run's validation settings only")
+        console.print(f"best by {metric}:{mode}: {best['label']} ({value:.4g}) under {where} -> "
+                      f"{out_dir / 'best.json'}", highlight=False, soft_wrap=True)
     return summary
 
 

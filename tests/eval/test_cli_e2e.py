@@ -181,3 +181,27 @@ def test_lora_checkpoint_is_merged_onto_its_base(tmp_path):
     # In training the reference is the same module with its adapters disabled; verl eval loads the base model.
     assert results["metrics"]["eval/kl_exact"]["value"] == pytest.approx(trained["kl_exact"], rel=1e-4, abs=1e-7)
     assert eval_rows(run)[0]["kl_exact"] == 0.0
+
+
+def test_results_are_kept_per_settings_and_best_never_mixes_them(runs, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["a"], run, ignore=shutil.ignore_patterns("eval"))
+    cli("eval", "--ckpt", str(run), "--evaluators", "accuracy", "--quiet")  # the run's own (greedy) settings
+    greedy_results = (run / "eval" / "global_step_2" / "results.json").read_bytes()
+    greedy_best = (run / "eval" / "best.json").read_bytes()
+    best = json.loads(greedy_best)
+    assert best["settings"]["run_defaults"] and best["settings"]["temperature"] == 0.0 and best["settings"]["n"] == 1
+
+    # Sampled pass@k: its own directory; the greedy results, best.json and what export picks are untouched.
+    result = cli("eval", "--ckpt", str(run), "--n", "2", "--temperature", "1.0", "--evaluators", "accuracy")
+    tagged = [p for p in (run / "eval").iterdir() if p.is_dir() and p.name.startswith("t1-n2-")]
+    assert len(tagged) == 1 and (tagged[0] / "global_step_2" / "results.json").is_file()
+    sampled_best = json.loads((tagged[0] / "best.json").read_text())
+    assert sampled_best["settings"] == {**sampled_best["settings"], "n": 2, "temperature": 1.0, "run_defaults": False}
+    assert tagged[0].name in result.output and "rank by the run's validation settings only" in result.output
+    assert (run / "eval" / "global_step_2" / "results.json").read_bytes() == greedy_results
+    assert (run / "eval" / "best.json").read_bytes() == greedy_best
+    exported = cli("export", "--run", str(run), "--select", "best", "--to", str(tmp_path / "exp"))
+    assert best["label"] in exported.output
