@@ -4,7 +4,7 @@ Serves ``VERL_SERVE_MODEL`` (default ``builtin:tiny-arith``) with an OpenAI-comp
 ``/generate``, Prometheus ``/metrics`` and ``/health``. Settings: ``serve/settings.py`` (env ``VERL_SERVE_*`` and
 an optional ``serve.yaml``).
 
-Request path: validate (pydantic; 422 in OpenAI's error shape) -> tokenize and check limits (400) -> admit
+Request path: validate (pydantic; 400 in OpenAI's error shape) -> tokenize and check limits (400) -> admit
 (bounded: more than ``max_batch_size + max_queue_size`` sequences in flight gives 429 + Retry-After) -> one pump
 task per sequence reads the engine's delta stream (metrics are taken there) -> the handler assembles a JSON
 response or an SSE stream. A timeout, a client that disconnects or a shutdown deadline cancels the pump tasks,
@@ -91,8 +91,8 @@ def error_response(exc: ApiError) -> JSONResponse:
 # Documented on every generation route so clients (and the schema fuzzer) know the error shape.
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
-    for code, text in {400: "Invalid request (limits, unsupported parameters)", 401: "Missing or wrong API key",
-                       404: "Unknown model", 422: "Malformed body", 429: "Queue full (see Retry-After)",
+    for code, text in {400: "Invalid request (malformed body, wrong types, limits, unsupported parameters)",
+                       401: "Missing or wrong API key", 404: "Unknown model", 429: "Queue full (see Retry-After)",
                        503: "Loading, draining or engine down", 504: "Request timed out"}.items()
 }
 SSE_DOC = {"description": "JSON, or with `stream: true` server-sent events ending in `data: [DONE]`",
@@ -147,7 +147,17 @@ class Service:
 
     # ------------------------------------------------------------ lifecycle
 
+    def announce(self) -> None:
+        """One prominent line naming the model and who chose it, so the built-in default is never served silently."""
+        source = self.settings.model_source
+        if source == "default":
+            log.warning("verl serve: no model configured; serving the built-in %s (set VERL_SERVE_MODEL=<export dir> "
+                        "or model: in serve.yaml to serve yours)", self.settings.model)
+        else:
+            log.warning("verl serve: serving %s (from %s) as '%s'", self.settings.model, source, self.model_name)
+
     async def load(self) -> None:
+        self.announce()
         try:
             engine = await asyncio.to_thread(create_engine, self.settings)
             await engine.start()
@@ -649,7 +659,8 @@ def _add_error_handlers(app: FastAPI) -> None:
             first = first or name
             problems.append(f"{name}: {error.get('msg')}")
         message = "invalid request: " + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else "")
-        return JSONResponse(error_body(message, "invalid_request_error", first, "invalid_value"), status_code=422)
+        # 400, as OpenAI answers (the official client raises BadRequestError); FastAPI's default would be 422.
+        return JSONResponse(error_body(message, "invalid_request_error", first, "invalid_value"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -673,7 +684,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         """200 when serving; 503 while loading, draining or when the engine died (no API key needed)."""
         status, detail = service.health()
         engine = service.engine.name if service.engine else None
-        body = HealthResponse(status=status, engine=engine, detail=detail).model_dump()
+        body = HealthResponse(status=status, engine=engine, detail=detail, model=service.model_name,
+                              model_source=service.settings.model_source).model_dump()
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics", tags=["ops"], response_class=Response,
@@ -693,7 +705,8 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         engine = service.ready_engine()
         return {"object": "list", "data": [{
             "id": service.model_name, "object": "model", "created": service.created, "owned_by": "verl-suite",
-            "root": engine.model_path, "max_model_len": engine.max_model_len}]}
+            "root": engine.model_path, "max_model_len": engine.max_model_len,
+            "source": service.settings.model_source}]}
 
     # ------------------------------------------------------------ generation
 

@@ -2,9 +2,10 @@
 
 Field names, defaults and shapes follow the OpenAI API (and vLLM's extensions ``top_k``, ``ignore_eos``,
 ``stop_token_ids``) so the official ``openai`` client and tools built on it work unchanged. Unknown fields are
-rejected (422 naming the field) rather than ignored: a misspelt ``max_token`` must not silently become the default.
-Parameters that exist in the OpenAI API but are not implemented here are accepted only at their neutral value
-and otherwise answered with a 400 that says so.
+rejected (400 naming the field) rather than ignored: a misspelt ``max_token`` must not silently become the default.
+Fields OpenAI documents that do not change the result here (``store``, ``metadata``, ``service_tier`` ...) are
+accepted and ignored. Parameters that exist in the OpenAI API but are not implemented here are accepted only at
+their neutral value and otherwise answered with a 400 that says so.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-# Strict bools and ints: `"stream": "yes"` or `"n": 1.5` are client bugs worth a 422, not something to coerce.
+# Strict bools and ints: `"stream": "yes"` or `"n": 1.5` are client bugs worth a 400, not something to coerce.
 TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
@@ -66,6 +67,14 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100] "
                                                 "added to its logit before sampling.")
     user: str | None = Field(None, description="Opaque end-user id (logged nowhere; accepted for compatibility).")
+    # OpenAI fields that do not change what this server generates: accepted and ignored (docs/serving.md).
+    store: StrictBool | None = Field(None, description="Ignored: this server stores no completions.")
+    metadata: dict[str, str] | None = Field(None, description="Ignored: tags for OpenAI's stored completions.")
+    service_tier: str | None = Field(None, description="Ignored: one tier here.")
+    parallel_tool_calls: StrictBool | None = Field(None, description="Ignored: tools are not implemented.")
+    reasoning_effort: str | None = Field(None, description="Ignored: for reasoning models; ours answer directly.")
+    prompt_cache_key: str | None = Field(None, description="Ignored: prefix caching needs no key here.")
+    safety_identifier: str | None = Field(None, description="Ignored: an opaque end-user id, like `user`.")
 
     @field_validator("stop")
     @classmethod
@@ -226,6 +235,8 @@ class ModelCard(BaseModel):
     owned_by: str = "verl-suite"
     root: str
     max_model_len: int
+    source: str = Field(description="Where the served model was chosen: env VERL_SERVE_MODEL, a serve.yaml, "
+                        "an argument, or default (the built-in model).")
 
 
 class ModelList(BaseModel):
@@ -263,3 +274,5 @@ class HealthResponse(BaseModel):
     status: Literal["ok", "loading", "draining", "dead"]
     engine: str | None = None
     detail: str | None = None
+    model: str | None = Field(None, description="The served model's id.")
+    model_source: str | None = Field(None, description="Where the model was chosen (env, serve.yaml, default).")

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 from verl.errors import ConfigError
@@ -87,6 +87,13 @@ class ServeSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="`verl serve` bind address (loopback unless you mean otherwise).")
     port: int = Field(8000, ge=0, le=65535, description="`verl serve` port.")
 
+    # Where `model` came from ("env VERL_SERVE_MODEL", "serve.yaml (<path>)", "argument", "default"); see load_settings.
+    _model_source: str = PrivateAttr("default")
+
+    @property
+    def model_source(self) -> str:
+        return self._model_source
+
     @field_validator("api_key")
     @classmethod
     def _empty_key_is_none(cls, value: SecretStr | None) -> SecretStr | None:
@@ -135,11 +142,31 @@ def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any
     path = config_file_path(config_file)
     token = _CONFIG_FILE.set(path)
     try:
-        return ServeSettings(**overrides)
+        settings = ServeSettings(**overrides)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path)) from None
     finally:
         _CONFIG_FILE.reset(token)
+    settings._model_source = _model_source(overrides, path)
+    return settings
+
+
+def _model_source(overrides: dict[str, Any], path: Path | None) -> str:
+    """Which layer chose ``model`` (the same precedence as the settings sources)."""
+    if "model" in overrides:
+        return "argument"
+    if os.environ.get(ENV_PREFIX + "MODEL"):
+        return f"env {ENV_PREFIX}MODEL"
+    if path is not None:
+        import yaml
+
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (yaml.YAMLError, OSError):
+            data = {}
+        if isinstance(data, dict) and "model" in data:
+            return f"{path}"
+    return "default"
 
 
 def _describe(exc: ValidationError, path: Path | None) -> str:

@@ -137,7 +137,7 @@ def test_a_model_that_cannot_load_reports_dead_with_the_reason(tmp_path):
             if body["status"] != "loading":
                 break
             time.sleep(0.05)
-        assert body["status"] == "dead" and "does not exist" in body["detail"]
+        assert body["status"] == "dead" and "no such directory" in body["detail"]
         resp = httpx.post(srv.url + "/generate", json={"prompt": "hi"})
         assert resp.status_code == 503 and resp.headers["Retry-After"]
 

@@ -115,24 +115,24 @@ def test_tokenize_detokenize_roundtrip(server):
         ("/v1/completions", {"prompt": "x" * 300}, 400, "prompt"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x" * 200, "max_tokens": 100}, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 422, "max_tokens"),
-        ("/v1/completions", {"prompt": "hi", "temperature": 5}, 422, "temperature"),
-        ("/v1/completions", {"prompt": "hi", "max_token": 3}, 422, "max_token"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": 5}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "max_token": 3}, 400, "max_token"),
         ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
         ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1.0}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101.0}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
-        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 422, "repetition_penalty"),
-        ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 422, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
          "top_logprobs"),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
         ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
-        ("/v1/chat/completions", {"messages": []}, 422, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 422, "messages.0.role"),
-        ("/generate", {"prompt": ""}, 422, "prompt"),
-        ("/generate", {"prompt": "hi", "max_new_tokens": -1}, 422, "max_new_tokens"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        ("/generate", {"prompt": ""}, 400, "prompt"),
+        ("/generate", {"prompt": "hi", "max_new_tokens": -1}, 400, "max_new_tokens"),
     ],
 )
 def test_bad_requests_get_clear_openai_errors(server, path, body, status, param):
@@ -147,7 +147,7 @@ def test_bad_requests_get_clear_openai_errors(server, path, body, status, param)
 def test_invalid_json_and_unknown_route_keep_the_error_shape(server):
     resp = httpx.post(server.url + "/v1/completions", content=b"{not json",
                       headers={"content-type": "application/json"})
-    assert resp.status_code == 422 and "error" in resp.json()
+    assert resp.status_code == 400 and "error" in resp.json()
     resp = httpx.get(server.url + "/v1/nothing")
     assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found_error"
 
@@ -155,6 +155,9 @@ def test_invalid_json_and_unknown_route_keep_the_error_shape(server):
 def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError, match="at most"):
         client.completions.create(model="tiny-arith", prompt="hi", max_tokens=100000)
+    # A schema violation is a 400 too (as OpenAI answers), so the client raises BadRequestError, not a generic 422.
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny-arith", prompt="hi", temperature=5)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other-model", prompt="hi")
 
@@ -285,3 +288,17 @@ def test_logit_bias_forces_and_bans_tokens(client):
     forced_lp = client.completions.create(model="tiny-arith", prompt=prompt, max_tokens=1, temperature=0, logprobs=0,
                                           logit_bias={x_id: 100})
     assert forced_lp.choices[0].logprobs.tokens == ["x"] and forced_lp.choices[0].logprobs.token_logprobs[0] < -5
+
+
+def test_standard_openai_fields_are_accepted_and_ignored(client, server):
+    # What the official client sends for chat apps: accepted, and the answer is the same as without them.
+    extra = {"store": False, "metadata": {"app": "demo"}, "service_tier": "auto", "parallel_tool_calls": False,
+             "reasoning_effort": "low", "user": "user-7", "prompt_cache_key": "k", "safety_identifier": "s"}
+    messages = [{"role": "user", "content": "12+30"}]
+    plain = client.chat.completions.create(model="tiny-arith", messages=messages, max_tokens=8, temperature=0)
+    tagged = client.chat.completions.create(model="tiny-arith", messages=messages, max_tokens=8, temperature=0,
+                                            **extra)
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+    resp = httpx.post(server.url + "/v1/completions", json={"prompt": "1+2", "max_tokens": 4, "temperature": 0,
+                                                             **extra}, timeout=30)
+    assert resp.status_code == 200, resp.text

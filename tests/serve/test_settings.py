@@ -55,3 +55,33 @@ def test_empty_api_key_means_no_key(monkeypatch):
     monkeypatch.setenv("VERL_SERVE_API_KEY", "zq-secret-9")
     settings = load_settings()
     assert settings.api_key.get_secret_value() == "zq-secret-9" and "zq-secret-9" not in repr(settings)
+
+
+def test_model_source_follows_the_settings_precedence(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("VERL_SERVE_MODEL", raising=False)
+    monkeypatch.delenv("VERL_SERVE_CONFIG", raising=False)
+    assert load_settings().model_source == "default"
+    (tmp_path / "serve.yaml").write_text("model: /models/a\n")
+    assert load_settings().model_source == "serve.yaml"
+    monkeypatch.setenv("VERL_SERVE_MODEL", "/models/b")
+    assert load_settings().model_source == "env VERL_SERVE_MODEL"
+    assert load_settings(model="/models/c").model_source == "argument"
+
+
+@pytest.mark.parametrize("env,line,source", [
+    ({}, "no model configured; serving the built-in builtin:tiny-arith", "default"),
+    ({"VERL_SERVE_MODEL": "builtin:tiny-arith"}, "serving builtin:tiny-arith (from env VERL_SERVE_MODEL)",
+     "env VERL_SERVE_MODEL"),
+])
+def test_uvicorn_names_the_model_and_its_source(monkeypatch, env, line, source):
+    import httpx
+
+    from tests.serve.helpers import run_server_process, wait_healthy
+
+    monkeypatch.delenv("VERL_SERVE_MODEL", raising=False)
+    with run_server_process({"VERL_SERVE_ENGINE": "transformers", **env}) as (url, proc):
+        health = wait_healthy(url).json()
+        assert (health["model"], health["model_source"]) == ("tiny-arith", source)
+        assert httpx.get(url + "/v1/models").json()["data"][0]["source"] == source
+    assert line in proc.stdout.read()
