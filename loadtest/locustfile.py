@@ -92,9 +92,9 @@ def add_arguments(parser: Any) -> None:
            help="At start, wait up to this long for the server's /health to answer 200 (0: do not wait).")
     option("load-shape", choices=["steps", "fixed"], default="steps",
            help="steps: 1, 2, 4 ... users (below); fixed: Locust's own -u/-r/-t.")
-    option("max-users", type=int, default=16, help="Steps double up to this many users (1, 2, 4, ..., N).")
+    option("max-users", type=int, default=8, help="Steps double up to this many users (1, 2, 4, ..., N).")
     option("step-users", default="", help="Explicit levels instead, e.g. 1,2,4,8,12.")
-    option("step-time", type=float, default=30.0, help="Seconds each level is held.")
+    option("step-time", type=float, default=20.0, help="Seconds each level is held.")
     option("step-settle", type=float, default=5.0,
            help="Seconds at the start of each level left out of its percentiles (spawning, queues filling).")
 
@@ -103,6 +103,15 @@ def apply_options(environment: Environment) -> None:
     """Validate options, set user weights and the percentile window (at init, and again at start: the web UI
     may have changed the options in between)."""
     options = environment.parsed_options
+    if options.load_shape == "steps" and (options.num_users is not None or options.run_time):
+        # `-u 4 -r 4 -t 30s` means a fixed load; the stepped shape would silently ignore all three.
+        options.load_shape = "fixed"
+        if not STATE.get("announced_fixed"):
+            STATE["announced_fixed"] = True
+            log.warning("loadtest: -u/-t given: a fixed load of %s users (spawn rate %s/s) for %s instead of the "
+                        "stepped shape; drop -u/-t (or set --max-users/--step-time) for a stepped capacity run",
+                        options.num_users or 1, options.spawn_rate or 1,
+                        f"{options.run_time} s" if options.run_time else "until stopped")
     try:
         plan = StepPlan.from_options(options)
     except ValueError as exc:

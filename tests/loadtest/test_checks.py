@@ -155,3 +155,29 @@ def test_step_plan():
                                                  step_settle=2)).window_s == 1  # never below 1 s
     with pytest.raises(ValueError, match="--step-settle"):
         StepPlan((1,), 10, 10)
+
+
+def test_step_defaults_agree_in_help_conf_docs_and_verl_loadtest():
+    """--max-users / --step-time: the locustfile's defaults (what --help and the web UI show), locust.conf, the docs
+    table and `verl loadtest` name the same numbers."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    from loadtest.run import LOCUST_CONF, LoadTestConfig
+
+    # Importing locust monkey-patches this process (gevent): read the locustfile's defaults in a child process.
+    probe = ("import json; from loadtest.locustfile import add_arguments; d = {}\n"
+             "class R:\n    def add_argument(self, name, **kw): d[name.lstrip('-')] = kw.get('default')\n"
+             "add_arguments(R()); print(json.dumps(d))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         cwd=LOCUST_CONF.parent.parent)
+    defaults = json.loads(out.stdout.strip().splitlines()[-1])
+    conf = dict(re.findall(r"^([\w-]+) = (.+)$", LOCUST_CONF.read_text(), flags=re.M))
+    docs = (LOCUST_CONF.parent.parent / "docs" / "loadtest.md").read_text()
+    row = re.search(r"\| `--max-users` / `--step-users` \| (\d+) / - \|", docs)
+    step_row = re.search(r"\| `--step-time` / `--step-settle` \| (\d+) / 5 s \|", docs)
+    assert defaults["max-users"] == int(conf["max-users"]) == int(row.group(1)) == LoadTestConfig(out_dir=".").max_users
+    assert defaults["step-time"] == float(conf["step-time"]) == float(step_row.group(1)) \
+        == LoadTestConfig(out_dir=".").step_time_s

@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,20 @@ def test_stream_ttft_agrees_with_service_metrics(service, tmp_path):
     assert server_ms * 0.95 - 1.0 <= client_ms <= server_ms * 1.25 + 15.0, (client_ms, server_ms)
     client_itl, server_itl = float(itl["Average Response Time"]), server["itl"]["mean_ms"]
     assert server_itl * 0.5 <= client_itl <= server_itl + 15.0, (client_itl, server_itl)
+
+
+def test_users_and_run_time_on_the_command_line_mean_a_fixed_load(service, tmp_path):
+    # `locust ... -u 2 -r 2 -t 5s` with the conf's stepped shape: the user's -u/-t win, and the log says so.
+    prefix = tmp_path / "fixed"
+    command = [sys.executable, "-m", "locust", "--config", str(LOCUST_CONF), "-f", str(LOCUSTFILE), "--headless",
+               "-H", service, "--csv", str(prefix), "--html", f"{prefix}.html", "-u", "2", "-r", "2", "-t", "5s",
+               "--num-prompts", "16", "--max-users", "8", "--step-time", "30"]
+    start = time.monotonic()
+    assert run_locust(command, 60, tmp_path / "locust.log") == 0, (tmp_path / "locust.log").read_text()[-3000:]
+    assert time.monotonic() - start < 30  # not four 30 s steps
+    assert "-u/-t given: a fixed load of 2 users" in (tmp_path / "locust.log").read_text()
+    users = {row["User Count"] for row in read_history(prefix)}
+    assert users <= {"0", "1", "2"} and "2" in users
 
 
 @pytest.mark.slow
