@@ -3,36 +3,45 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 export VERL_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install train test test-slow test-vllm test-all lint bench clean loadtest
+.PHONY: install install-dev train test test-slow test-vllm test-all lint bench clean loadtest
 
+# What running needs (`make train`): CPU torch, then the package with the run extra (trackers, eval, serve, load test).
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first: with torch already satisfied, nothing below pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[run]"
 	touch $(STAMP)
 
+# What the tests need on top (`make test`): Ray, pytest, ruff, and the real clients the tests drive.
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(DEV_STAMP)
+
 install: $(STAMP)
+
+install-dev: $(DEV_STAMP)
 
 train: install
 	$(BIN)/verl train
 
-test: install
+test: install-dev
 	$(BIN)/python -m pytest -q --durations=15
 
-test-slow: install
+test-slow: install-dev
 	$(BIN)/python -m pytest -q -m slow --durations=15
 
-test-vllm: install
+test-vllm: install-dev
 	bash scripts/vllm_env.sh
 	$(VENV)-vllm/bin/python -m pytest -q -m vllm
 
 test-all: test test-slow test-vllm
 
-lint: install
+lint: install-dev
 	$(BIN)/ruff check .
 
 # Service on 127.0.0.1 -> stepped Locust run (1, 2, 4, 8 users x 20 s) -> capacity report in outputs/loadtest.
