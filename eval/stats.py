@@ -1,4 +1,4 @@
-"""Error bars and paired tests for evaluation numbers (numpy; scipy only for distribution tails).
+"""Error bars and paired tests for evaluation numbers (numpy; scipy.stats for McNemar's tails and Pearson).
 
 Conventions (Miller 2024, "Adding Error Bars to Evals"):
 
@@ -276,11 +276,11 @@ def mcnemar(a: Sequence[float], b: Sequence[float], exact_below: int = 25) -> di
     if discordant == 0:
         return {"n01": 0, "n10": 0, "statistic": 0.0, "p_chi2": 1.0, "p_exact": 1.0, "p_value": 1.0,
                 "method": "exact"}
+    from scipy.stats import binomtest, chi2
+
     statistic = (n01 - n10) ** 2 / discordant
-    p_chi2 = math.erfc(math.sqrt(statistic / 2.0))  # chi-square survival function with 1 degree of freedom
-    k = min(n01, n10)
-    tail = sum(math.comb(discordant, i) for i in range(k + 1)) / 2.0**discordant
-    p_exact = min(1.0, 2.0 * tail)
+    p_chi2 = float(chi2.sf(statistic, df=1))
+    p_exact = float(binomtest(min(n01, n10), discordant, 0.5).pvalue)  # two-sided
     method = "exact" if discordant < exact_below else "chi2"
     return {"n01": n01, "n10": n10, "statistic": float(statistic), "p_chi2": float(p_chi2), "p_exact": float(p_exact),
             "p_value": float(p_exact if method == "exact" else p_chi2), "method": method}
@@ -293,7 +293,9 @@ def pearson(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a[keep], b[keep]
     if a.size < 2 or a.std() == 0 or b.std() == 0:
         return float("nan")
-    return float(np.corrcoef(a, b)[0, 1])
+    from scipy.stats import pearsonr
+
+    return float(pearsonr(a, b).statistic)
 
 
 # ---------------------------------------------------------------------------------------------- pass@k / maj@k

@@ -23,6 +23,13 @@ def test_mcnemar_exact_matches_hand_binomial():
     assert stats.mcnemar([1, 0], [1, 0])["p_value"] == 1.0
 
 
+def test_pearson_by_hand():
+    # x = 1, 2, 3; y = 2, 4, 7: deviations (-1, 0, 1) and (-7/3, -1/3, 8/3): r = 5 / sqrt(2 * 38/3).
+    assert stats.pearson(np.array([1.0, 2.0, 3.0]), np.array([2.0, 4.0, 7.0])) == pytest.approx(
+        5 / math.sqrt(2 * 38 / 3))
+    assert math.isnan(stats.pearson(np.array([1.0, 1.0]), np.array([2.0, 3.0])))  # constant side
+
+
 def test_clustered_se_reduces_to_textbook_and_to_per_prompt_se():
     x = np.array([1.0, 3.0, 2.0, 7.0, 4.0])
     mean, se, _ = stats.cluster_mean_se(x)
