@@ -99,19 +99,18 @@ def add_arguments(parser: Any) -> None:
            help="Seconds at the start of each level left out of its percentiles (spawning, queues filling).")
 
 
-def apply_options(environment: Environment) -> None:
+def apply_options(environment: Environment, at_init: bool = False) -> None:
     """Validate options, set user weights and the percentile window (at init, and again at start: the web UI
     may have changed the options in between)."""
     options = environment.parsed_options
-    if options.load_shape == "steps" and (options.num_users is not None or options.run_time):
+    # Only the command line's -u/-t count (at init): by test start Locust has filled num_users from the shape.
+    if at_init and options.load_shape == "steps" and (options.num_users is not None or options.run_time):
         # `-u 4 -r 4 -t 30s` means a fixed load; the stepped shape would silently ignore all three.
         options.load_shape = "fixed"
-        if not STATE.get("announced_fixed"):
-            STATE["announced_fixed"] = True
-            log.warning("loadtest: -u/-t given: a fixed load of %s users (spawn rate %s/s) for %s instead of the "
-                        "stepped shape; drop -u/-t (or set --max-users/--step-time) for a stepped capacity run",
-                        options.num_users or 1, options.spawn_rate or 1,
-                        f"{options.run_time} s" if options.run_time else "until stopped")
+        log.warning("loadtest: -u/-t given: a fixed load of %s users (spawn rate %s/s) for %s instead of the "
+                    "stepped shape; drop -u/-t (or set --max-users/--step-time) for a stepped capacity run",
+                    options.num_users or 1, options.spawn_rate or 1,
+                    f"{options.run_time} s" if options.run_time else "until stopped")
     try:
         plan = StepPlan.from_options(options)
     except ValueError as exc:
@@ -147,7 +146,7 @@ def apply_options(environment: Environment) -> None:
 @events.init.add_listener
 def configure(environment: Environment, **_: Any) -> None:
     if environment.parsed_options is not None:  # None when Locust runs as a library without our parser
-        apply_options(environment)
+        apply_options(environment, at_init=True)
 
 
 @events.test_start.add_listener
