@@ -81,8 +81,12 @@ def test_on_policy_shortcut_equals_explicit_old_log_probs(tmp_path):
     model_a = copy.deepcopy(trainer.model)
     model_b = copy.deepcopy(trainer.model)
     cfg = trainer.config
-    actor_a = Actor(model_a, cfg.actor, 1, 1.0, cfg.data.max_response_length)
-    actor_b = Actor(model_b, cfg.actor, 1, 1.0, cfg.data.max_response_length)
+    # Adam's first step is lr * g / (|g| + eps): with the default eps (1e-8) a parameter whose gradient is ~1e-8
+    # turns float noise between two equal forward passes into a lr-sized difference (seen on some CPUs). A larger
+    # eps keeps the update proportional to the gradient, so equal gradients must give equal parameters.
+    actor_cfg = cfg.actor.model_copy(update={"optim": cfg.actor.optim.model_copy(update={"eps": 1e-4})})
+    actor_a = Actor(model_a, actor_cfg, 1, 1.0, cfg.data.max_response_length)
+    actor_b = Actor(model_b, actor_cfg, 1, 1.0, cfg.data.max_response_length)
     metrics_a = actor_a.update_policy(batch, len(batch))
     metrics_b = actor_b.update_policy(explicit, len(explicit))
     assert metrics_a["policy_loss"] == pytest.approx(metrics_b["policy_loss"], abs=1e-6)

@@ -36,7 +36,9 @@ def cache_dir() -> Path:
 
 
 def builtin_names() -> list[str]:
-    return sorted([*SHIPPED_MODELS, *BUILTIN_SPECS])
+    from verl.models.gguf import PACKAGED_MODELS
+
+    return sorted([*SHIPPED_MODELS, *BUILTIN_SPECS, *PACKAGED_MODELS])
 
 
 # A Hugging Face Hub id: ``name`` or ``org/name``.
@@ -107,6 +109,8 @@ def resolve_model_path(path: str) -> str:
     """
     if not path.startswith(BUILTIN_PREFIX):
         local = Path(path).expanduser()
+        if local.is_file() and local.suffix == ".gguf":
+            return str(_converted_gguf(local))
         if local.exists():
             if not (local / "config.json").is_file():
                 raise ModelError(f"model path '{path}' exists but has no config.json; point it at a HF model dir")
@@ -120,6 +124,10 @@ def resolve_model_path(path: str) -> str:
         if (shipped / "model.safetensors").is_file():
             return str(shipped)
         return str(_build_warm_start(name))
+    from verl.models.gguf import PACKAGED_MODELS, convert_gguf, packaged_gguf_path
+
+    if name in PACKAGED_MODELS:
+        return str(convert_gguf(packaged_gguf_path(name), cache_dir() / "models" / name))
     if name in BUILTIN_SPECS:
         target = cache_dir() / "models" / name
         if not (target / "model.safetensors").is_file():
@@ -131,6 +139,16 @@ def resolve_model_path(path: str) -> str:
         return str(target)
     available = ", ".join(BUILTIN_PREFIX + n for n in builtin_names())
     raise ModelError(f"unknown built-in model '{path}'; available: {available}")
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    """A local ``.gguf`` file as an HF directory in the cache (one per file location; reconverted when it changes)."""
+    import hashlib
+
+    from verl.models.gguf import convert_gguf
+
+    where = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:8]
+    return convert_gguf(gguf, cache_dir() / "models" / f"gguf-{gguf.stem}-{where}")
 
 
 def _build_warm_start(name: str) -> Path:

