@@ -165,6 +165,22 @@ def data_arithmetic(
     run_guarded(_run)
 
 
+@data_app.command("word-problems")
+def data_word_problems(
+    out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("data/word_problems"),
+) -> None:
+    """Write train/val parquet files of the built-in GSM8K-style word problems (held-out number pairs)."""
+
+    def _run():
+        from verl.data.builtin import write_parquet
+        from verl.data.tasks.word_problems import WordProblemSpec, generate_splits
+
+        for name, rows in generate_splits(WordProblemSpec()).items():
+            err.print(f"{name}: {write_parquet(rows, out / f'{name}.parquet')}")
+
+    run_guarded(_run)
+
+
 @data_app.command("gsm8k")
 def data_gsm8k(
     src: Annotated[Path, typer.Option("--src", help="Directory with GSM8K's train/test parquet (config 'main').")],

@@ -3,7 +3,8 @@
 ``builtin:arithmetic/train`` and ``builtin:arithmetic/val`` (and ``sft_train``/``sft_val``, the same problems
 with a supervised ``response`` column) are written once per task spec into the cache
 directory (``$VERL_CACHE_DIR``, default ``~/.cache/verl-suite``) and reused; ``verl data arithmetic --out DIR``
-writes the same files where the user wants them.
+writes the same files where the user wants them. ``builtin:word_problems/train|val`` are the GSM8K-style stories
+for real pretrained models (``verl.data.tasks.word_problems``).
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from verl.data.tasks import word_problems
 from verl.data.tasks.arithmetic import ArithmeticSpec, generate_splits, sft_response
 from verl.errors import DataError
 from verl.utils.fs import atomic_path
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_TASKS = ("arithmetic",)
+BUILTIN_TASKS = ("arithmetic", "word_problems")
 BUILTIN_SPLITS = ("train", "val", "sft_train", "sft_val")
+TASK_SPLITS = {"arithmetic": BUILTIN_SPLITS, "word_problems": ("train", "val")}
 
 
 def cache_dir() -> Path:
@@ -58,8 +61,15 @@ def resolve_data_file(name: str, spec: ArithmeticSpec | None = None) -> Path:
     split = split or "train"
     if task not in BUILTIN_TASKS:
         raise DataError(f"unknown built-in dataset '{name}'; available: {', '.join(BUILTIN_TASKS)}")
-    if split not in BUILTIN_SPLITS:
-        raise DataError(f"built-in dataset '{name}' has no split '{split}'; use one of {', '.join(BUILTIN_SPLITS)}")
+    if split not in TASK_SPLITS[task]:
+        raise DataError(f"built-in dataset '{name}' has no split '{split}'; use one of {', '.join(TASK_SPLITS[task])}")
+    if task == "word_problems":
+        stories = word_problems.WordProblemSpec()
+        path = cache_dir() / "data" / f"{task}-{stories.key()}" / f"{split}.parquet"
+        if not path.exists():
+            for part, rows in word_problems.generate_splits(stories).items():
+                write_parquet(rows, path.parent / f"{part}.parquet")
+        return path
     spec = spec or ArithmeticSpec()
     path = cache_dir() / "data" / f"{task}-{spec.key()}" / f"{split}.parquet"
     if not path.exists():
