@@ -424,6 +424,10 @@ def run_export(to: str | Path, run: str | Path | None = None, ckpt: str | Path |
         raise ConfigError("give exactly one of --run RUN_DIR (with --select) or --ckpt CHECKPOINT_DIR")
     if ckpt is not None:
         path = Path(ckpt).expanduser()
+        if str(ckpt).startswith("builtin:"):  # a built-in model (e.g. the real smollm2-135m-instruct) as it ships
+            from verl.models.loader import resolve_model_path
+
+            path = Path(resolve_model_path(str(ckpt)))
         if not path.exists():
             from verl.models.loader import missing_dir_error
 

@@ -207,3 +207,11 @@ def test_cli_export_and_its_errors(tmp_path):
     again = subprocess.run([verl, "export", "--run", str(run), "--to", str(target)], capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 1 and "already exists" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_a_builtin_model_exports_by_name(tmp_path):
+    # `verl export --ckpt builtin:NAME` (e.g. the real smollm2-135m-instruct) resolves the name like model.path does.
+    out, selection = run_export(ckpt="builtin:tiny-arith", to=tmp_path / "exp")
+    assert (out / "model.safetensors").is_file() and (out / "export.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.hidden_size == 128 and selection.selected_by == "ckpt"
