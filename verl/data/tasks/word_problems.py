@@ -12,7 +12,8 @@ Why this task for SmolLM2-135M-Instruct (measured, greedy, 32 stories each): wit
 ~55% of the time (too easy to show learning), with two 2-digit counts 0% (too hard), and with a 10..20 count
 plus a 1-digit one 25% strict / 28% flexible — it knows the format from the instruction but often miscounts or
 keeps writing answers after the first. The arithmetic-prompt form ``What is 7+5?`` gives 0% strict (the model
-ignores the instruction), and the stories without the format instruction 16%.
+ignores the instruction), and the stories without the format instruction 16%. On the default validation split
+(10..29 plus 1..9, 64 stories, ``verl eval --max-new-tokens 48``): 12.5% strict (95% CI 4.3-20.7%), 14.1% flexible.
 """
 
 from __future__ import annotations
