@@ -40,7 +40,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve import __version__
 from serve.engines import create_engine
-from serve.engines.base import Engine, EngineDeadError, EngineError, EngineOutput, EngineRequest, SamplingOptions
+from serve.engines.base import (
+    Engine,
+    EngineDeadError,
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    RequestFailedError,
+    SamplingOptions,
+)
 from serve.logprobs import CompletionLogprobs, chat_logprobs, token_texts
 from serve.metrics import CONTENT_TYPE, SequenceTimer, ServeMetrics
 from serve.schemas import (
@@ -383,10 +391,13 @@ def _logit_bias(engine: Engine, given: dict[str, float] | None) -> dict[int, flo
     """OpenAI's ``{"token id": bias}`` -> ``{id: bias}``, each id in the vocabulary and each bias in [-100, 100]."""
     out: dict[int, float] = {}
     vocab = len(engine.tokenizer)
+    # ASCII digits only: '²' passes str.isdigit() but not int(). Every bad key is named, not just the first.
+    bad = [key for key in (given or {}) if not (key.isascii() and key.isdigit()) or int(key) >= vocab]
+    if bad:
+        named = ", ".join(repr(k) for k in bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        raise ApiError(400, f"logit_bias key(s) {named} are not token ids of this model (0..{vocab - 1})",
+                       param="logit_bias")
     for key, bias in (given or {}).items():
-        if not key.isdigit() or int(key) >= vocab:
-            raise ApiError(400, f"logit_bias key '{key}' is not a token id of this model (0..{vocab - 1})",
-                           param="logit_bias")
         if not -100.0 <= bias <= 100.0:
             raise ApiError(400, f"logit_bias for token {key} is {bias}; biases must be within [-100, 100]",
                            param="logit_bias")
@@ -401,8 +412,10 @@ def _sampling(body: Any, max_tokens: int, seed: int | None, logit_bias: dict[int
         prompt_logprobs = body.logprobs if body.echo else None
     else:
         logprobs, prompt_logprobs = (body.top_logprobs or 0) if body.logprobs else None, None
+    # top_k beyond any vocabulary (1e29 arrives as a huge int) keeps every token, as -1 does; never an overflow.
+    top_k = body.top_k if 0 < body.top_k < 2**31 else -1
     return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p,
-                           top_k=body.top_k if body.top_k > 0 else -1, seed=seed, stop=list(body.stop or []),
+                           top_k=top_k, seed=seed, stop=list(body.stop or []),
                            stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
                            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                            repetition_penalty=body.repetition_penalty, logit_bias=logit_bias, logprobs=logprobs,
@@ -477,6 +490,8 @@ async def run_to_completion(service: Service, request: Request, request_id: str,
 def _engine_failure(exc: BaseException) -> ApiError:
     if isinstance(exc, EngineDeadError):
         return ApiError(503, f"the engine is down: {exc}", type="service_unavailable", code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return ApiError(500, str(exc), type="internal_error", code="request_failed")
     if isinstance(exc, EngineError):
         return ApiError(503, str(exc), type="service_unavailable", code="engine_error")
     log.exception("generation failed", exc_info=exc)

@@ -11,9 +11,9 @@ their neutral value and otherwise answered with a 400 that says so.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 # Strict bools and ints: `"stream": "yes"` or `"n": 1.5` are client bugs worth a 400, not something to coerce.
 TokenId = Annotated[StrictInt, Field(ge=0)]
@@ -21,6 +21,34 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        """JSON may carry ``"\\ud800"``, which no tokenizer can encode: a 400 naming the field, not a 500."""
+        bad = _first_unencodable(data)
+        if bad is not None:
+            raise ValueError(f"'{bad}' is not valid Unicode text (a lone UTF-16 surrogate such as \\ud800); "
+                             "send UTF-8 text")
+        return data
+
+
+def _first_unencodable(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string in ``value`` that cannot be UTF-8 encoded, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "text"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _first_unencodable(key) is not None:
+            return f"{path}.{key!r}".lstrip(".")
+        found = _first_unencodable(item, f"{path}.{key}".lstrip("."))
+        if found is not None:
+            return found
+    return None
 
 
 # ---------------------------------------------------------------- errors

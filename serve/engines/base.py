@@ -19,6 +19,10 @@ class EngineError(Exception):
     """The engine failed (not the request's fault): the API answers 500/503."""
 
 
+class RequestFailedError(EngineError):
+    """Computing one request (or the batch it was in) failed; the engine goes on serving the others."""
+
+
 class EngineDeadError(EngineError):
     """The engine's worker is gone; /health reports it and every request gets 503."""
 

@@ -48,6 +48,7 @@ from serve.engines.base import (
     EngineError,
     EngineOutput,
     EngineRequest,
+    RequestFailedError,
     SamplingOptions,
     StopChecker,
     TokenLogprob,
@@ -55,6 +56,7 @@ from serve.engines.base import (
 from serve.settings import ServeSettings
 
 log = logging.getLogger("uvicorn.error.serve.engine")  # shows in the uvicorn server log
+FAILURES_BEFORE_DEAD = 8  # consecutive requests that fail alone before the engine declares itself dead
 
 
 @dataclass(eq=False)
@@ -75,6 +77,7 @@ class _Seq:
     token_times: list[float] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # non-streamed sequences that asked for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # computed at admission when asked for
+    failure: BaseException | None = None  # this sequence alone could not be computed (see _sample)
 
     @property
     def sampling(self) -> SamplingOptions:
@@ -209,6 +212,7 @@ class TransformersEngine(Engine):
         self._stopping = False
         self._accepting = True
         self._dead: BaseException | None = None
+        self._failures_in_a_row = 0
         self._sampler = torch.Generator().manual_seed(settings.seed)
         self._prefilling = 0
         self._admitted: list[_Seq] = []  # taken from the queue for the prefill in progress
@@ -360,6 +364,33 @@ class TransformersEngine(Engine):
         self._batch.keep(keep)
 
     def _prefill(self, seqs: list[_Seq], deliveries: list) -> None:
+        """Prefill ``seqs`` together; if that fails, each one alone, so only a request that fails by itself fails
+        (with ``RequestFailedError``) and the engine goes on."""
+        try:
+            self._prefill_batch(seqs, deliveries)
+            self._failures_in_a_row = 0
+        except Exception as exc:
+            if len(seqs) > 1:
+                log.warning("prefill of %d requests failed (%r); retrying each alone", len(seqs), exc)
+                for seq in seqs:
+                    self._prefill([seq], deliveries)
+                return
+            log.exception("a request failed in prefill; the engine goes on")
+            self._fail(seqs, exc, deliveries)
+            # Every request failing on its own means the model, not the requests, is broken: stop, so /health
+            # turns 503 and the supervisor restarts the process.
+            self._failures_in_a_row += 1
+            if self._failures_in_a_row >= FAILURES_BEFORE_DEAD:
+                raise EngineDeadError(f"{FAILURES_BEFORE_DEAD} requests in a row failed alone; last: {exc!r}") \
+                    from exc
+
+    def _fail(self, seqs: list[_Seq], exc: BaseException, deliveries: list) -> None:
+        for seq in seqs:
+            if not seq.finished:
+                seq.finished = True
+                deliveries.append((seq, RequestFailedError(f"generation failed for this request: {exc!r}")))
+
+    def _prefill_batch(self, seqs: list[_Seq], deliveries: list) -> None:
         """One forward over the new prompts (left-padded); sample each one's first token; join the batch."""
         now = time.perf_counter()
         for seq in seqs:
@@ -378,6 +409,10 @@ class TransformersEngine(Engine):
                          use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :].float().cpu()
         tokens = self._sample(logits, seqs)
+        if len(seqs) > 1 and any(seq.failure is not None for seq in seqs):
+            raise RuntimeError("a row failed to sample")  # prefill again one by one: only that one fails
+        if seqs[0].failure is not None:
+            raise seqs[0].failure
         for seq in seqs:
             if seq.sampling.prompt_logprobs is not None:
                 seq.prompt_logprobs = self._prompt_logprobs(seq.request.prompt_token_ids, seq.sampling.prompt_logprobs)
@@ -392,11 +427,19 @@ class TransformersEngine(Engine):
                             tokens.to(self.device).index_select(0, index))
 
     def _decode_step(self, deliveries: list) -> None:
+        """One token for every running row. A row whose sampling fails fails alone; a failed forward fails the
+        batch's rows (their cache is no longer consistent), and the engine goes on with new requests."""
         batch = self._batch
         mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], dim=1)
         positions = batch.mask.sum(-1, keepdim=True)
-        out = self.model(input_ids=batch.next_tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
-                         past_key_values=batch.cache, use_cache=True)
+        try:
+            out = self.model(input_ids=batch.next_tokens.unsqueeze(-1), attention_mask=mask, position_ids=positions,
+                             past_key_values=batch.cache, use_cache=True)
+        except Exception as exc:
+            log.exception("a decode step failed; its %d requests fail, the engine goes on", len(batch))
+            self._fail(batch.rows, exc, deliveries)
+            self._batch = _Batch()
+            return
         batch.mask = mask
         logits = out.logits[:, -1, :].float().cpu()
         tokens = self._sample(logits, batch.rows)
@@ -418,6 +461,9 @@ class TransformersEngine(Engine):
         now = time.perf_counter()
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
             if seq.aborted:
+                continue
+            if seq.failure is not None:
+                self._fail([seq], seq.failure, deliveries)
                 continue
             output = self._advance(seq, token, now, logprobs.get(i))
             if output is not None:
@@ -469,6 +515,21 @@ class TransformersEngine(Engine):
                             prompt_logprobs=seq.prompt_logprobs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
+        """Next token per row; a row that cannot be sampled gets ``seq.failure`` set (token 0) instead of failing
+        the others: the batch is sampled at once, and row by row only after an error."""
+        try:
+            return self._sample_rows(logits, seqs)
+        except Exception:
+            tokens = torch.zeros(len(seqs), dtype=torch.long)
+            for i, seq in enumerate(seqs):
+                try:
+                    tokens[i] = self._sample_rows(logits[i : i + 1], [seq])[0]
+                except Exception as exc:
+                    log.warning("sampling failed for one request (%r); it fails alone", exc)
+                    seq.failure = exc
+            return tokens
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[_Seq]) -> torch.Tensor:
         """Next token per row (``logits``: (rows, vocab) float32 on CPU): penalties first, then greedy rows take
         the argmax and the others sample after temperature/top-k/top-p."""
         penalized = [i for i, seq in enumerate(seqs) if seq.sampling.penalized]
@@ -476,6 +537,9 @@ class TransformersEngine(Engine):
             logits = logits.clone()  # the raw logits stay untouched for the log-probs
             for i in penalized:
                 _apply_penalties(logits[i], seqs[i].request.prompt_token_ids, seqs[i].generated, seqs[i].sampling)
+            # Extreme penalties (repetition_penalty=1e-300 divides a logit into inf) must not become NaN
+            # probabilities: +inf -> the largest float, NaN -> never chosen.
+            logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
         tokens = logits.argmax(-1)
         sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
         if not sampled:
@@ -559,7 +623,7 @@ def _filter_top_k_top_p(scores: torch.Tensor, top_k: list[int], top_p: list[floa
     vocab = scores.shape[-1]
     ordered, order = scores.sort(-1, descending=True)
     ranks = torch.arange(vocab).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k]).unsqueeze(-1)
+    k = torch.tensor([min(kk, vocab) if kk > 0 else vocab for kk in top_k]).unsqueeze(-1)  # top_k=1e29 is "all"
     ordered = ordered.masked_fill(ranks >= k, float("-inf"))
     probs = ordered.softmax(-1)
     mass_before = probs.cumsum(-1) - probs

@@ -120,13 +120,62 @@ def test_cors_is_off_by_default_and_on_when_configured(server):
 def test_engine_death_turns_health_and_requests_into_503():
     with run_server() as srv:
         engine = srv.service.engine
-        engine.model = None  # the next forward pass raises inside the engine thread
+
+        def broken_scheduler() -> None:
+            raise RuntimeError("injected fault in the engine loop itself")
+
+        engine._drop_aborted = broken_scheduler  # not one request's computation: the loop itself fails
         resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_dead"
         health = httpx.get(srv.url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "dead"
         again = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
         assert again.status_code == 503
+
+
+HOSTILE = [
+    {"top_k": 10**29, "temperature": 1.0},  # arrives as an int beyond int64
+    {"repetition_penalty": 1e-300, "temperature": 1.0},  # divides logits into inf
+    {"repetition_penalty": 1e-300, "temperature": 0},
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_hostile_sampling_values_never_take_the_engine_down(path):
+    with run_server() as srv:
+        for extra in HOSTILE:
+            body = ({"prompt": "<|user|>What is 1+1?\n<|assistant|>"} if path == "/v1/completions" else
+                    {"messages": [{"role": "user", "content": "What is 1+1?"}]})
+            resp = httpx.post(srv.url + path, json={**body, "max_tokens": 4, **extra}, timeout=60)
+            assert resp.status_code == 200, (extra, resp.text)
+            assert httpx.get(srv.url + "/health").status_code == 200
+        normal = httpx.post(srv.url + "/v1/completions", json={"prompt": "1+1", "max_tokens": 2, "temperature": 0},
+                            timeout=60)
+        assert normal.status_code == 200
+
+
+def test_a_request_that_fails_alone_fails_alone_and_the_engine_goes_on():
+    with run_server() as srv:
+        engine = srv.service.engine
+        real = engine._sample_rows
+
+        def poisoned(logits, seqs):  # sampling raises for any batch holding the poisoned request
+            if any(seq.request.sampling.seed == 666 for seq in seqs):
+                raise RuntimeError("poisoned row")
+            return real(logits, seqs)
+
+        engine._sample_rows = poisoned
+
+        async def both() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+                bad = {"prompt": "1+1", "max_tokens": 8, "temperature": 1.0, "seed": 666}
+                good = {"prompt": "2+2", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in (bad, good, good)))
+
+        bad, good, good2 = asyncio.run(both())
+        assert bad.status_code == 500 and bad.json()["error"]["code"] == "request_failed"
+        assert good.status_code == good2.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8
+        assert httpx.get(srv.url + "/health").status_code == 200
 
 
 def test_a_model_that_cannot_load_reports_dead_with_the_reason(tmp_path):
@@ -165,3 +214,24 @@ def test_sigterm_drains_in_flight_work_and_refuses_new_work():
         # uvicorn re-raises the signal it handled once it has shut down cleanly, so the exit status is SIGTERM's.
         assert proc.wait(60) in (0, -signal.SIGTERM)
         assert "Traceback" not in proc.stdout.read()
+
+
+def test_unencodable_text_and_odd_logit_bias_keys_are_400s_on_a_kept_alive_connection(server):
+    # One client, one keep-alive connection: each bad request gets a 400 and the connection still serves.
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        cases = [
+            ("/v1/completions", {"prompt": "1+1\ud800", "max_tokens": 2}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 2},
+             "messages.0.content"),
+            ("/v1/completions", {"prompt": "1+1", "max_tokens": 2, "logit_bias": {"²": 1.0}}, "logit_bias"),
+        ]
+        for path, body, field in cases:
+            # json.dumps escapes the surrogate as \ud800, as a client in another language would send it.
+            resp = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+            assert resp.status_code == 400, resp.text
+            assert field in resp.json()["error"]["message"] or resp.json()["error"]["param"] == field
+        several = client.post("/v1/completions", json={"prompt": "1+1", "max_tokens": 2,
+                                                        "logit_bias": {"²": 1.0, "-1": 2.0, "99999": 3.0}})
+        message = several.json()["error"]["message"]
+        assert several.status_code == 400 and all(k in message for k in ("'²'", "'-1'", "'99999'"))
+        assert client.post("/v1/completions", json={"prompt": "1+1", "max_tokens": 2}).status_code == 200
