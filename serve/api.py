@@ -276,15 +276,18 @@ def _service(request: Request) -> Service:
 _bearer = HTTPBearer(auto_error=False, description="Needed only when the server sets VERL_SERVE_API_KEY.")
 
 
-async def require_api_key(request: Request,
-                          credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-    key = _service(request).settings.api_key
-    if key is None:
-        return
-    given = credentials.credentials if credentials is not None else ""
-    if not secrets.compare_digest(given.encode(), key.get_secret_value().encode()):
+def check_bearer(settings: ServeSettings, given: str) -> None:
+    """Raise the 401 unless ``given`` (the bearer token, "" when absent) is the configured key (constant time)."""
+    key = settings.api_key
+    if key is not None and not secrets.compare_digest(given.encode(), key.get_secret_value().encode()):
         raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                        type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def require_api_key(request: Request,
+                          credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    # EdgeGuard already checked the key before the body was read; this keeps the OpenAPI security scheme.
+    check_bearer(_service(request).settings, credentials.credentials if credentials is not None else "")
 
 
 # ---------------------------------------------------------------- request preparation
@@ -317,9 +320,22 @@ def _check_model(service: Service, model: str | None) -> None:
                        "(see /v1/models)", type="invalid_request_error", param="model", code="model_not_found")
 
 
-def _encode_texts(engine: Engine, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+# No tokenizer packs more characters than this into one token on ordinary text: a prompt longer than the context
+# times this is rejected by its length alone, before the tokenizer spends seconds on it.
+MAX_CHARS_PER_TOKEN = 32
+
+
+def _encode_texts(engine: Engine, texts: list[str], add_special_tokens: bool = True,
+                  param: str = "prompt") -> list[list[int]]:
+    """Token ids of ``texts``. Runs in a worker thread (``asyncio.to_thread``): never on the event loop."""
     if not texts:
         return []
+    limit = engine.max_model_len * MAX_CHARS_PER_TOKEN
+    longest = max(len(t) for t in texts)
+    if longest > limit:
+        raise ApiError(400, f"the prompt has {longest} characters; this model's context is {engine.max_model_len} "
+                       f"tokens, so at most {limit} characters are looked at", param=param,
+                       code="context_length_exceeded")
     return [list(ids) for ids in engine.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
 
 
@@ -356,7 +372,7 @@ def _chat_prompt(engine: Engine, messages: list, add_generation_prompt: bool) ->
     except Exception as exc:  # jinja TemplateError / raise_exception in the template: the messages are at fault
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     # The template already contains the special tokens (bos, role markers); do not add them twice.
-    return _encode_texts(engine, [text], add_special_tokens=False)[0]
+    return _encode_texts(engine, [text], add_special_tokens=False, param="messages")[0]
 
 
 def _plan_tokens(service: Service, engine: Engine, prompts: list[list[int]], requested: int | None,
@@ -590,6 +606,48 @@ class HTTPMetricsMiddleware:
             self.metrics.http.labels(path, scope["method"], str(status["code"])).inc()
 
 
+class EdgeGuard:
+    """What must happen before a POST body is read (FastAPI reads it before any dependency runs): the API key
+    check, and the body-size limit — a declared ``Content-Length`` over ``max_body_bytes`` is refused at once,
+    a chunked body as soon as it passes the limit. Both answer in OpenAI's error shape (401, 413)."""
+
+    def __init__(self, app: ASGIApp, settings: ServeSettings):
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        limit = self.settings.max_body_bytes
+        try:
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            check_bearer(self.settings, auth[7:].strip() if auth[:7].lower() == "bearer " else "")
+            declared = headers.get(b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise _too_large(limit)
+        except ApiError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:  # an HTTPException passes FastAPI's body parsing untouched -> our handler
+                    raise StarletteHTTPException(413, detail=_too_large(limit).message)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server accepts ({limit} bytes; the "
+                    "max_body_bytes setting)", code="request_too_large")
+
+
 # ---------------------------------------------------------------- the app
 
 
@@ -653,6 +711,7 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
     if settings.cors_allow_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(EdgeGuard, settings=settings)
     app.add_middleware(HTTPMetricsMiddleware, metrics=service.metrics,
                        paths=lambda: {route.path for route in app.routes})
     _add_error_handlers(app)
@@ -680,7 +739,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind, code=exc.status_code), status_code=exc.status_code,
+        # OpenAI's schema has a string or null `code`, never the HTTP status.
+        code = {404: "not_found", 413: "request_too_large"}.get(exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), kind, code=code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -732,7 +793,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         _check_unsupported(body)
         _check_model(service, body.model)
         engine = service.ready_engine()
-        prompts = _completion_prompts(engine, body.prompt)
+        prompts = await asyncio.to_thread(_completion_prompts, engine, body.prompt)
         if len(prompts) > service.settings.max_prompts_per_request:
             raise ApiError(400, f"{len(prompts)} prompts in one request; the limit is "
                            f"{service.settings.max_prompts_per_request}", param="prompt")
@@ -800,7 +861,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         engine = service.ready_engine()
         if body.n > service.settings.max_n:
             raise ApiError(400, f"'n' is {body.n}; this server allows at most {service.settings.max_n}", param="n")
-        prompt = _chat_prompt(engine, body.messages, body.add_generation_prompt)
+        prompt = await asyncio.to_thread(_chat_prompt, engine, body.messages, body.add_generation_prompt)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = _plan_tokens(service, engine, [prompt], requested, param, "messages")
@@ -842,7 +903,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
         """The tutorial-style endpoint: raw prompt in, generated text out (greedy unless ``temperature`` > 0)."""
         engine = service.ready_engine()
-        prompts = _encode_texts(engine, [body.prompt])
+        prompts = await asyncio.to_thread(_encode_texts, engine, [body.prompt])
         max_tokens = _plan_tokens(service, engine, prompts, body.max_new_tokens, "max_new_tokens", "prompt")
         temperature = body.temperature if body.temperature > 1e-5 else 0.0
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, seed=body.seed,
@@ -865,9 +926,9 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         if body.messages is not None:
             if not body.messages:
                 raise ApiError(400, "'messages' must not be empty", param="messages")
-            ids = _chat_prompt(engine, body.messages, body.add_generation_prompt)
+            ids = await asyncio.to_thread(_chat_prompt, engine, body.messages, body.add_generation_prompt)
         else:
-            ids = _encode_texts(engine, [body.prompt])[0] if body.prompt else []
+            ids = (await asyncio.to_thread(_encode_texts, engine, [body.prompt]))[0] if body.prompt else []
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=protected, responses=ERROR_RESPONSES,

@@ -57,6 +57,9 @@ class ServeSettings(BaseSettings):
     default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request gives none.")
     max_n: int = Field(8, ge=1, description="Largest `n` (completions per prompt) a request may ask for.")
     max_prompts_per_request: int = Field(32, ge=1, description="Largest list of prompts in one /v1/completions call.")
+    max_body_bytes: int = Field(
+        2 * 1024 * 1024, ge=1024, description="Largest request body; bigger ones get 413 before they are read."
+    )
     request_timeout_s: float = Field(120.0, gt=0, description="A request still generating after this gets 504.")
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 429/503.")
     shutdown_timeout_s: float = Field(

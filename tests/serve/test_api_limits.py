@@ -235,3 +235,60 @@ def test_unencodable_text_and_odd_logit_bias_keys_are_400s_on_a_kept_alive_conne
         message = several.json()["error"]["message"]
         assert several.status_code == 400 and all(k in message for k in ("'²'", "'-1'", "'99999'"))
         assert client.post("/v1/completions", json={"prompt": "1+1", "max_tokens": 2}).status_code == 200
+
+
+def test_body_limit_and_key_are_checked_before_the_body_is_read():
+    import socket
+    from urllib.parse import urlsplit
+
+    with run_server(api_key="secret", max_body_bytes=64 * 1024) as srv:
+        headers = {"Authorization": "Bearer secret"}
+        big = {"prompt": "x" * 200_000, "max_tokens": 2}
+        resp = httpx.post(srv.url + "/v1/completions", json=big, headers=headers, timeout=30)
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+
+        # A declared 50 MB body without the key: refused (401) from the headers alone, nothing sent after them.
+        host, port = urlsplit(srv.url).hostname, urlsplit(srv.url).port
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 52428800\r\n\r\n")
+            answer = sock.recv(4096).decode().lower()
+        assert answer.startswith("http/1.1 401") and "www-authenticate: bearer" in answer
+
+        # Chunked (no Content-Length): cut off once past the limit.
+        def chunks():
+            for _ in range(40):
+                yield b"x" * 4096
+
+        resp = httpx.post(srv.url + "/v1/completions", content=chunks(), timeout=30,
+                          headers={**headers, "content-type": "application/json"})
+        assert resp.status_code == 413
+        ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "1+1", "max_tokens": 2}, headers=headers)
+        assert ok.status_code == 200
+
+
+def test_a_huge_prompt_is_refused_by_length_without_stalling_health():
+    import threading
+
+    with run_server(max_body_bytes=16 * 1024 * 1024) as srv:
+        worst = [0.0]
+        done = threading.Event()
+
+        def probe() -> None:
+            while not done.is_set():
+                start = time.perf_counter()
+                httpx.get(srv.url + "/health", timeout=30)
+                worst[0] = max(worst[0], time.perf_counter() - start)
+                time.sleep(0.01)
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        try:
+            resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "7" * 5_000_000, "max_tokens": 2},
+                              timeout=60)
+        finally:
+            done.set()
+            thread.join()
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+        assert "characters" in resp.json()["error"]["message"]
+        print(f"/health worst latency during a 5 MB prompt: {worst[0] * 1000:.0f} ms")
