@@ -158,6 +158,8 @@ class Service:
     def announce(self) -> None:
         """One prominent line naming the model and who chose it, so the built-in default is never served silently."""
         source = self.settings.model_source
+        if self.settings.config_file is not None:
+            log.warning("verl serve: settings from %s (then VERL_SERVE_* env vars)", self.settings.config_file)
         if source == "default":
             log.warning("verl serve: no model configured; serving the built-in %s (set VERL_SERVE_MODEL=<export dir> "
                         "or model: in serve.yaml to serve yours)", self.settings.model)
@@ -701,7 +703,10 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
             await service.shutdown()
             uninstall()
 
+    # With an API key the interactive docs and the schema are off (they map the attack surface for anyone).
+    docs = {} if settings.api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(
+        **docs,
         title="verl suite inference service",
         version=__version__,
         description="OpenAI-compatible completions and chat, a simple /generate, Prometheus metrics.",
@@ -764,13 +769,16 @@ def _add_routes(app: FastAPI, service: Service) -> None:
                               model_source=service.settings.model_source).model_dump()
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
-    @app.get("/metrics", tags=["ops"], response_class=Response,
+    # /metrics needs the key when one is set, unless metrics_public (a scraper that cannot send headers).
+    metrics_guard = [] if service.settings.metrics_public else protected
+
+    @app.get("/metrics", tags=["ops"], response_class=Response, dependencies=metrics_guard,
              responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def metrics() -> Response:
         """Prometheus metrics (``verl:`` prefix, vLLM's names)."""
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    @app.get("/version", response_model=VersionResponse, tags=["ops"])
+    @app.get("/version", response_model=VersionResponse, tags=["ops"], dependencies=protected)
     async def version() -> VersionResponse:
         return VersionResponse(version=__version__, engine=service.engine.name if service.engine else "loading",
                                model=service.model_name)
@@ -781,7 +789,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
         engine = service.ready_engine()
         return {"object": "list", "data": [{
             "id": service.model_name, "object": "model", "created": service.created, "owned_by": "verl-suite",
-            "root": engine.model_path, "max_model_len": engine.max_model_len,
+            "root": service.model_name, "max_model_len": engine.max_model_len,  # never a local path
             "source": service.settings.model_source}]}
 
     # ------------------------------------------------------------ generation

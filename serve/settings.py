@@ -77,6 +77,9 @@ class ServeSettings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="When set, /v1/*, /generate, /tokenize, /detokenize need `Authorization: Bearer <key>`."
     )
+    metrics_public: bool = Field(
+        False, description="With an API key set, still serve /metrics without it (for scrapers that send no header)."
+    )
     cors_allow_origins: list[str] = Field(
         default_factory=list, description="Origins allowed by CORS (empty: CORS off; other origins blocked)."
     )
@@ -92,10 +95,16 @@ class ServeSettings(BaseSettings):
 
     # Where `model` came from ("env VERL_SERVE_MODEL", "serve.yaml (<path>)", "argument", "default"); see load_settings.
     _model_source: str = PrivateAttr("default")
+    _config_file: Path | None = PrivateAttr(None)
 
     @property
     def model_source(self) -> str:
         return self._model_source
+
+    @property
+    def config_file(self) -> Path | None:
+        """The serve.yaml these settings read, if any (logged at startup)."""
+        return self._config_file
 
     @field_validator("api_key")
     @classmethod
@@ -151,6 +160,14 @@ def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any
     finally:
         _CONFIG_FILE.reset(token)
     settings._model_source = _model_source(overrides, path)
+    settings._config_file = path
+    implicit = path is not None and not (config_file or os.environ.get("VERL_SERVE_CONFIG"))
+    if implicit and settings.trust_remote_code and "trust_remote_code" not in overrides \
+            and not os.environ.get(ENV_PREFIX + "TRUST_REMOTE_CODE"):
+        # A serve.yaml that merely lies in the working directory must not turn on running the model's own code.
+        raise ConfigError(f"{path} (found in the working directory) sets trust_remote_code; running a model's own "
+                          f"code needs an explicit setting: {ENV_PREFIX}TRUST_REMOTE_CODE=true, or name the file "
+                          "with VERL_SERVE_CONFIG")
     return settings
 
 

@@ -105,6 +105,20 @@ def test_api_key_is_enforced_but_health_stays_open():
         good = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
         assert good.completions.create(model="tiny-arith", prompt="hi", max_tokens=2).choices
         assert httpx.get(srv.url + "/generate").status_code in (401, 405)  # no key: never reaches the model
+        # With a key: metrics and version need it, the docs and the schema are off, no local path is shown.
+        for path in ("/metrics", "/version"):
+            assert httpx.get(srv.url + path).status_code == 401, path
+            assert httpx.get(srv.url + path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(srv.url + path).status_code == 404, path
+        card = good.models.list().data[0]
+        assert card.root == "tiny-arith" and "/" not in str(card.model_dump())
+
+
+def test_metrics_public_keeps_metrics_open_with_a_key():
+    with run_server(api_key="s3cret", metrics_public=True) as srv:
+        assert httpx.get(srv.url + "/metrics").status_code == 200
+        assert httpx.get(srv.url + "/version").status_code == 401
 
 
 def test_cors_is_off_by_default_and_on_when_configured(server):

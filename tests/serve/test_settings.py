@@ -85,3 +85,15 @@ def test_uvicorn_names_the_model_and_its_source(monkeypatch, env, line, source):
         assert (health["model"], health["model_source"]) == ("tiny-arith", source)
         assert httpx.get(url + "/v1/models").json()["data"][0]["source"] == source
     assert line in proc.stdout.read()
+
+
+def test_a_serve_yaml_in_the_working_directory_cannot_turn_on_remote_code(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("VERL_SERVE_CONFIG", raising=False)
+    monkeypatch.delenv("VERL_SERVE_TRUST_REMOTE_CODE", raising=False)
+    (tmp_path / "serve.yaml").write_text("trust_remote_code: true\n")
+    with pytest.raises(ConfigError, match="found in the working directory.*VERL_SERVE_TRUST_REMOTE_CODE=true"):
+        load_settings()
+    monkeypatch.setenv("VERL_SERVE_CONFIG", str(tmp_path / "serve.yaml"))  # named explicitly: allowed
+    settings = load_settings()
+    assert settings.trust_remote_code and settings.config_file == tmp_path / "serve.yaml"
