@@ -62,6 +62,7 @@ from serve.schemas import (
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -792,6 +793,15 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             "root": service.model_name, "max_model_len": engine.max_model_len,  # never a local path
             "source": service.settings.model_source}]}
 
+    @app.get("/v1/models/{model_id}", response_model=ModelCard, dependencies=protected, responses=ERROR_RESPONSES,
+             tags=["openai"])
+    async def model(model_id: str) -> dict:
+        """One served model by id (OpenAI's retrieve-model); an unknown id is a 404."""
+        if model_id != service.model_name:
+            raise ApiError(404, f"The model '{model_id}' does not exist", type="not_found_error", param="model",
+                           code="model_not_found")
+        return (await models())["data"][0]
+
     # ------------------------------------------------------------ generation
 
     @app.post("/v1/completions", dependencies=protected, tags=["openai"],
@@ -899,7 +909,7 @@ def _add_routes(app: FastAPI, service: Service) -> None:
             include = bool(body.stream_options and body.stream_options.include_usage)
             return stream_response(service, request_id, specs, len(prompt), chunk, preamble, include, usage_chunk)
         results = await run_to_completion(service, request, request_id, specs)
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(r.text)},
+        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(r.text), "refusal": None},
                     "logprobs": chat_logprobs(r.logprobs, text_of) if body.logprobs else None,
                     "finish_reason": r.finish_reason, "stop_reason": r.stop_reason} for i, r in enumerate(results)]
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,

@@ -59,4 +59,4 @@ def chat_logprobs(entries: Sequence[TokenLogprob], text: Callable[[int], str]) -
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
-                        for e in entries]}
+                        for e in entries], "refusal": None}  # OpenAI's schema requires the key

@@ -82,7 +82,8 @@ class _SamplingFields(_Strict):
     n: StrictInt = Field(1, ge=1, description="Completions per prompt.")
     stop: str | list[str] | None = Field(None, description="Up to 16 strings; generation stops before the first match.")
     stop_token_ids: list[TokenId] | None = Field(None, description="vLLM extension: token ids that end generation.")
-    seed: StrictInt | None = Field(None, description="Makes sampling reproducible (completion i uses seed + i).")
+    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**63,
+                                   description="Makes sampling reproducible (completion i uses seed + i); int64.")
     stream: StrictBool = Field(False, description="Server-sent events, ending with `data: [DONE]`.")
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = Field(False, description="vLLM extension: keep generating past the end-of-text token.")
@@ -201,6 +202,7 @@ class ChatCompletionRequest(_SamplingFields):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    refusal: str | None = None  # required by OpenAI's schema (null: this server never refuses)
 
 
 class TopLogprob(BaseModel):
@@ -215,6 +217,7 @@ class ChatTokenLogprob(TopLogprob):
 
 class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None  # required by OpenAI's schema
 
 
 class ChatChoice(BaseModel):

@@ -302,3 +302,20 @@ def test_standard_openai_fields_are_accepted_and_ignored(client, server):
     resp = httpx.post(server.url + "/v1/completions", json={"prompt": "1+2", "max_tokens": 4, "temperature": 0,
                                                              **extra}, timeout=30)
     assert resp.status_code == 200, resp.text
+
+
+def test_openai_conformance_details(client, server):
+    # Retrieve one model; an unknown id is OpenAI's 404.
+    assert client.models.retrieve("tiny-arith").id == "tiny-arith"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
+    # Chat messages and log-probs carry `refusal` (null), as OpenAI's schema requires.
+    raw = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "1+1"}], "max_tokens": 2, "logprobs": True}, timeout=30).json()
+    choice = raw["choices"][0]
+    assert "refusal" in choice["message"] and choice["message"]["refusal"] is None
+    assert "refusal" in choice["logprobs"]
+    # seed must fit int64; unknown routes have a string (or null) code, never the HTTP status.
+    resp = httpx.post(server.url + "/v1/completions", json={"prompt": "1", "max_tokens": 1, "seed": 2**63})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "seed"
+    assert httpx.get(server.url + "/v1/nothing").json()["error"]["code"] == "not_found"
