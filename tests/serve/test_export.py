@@ -215,3 +215,17 @@ def test_a_builtin_model_exports_by_name(tmp_path):
     assert (out / "model.safetensors").is_file() and (out / "export.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.hidden_size == 128 and selection.selected_by == "ckpt"
+
+
+def test_checkpoint_and_export_files_all_follow_the_umask(tmp_path):
+    # safetensors writes model.safetensors 0600; a service running as another user could not read it.
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        out, _ = run_export(ckpt="builtin:tiny-arith", to=tmp_path / "exp")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes

@@ -45,6 +45,15 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def _umask_modes(root: Path) -> None:
+    """Give files written 0600 by libraries (safetensors' writer, mkstemp) the umask's mode like every other file,
+    so a service running as another user can read a checkpoint or export."""
+    mode = 0o666 & ~_umask()
+    for file in root.rglob("*"):
+        if file.is_file() and not file.is_symlink() and (file.stat().st_mode & 0o777) == 0o600 and mode != 0o600:
+            os.chmod(file, mode)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling directory; rename it to ``path`` when the block completes.
@@ -58,6 +67,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
     try:
         yield tmp
+        _umask_modes(tmp)
         if path.exists():
             if not overwrite:
                 raise FileExistsError(f"{path} already exists")
