@@ -291,3 +291,14 @@ def test_sampler_resume_from_state_dict():
 def test_sampler_rejects_a_batch_larger_than_the_data():
     with pytest.raises(DataError, match="5 prompts, fewer than data.train_batch_size=8"):
         PromptSampler(5, 8)
+
+
+def test_a_file_without_the_ground_truth_is_named_not_scored_zero(tmp_path, tokenizer):
+    from verl.data.dataset import RLHFDataset
+
+    path = tmp_path / "no_answers.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "What is 1+1?", "data_source": "arithmetic"}] * 3), path)
+    with pytest.raises(DataError, match=r"no_answers.parquet row 0: no ground truth at 'reward_model.ground_truth'"):
+        RLHFDataset([str(path)], tokenizer, {"apply_chat_template": False})
+    # Rewards that need none (a reward model, a custom function) turn the check off.
+    assert len(RLHFDataset([str(path)], tokenizer, {"apply_chat_template": False}, require_ground_truth=False)) == 3

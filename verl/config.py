@@ -461,6 +461,11 @@ class VerlConfig(Section):
             return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
         return bool(self.reference.enable)
 
+    @property
+    def needs_ground_truth(self) -> bool:
+        """Rule rewards need every row's ground truth; a reward model or a custom function may not."""
+        return self.reward.model.path is None and self.reward.custom_reward.path is None
+
     def resolve_total_steps(self, num_prompts: int) -> int:
         """``trainer.total_steps``; when only ``total_epochs`` is set, that many passes over ``num_prompts``
         training prompts (the ragged tail of each epoch is dropped, as the sampler does)."""

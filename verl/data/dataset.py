@@ -107,13 +107,18 @@ class RLHFDataset:
         tokenizer: PreTrainedTokenizerBase,
         config: DataConfig | dict | None = None,
         config_key: str = "data.train_files",
+        require_ground_truth: bool = True,
     ):
+        """``require_ground_truth``: every row must hold ``data.ground_truth_key`` (rule rewards score a row
+        without one as 0, silently); the trainer turns it off for reward models and custom reward functions."""
         if isinstance(data_files, (str, Path)):
             data_files = [str(data_files)]
         self.config = config if isinstance(config, DataConfig) else DataConfig(**(config or {}))
         self.tokenizer = tokenizer
         rows = read_rows(list(data_files), config_key, self.config.arithmetic)
         self._check_columns(rows, config_key)
+        if require_ground_truth:
+            self._check_ground_truth(rows)
         self.num_filtered = 0
         self.num_truncated = 0
         self.rows: list[dict] = []
@@ -157,6 +162,18 @@ class RLHFDataset:
             raise DataError(
                 f"{first['__source_file__']}: no prompt column '{self.config.prompt_key}' (data.prompt_key); "
                 f"columns are {columns}; set data.prompt_key=<column>"
+            )
+
+    def _check_ground_truth(self, rows: list[dict]) -> None:
+        key = self.config.ground_truth_key
+        missing = next((r for r in rows if get_nested(r, key) is None and r.get("ground_truth") is None), None)
+        if missing is not None:
+            columns = [c for c in missing if not c.startswith("__")]
+            raise DataError(
+                f"{missing['__source_file__']} row {missing['__row__']}: no ground truth at '{key}' "
+                f"(data.ground_truth_key; columns are {columns}); a rule reward would score it 0. Set "
+                "data.ground_truth_key=<column>, or use reward.model.path / reward.custom_reward for rewards that "
+                "need none"
             )
 
     def __len__(self) -> int:

@@ -72,8 +72,9 @@ class LocalPPOTrainer(PPOTrainer):
         self.tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
                                                      cfg.model.trust_remote_code)
         self.train_dataset = train_dataset or RLHFDataset(cfg.data.train_files, self.tokenizer, cfg.data,
-                                                          "data.train_files")
-        self.val_dataset = val_dataset or RLHFDataset(cfg.data.val_files, self.tokenizer, cfg.data, "data.val_files")
+                                                          "data.train_files", cfg.needs_ground_truth)
+        self.val_dataset = val_dataset or RLHFDataset(cfg.data.val_files, self.tokenizer, cfg.data, "data.val_files",
+                                                      cfg.needs_ground_truth)
         self.sampler = PromptSampler(len(self.train_dataset), cfg.data.train_batch_size, cfg.data.shuffle,
                                      cfg.trainer.seed)
         cfg.resolve_total_steps(len(self.train_dataset))  # trainer.total_epochs, as verl counts them
