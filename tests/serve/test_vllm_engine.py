@@ -41,7 +41,9 @@ def _greedy(url: str, prompt: str) -> dict:
 
 def test_vllm_engine_is_reported(vllm_url):
     assert httpx.get(vllm_url + "/version").json()["engine"] == "vllm"
-    assert httpx.get(vllm_url + "/health").json() == {"status": "ok", "engine": "vllm", "detail": None}
+    assert httpx.get(vllm_url + "/health").json() == {
+        "status": "ok", "engine": "vllm", "detail": None,
+        "model": "tiny-arith", "model_source": "env VERL_SERVE_MODEL"}
 
 
 def test_greedy_text_matches_the_transformers_engine(vllm_url):
