@@ -632,15 +632,25 @@ class EdgeGuard:
         except ApiError as exc:
             await error_response(exc)(scope, receive, send)
             return
-        received = 0
+        received, body_done = 0, False
+        body_timeout = self.settings.body_timeout_s
 
         async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # after the body, receive() waits for the disconnect: no deadline there
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), body_timeout)
+            except TimeoutError:  # a client that stops sending its body must not hold a slot forever
+                raise StarletteHTTPException(408, detail=(
+                    f"the request body stopped arriving for {body_timeout:g} s (the body_timeout_s setting)")) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > limit:  # an HTTPException passes FastAPI's body parsing untouched -> our handler
                     raise StarletteHTTPException(413, detail=_too_large(limit).message)
+            else:
+                body_done = True
             return message
 
         await self.app(scope, counting_receive, send)
@@ -746,9 +756,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         # OpenAI's schema has a string or null `code`, never the HTTP status.
-        code = {404: "not_found", 413: "request_too_large"}.get(exc.status_code)
+        code = {404: "not_found", 408: "request_timeout", 413: "request_too_large"}.get(exc.status_code)
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 408:
+            headers["Connection"] = "close"  # the rest of that body may still come: never read it as a new request
         return JSONResponse(error_body(str(exc.detail), kind, code=code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+                            headers=headers or None)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -79,11 +79,20 @@ def register(app: typer.Typer, run_guarded) -> None:
             # Load before accepting traffic here: a bad model path fails the command with its message.
             settings = load_settings(config, load_in_background=False, **overrides)
             app = create_app(settings)
-            grace = settings.drain_grace_s + settings.shutdown_timeout_s + 1
-            uvicorn.run(app, host=settings.host, port=settings.port, timeout_graceful_shutdown=int(grace) + 1,
-                        log_level="info")
+            uvicorn.run(app, log_level="info", **uvicorn_options(settings))
 
         run_guarded(_run)
+
+
+def uvicorn_options(settings) -> dict:
+    """What ``verl serve`` tells uvicorn beyond the app: bind address, shutdown grace, and the connection deadlines
+    (headers, keep-alive) that ``uvicorn serve.api:app`` alone does not have."""
+    from serve.http_protocol import protocol_with_header_timeout
+
+    grace = settings.drain_grace_s + settings.shutdown_timeout_s + 1
+    return {"host": settings.host, "port": settings.port, "timeout_graceful_shutdown": int(grace) + 1,
+            "http": protocol_with_header_timeout(settings.header_timeout_s),
+            "timeout_keep_alive": max(1, round(settings.keep_alive_timeout_s))}
 
 
 def _quiet_transformers() -> None:

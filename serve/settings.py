@@ -61,6 +61,16 @@ class ServeSettings(BaseSettings):
         2 * 1024 * 1024, ge=1024, description="Largest request body; bigger ones get 413 before they are read."
     )
     request_timeout_s: float = Field(120.0, gt=0, description="A request still generating after this gets 504.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="A request body that stops arriving for this long gets 408 and the connection closes."
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="`verl serve` only: a connection whose request headers are not complete after this "
+        "is closed (uvicorn itself waits forever; behind `uvicorn serve.api:app` use a proxy's header timeout).",
+    )
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="`verl serve` only: an idle kept-alive connection is closed after this.",
+    )
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 429/503.")
     shutdown_timeout_s: float = Field(
         15.0, ge=0, description="On shutdown, in-flight requests get this long to finish before they are aborted."

@@ -17,6 +17,7 @@ import httpx
 import uvicorn
 
 from serve.api import create_app
+from serve.cli import uvicorn_options
 from serve.settings import load_settings
 from verl.utils.net import free_port
 
@@ -54,13 +55,17 @@ def wait_healthy(url: str, timeout: float = 120.0) -> httpx.Response:
 
 
 @contextlib.contextmanager
-def run_server(wait: bool = True, **overrides) -> Iterator[Server]:
-    """Start ``create_app`` under uvicorn in a background thread on a free loopback port."""
+def run_server(wait: bool = True, as_verl_serve: bool = False, **overrides) -> Iterator[Server]:
+    """Start ``create_app`` under uvicorn in a background thread on a free loopback port (with ``as_verl_serve``,
+    under the options ``verl serve`` gives uvicorn: header deadline, keep-alive timeout)."""
     settings = load_settings(**{**TEST_SETTINGS, **overrides})
     app = create_app(settings)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=10))
+    options = {"timeout_graceful_shutdown": 10}
+    if as_verl_serve:
+        options = {**uvicorn_options(settings), **options}
+    options.update(host="127.0.0.1", port=port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

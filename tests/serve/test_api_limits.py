@@ -306,3 +306,57 @@ def test_a_huge_prompt_is_refused_by_length_without_stalling_health():
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
         assert "characters" in resp.json()["error"]["message"]
         print(f"/health worst latency during a 5 MB prompt: {worst[0] * 1000:.0f} ms")
+
+
+def _open_socket(url: str):
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=10)
+
+
+def _closed_by_server(sock, within: float) -> bool:
+    """True when the server closes the connection (EOF or reset) within ``within`` seconds."""
+    sock.settimeout(within)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_slow_clients_are_cut_off_by_header_and_body_deadlines():
+    """Half-sent headers (only `verl serve` can time those: uvicorn alone waits forever) and a stalled body (the
+    app's own deadline: 408) both free their connection; the service keeps answering meanwhile."""
+    with run_server(as_verl_serve=True, header_timeout_s=1.0, body_timeout_s=1.0) as srv:
+        silent = [_open_socket(srv.url) for _ in range(20)]  # connect, send nothing
+        partial = [_open_socket(srv.url) for _ in range(20)]
+        for sock in partial:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # headers never finish
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "1+1", "max_tokens": 2}).status_code == 200
+        assert all(_closed_by_server(sock, within=5) for sock in silent + partial)
+
+        with _open_socket(srv.url) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # 11 of 100 bytes, then silence
+            sock.settimeout(10)
+            answer = sock.recv(4096).decode()
+            assert answer.startswith("HTTP/1.1 408"), answer
+            assert '"code":"request_timeout"' in answer.replace(" ", "") and "body_timeout_s" in answer
+            assert _closed_by_server(sock, within=5)
+        for sock in silent + partial:
+            sock.close()
+
+
+def test_plain_uvicorn_still_times_out_a_stalled_body():
+    """`uvicorn serve.api:app` has no header deadline, but the body deadline is the app's and holds there too."""
+    with run_server(body_timeout_s=1.0) as srv, _open_socket(srv.url) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 50\r\n\r\n{")
+        sock.settimeout(10)
+        assert sock.recv(4096).decode().startswith("HTTP/1.1 408")
