@@ -1,12 +1,13 @@
 """Schema fuzzing: schemathesis drives every operation of the app's own OpenAPI spec against the live server.
 
 Bounded (a fixed number of examples per operation, short generations) and checked for one property: no
-response is a 5xx, whatever the body. Valid and invalid inputs are both generated; invalid ones must be refused
+response is a 5xx, whatever the body, and after every case a normal request is still answered. Valid and invalid inputs are both generated; invalid ones must be refused
 with a 4xx, never crash a handler.
 """
 
 from __future__ import annotations
 
+import httpx
 import hypothesis
 import pytest
 import schemathesis
@@ -36,3 +37,6 @@ def test_no_server_errors(case, fuzz_server):
     response = case.call(base_url=fuzz_server.url, timeout=60)
     case.validate_response(response, checks=[not_a_server_error])
     assert response.status_code < 500, response.text
+    # Whatever that case did, the service still answers a normal request (a crashed engine would give 503).
+    normal = httpx.post(fuzz_server.url + "/v1/completions", json={"prompt": "1+1=", "max_tokens": 2}, timeout=60)
+    assert normal.status_code == 200, normal.text
