@@ -55,8 +55,11 @@ def register(app: typer.Typer, run_guarded) -> None:
 
             from eval.runner import EvalSettings, run_eval
             from verl.cli import quiet_hf
+            from verl.utils.fs import ensure_writable_dir
 
             quiet_hf()
+            if out is not None:  # before the model loads, not after the generation
+                ensure_writable_dir(out, "--out")
             settings = EvalSettings(data=data or None, evaluators=evaluators, n=n, temperature=temperature,
                                     top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed,
                                     batch_size=batch_size, max_samples=max_samples, reference=reference,
@@ -95,8 +98,11 @@ def register(app: typer.Typer, run_guarded) -> None:
             from eval.compare import compare
             from eval.runner import EvalSettings
             from verl.cli import quiet_hf
+            from verl.utils.fs import ensure_writable_dir
 
             quiet_hf()
+            if out is not None:
+                ensure_writable_dir(out, "--out")
             settings = EvalSettings(data=data or None, evaluators=evaluators, n=n, temperature=temperature,
                                     seed=seed, max_samples=max_samples, select=metric, quiet=quiet)
             compare(runs, ckpt=ckpt, out=out, alpha=alpha, settings=settings, n_boot=bootstrap,

@@ -47,6 +47,7 @@ from eval.runner import (
 )
 from eval.stats import mcnemar, paired_resample, pearson, permutation_importance
 from verl.errors import CheckpointError, ConfigError, VerlError
+from verl.utils.fs import ensure_writable_dir
 
 CURVE_METRICS = ["rollout/reward_mean", "eval/accuracy", "ppo/kl_div", "rollout/response_length_mean"]
 # Config keys that name a run rather than change it.
@@ -372,8 +373,7 @@ def compare(paths: list[str], ckpt: str = "best", out: str | Path | None = None,
     experiments = [experiment_row(e) for e in entries]
     importance = importance_table(entries, diff, metric) if len(entries) >= 3 else []
     default_out = Path("outputs") / "compare" / _slug("-vs-".join(e.name for e in entries))
-    out_dir = Path(out) if out is not None else default_out
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = ensure_writable_dir(Path(out) if out is not None else default_out, "the compare report dir (--out)")
     report = {
         "schema": "verl-compare/1",
         "alpha": alpha,

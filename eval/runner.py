@@ -21,6 +21,7 @@ checkpoints, ``best.json`` (``--select eval/accuracy:max``) and metric-vs-step p
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import platform
 import sys
@@ -67,6 +68,46 @@ class EvalSettings:
     select: str = "eval/accuracy:max"
     force: bool = False
     quiet: bool = False
+
+    def __post_init__(self) -> None:
+        check_flags({name: getattr(self, name) for name in FLAG_RULES})
+
+
+# Each eval flag obeys the rule of the config key it stands for (verl/config.py), so `--top-p 5` fails exactly as
+# `rollout.val_kwargs.top_p=5` does: flag -> (section, field, the flag's spelling).
+FLAG_RULES: dict[str, tuple[str, str, str]] = {
+    "n": ("ValidationSampling", "n", "--n"),
+    "temperature": ("ValidationSampling", "temperature", "--temperature"),
+    "top_p": ("ValidationSampling", "top_p", "--top-p"),
+    "top_k": ("ValidationSampling", "top_k", "--top-k"),
+    "max_new_tokens": ("DataConfig", "max_response_length", "--max-new-tokens"),
+    "batch_size": ("DataConfig", "val_batch_size", "--batch-size"),
+    "max_samples": ("DataConfig", "val_max_samples", "--max-samples"),
+    "num_threads": ("TrainerConfig", "num_threads", "--threads"),
+}
+
+
+def check_flags(values: dict[str, Any]) -> None:
+    """Validate the given (non-None) flag values against their config keys' constraints; one line per problem."""
+    from typing import Annotated
+
+    from pydantic import TypeAdapter, ValidationError
+
+    import verl.config as config_module
+
+    problems = []
+    for name, value in values.items():
+        if value is None:
+            continue
+        section, key, flag = FLAG_RULES[name]
+        info = getattr(config_module, section).model_fields[key]
+        try:
+            TypeAdapter(Annotated[(info.annotation, *info.metadata)]).validate_python(value)
+        except ValidationError as exc:
+            reason = exc.errors()[0]["msg"].lower()
+            problems.append(f"{flag} {value!r}: {reason} (the same rule as the config key {key})")
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 @dataclass
@@ -384,6 +425,8 @@ class Evaluation:
         cached = _reusable(out_dir, self.resolved.fingerprint, digest) if not self.settings.force else None
         if cached is not None:
             self._say(f"{label}: reusing {out_dir / 'results.json'} (same weights and settings; --force recomputes)")
+            if ensure_report(out_dir, cached):
+                self._say(f"{label}: rewrote the missing report/plots in {out_dir}")
             return cached
         policy = load_policy(model_path, self.run_cfg, self.device, self.dtype)
         policy.requires_grad_(False)
@@ -617,9 +660,9 @@ def _prompt_ids(dataset: Any, prompt_key: str) -> list[str]:
 
 
 def write_results(out_dir: Path, results: dict, samples: list[dict]) -> None:
-    from verl.utils.fs import atomic_write_json, atomic_write_text
+    from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    ensure_writable_dir(out_dir, "the eval output dir (--out)")
     atomic_write_text(out_dir / "samples.jsonl",
                       "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in samples))
     atomic_write_json(out_dir / "results.json", results)  # last: its presence means the directory is complete
@@ -655,6 +698,24 @@ def load_samples(path: str | Path) -> list[dict]:
         if "prompt_id" not in rows[-1]:
             raise VerlError(f"{file} row {number} has no prompt_id; it was not written by verl eval")
     return rows
+
+
+REPORT_FILES = ("report.md", "report.html", "length_hist.png")
+
+
+def ensure_report(out_dir: Path, results: dict) -> bool:
+    """Reports are derived from results.json + samples.jsonl: rewrite them when a file is missing or empty (an eval
+    killed after its results were written), and drop temp files such a kill left behind. True if it rewrote."""
+    for stale in out_dir.glob(".*.tmp"):
+        stale.unlink(missing_ok=True)
+    plots_wanted = importlib.util.find_spec("matplotlib") is not None
+    wanted = [name for name in REPORT_FILES if plots_wanted or not name.endswith(".png")]
+    if all((out_dir / name).is_file() and (out_dir / name).stat().st_size > 0 for name in wanted):
+        return False
+    from eval.report import write_checkpoint_report
+
+    write_checkpoint_report(out_dir, results, load_samples(out_dir))
+    return True
 
 
 def _reusable(out_dir: Path, fingerprint: str, digest: str) -> dict | None:

@@ -30,6 +30,21 @@ class Completion:
     completion_tokens: int
 
 
+# A test whose first requests all fail measures nothing: the locustfile stops it after this many failures with no
+# success, logs the first error after ABORT_MARKER and exits with ABORT_EXIT_CODE; `verl loadtest` reports it.
+ABORT_AFTER_FAILURES = 10
+ABORT_EXIT_CODE = 3
+ABORT_MARKER = "loadtest aborted:"
+
+
+def abort_reason(log_text: str) -> str | None:
+    """The reason the locustfile logged when it aborted the test, from Locust's log (None if it did not)."""
+    for line in log_text.splitlines():
+        if ABORT_MARKER in line:
+            return line.split(ABORT_MARKER, 1)[1].strip()
+    return None
+
+
 def error_message(status: int, body: bytes | str | None) -> str:
     """``HTTP 429: the server is at capacity ...`` from an OpenAI-shaped error body (or the raw text)."""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else (body or "")

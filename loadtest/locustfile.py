@@ -33,15 +33,27 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import gevent
 import locust
 import locust.stats
 from locust import FastHttpUser, LoadTestShape, events
 from locust.env import Environment
 from locust.runners import WorkerRunner
 
-from loadtest.checks import BadResponse, SSEReader, check_chat_stream, check_completion, check_generate, error_message
+from loadtest.checks import (
+    ABORT_AFTER_FAILURES,
+    ABORT_EXIT_CODE,
+    ABORT_MARKER,
+    BadResponse,
+    SSEReader,
+    check_chat_stream,
+    check_completion,
+    check_generate,
+    error_message,
+)
 from loadtest.prompts import DEFAULT_PROMPT_FILE, Prompt, load_prompts, render_with_server
 from loadtest.shapes import StepPlan
+from verl.errors import VerlError
 
 log = logging.getLogger("loadtest")
 
@@ -53,6 +65,8 @@ USER_WEIGHTS = {"GenerateUser": "generate_weight", "CompletionUser": "completion
 
 # Filled once per process at test start (prompt file read, chats rendered, model name looked up).
 STATE: dict[str, Any] = {"prompts": [], "model": None, "ready": False}
+
+FAILURES: dict[str, Any] = {"succeeded": False, "failed": 0, "first": None, "aborted": False}
 
 
 # ---------------------------------------------------------------- options
@@ -115,6 +129,10 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
         plan = StepPlan.from_options(options)
     except ValueError as exc:
         raise SystemExit(f"loadtest: {exc}") from None
+    if options.max_tokens < 1:  # 0 would make every request a 400: a run of 100% failures that measures nothing
+        raise SystemExit(f"loadtest: --max-tokens must be >= 1 (got {options.max_tokens})")
+    if options.num_prompts < 1:
+        raise SystemExit(f"loadtest: --num-prompts must be >= 1 (got {options.num_prompts})")
     if options.wait_min < 0 or options.wait_max < options.wait_min:
         raise SystemExit(f"loadtest: need 0 <= --wait-min <= --wait-max (got {options.wait_min}, {options.wait_max})")
     if options.load_shape == "steps":
@@ -147,6 +165,31 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
 def configure(environment: Environment, **_: Any) -> None:
     if environment.parsed_options is not None:  # None when Locust runs as a library without our parser
         apply_options(environment, at_init=True)
+        options = environment.parsed_options
+        try:  # a bad prompt file fails here, in a second, not at test start after the service wait
+            load_prompts(options.prompt_file, options.prompt_column, options.num_prompts)
+        except VerlError as exc:
+            raise SystemExit(f"loadtest: {exc}") from None
+    STATE["environment"] = environment
+
+
+@events.request.add_listener
+def stop_when_nothing_succeeds(request_type: str, name: str, exception: Any = None, **_: Any) -> None:
+    """After ``ABORT_AFTER_FAILURES`` failed requests and no success, quit with the first error (exit code 3)."""
+    if request_type == LLM or FAILURES["succeeded"] or FAILURES["aborted"]:
+        return
+    if exception is None:
+        FAILURES["succeeded"] = True
+        return
+    FAILURES["failed"] += 1
+    FAILURES["first"] = FAILURES["first"] or f"{request_type} {name}: {exception}"
+    environment = STATE.get("environment")
+    if FAILURES["failed"] >= ABORT_AFTER_FAILURES and environment is not None and environment.runner is not None:
+        FAILURES["aborted"] = True
+        log.error("%s the first %d requests all failed; first error: %s", ABORT_MARKER, FAILURES["failed"],
+                  FAILURES["first"])
+        environment.process_exit_code = ABORT_EXIT_CODE
+        gevent.spawn(environment.runner.quit)  # not from this greenlet: quitting kills the users, this one too
 
 
 @events.test_start.add_listener

@@ -61,17 +61,22 @@ def _read_cells(path: Path, column: str) -> list[Any]:
         return table.column(column).to_pylist()
     if suffix in (".jsonl", ".json"):
         cells = []
-        with path.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}, line {number}: not valid JSON ({exc.msg})") from None
-                if not isinstance(row, dict) or column not in row:
-                    raise DataError(f"{path}, line {number}: no '{column}' field; choose one with --prompt-column")
-                cells.append(row[column])
+        try:
+            raw_lines = path.read_bytes().decode("utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            bad_line = exc.object[:exc.start].count(b"\n") + 1
+            raise DataError(f"{path}, line {bad_line}: not UTF-8 text (byte {exc.object[exc.start:exc.start + 1]!r}); "
+                            "save the prompt file as UTF-8") from None
+        for number, line in enumerate(raw_lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}, line {number}: not valid JSON ({exc.msg})") from None
+            if not isinstance(row, dict) or column not in row:
+                raise DataError(f"{path}, line {number}: no '{column}' field; choose one with --prompt-column")
+            cells.append(row[column])
         return cells
     raise DataError(f"prompt file '{path}' must end in .parquet or .jsonl")
 

@@ -773,10 +773,9 @@ def plot_report(report: dict[str, Any], out_dir: Path) -> dict[str, Path]:
 
 def write_report(report: dict[str, Any], out_dir: str | Path, plots: bool = True) -> dict[str, Path]:
     """``capacity_report.{json,md,html}`` and the PNGs into ``out_dir``; each file written atomically."""
-    from verl.utils.fs import atomic_write_json, atomic_write_text
+    from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = ensure_writable_dir(out_dir, "the report dir (--out)")
     images = plot_report(report, out_dir) if plots else {}
     paths = {
         "json": atomic_write_json(out_dir / f"{REPORT_STEM}.json", report),

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest.checks import ABORT_EXIT_CODE, abort_reason
 from loadtest.report import SLO, make_report
 from loadtest.shapes import StepPlan, doubling_levels, parse_levels
-from verl.errors import VerlError
-from verl.utils.fs import atomic_write_text
+from verl.errors import ConfigError, VerlError
+from verl.utils.fs import atomic_write_text, ensure_writable_dir
 from verl.utils.net import LOOPBACK, free_port
 
 HERE = Path(__file__).resolve().parent
@@ -59,6 +60,12 @@ class LoadTestConfig:
     slo: SLO = field(default_factory=SLO)
     startup_timeout_s: float = 180.0
     server_env: dict[str, str] = field(default_factory=dict)  # more VERL_SERVE_* settings
+
+    def __post_init__(self) -> None:
+        # 0 would make every request a 400: minutes of 100% failures that measure nothing (the plan's own values
+        # are checked by plan(); the SLO's by SLO).
+        if self.max_tokens < 1:
+            raise ConfigError(f"--max-tokens must be >= 1 (got {self.max_tokens})")
 
     def plan(self) -> StepPlan:
         levels = parse_levels(self.step_users) if self.step_users else doubling_levels(self.max_users)
@@ -160,8 +167,7 @@ def run_locust(command: list[str], timeout_s: float, log_path: Path, env: dict[s
 def run_loadtest(config: LoadTestConfig, echo: Any = None) -> tuple[dict[str, Any], dict[str, Path]]:
     """Service up -> stepped Locust run -> service down -> report. ``echo(str)`` reports progress."""
     say = echo or (lambda _msg: None)
-    out = Path(config.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = ensure_writable_dir(config.out_dir, "the load test output dir (--out)")
     plan = config.plan()
     env = dict(config.server_env)
     if config.model:
@@ -180,6 +186,10 @@ def run_loadtest(config: LoadTestConfig, echo: Any = None) -> tuple[dict[str, An
         if status == 200:
             atomic_write_text(out / "server_metrics.prom", metrics.decode())
         say("stopping the service")
+    if code == ABORT_EXIT_CODE:
+        reason = abort_reason((out / "locust.log").read_text(errors="replace"))
+        raise LoadTestError(f"the load test stopped early: {reason or 'every request failed'}; "
+                            f"see {out / 'locust.log'}")
     if code not in (0, 1) or not Path(f"{csv_prefix}_stats.csv").is_file():
         raise LoadTestError(f"Locust exited with code {code} without complete CSVs; see {out / 'locust.log'}")
     metrics_file = out / "server_metrics.prom"

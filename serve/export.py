@@ -264,6 +264,7 @@ def _best_from_meta(by_step: dict[int, Path], name: str, mode: str) -> tuple[Pat
 
 def load_for_export(ckpt: Path, base: str | None = None, dtype: str = "auto") -> tuple[Any, Any, dict]:
     """Load a checkpoint as a plain HF model (LoRA merged) and its tokenizer; returns (model, tokenizer, lora_info)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl.models.loader import DTYPES, resolve_model_path
@@ -292,6 +293,9 @@ def load_for_export(ckpt: Path, base: str | None = None, dtype: str = "auto") ->
         is_lora = (ckpt / ADAPTER_CONFIG).is_file()
         hint = " (for a LoRA checkpoint whose base moved, pass --base PATH)" if is_lora else ""
         raise ModelError(f"cannot load '{ckpt}' for export: {exc}{hint}") from None
+    except SafetensorError as exc:
+        raise ModelError(f"the weights in '{ckpt}' are damaged ({exc}); the file was cut short or overwritten: "
+                         "export another checkpoint (--select global_step_N) or copy this one again") from None
     tokenizer_dir = ckpt if (ckpt / "tokenizer_config.json").is_file() else Path(lora.get("base_model") or ckpt)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -339,6 +343,8 @@ def export_model(target: str | Path, selection: Selection, force: bool = False, 
     from serve import __version__
 
     target = Path(target).expanduser()
+    if target.exists() and not target.is_dir():
+        raise VerlError(f"--to '{target}' is a file, not a directory; give a new directory path for the export")
     if target.exists() and not force:
         raise VerlError(f"'{target}' already exists; pass --force to replace it (the old export is kept until "
                         "the new one is complete)")

@@ -104,6 +104,9 @@ def train(
 
             err.print(check(cfg))
             return
+        from verl.utils.fs import ensure_writable_dir
+
+        ensure_writable_dir(cfg.trainer.output_dir, "trainer.output_dir")  # before minutes of model loading
         quiet_hf()
         from verl.trainer.factory import build_trainer
 

@@ -1,8 +1,8 @@
 """Schema fuzzing: schemathesis drives every operation of the app's own OpenAPI spec against the live server.
 
-Bounded (a fixed number of examples per operation, short generations) and checked for one property: no
-response is a 5xx, whatever the body, and after every case a normal request is still answered. Valid and invalid inputs are both generated; invalid ones must be refused
-with a 4xx, never crash a handler.
+Bounded (a fixed number of examples per operation, short generations) and checked for two properties: no
+response is a 5xx, whatever the body, and after every case a normal request is still answered. Valid and invalid
+inputs are both generated; invalid ones must be refused with a 4xx, never crash a handler.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import socket
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from verl.errors import ModelError
@@ -185,6 +186,9 @@ def load_causal_lm(
         )
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load a causal LM from '{path}': {exc}") from None
+    except SafetensorError as exc:  # truncated or overwritten weights: say which file, not a Rust error
+        raise ModelError(f"the weights in '{path}' are damaged ({exc}); the file was cut short or overwritten: "
+                         "export or copy it again, or use another checkpoint") from None
     return model.to(device)
 
 

@@ -8,17 +8,22 @@ Layout of ``<run>/checkpoints/global_step_<N>/``:
 - ``actor_state.pt`` / ``critic_state.pt``: optimizer, scheduler and shuffle state of the roles (per rank
   ``actor_state_rank<r>.pt`` under FSDP);
 - ``trainer_state.pt``: the driver's state: step, data position, KL controller, RNG;
-- ``meta.json``: step, time, metrics at save time.
+- ``meta.json``: step, time, metrics at save time, and ``files``: the size and SHA-256 of every other file, so a
+  checkpoint damaged after it was written (a full disk, a copy cut short) is recognised before it is loaded.
 
 A checkpoint is assembled in a ``.tmp-*`` sibling and renamed when complete; ``latest`` (a text file naming the
-directory) is updated last. A crash therefore never leaves a partial ``global_step_*`` that resume would pick.
+directory) is updated last. A crash therefore never leaves a partial ``global_step_*`` that resume would pick; one
+damaged later is skipped by ``trainer.resume=auto`` with a warning naming it, and the newest intact one is used.
 Retention (``max_ckpt_to_keep``) never deletes the checkpoint that ``latest`` or ``best`` names.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,7 +83,8 @@ def write_checkpoint(
     with atomic_dir(target, overwrite=True) as tmp:
         write_parts(tmp)
         torch.save(trainer_state, tmp / TRAINER_STATE)
-        atomic_write_json(tmp / META, {"step": step, "time": time.time(), "metrics": metrics or {}})
+        atomic_write_json(tmp / META, {"step": step, "time": time.time(), "metrics": metrics or {},
+                                       "files": file_manifest(tmp)})
     write_pointer(run_dir, target)
     if max_to_keep:
         apply_retention(run_dir, max_to_keep)
@@ -125,22 +131,107 @@ def remove_stale_temp_dirs(run_dir: str | Path) -> list[Path]:
     return stale
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"bytes": size, "sha256": hex}}`` for every file under ``directory`` except meta.json."""
+    return {str(f.relative_to(directory)): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            for f in sorted(directory.rglob("*")) if f.is_file() and f.name != META}
+
+
+_VERIFIED: dict[tuple[str, float], str | None] = {}  # (meta.json path, mtime) -> problem; resume asks 3 times
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be loaded, or None when it is intact: meta.json readable, the trainer
+    state present, every file of the manifest there with its size and SHA-256 (checkpoints written before the
+    manifest existed: every safetensors header readable)."""
+    meta_file = path / META
+    try:
+        key = (str(meta_file), meta_file.stat().st_mtime)
+    except OSError:
+        return f"no {META}"
+    if key in _VERIFIED:
+        return _VERIFIED[key]
+    problem = _find_problem(path, meta_file)
+    _VERIFIED[key] = problem
+    return problem
+
+
+def _find_problem(path: Path, meta_file: Path) -> str | None:
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{META} is unreadable ({exc})"
+    if not (path / TRAINER_STATE).is_file():
+        return f"no {TRAINER_STATE}"
+    manifest = meta.get("files") if isinstance(meta, dict) else None
+    if isinstance(manifest, dict):
+        for name, facts in manifest.items():
+            file = path / name
+            if not file.is_file():
+                return f"{name} is missing"
+            if file.stat().st_size != facts.get("bytes"):
+                return f"{name} has {file.stat().st_size} bytes, {facts.get('bytes')} were written"
+            if _sha256(file) != facts.get("sha256"):
+                return f"{name} does not match the SHA-256 recorded when it was written"
+        return None
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(path.rglob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            return f"{file.relative_to(path)} is damaged ({exc})"
+    return None
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _ANNOUNCED:  # resume looks the checkpoint up more than once; say it once
+        _ANNOUNCED.add(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
-    """``auto``: the ``latest`` checkpoint if any; ``disable``: None; otherwise the given path (must exist)."""
+    """``auto``: the newest intact checkpoint (``latest`` first; a damaged one is skipped with a warning naming it);
+    ``disable``: None; otherwise the given path, which must be an intact checkpoint."""
     if resume == "disable":
         return None
     if resume == "auto":
         latest = read_pointer(run_dir)
-        if latest is None:
-            checkpoints = list_checkpoints(run_dir)
-            latest = checkpoints[-1][1] if checkpoints else None
-        return latest
+        candidates = ([latest] if latest is not None else []) + [p for _, p in reversed(list_checkpoints(run_dir))]
+        skipped: list[str] = []
+        for path in dict.fromkeys(candidates):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                for note in skipped:
+                    _warn_once(f"skipping damaged checkpoint {note}; resuming from {path.name}")
+                return path
+            skipped.append(f"{path} ({problem})")
+        if skipped:
+            raise CheckpointError("trainer.resume=auto found no intact checkpoint: " + "; ".join(skipped)
+                                  + ". Start a new run (trainer.resume=disable or another experiment_name)")
+        return None
     path = Path(resume)
     if not (path / TRAINER_STATE).is_file():
         raise CheckpointError(
             f"trainer.resume='{resume}' is not a complete checkpoint (no {TRAINER_STATE}); "
             "use auto, disable, or a checkpoints/global_step_<N> directory"
         )
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise CheckpointError(f"trainer.resume='{resume}' is damaged: {problem}; use trainer.resume=auto (the "
+                              "newest intact checkpoint) or an earlier global_step_<N>")
     return path
 
 

@@ -39,7 +39,7 @@ from verl.trainer.checkpoint import (
     write_checkpoint,
 )
 from verl.utils import log
-from verl.utils.fs import atomic_write_text
+from verl.utils.fs import atomic_write_text, ensure_writable_dir
 from verl.utils.system import SystemMonitor
 from verl.utils.timing import StageTimer
 
@@ -394,7 +394,7 @@ class PPOTrainer:
         from verl.tracking import create_trackers
 
         cfg = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ensure_writable_dir(self.run_dir, "the run directory (trainer.output_dir)")
         remove_stale_temp_dirs(self.run_dir)
         atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
         self.trackers = create_trackers(cfg.trainer.logger, total_steps=cfg.trainer.total_steps, quiet=self.quiet,

@@ -25,7 +25,7 @@ from verl.tracking import create_trackers
 from verl.trainer.checkpoint import save_checkpoint
 from verl.trainer.validation import generate_and_score, validation_metrics
 from verl.utils import log
-from verl.utils.fs import atomic_write_text
+from verl.utils.fs import atomic_write_text, ensure_writable_dir
 from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.optim import build_optimizer, build_scheduler
 from verl.workers.reward import RewardManager
@@ -100,7 +100,7 @@ class SFTTrainer:
         self.optimizer = build_optimizer(self.model.parameters(), config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.trainer.total_steps)
         self.run_dir = config.run_dir()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ensure_writable_dir(self.run_dir, "the run directory (trainer.output_dir)")
         atomic_write_text(self.run_dir / "config.yaml", dump_config(config))
         trackers = create_trackers(config.trainer.logger, total_steps=config.trainer.total_steps, quiet=quiet,
                                    config=config, run_dir=self.run_dir)

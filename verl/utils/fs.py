@@ -12,6 +12,27 @@ from pathlib import Path
 from typing import Any
 
 
+def ensure_writable_dir(path: str | os.PathLike, what: str) -> Path:
+    """Create ``path`` (and parents) as a directory we can write into, or raise one line naming ``what`` (the
+    flag or config key it came from) and the fix. Called before any slow work, so a bad ``--out`` fails at once."""
+    from verl.errors import VerlError
+
+    path = Path(path)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is" if existing == path else f"is inside '{existing}', which is"
+        raise VerlError(f"{what} '{path}' {where} a file, not a directory; give a directory path (it is created "
+                        "if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise VerlError(f"{what} '{path}' cannot be created: {exc.strerror}; pick a directory you can write to") \
+            from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise VerlError(f"{what} '{path}' is not writable by this user; pick a directory you can write to")
+    return path
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
