@@ -355,12 +355,14 @@ def _completion_prompts(engine: Engine, prompt: Any) -> list[list[int]]:
 
 
 def _echo_texts(engine: Engine, prompt: Any, prompts: list[list[int]]) -> list[str]:
-    """What ``echo`` repeats for each prompt: the text as sent, or the decoded ids when ids were sent."""
+    """What ``echo`` repeats for each prompt: the text as sent, or the decoded ids (special tokens included) when
+    ids were sent."""
     if isinstance(prompt, str):
         return [prompt]
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    return [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts]
+    # Special tokens stay: logprobs.tokens lists them, and text_offset must index into this text.
+    return [engine.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 
 def _chat_prompt(engine: Engine, messages: list, add_generation_prompt: bool) -> list[int]:

@@ -222,6 +222,24 @@ def test_echo_returns_the_prompt_with_its_logprobs(client):
     assert bare.text == choice.text and bare.logprobs is None
 
 
+def test_echo_of_token_ids_keeps_special_tokens_so_offsets_index_the_text(client):
+    """A token-id prompt with special tokens: the echoed text is the decoded prompt with those tokens, so every
+    ``text_offset`` points at its token in ``text`` (before the fix the text dropped them and the offsets ran past)."""
+    from verl.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:tiny-arith")
+    ids = [tokenizer.eos_token_id, *tokenizer("1+2=", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    choice = client.completions.create(model="tiny-arith", prompt=ids, max_tokens=2, temperature=0, echo=True,
+                                       logprobs=0, extra_body={"ignore_eos": True}).choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(tokenizer.decode(ids, skip_special_tokens=False))
+    assert choice.text.count(tokenizer.eos_token) >= 2
+    for number, (token, offset) in enumerate(zip(lp.tokens, lp.text_offset, strict=True)):
+        if number >= len(ids) and token in tokenizer.all_special_tokens:
+            continue  # generated special tokens are listed but not in the text (skip_special_tokens, as vLLM)
+        assert choice.text[offset:offset + len(token)] == token, (token, offset, choice.text)
+
+
 def test_chat_logprobs_stream_and_non_stream_agree(client):
     messages = [{"role": "user", "content": "What is 7+8?"}]
     out = client.chat.completions.create(model="tiny-arith", messages=messages, temperature=0, max_tokens=8,
