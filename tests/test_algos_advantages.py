@@ -287,3 +287,41 @@ def test_unknown_estimator_is_a_config_error_listing_the_names():
         get_adv_estimator("grpoo")
     assert "algorithm.adv_estimator='grpoo'" in str(err.value)
     assert "grpo" in str(err.value) and "rloo" in str(err.value)
+
+
+def test_registrations_carry_the_facts_validation_reads():
+    from verl.algos.advantages import ADV_ESTIMATORS, estimator_facts
+
+    groups = {name for name in ADV_ESTIMATORS if estimator_facts(name).needs_groups}
+    assert groups == {"grpo", "rloo", "reinforce_plus_plus_baseline", "opo"}
+    assert {n for n in ADV_ESTIMATORS if estimator_facts(n).needs_critic} == {"gae"}
+    assert {n for n in ADV_ESTIMATORS if estimator_facts(n).needs_greedy_baseline} == {"remax"}
+
+
+@pytest.mark.parametrize("name", ["opo", "reinforce_plus_plus_baseline", "grpo"])
+def test_group_estimators_refuse_one_sample_per_prompt(name):
+    from verl.config import load_config
+    from verl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"adv_estimator={name} compares responses .* rollout.n >= 2"):
+        load_config(None, [f"algorithm.adv_estimator={name}", "rollout.n=1"])
+
+
+def test_a_new_estimator_gets_the_checks_from_its_registration():
+    from verl.algos.advantages import ADV_ESTIMATORS, ESTIMATOR_FACTS, register_adv_est
+    from verl.config import load_config
+    from verl.errors import ConfigError
+
+    @register_adv_est("test_critic_based", needs_critic=True)
+    def critic_based(token_level_rewards, response_mask, **_):
+        return token_level_rewards, token_level_rewards
+
+    try:
+        assert load_config(None, ["algorithm.adv_estimator=test_critic_based"]).use_critic
+        with pytest.raises(ValueError, match="already registered"):
+            register_adv_est("grpo")(critic_based)  # another function under a built-in name
+        register_adv_est("test_critic_based", needs_critic=True)(critic_based)  # the same one again: fine
+        with pytest.raises(ConfigError, match="'no_such_estimator' is unknown"):
+            load_config(None, ["algorithm.adv_estimator=no_such_estimator"])
+    finally:
+        ADV_ESTIMATORS.pop("test_critic_based"), ESTIMATOR_FACTS.pop("test_critic_based")

@@ -243,3 +243,34 @@ def test_entropy_matches_a_hand_loop_on_random_logits_and_keeps_leading_dims():
 def test_entropy_is_stable_for_peaked_logits():
     ent = entropy_from_logits(torch.tensor([[1000.0, 0.0, 0.0]]))
     assert torch.isfinite(ent).all() and ent.item() == pytest.approx(0.0, abs=1e-6)
+
+
+
+def test_a_loss_ported_with_verls_argument_order_gets_the_current_policy_as_log_prob(tmp_path):
+    """verl's losses take ``(old_log_prob, log_prob, ...)``. A real actor update with such a loss registered: the
+    tensor that reaches its ``log_prob`` parameter is the current policy's (it carries the gradient), so the ratio
+    exp(log_prob - old_log_prob) is not inverted as a positional call would make it."""
+    from verl.algos.losses import POLICY_LOSSES, register_policy_loss
+    from verl.config import load_config
+    from verl.trainer.factory import build_trainer
+
+    seen = []
+
+    @register_policy_loss("test_verl_order")
+    def verl_order(old_log_prob, log_prob, advantages, mask, **_):
+        seen.append((log_prob.requires_grad, old_log_prob.requires_grad))
+        return -(advantages.detach() * torch.exp(log_prob - old_log_prob) * mask).sum() / mask.sum(), {}
+
+    try:
+        cfg = load_config(None, ["actor.policy_loss=test_verl_order", "trainer.total_steps=1",
+                                 "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=2",
+                                 "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[jsonl]",
+                                 f"trainer.output_dir={tmp_path}", "trainer.num_threads=1"])
+        trainer = build_trainer(cfg, quiet=True)
+        try:
+            trainer.fit()
+        finally:
+            trainer.shutdown()
+        assert seen and all(current and not old for current, old in seen)
+    finally:
+        POLICY_LOSSES.pop("test_verl_order")

@@ -445,15 +445,27 @@ class VerlConfig(Section):
                 f"data.train_batch_size ({self.data.train_batch_size}) and actor.ppo_mini_batch_size "
                 f"({self.actor.ppo_mini_batch_size}) must be divisible by trainer.n_workers ({workers})"
             )
-        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
-            raise ValueError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2")
+        if self.estimator_facts.needs_groups and self.rollout.n < 2:
+            raise ValueError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses to the "
+                             f"same prompt and needs rollout.n >= 2 (got {self.rollout.n})")
         return self
+
+    @property
+    def estimator_facts(self):
+        """What the advantage estimator needs (critic, groups, greedy baseline), from its registration."""
+        from verl.algos.advantages import ADV_ESTIMATORS, estimator_facts
+
+        name = self.algorithm.adv_estimator
+        if name not in ADV_ESTIMATORS:
+            known = ", ".join(sorted(ADV_ESTIMATORS))
+            raise ValueError(f"algorithm.adv_estimator '{name}' is unknown; available: {known}")
+        return estimator_facts(name)
 
     # ---- derived facts the trainer asks for
 
     @property
     def use_critic(self) -> bool:
-        return self.algorithm.adv_estimator == "gae"
+        return self.estimator_facts.needs_critic
 
     @property
     def use_reference(self) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,17 +24,46 @@ from verl.algos.masked import masked_whiten
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
-# Estimators that need a critic / a greedy baseline rollout: the trainer asks these sets.
-NEEDS_CRITIC = {"gae"}
-NEEDS_GREEDY_BASELINE = {"remax"}
 
 
-def register_adv_est(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+@dataclass(frozen=True)
+class EstimatorFacts:
+    """What an estimator needs from the rest of the step; config validation and the trainer read these instead of
+    lists of names, so a newly registered estimator gets the same checks."""
+
+    needs_critic: bool = False  # values from a critic (the trainer builds and trains one)
+    needs_groups: bool = False  # several responses per prompt (rollout.n >= 2): it compares within a group
+    needs_greedy_baseline: bool = False  # the reward of a greedy response per prompt (one extra rollout)
+
+
+ESTIMATOR_FACTS: dict[str, EstimatorFacts] = {}
+
+
+def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: bool = False,
+                     needs_greedy_baseline: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register ``fn`` under ``name`` with its facts. Registering a name again with another function raises: a
+    plug-in silently replacing a built-in would change every run that names it."""
+    facts = EstimatorFacts(needs_critic, needs_groups, needs_greedy_baseline)
+
     def decorator(fn: AdvantageFn) -> AdvantageFn:
-        ADV_ESTIMATORS[name] = fn
+        known = ADV_ESTIMATORS.get(name)
+        if known is not None and _qualname(known) != _qualname(fn):
+            raise ValueError(f"advantage estimator '{name}' is already registered ({_qualname(known)}); "
+                             "register yours under another name")
+        ADV_ESTIMATORS[name], ESTIMATOR_FACTS[name] = fn, facts
         return fn
 
     return decorator
+
+
+def _qualname(fn: Callable) -> str:
+    # By name, not identity: re-importing a module (reload, a test) registers an equal function again.
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def estimator_facts(name: str) -> EstimatorFacts:
+    get_adv_estimator(name)  # the unknown-name error
+    return ESTIMATOR_FACTS[name]
 
 
 def get_adv_estimator(name: str) -> AdvantageFn:
@@ -53,7 +83,7 @@ def _groups(index: Sequence) -> dict[object, list[int]]:
     return groups
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", needs_critic=True)
 def gae(
     token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
     gamma: float = 1.0, lam: float = 1.0, **_,
@@ -84,7 +114,7 @@ def gae(
     return advantages, returns
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", needs_groups=True)
 def grpo(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence,
     norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6, **_,
@@ -109,7 +139,7 @@ def grpo(
     return advantages, advantages
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", needs_groups=True)
 def rloo(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence, **_,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +173,7 @@ def reinforce_plus_plus(
     return advantages, returns
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline", needs_groups=True)
 def reinforce_plus_plus_baseline(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence, **_,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +189,7 @@ def reinforce_plus_plus_baseline(
     return advantages, advantages
 
 
-@register_adv_est("remax")
+@register_adv_est("remax", needs_greedy_baseline=True)
 def remax(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, reward_baselines: torch.Tensor, **_,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +200,7 @@ def remax(
     return advantages, returns
 
 
-@register_adv_est("opo")
+@register_adv_est("opo", needs_groups=True)
 def opo(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence, **_,
 ) -> tuple[torch.Tensor, torch.Tensor]:

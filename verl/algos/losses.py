@@ -67,11 +67,23 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register a policy loss. It is called by keyword — ``log_prob``, ``old_log_prob``, ``advantages``, ``mask``
+    plus the clip and aggregation options — so a loss ported from verl with its ``(old_log_prob, log_prob, ...)``
+    order works unchanged. Registering a name again with another function raises."""
+
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        known = POLICY_LOSSES.get(name)
+        if known is not None and _qualname(known) != _qualname(fn):
+            raise ValueError(f"policy loss '{name}' is already registered ({_qualname(known)}); "
+                             "register yours under another name")
         POLICY_LOSSES[name] = fn
         return fn
 
     return decorator
+
+
+def _qualname(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

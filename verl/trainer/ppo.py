@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from verl.algos.advantages import NEEDS_GREEDY_BASELINE, get_adv_estimator
+from verl.algos.advantages import estimator_facts, get_adv_estimator
 from verl.algos.kl import build_kl_controller, kl_penalty
 from verl.algos.masked import masked_mean
 from verl.config import VerlConfig, dump_config
@@ -158,7 +158,7 @@ class PPOTrainer:
             with self.timer("gen"):
                 batch = self.generate(prompts, self.train_sampling(step))
             batch.non_tensor["uid"] = batch.non_tensor["index"]  # group id: responses to the same prompt
-            if cfg.algorithm.adv_estimator in NEEDS_GREEDY_BASELINE:
+            if estimator_facts(cfg.algorithm.adv_estimator).needs_greedy_baseline:
                 with self.timer("gen_baseline"):
                     batch.batch["reward_baselines"] = self._greedy_baseline(prompts).repeat_interleave(n)
             with self.timer("reward"):

