@@ -31,6 +31,10 @@ def register(app: typer.Typer, run_guarded) -> None:
         seed: Annotated[int | None, typer.Option("--seed", help="Sampling and bootstrap seed (default: the run's).")
                         ] = None,
         batch_size: Annotated[int | None, typer.Option("--batch-size", help="Prompts per generate() call.")] = None,
+        max_prompt_length: Annotated[int | None, typer.Option(
+            "--max-prompt-length", help="Longest prompt in tokens after the chat template (default: the run's "
+                                        "data.max_prompt_length, else 64); longer ones are dropped and counted "
+                                        "in the notes.")] = None,
         max_samples: Annotated[int | None, typer.Option("--max-samples", help="Evaluate the first N prompts.")
                                ] = None,
         reference: Annotated[str | None, typer.Option("--reference", help="Reference model for kl (default: the "
@@ -63,6 +67,7 @@ def register(app: typer.Typer, run_guarded) -> None:
             settings = EvalSettings(data=data or None, evaluators=evaluators, n=n, temperature=temperature,
                                     top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed,
                                     batch_size=batch_size, max_samples=max_samples, reference=reference,
+                                    max_prompt_length=max_prompt_length,
                                     engine=engine, device=device, num_threads=threads, n_bootstrap=bootstrap,
                                     select=select, force=force, quiet=quiet)
             run_eval(ckpt, settings, out, Console(stderr=True))
@@ -87,6 +92,7 @@ def register(app: typer.Typer, run_guarded) -> None:
         n: Annotated[int | None, typer.Option("--n", help="Samples per prompt when runs must be evaluated.")] = None,
         temperature: Annotated[float | None, typer.Option("--temperature")] = None,
         max_samples: Annotated[int | None, typer.Option("--max-samples")] = None,
+        max_prompt_length: Annotated[int | None, typer.Option("--max-prompt-length")] = None,
         evaluators: Annotated[str | None, typer.Option("--evaluators", "-e")] = None,
         quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
     ) -> None:
@@ -104,7 +110,8 @@ def register(app: typer.Typer, run_guarded) -> None:
             if out is not None:
                 ensure_writable_dir(out, "--out")
             settings = EvalSettings(data=data or None, evaluators=evaluators, n=n, temperature=temperature,
-                                    seed=seed, max_samples=max_samples, select=metric, quiet=quiet)
+                                    seed=seed, max_samples=max_samples, select=metric, quiet=quiet,
+                                    max_prompt_length=max_prompt_length)
             compare(runs, ckpt=ckpt, out=out, alpha=alpha, settings=settings, n_boot=bootstrap,
                     seed=seed if seed is not None else 0, console=Console(stderr=True))
 

@@ -58,6 +58,7 @@ class EvalSettings:
     seed: int | None = None
     batch_size: int | None = None
     max_samples: int | None = None
+    max_prompt_length: int | None = None
     reference: str | None = None
     engine: str = "hf"
     device: str = "auto"
@@ -83,6 +84,7 @@ FLAG_RULES: dict[str, tuple[str, str, str]] = {
     "max_new_tokens": ("DataConfig", "max_response_length", "--max-new-tokens"),
     "batch_size": ("DataConfig", "val_batch_size", "--batch-size"),
     "max_samples": ("DataConfig", "val_max_samples", "--max-samples"),
+    "max_prompt_length": ("DataConfig", "max_prompt_length", "--max-prompt-length"),
     "num_threads": ("TrainerConfig", "num_threads", "--threads"),
 }
 
@@ -126,6 +128,7 @@ class Resolved:
     max_samples: int | None
     reference: str | None
     engine: str
+    max_prompt_length: int = 64
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -155,7 +158,7 @@ class Resolved:
 # The settings that change an evaluation's numbers. Results under different values live in different directories,
 # and selecting the best checkpoint only compares results made under one of them.
 RESULT_SETTINGS = ("data_files", "n", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "max_samples",
-                   "engine")
+                   "engine", "max_prompt_length")
 
 
 def results_root(run_dir: Path, resolved: Resolved, run_cfg: Any) -> Path:
@@ -271,6 +274,7 @@ def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: s
         max_samples=settings.max_samples if settings.max_samples is not None else data.val_max_samples,
         reference=reference if any(_needs_reference(s) for s in specs) else None,
         engine=settings.engine,
+        max_prompt_length=settings.max_prompt_length or data.max_prompt_length,
         notes=notes,
     )
 
@@ -381,7 +385,8 @@ class Evaluation:
         self.dtype = settings.dtype or (run_cfg.model.dtype if run_cfg is not None else "float32")
         self.tokenizer = load_tokenizer(tokenizer_path)
         data_cfg = run_cfg.data if run_cfg is not None else DataConfig()
-        self.data_cfg = data_cfg.model_copy(update={"val_files": resolved.data_files})
+        self.data_cfg = data_cfg.model_copy(update={"val_files": resolved.data_files,
+                                                    "max_prompt_length": resolved.max_prompt_length})
         self.evaluators = build_evaluators(resolved.evaluator_specs)
         self.needs = set().union(*(set(getattr(e, "needs", {"generations"})) for e in self.evaluators))
         self._dataset = None
@@ -402,6 +407,13 @@ class Evaluation:
 
             self._dataset = RLHFDataset(self.resolved.data_files, self.tokenizer, self.data_cfg, "--data")
             self.prompt_ids = _prompt_ids(self._dataset, self.data_cfg.prompt_key)
+            dropped, cut = self._dataset.num_filtered, getattr(self._dataset, "num_truncated", 0)
+            if dropped or cut:  # said in results.json and the report: a comparison pairs fewer prompts because of it
+                what = f"{dropped} dropped" if dropped else f"{cut} truncated"
+                self.resolved.notes.append(
+                    f"{what}: prompts longer than max_prompt_length={self.data_cfg.max_prompt_length} tokens after "
+                    f"the chat template (data.truncation={self.data_cfg.truncation}); --max-prompt-length N keeps "
+                    "them")
         return self._dataset
 
     def reference(self) -> Any:

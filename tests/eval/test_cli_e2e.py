@@ -205,3 +205,16 @@ def test_results_are_kept_per_settings_and_best_never_mixes_them(runs, tmp_path)
     assert (run / "eval" / "best.json").read_bytes() == greedy_best
     exported = cli("export", "--run", str(run), "--select", "best", "--to", str(tmp_path / "exp"))
     assert best["label"] in exported.output
+
+
+def test_prompts_dropped_by_length_are_counted_in_the_notes(runs, tmp_path):
+    """A prompt over max_prompt_length is dropped (data.truncation=filter); eval says how many, and
+    --max-prompt-length (a results setting: its own directory) keeps them."""
+    ckpt = str(runs["a"] / "checkpoints" / "global_step_2")
+    cli("eval", "--ckpt", ckpt, "--max-samples", "8", "--max-prompt-length", "18", "--out", str(tmp_path / "short"),
+        "--evaluators", "accuracy", "--quiet")
+    notes = json.loads((tmp_path / "short" / "results.json").read_text())["notes"]
+    assert any("dropped: prompts longer than max_prompt_length=18" in note for note in notes), notes
+    cli("eval", "--ckpt", ckpt, "--max-samples", "8", "--out", str(tmp_path / "all"), "--evaluators", "accuracy",
+        "--quiet")
+    assert not any("dropped" in n for n in json.loads((tmp_path / "all" / "results.json").read_text())["notes"])
