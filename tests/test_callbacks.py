@@ -8,13 +8,8 @@ import pytest
 
 from verl.config import build_config
 from verl.errors import ConfigError
-from verl.trainer.callbacks import (
-    BestCheckpointSaver,
-    EarlyStopper,
-    TrainerCallback,
-    callbacks_from_config,
-    load_callback,
-)
+from verl.trainer.alerts import EarlyStopper, callbacks_from_config
+from verl.trainer.callbacks import BestCheckpointSaver, TrainerCallback, load_callback
 from verl.utils.log import RunLogger, read_jsonl
 
 

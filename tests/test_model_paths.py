@@ -52,3 +52,15 @@ def test_the_cli_names_the_missing_directory_at_once(tmp_path, args, env):
     assert result.returncode == 1, result.stderr
     assert "no such directory" in result.stderr and "Traceback" not in result.stderr
     assert time.perf_counter() - start < 30  # start-up only: no minute of Hub retries
+
+
+def test_a_missing_warm_start_is_a_command_to_run_never_a_training_run(tmp_path, monkeypatch):
+    """Loading a model never trains one: without the shipped asset (and no rebuilt copy) the error names the
+    command that rebuilds it."""
+    from verl.models import loader
+
+    monkeypatch.setattr(loader, "ASSETS_DIR", tmp_path / "assets")
+    monkeypatch.setenv("VERL_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ModelError, match=r"builtin:tiny-arith: the shipped weights are missing .* "
+                                         r"`verl sft --build-warm-start`"):
+        loader.resolve_model_path("builtin:tiny-arith")

@@ -126,6 +126,9 @@ def sft(
     ctx: typer.Context,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: tiny SFT).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    build_warm_start: Annotated[bool, typer.Option(
+        "--build-warm-start", help="Rebuild builtin:tiny-arith (the shipped warm start) into the cache, for a "
+                                   "checkout whose verl/models/assets copy is missing.")] = False,
 ) -> None:
     """Supervised fine-tuning (the warm start before RL). Extra args are key=value overrides."""
 
@@ -134,6 +137,14 @@ def sft(
         from verl.trainer.sft import SFTTrainer
 
         quiet_hf()
+        if build_warm_start:
+            from verl.models.loader import warm_start_cache_dir
+            from verl.trainer.sft import train_builtin_warm_start
+
+            target = warm_start_cache_dir("tiny-arith")
+            train_builtin_warm_start(target)
+            err.print(f"builtin:tiny-arith rebuilt in {target}")
+            return
         cfg = load_config(config, _split_overrides(list(ctx.args)), schema=SFTConfig, default_name="sft_tiny")
         path = SFTTrainer(cfg, quiet=quiet).fit()
         err.print(f"final checkpoint: {path}")

@@ -152,15 +152,20 @@ def _converted_gguf(gguf: Path) -> Path:
     return convert_gguf(gguf, cache_dir() / "models" / f"gguf-{gguf.stem}-{where}")
 
 
+def warm_start_cache_dir(name: str) -> Path:
+    """Where ``verl sft --build-warm-start`` puts a rebuilt shipped model (used when the asset is missing)."""
+    return cache_dir() / "models" / name
+
+
 def _build_warm_start(name: str) -> Path:
-    """Train the SFT warm start into the cache (only when the shipped asset is missing)."""
-    target = cache_dir() / "models" / name
+    """The rebuilt warm start in the cache; loading a model never trains one (that is minutes of SFT a user did
+    not ask for): building it is its own command."""
+    target = warm_start_cache_dir(name)
     if (target / "model.safetensors").is_file():
         return target
-    from verl.trainer.sft import train_builtin_warm_start
-
-    train_builtin_warm_start(target)
-    return target
+    raise ModelError(f"builtin:{name}: the shipped weights are missing ({ASSETS_DIR / name}) and no rebuilt copy "
+                     f"is in {target}; rebuild them with `verl sft --build-warm-start` (about 10 minutes on 2 CPU "
+                     "cores), or restore the file from a fresh clone")
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

@@ -17,6 +17,7 @@ and the prompt's non-tensor fields repeated. ``response_len`` is the longest res
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,9 +67,14 @@ def register_rollout(name: str):
     return decorator
 
 
+# Engines in modules that import heavy optional packages: name -> module that registers it when imported. A string,
+# resolved only when asked for, so this module never imports them (and they import this one without a cycle).
+LAZY_ROLLOUT_ENGINES = {"vllm": "verl.rollout.vllm_rollout"}
+
+
 def get_rollout_factory(name: str) -> Callable[..., RolloutEngine]:
-    if name == "vllm" and name not in ROLLOUT_ENGINES:
-        import verl.rollout.vllm_rollout  # noqa: F401  (registers itself; raises if vllm is missing)
+    if name in LAZY_ROLLOUT_ENGINES and name not in ROLLOUT_ENGINES:
+        importlib.import_module(LAZY_ROLLOUT_ENGINES[name])  # registers itself; raises if vllm is missing
     if name not in ROLLOUT_ENGINES:
         raise ConfigError(f"rollout.name='{name}' is unknown; available: {', '.join(sorted(ROLLOUT_ENGINES))}")
     return ROLLOUT_ENGINES[name]

@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from verl.tracking.base import Tracker, register_tracker
+from verl.tracking.base import Tracker
 from verl.tracking.common import histogram_summary
 
 # (metric key, short label) shown on the console line, in order, when present.
@@ -29,7 +29,6 @@ CONSOLE_FIELDS = (
 )
 
 
-@register_tracker("console")
 class ConsoleTracker(Tracker):
     name = "console"
 
@@ -69,7 +68,6 @@ class ConsoleTracker(Tracker):
                                soft_wrap=True)
 
 
-@register_tracker("jsonl")
 class JsonlTracker(Tracker):
     """The part of ``verl_logs.jsonl`` the run logger does not write itself: distributions.
 
@@ -96,31 +94,3 @@ class JsonlTracker(Tracker):
             summary = histogram_summary(data)
             if summary is not None:
                 logger.event("histogram", step=step, tag=tag, **summary)
-
-
-@register_tracker("tensorboard")
-def _tensorboard(**context: Any) -> Tracker:
-    from verl.tracking.tensorboard_tracker import TensorBoardTracker
-
-    return TensorBoardTracker(**context)
-
-
-@register_tracker("wandb")
-def _wandb(**context: Any) -> Tracker:
-    from verl.tracking.wandb_tracker import WandbTracker
-
-    return WandbTracker(**context)
-
-
-@register_tracker("mlflow")
-def _mlflow(**context: Any) -> Tracker:
-    from verl.tracking.mlflow_tracker import MlflowTracker
-
-    return MlflowTracker(**context)
-
-
-@register_tracker("swanlab")
-def _swanlab(**context: Any) -> Tracker:
-    from verl.tracking.swanlab_tracker import SwanlabTracker
-
-    return SwanlabTracker(**context)

@@ -8,6 +8,7 @@ step with the install command, never mid-run. A new backend is a ``Tracker`` sub
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,26 @@ class Tracker:
         """Flush and close."""
 
 
-TRACKERS: dict[str, Callable[..., Tracker]] = {}
+TRACKERS: dict[str, Callable[..., Tracker]] = {}  # trackers registered at run time (plug-ins, tests)
+
+# The built-in backends: name -> "module:Class", imported only when a run names them, so their (heavy, optional)
+# packages load only for runs that use them, and this module imports none of them (they import it).
+BUILTIN_TRACKERS = {
+    "console": "verl.tracking.backends:ConsoleTracker",
+    "jsonl": "verl.tracking.backends:JsonlTracker",
+    "tensorboard": "verl.tracking.tensorboard_tracker:TensorBoardTracker",
+    "wandb": "verl.tracking.wandb_tracker:WandbTracker",
+    "mlflow": "verl.tracking.mlflow_tracker:MlflowTracker",
+    "swanlab": "verl.tracking.swanlab_tracker:SwanlabTracker",
+}
+
+
+def tracker_factory(name: str) -> Callable[..., Tracker]:
+    """The class or factory for ``name``: a registered one first, else the built-in table."""
+    if name in TRACKERS:
+        return TRACKERS[name]
+    module, attribute = BUILTIN_TRACKERS[name].split(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def register_tracker(name: str):
@@ -62,12 +82,11 @@ PREFLIGHTS = {
 
 
 def _check_names(names: list[str]) -> None:
-    import verl.tracking.backends  # noqa: F401  (registers the built-in backends)
-
-    unknown = [name for name in names if name not in TRACKERS]
+    known = set(TRACKERS) | set(BUILTIN_TRACKERS)
+    unknown = [name for name in names if name not in known]
     if unknown:
         raise ConfigError(
-            f"trainer.logger: unknown tracker(s) {unknown}; available: {', '.join(sorted(TRACKERS))} "
+            f"trainer.logger: unknown tracker(s) {unknown}; available: {', '.join(sorted(known))} "
             "(e.g. trainer.logger=[console,jsonl,tensorboard])"
         )
 
@@ -75,8 +94,6 @@ def _check_names(names: list[str]) -> None:
 def check_trackers(names: list[str], config: Any = None) -> None:
     """Everything about the named trackers that can fail without a run: unknown names, missing packages, no
     wandb login. The trainer calls this before it creates the run directory, so such a failure leaves nothing."""
-    import importlib
-
     _check_names(names)
     for name in dict.fromkeys(names):
         if name in PREFLIGHTS:
@@ -88,14 +105,15 @@ def create_trackers(names: list[str], **context: Any) -> list[Tracker]:
     """Instantiate the named trackers, all of them now, so a missing package fails before the first step.
 
     ``context`` carries what backends may need: ``config`` (the run's config model), ``run_dir``,
-    ``total_steps``, ``quiet``. ``jsonl`` maps to a tracker that adds histogram rows to the run's JSONL
+    ``total_steps``, ``quiet``, ``resumed_step`` (the checkpoint step a resumed run continues from). ``jsonl``
+    maps to a tracker that adds histogram rows to the run's JSONL
     (its metric rows are written by the run logger itself).
     """
     _check_names(names)
     trackers: list[Tracker] = []
     try:
         for name in dict.fromkeys(names):  # a name given twice would log every point twice
-            trackers.append(TRACKERS[name](**context))
+            trackers.append(tracker_factory(name)(**context))
     except BaseException:
         for tracker in trackers:  # e.g. close a wandb run already started when mlflow is missing
             tracker.finish()

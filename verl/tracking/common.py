@@ -163,23 +163,6 @@ def run_names(config: Any, run_dir: str | Path | None) -> tuple[str, str]:
     return project or "verl", experiment or "run"
 
 
-def resume_step(config: Any, run_dir: str | Path | None) -> int | None:
-    """The step a resumed run continues from (its checkpoint's step), or None for a fresh run."""
-    trainer = getattr(config, "trainer", None)
-    resume = getattr(trainer, "resume", "disable")
-    if run_dir is None or resume == "disable":
-        return None
-    from verl.trainer.checkpoint import META, find_resume_checkpoint
-
-    try:
-        path = find_resume_checkpoint(run_dir, resume)
-        if path is None:
-            return None
-        return int(json.loads((path / META).read_text())["step"])
-    except Exception:  # the trainer reports a bad checkpoint itself; trackers only need a hint
-        return None
-
-
 def exiting_with_error() -> str | None:
     """Inside ``finally`` during an exception: "killed" for Ctrl-C, "failed" for errors; None on success.
 

@@ -16,7 +16,6 @@ from verl.tracking.common import (
     flatten_config,
     histogram_summary,
     require,
-    resume_step,
     samples_markdown,
 )
 
@@ -34,7 +33,8 @@ class TensorBoardTracker(Tracker):
     name = "tensorboard"
 
     def __init__(self, config: Any = None, run_dir: str | Path | None = None, log_dir: str | Path | None = None,
-                 **_: Any):
+                 resumed_step: int | None = None, **_: Any):
+        """``resumed_step``: the checkpoint step a resumed run continues from (the trainer knows it)."""
         tb = require("torch.utils.tensorboard", "tensorboard", "tensorboard")
         settings = backend_settings(config, "tensorboard")
         chosen = log_dir or settings.log_dir or (Path(run_dir) / "tensorboard" if run_dir else None)
@@ -43,7 +43,7 @@ class TensorBoardTracker(Tracker):
 
             raise ConfigError("the tensorboard tracker needs a run directory or trainer.tracking.tensorboard.log_dir")
         self.log_dir = Path(chosen)
-        resumed = resume_step(config, run_dir)
+        resumed = resumed_step
         # On resume, hide the points a crashed attempt logged after the checkpoint (they are logged again).
         self.writer = tb.SummaryWriter(str(self.log_dir), purge_step=None if resumed is None else resumed + 1,
                                        flush_secs=30)

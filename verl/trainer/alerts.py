@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import torch
 
-from verl.trainer.callbacks import TrainerCallback
+from verl.trainer.callbacks import BestCheckpointSaver, TrainerCallback, load_callback
 
 
 @dataclass
@@ -278,3 +278,108 @@ def ngram_repetition_rate(responses: torch.Tensor, mask: torch.Tensor, n: int = 
     distinct = distinct - (total < hashes.shape[1]).long()  # the sentinel group is not an n-gram
     rate = torch.where(total > 0, 1.0 - distinct.double() / total.clamp(min=1).double(), torch.zeros(batch).double())
     return float(rate.mean())
+
+
+# ---------------------------------------------------------------------------------------------- early stop
+
+
+class EarlyStopper(TrainerCallback):
+    """Stop a run that goes unstable; the loop then writes a final checkpoint and a reason row, and exits 0.
+
+    Each condition must hold for ``patience`` consecutive steps (a condition set to None is off):
+
+    - ``kl_threshold``: ``ppo/kl_div`` above it (the policy runs away from the reference);
+    - ``reward_drop``: the reward averaged over ``reward_window`` steps is more than this fraction below its peak;
+    - ``min_response_length``: mean response length below it (responses collapse to nothing);
+    - ``max_repetition_rate``: ``rollout/repetition_rate`` above it (responses collapse into loops).
+
+        trainer.add_callback(EarlyStopper(patience=5, kl_threshold=0.2, reward_drop=0.2))
+    """
+
+    def __init__(self, patience: int = 5, kl_threshold: float | None = 0.2, reward_drop: float | None = 0.2,
+                 reward_window: int = 5, min_response_length: float | None = 1.0,
+                 max_repetition_rate: float | None = 0.9, kl_metric: str = "ppo/kl_div",
+                 reward_metric: str = "rollout/reward_mean",
+                 length_metric: str = "rollout/response_length_mean",
+                 repetition_metric: str = "rollout/repetition_rate"):
+        from collections import deque
+
+        if patience < 1:
+            from verl.errors import ConfigError
+
+            raise ConfigError(f"EarlyStopper patience must be >= 1, got {patience}")
+        self.patience = patience
+        self.kl_threshold, self.reward_drop = kl_threshold, reward_drop
+        self.min_response_length, self.max_repetition_rate = min_response_length, max_repetition_rate
+        self.kl_metric, self.reward_metric = kl_metric, reward_metric
+        self.length_metric, self.repetition_metric = length_metric, repetition_metric
+        self.rewards: deque[float] = deque(maxlen=reward_window)
+        self.reward_peak: float | None = None
+        self.streaks: dict[str, int] = {}
+        self.stopped_reason: str | None = None
+
+    def _violations(self, metrics: dict[str, float]) -> dict[str, str]:
+        """Condition name -> description, for each condition violated at this step."""
+        import math
+
+        def value(key: str) -> float | None:
+            v = metrics.get(key)
+            return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+        found: dict[str, str] = {}
+        kl = value(self.kl_metric)
+        if self.kl_threshold is not None and kl is not None and kl > self.kl_threshold:
+            found["kl"] = f"{self.kl_metric} {kl:.4g} > {self.kl_threshold:g}"
+        reward = value(self.reward_metric)
+        if self.reward_drop is not None and reward is not None:
+            self.rewards.append(reward)
+            if len(self.rewards) == self.rewards.maxlen:
+                smoothed = sum(self.rewards) / len(self.rewards)
+                self.reward_peak = smoothed if self.reward_peak is None else max(self.reward_peak, smoothed)
+                floor = self.reward_peak - self.reward_drop * abs(self.reward_peak)
+                if abs(self.reward_peak) > 1e-12 and smoothed < floor:
+                    found["reward"] = (f"{self.reward_metric} (mean of {len(self.rewards)} steps) {smoothed:.4g} is "
+                                       f"more than {self.reward_drop:.0%} below its peak {self.reward_peak:.4g}")
+        length = value(self.length_metric)
+        if self.min_response_length is not None and length is not None and length < self.min_response_length:
+            found["length"] = f"{self.length_metric} {length:.4g} < {self.min_response_length:g} (response collapse)"
+        repetition = value(self.repetition_metric)
+        if self.max_repetition_rate is not None and repetition is not None and repetition > self.max_repetition_rate:
+            found["repetition"] = (f"{self.repetition_metric} {repetition:.3g} > {self.max_repetition_rate:g} "
+                                   "(responses collapse into loops)")
+        return found
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        violations = self._violations(metrics)
+        self.streaks = {name: self.streaks.get(name, 0) + 1 for name in violations}
+        tripped = [name for name, count in self.streaks.items() if count >= self.patience]
+        if not tripped or self.stopped_reason is not None:
+            return
+        detail = "; ".join(violations[name] for name in tripped)
+        self.stopped_reason = f"{detail} for {self.patience} consecutive step(s), stopping at step {step}"
+        # The alert's "stop" action records the reason (trainer.request_stop) after the row is written.
+        emit_alert(trainer, Alert("early_stop", self.stopped_reason, severity="critical", action="stop"), step)
+
+
+def callbacks_from_config(config: Any) -> list[TrainerCallback]:
+    """The callbacks ``trainer.alerts`` and ``trainer.callbacks`` ask for, in the order they should run.
+
+    Health alerts run first (their rows precede a stop), then the early stopper, then the best-checkpoint saver
+    (which then knows whether this step ends the run and is checkpointed anyway), then custom callbacks.
+    """
+    trainer_cfg = getattr(config, "trainer", None)
+    if trainer_cfg is None or not hasattr(trainer_cfg, "callbacks"):
+        return []
+    callbacks: list[TrainerCallback] = []
+    if trainer_cfg.alerts.enable:
+        callbacks.append(AlertMonitor.from_config(config))
+    stop = trainer_cfg.callbacks.early_stop
+    if stop.enable:
+        callbacks.append(EarlyStopper(stop.patience, stop.kl_threshold, stop.reward_drop, stop.reward_window,
+                                      stop.min_response_length, stop.max_repetition_rate))
+    best = trainer_cfg.callbacks.best_checkpoint
+    if best.enable:
+        callbacks.append(BestCheckpointSaver(best.metric, best.mode, best.save_on_improve))
+    for i, spec in enumerate(trainer_cfg.callbacks.custom):
+        callbacks.append(load_callback(spec, f"trainer.callbacks.custom[{i}]"))
+    return callbacks

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from verl.errors import CheckpointError
+from verl.models.weights import load_model_weights, read_model_weights  # noqa: F401  (re-exported)
 from verl.utils.fs import atomic_dir, atomic_write_json, atomic_write_text
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -235,43 +236,16 @@ def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
     return path
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint was written at (its meta.json)."""
+    try:
+        return int(json.loads((path / META).read_text())["step"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"cannot read the step of {path} from {META}: {exc}") from None
+
+
 def load_trainer_state(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
     except Exception as exc:
         raise CheckpointError(f"cannot read {path / TRAINER_STATE}: {exc}") from None
-
-
-def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The full-weight state dict saved in a checkpoint dir (``model.safetensors``)."""
-    from safetensors.torch import load_file
-
-    weights = path / "model.safetensors"
-    if not weights.is_file():
-        raise CheckpointError(f"{path} has no model.safetensors")
-    return load_file(weights)
-
-
-def load_model_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load ``model.safetensors`` (or adapter weights for a PEFT model) from a checkpoint into ``model``."""
-    from safetensors.torch import load_file
-
-    if hasattr(model, "peft_config"):
-        from peft import set_peft_model_state_dict
-
-        adapter = path / "adapter_model.safetensors"
-        if not adapter.is_file():
-            raise CheckpointError(f"{path} has no adapter_model.safetensors to resume a LoRA run from")
-        set_peft_model_state_dict(model, load_file(adapter))
-        return
-    weights = path / "model.safetensors"
-    if not weights.is_file():
-        raise CheckpointError(f"{path} has no model.safetensors")
-    state = load_file(weights)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # Tied embeddings are saved once; anything else missing means the checkpoint is for another model.
-    missing = [k for k in missing if "lm_head" not in k]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{weights} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )

@@ -33,6 +33,16 @@ import yaml
 from verl.errors import ConfigError
 
 ENTRY_POINT_GROUP = "verl.evaluators"
+# The built-in evaluators, as pyproject.toml declares them in that group (a test keeps the two equal). Used when
+# the group has no such name: a plain checkout on PYTHONPATH, never pip-installed, has no entry-point metadata,
+# and its default trainer.evaluators must still work. Strings: eval is imported only when a run names one.
+BUILTIN_EVALUATORS = {
+    "reward": "eval.evaluators.reward:Reward",
+    "kl": "eval.evaluators.kl:KL",
+    "diversity": "eval.evaluators.diversity:Diversity",
+    "accuracy": "eval.evaluators.accuracy:Accuracy",
+    "length": "eval.evaluators.length:Length",
+}
 
 # What an evaluator can ask the runner for. Generations are always produced; the rest only when some evaluator
 # needs them, so a run of `accuracy` alone never loads a reference model.
@@ -209,6 +219,8 @@ def resolve_target(target: str) -> Any:
             raise ConfigError(f"evaluator '{target}': module '{where}' has no attribute '{attr}'")
         return getattr(module, attr)
     points = _entry_points()
+    if target not in points and target in BUILTIN_EVALUATORS:
+        return resolve_target(BUILTIN_EVALUATORS[target])
     if target not in points:
         names = sorted(points)
         hint = (

@@ -30,9 +30,10 @@ from verl.algos.masked import masked_mean
 from verl.config import VerlConfig, dump_config
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams
-from verl.trainer.alerts import ngram_repetition_rate
-from verl.trainer.callbacks import CallbackList, TrainerCallback, callbacks_from_config
+from verl.trainer.alerts import callbacks_from_config, ngram_repetition_rate
+from verl.trainer.callbacks import CallbackList, TrainerCallback
 from verl.trainer.checkpoint import (
+    checkpoint_step,
     find_resume_checkpoint,
     load_trainer_state,
     remove_stale_temp_dirs,
@@ -398,7 +399,8 @@ class PPOTrainer:
         remove_stale_temp_dirs(self.run_dir)
         atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
         self.trackers = create_trackers(cfg.trainer.logger, total_steps=cfg.trainer.total_steps, quiet=self.quiet,
-                                        config=cfg, run_dir=self.run_dir)
+                                        config=cfg, run_dir=self.run_dir,
+                                        resumed_step=None if resume_from is None else checkpoint_step(resume_from))
         self.logger = log.RunLogger(cfg.log_path(), self.trackers, cfg.trainer.log_level)
         log.set_active(self.logger)
         self.monitor = SystemMonitor()

@@ -17,9 +17,9 @@ import torch
 from verl.config import VerlConfig
 from verl.models.loader import load_causal_lm, load_tokenizer, pick_device
 from verl.models.lora import apply_lora, is_lora
+from verl.models.weights import load_model_weights
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams, get_rollout_factory
-from verl.trainer.checkpoint import load_model_weights
 from verl.utils.net import free_port
 from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.actor import Actor
@@ -179,7 +179,7 @@ class RoleWorker:
             if self.dist.fsdp:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-                from verl.trainer.checkpoint import read_model_weights
+                from verl.models.weights import read_model_weights
 
                 set_model_state_dict(self.model, read_model_weights(path),
                                      options=StateDictOptions(full_state_dict=True))
