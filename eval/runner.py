@@ -428,9 +428,9 @@ class Evaluation:
 
     def evaluate(self, model_path: str, out_dir: Path, label: str, step: int | None = None,
                  run_dir: Path | None = None) -> dict[str, Any]:
-        """Evaluate the weights at ``model_path``; write and return ``results.json``'s content."""
-        torch = self._torch
-        from verl.rollout.base import SamplingParams, get_rollout_factory
+        """Evaluate the weights at ``model_path``: build the engine, generate, KL to the reference, run the
+        evaluators, assemble and write ``results.json`` (+ samples, report); returns its content."""
+        from verl.rollout.base import SamplingParams
 
         t0 = time.perf_counter()
         digest = model_hash(model_path)
@@ -442,44 +442,21 @@ class Evaluation:
             return cached
         policy = load_policy(model_path, self.run_cfg, self.device, self.dtype)
         policy.requires_grad_(False)
-        factory = get_rollout_factory(self.resolved.engine)
-        if self.resolved.engine == "hf":
-            # The run's generation chunking and autocast, so samples match the trainer's validation exactly.
-            micro = self.run_cfg.rollout.micro_batch_size if self.run_cfg is not None else None
-            autocast = torch.bfloat16 if self.run_cfg is not None and self.run_cfg.actor.autocast == "bf16" else None
-            engine = factory(policy, self.tokenizer, micro, autocast)
-        else:  # engines that load weights themselves (vLLM) take the path, as the trainer builds them
-            from verl.config import RolloutConfig
-
-            rollout_cfg = self.run_cfg.rollout if self.run_cfg is not None else RolloutConfig()
-            engine = factory(model_path=model_path, tokenizer=self.tokenizer, config=rollout_cfg,
-                             max_model_len=self.data_cfg.max_prompt_length + self.resolved.max_new_tokens,
-                             seed=self.resolved.seed, actor_model=policy)
+        engine = self._build_engine(policy, model_path)
         params = SamplingParams(n=self.resolved.n, temperature=self.resolved.temperature, top_p=self.resolved.top_p,
                                 top_k=self.resolved.top_k, max_new_tokens=self.resolved.max_new_tokens,
                                 seed=self.resolved.seed)
-        load_seconds = time.perf_counter() - t0
+        timing = {"load_seconds": time.perf_counter() - t0}
         try:
-            batch, texts, scores, extras, gen_seconds = self._generate(engine, params, label)
+            batch, texts, scores, extras, timing["generation_seconds"] = self._generate(engine, params, label)
         finally:
             engine.shutdown()
-        kl_terms, kl_seconds = None, 0.0
-        if "ref_logprobs" in self.needs:
-            t1 = time.perf_counter()
-            reference = self.reference()
-            if reference.config.vocab_size != policy.config.vocab_size:
-                raise ConfigError(f"reference '{self.resolved.reference}' has vocab size {reference.config.vocab_size} "
-                                  f"but the checkpoint has {policy.config.vocab_size}; give a --reference with the "
-                                  "same tokenizer")
-            from eval.evaluators.kl import compute_kl_terms
-
-            with self._progress(f"{label}: KL to reference", len(batch)) as advance:
-                kl_terms = compute_kl_terms(policy, reference, batch, self.settings.kl_micro_batch_size,
-                                            progress=advance)
-            kl_seconds = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        kl_terms = self._kl_terms(policy, batch, label) if "ref_logprobs" in self.needs else None
+        timing["kl_seconds"] = time.perf_counter() - t1
         del policy
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if self._torch.cuda.is_available():
+            self._torch.cuda.empty_cache()
         from verl.trainer.evaluator_plugins import EvalBatch
 
         eval_batch = EvalBatch.from_rollout(batch, texts, scores, extras, n=self.resolved.n,
@@ -489,10 +466,52 @@ class Evaluation:
         eval_batch.kl_terms = kl_terms
         t2 = time.perf_counter()
         metrics, columns, notes = run_evaluators(self.evaluators, eval_batch)
-        eval_seconds = time.perf_counter() - t2
-        total = time.perf_counter() - t0
+        timing["evaluator_seconds"] = time.perf_counter() - t2
+        timing["total_seconds"] = time.perf_counter() - t0
+        results = self._assemble(model_path, label, step, run_dir, digest, batch, len(texts), metrics, notes, timing)
         samples = self._sample_rows(batch, texts, scores, columns)
-        results = {
+        write_results(out_dir, results, samples)
+        from eval.report import write_checkpoint_report
+
+        write_checkpoint_report(out_dir, results, samples)
+        self._say(f"{label}: " + summary_line(results) + f"  -> {out_dir}")
+        return results
+
+    def _build_engine(self, policy: Any, model_path: str) -> Any:
+        """The rollout engine the run's validation used, around ``policy`` (vLLM loads ``model_path`` itself)."""
+        from verl.rollout.base import get_rollout_factory
+
+        factory = get_rollout_factory(self.resolved.engine)
+        if self.resolved.engine == "hf":
+            # The run's generation chunking and autocast, so samples match the trainer's validation exactly.
+            micro = self.run_cfg.rollout.micro_batch_size if self.run_cfg is not None else None
+            bf16 = self.run_cfg is not None and self.run_cfg.actor.autocast == "bf16"
+            return factory(policy, self.tokenizer, micro, self._torch.bfloat16 if bf16 else None)
+        from verl.config import RolloutConfig
+
+        rollout_cfg = self.run_cfg.rollout if self.run_cfg is not None else RolloutConfig()
+        return factory(model_path=model_path, tokenizer=self.tokenizer, config=rollout_cfg,
+                       max_model_len=self.data_cfg.max_prompt_length + self.resolved.max_new_tokens,
+                       seed=self.resolved.seed, actor_model=policy)
+
+    def _kl_terms(self, policy: Any, batch: Any, label: str) -> dict[str, Any]:
+        """Exact per-token KL of ``policy`` from the reference along the generated responses."""
+        reference = self.reference()
+        if reference.config.vocab_size != policy.config.vocab_size:
+            raise ConfigError(f"reference '{self.resolved.reference}' has vocab size {reference.config.vocab_size} "
+                              f"but the checkpoint has {policy.config.vocab_size}; give a --reference with the "
+                              "same tokenizer")
+        from eval.evaluators.kl import compute_kl_terms
+
+        with self._progress(f"{label}: KL to reference", len(batch)) as advance:
+            return compute_kl_terms(policy, reference, batch, self.settings.kl_micro_batch_size, progress=advance)
+
+    def _assemble(self, model_path: str, label: str, step: int | None, run_dir: Path | None, digest: str,
+                  batch: Any, num_samples: int, metrics: dict[str, Metric], notes: list[str],
+                  timing: dict[str, float]) -> dict[str, Any]:
+        """``results.json``'s content: what was evaluated, how, the metrics with their CIs, and the timings."""
+        generation, total = timing["generation_seconds"], timing["total_seconds"]
+        return {
             "schema": SCHEMA,
             "label": label,
             "checkpoint": str(model_path),
@@ -502,7 +521,7 @@ class Evaluation:
             "created": datetime.now().isoformat(timespec="seconds"),
             "sampling": self.resolved.sampling,
             "data": {"files": self.resolved.data_files, "num_prompts": int(len(set(batch.non_tensor["index"]))),
-                     "num_samples": len(texts), "max_samples": self.resolved.max_samples,
+                     "num_samples": num_samples, "max_samples": self.resolved.max_samples,
                      "prompt_key": self.data_cfg.prompt_key, "ground_truth_key": self.data_cfg.ground_truth_key},
             "evaluators": [getattr(e, "spec", getattr(e, "name", type(e).__name__)) for e in self.evaluators],
             "reference": self.resolved.reference,
@@ -516,17 +535,10 @@ class Evaluation:
             "n_bootstrap": self.settings.n_bootstrap,
             "versions": versions(),
             "device": str(self.device),
-            "timing": {"load_seconds": load_seconds, "generation_seconds": gen_seconds, "kl_seconds": kl_seconds,
-                       "evaluator_seconds": eval_seconds, "total_seconds": total,
-                       "samples_per_second": len(texts) / gen_seconds if gen_seconds else None,
-                       "samples_per_second_total": len(texts) / total if total else None},
+            "timing": {**timing,
+                       "samples_per_second": num_samples / generation if generation else None,
+                       "samples_per_second_total": num_samples / total if total else None},
         }
-        write_results(out_dir, results, samples)
-        from eval.report import write_checkpoint_report
-
-        write_checkpoint_report(out_dir, results, samples)
-        self._say(f"{label}: " + summary_line(results) + f"  -> {out_dir}")
-        return results
 
     def _generate(self, engine: Any, params: Any, label: str) -> tuple[Any, list[str], Any, dict, float]:
         """The trainer's validation loop (``verl.trainer.validation.generate_and_score``) with a progress bar."""
