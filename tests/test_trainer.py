@@ -65,9 +65,9 @@ def test_every_estimator_runs_a_step(tmp_path, estimator, extra):
 def update_ready_batch(trainer):
     """A real rollout of 4 prompts with random advantages and reference log-probs: the actor update's input."""
     prompts = trainer.train_dataset.collate([0, 1, 2, 3])
-    batch = trainer.generate(prompts, trainer.train_sampling(1))
+    batch = trainer.roles.generate(prompts, trainer.train_sampling(1))
     batch.batch["advantages"] = torch.randn(batch.batch["responses"].shape) * batch.batch["response_mask"]
-    batch.batch["ref_log_prob"] = trainer.compute_ref_log_prob(batch)
+    batch.batch["ref_log_prob"] = trainer.roles.compute_ref_log_prob(batch)
     return batch
 
 
@@ -137,8 +137,8 @@ def test_custom_reward_function(tmp_path):
         quiet=True,
     )
     prompts = trainer.train_dataset.collate([0, 1])
-    batch = trainer.generate(prompts, trainer.train_sampling(1))
-    scores, extras, texts = trainer.compute_reward(batch)
+    batch = trainer.roles.generate(prompts, trainer.train_sampling(1))
+    scores, extras, texts = trainer.roles.compute_reward(batch)
     assert scores.sum(-1).tolist() == [float(len(t)) for t in texts]
     assert extras["chars"].tolist() == [float(len(t)) for t in texts]
 
@@ -159,8 +159,8 @@ def test_reward_model_scores_responses(tmp_path):
     tokenizer.save_pretrained(rm_dir)
     trainer = LocalPPOTrainer(tiny_config(tmp_path, reward={"model": {"path": str(rm_dir)}}), quiet=True)
     prompts = trainer.train_dataset.collate([0, 1])
-    batch = trainer.generate(prompts, trainer.train_sampling(1))
-    scores, _, texts = trainer.compute_reward(batch)
+    batch = trainer.roles.generate(prompts, trainer.train_sampling(1))
+    scores, _, texts = trainer.roles.compute_reward(batch)
     # Independently: score each full text with the RM, read the logit at the last token.
     expected = []
     for prompt, text in zip(batch.non_tensor["raw_prompt"], texts, strict=True):

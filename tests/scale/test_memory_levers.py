@@ -53,10 +53,10 @@ def test_reference_offload_and_lora_reference_without_copy(tmp_path):
     lora.fit()
     # The reference (adapters off) still gives the base model's log-probs after the adapters trained.
     prompts = lora.train_dataset.collate([0, 1])
-    batch = lora.generate(prompts, lora.train_sampling(5))
+    batch = lora.roles.generate(prompts, lora.train_sampling(5))
     from verl.models.loader import load_causal_lm
     from verl.workers.reference import Reference
 
     base = Reference(load_causal_lm("builtin:tiny-arith"), temperature=1.0)
-    torch.testing.assert_close(lora.compute_ref_log_prob(batch), base.compute_ref_log_prob(batch), atol=1e-5,
+    torch.testing.assert_close(lora.roles.compute_ref_log_prob(batch), base.compute_ref_log_prob(batch), atol=1e-5,
                                rtol=1e-5)

@@ -323,7 +323,7 @@ def run_validation_evaluators(trainer: Any, batch: Any, texts: list[str], scores
                                         n_bootstrap=0, seed=cfg.trainer.seed)
     evaluators = resolve_validation_evaluators(trainer)
     if any("ref_logprobs" in evaluator_needs(e) for e in evaluators):
-        eval_batch.kl_terms = trainer.compute_kl_terms(batch)
+        eval_batch.kl_terms = trainer.roles.compute_kl_terms(batch)
     metrics: dict[str, float] = {}
     for evaluator in evaluators:
         where = getattr(evaluator, "name", type(evaluator).__name__)

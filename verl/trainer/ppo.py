@@ -10,16 +10,18 @@ What is *not* computed matters as much as what is: old log-probs only when the u
 (several epochs or mini-batches) or a KL-in-reward needs them; reference log-probs only with a KL term;
 values only with a critic (GAE). Each stage is timed (``timing/<stage>``).
 
-Executors (``LocalPPOTrainer``, ``RayPPOTrainer``) subclass ``PPOTrainer`` and implement the role operations
-(``generate``, ``compute_reward``, ``compute_old_log_prob`` ...); the loop below never changes between them.
+The trainer is concrete. The compute goes through a **roles** object (``Roles`` below): a ``RoleWorker`` in this
+process (the local executor) or ``RayRoles`` over Ray worker groups. ``LocalPPOTrainer`` and ``RayPPOTrainer``
+only build their roles and inputs and hand them to ``PPOTrainer``; the loop never changes between them.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -28,6 +30,8 @@ from verl.algos.advantages import estimator_facts, get_adv_estimator
 from verl.algos.kl import build_kl_controller, kl_penalty
 from verl.algos.masked import masked_mean
 from verl.config import VerlConfig, dump_config
+from verl.data.dataset import PromptSampler, RLHFDataset
+from verl.models.loader import load_tokenizer
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams
 from verl.trainer.alerts import callbacks_from_config, ngram_repetition_rate
@@ -41,15 +45,67 @@ from verl.trainer.checkpoint import (
 )
 from verl.utils import log
 from verl.utils.fs import atomic_write_text, ensure_writable_dir
+from verl.utils.seeding import seed_everything, set_num_threads
 from verl.utils.system import SystemMonitor
 from verl.utils.timing import StageTimer
 
 
-class PPOTrainer:
-    """The loop. Subclasses provide the roles; see the module docstring."""
+class Roles(Protocol):
+    """What the loop asks of the roles (shapes: ``batch`` rows = prompts x n; per-token tensors
+    ``(batch, response_len)``)."""
 
-    def __init__(self, config: VerlConfig, quiet: bool = False):
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto: ...
+    def compute_reward(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, np.ndarray], list[str]]: ...
+    def compute_old_log_prob(self, batch: DataProto) -> torch.Tensor: ...
+    def compute_ref_log_prob(self, batch: DataProto) -> torch.Tensor: ...
+    def compute_values(self, batch: DataProto) -> torch.Tensor: ...
+    def compute_kl_terms(self, batch: DataProto) -> dict[str, torch.Tensor]: ...
+    def update_actor(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]: ...
+    def update_critic(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]: ...
+    def validation_engine(self) -> Any: ...
+    def save(self, directory: str | Path) -> None: ...
+    def load(self, directory: str | Path) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class TrainInputs:
+    """What a run reads: the tokenizer, the prompt datasets and the sampler over the training prompts."""
+
+    tokenizer: Any
+    train_dataset: RLHFDataset
+    val_dataset: RLHFDataset
+    sampler: PromptSampler
+
+
+def prepare_inputs(config: VerlConfig, tokenizer: Any = None, train_dataset: RLHFDataset | None = None,
+                   val_dataset: RLHFDataset | None = None) -> TrainInputs:
+    """Threads and seeds, then tokenizer, datasets (given ones are used as they are) and the prompt sampler;
+    resolves ``trainer.total_epochs`` into steps now that the dataset size is known."""
+    cfg = config
+    set_num_threads(cfg.trainer.num_threads)
+    seed_everything(cfg.trainer.seed)
+    tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+    train = train_dataset or RLHFDataset(cfg.data.train_files, tokenizer, cfg.data, "data.train_files",
+                                         cfg.needs_ground_truth)
+    val = val_dataset or RLHFDataset(cfg.data.val_files, tokenizer, cfg.data, "data.val_files",
+                                     cfg.needs_ground_truth)
+    sampler = PromptSampler(len(train), cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
+    cfg.resolve_total_steps(len(train))  # trainer.total_epochs, as verl counts them
+    return TrainInputs(tokenizer, train, val, sampler)
+
+
+class PPOTrainer:
+    """The loop, over a ``roles`` object that does the compute (see the module docstring)."""
+
+    def __init__(self, config: VerlConfig, roles: Roles, inputs: TrainInputs, reward_manager: Any,
+                 device: torch.device, quiet: bool = False):
         self.config = config
+        self.roles = roles
+        self.tokenizer, self.sampler = inputs.tokenizer, inputs.sampler
+        self.train_dataset, self.val_dataset = inputs.train_dataset, inputs.val_dataset
+        self.reward_manager = reward_manager  # scores validation responses in this process
+        self.device = device
         self.quiet = quiet
         self.callbacks = CallbackList(callbacks_from_config(config))  # trainer.alerts / trainer.callbacks
         self.global_step = 0
@@ -60,43 +116,9 @@ class PPOTrainer:
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
         self.evaluators: list[Any] = []
 
-    # ------------------------------------------------------------------ role operations (executors)
-
-    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
-        raise NotImplementedError
-
-    def compute_reward(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, np.ndarray], list[str]]:
-        raise NotImplementedError
-
-    def compute_old_log_prob(self, batch: DataProto) -> torch.Tensor:
-        raise NotImplementedError
-
-    def compute_ref_log_prob(self, batch: DataProto) -> torch.Tensor:
-        raise NotImplementedError
-
-    def compute_values(self, batch: DataProto) -> torch.Tensor:
-        raise NotImplementedError
-
-    def compute_kl_terms(self, batch: DataProto) -> dict[str, torch.Tensor]:
-        """Exact per-token KL of the actor from the reference along ``batch``'s responses, for the ``kl``
-        evaluator in validation (``verl.workers.kl_terms``); each field ``(batch, response_len)``."""
-        raise NotImplementedError
-
-    def update_actor(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]:
-        raise NotImplementedError
-
-    def update_critic(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]:
-        raise NotImplementedError
-
-    def save_role_states(self, directory: Path) -> None:
-        """Write the roles' models and optimizer states into a checkpoint's temp ``directory``."""
-        raise NotImplementedError
-
-    def load_role_states(self, directory: Path) -> None:
-        raise NotImplementedError
-
     def shutdown(self) -> None:
-        """Release executor resources (workers, engines)."""
+        """Release the roles' resources (workers, engines)."""
+        self.roles.shutdown()
 
     # ------------------------------------------------------------------ public API
 
@@ -157,23 +179,23 @@ class PPOTrainer:
         with self.timer("total"):
             prompts = self.train_dataset.collate(self.sampler.next_batch())
             with self.timer("gen"):
-                batch = self.generate(prompts, self.train_sampling(step))
+                batch = self.roles.generate(prompts, self.train_sampling(step))
             batch.non_tensor["uid"] = batch.non_tensor["index"]  # group id: responses to the same prompt
             if estimator_facts(cfg.algorithm.adv_estimator).needs_greedy_baseline:
                 with self.timer("gen_baseline"):
                     batch.batch["reward_baselines"] = self._greedy_baseline(prompts).repeat_interleave(n)
             with self.timer("reward"):
-                scores, extras, texts = self.compute_reward(batch)
+                scores, extras, texts = self.roles.compute_reward(batch)
                 batch.batch["token_level_scores"] = scores
             if self.needs_old_log_probs:
                 with self.timer("old_log_prob"):
-                    batch.batch["old_log_probs"] = self.compute_old_log_prob(batch)
+                    batch.batch["old_log_probs"] = self.roles.compute_old_log_prob(batch)
             if cfg.use_reference:
                 with self.timer("ref"):
-                    batch.batch["ref_log_prob"] = self.compute_ref_log_prob(batch)
+                    batch.batch["ref_log_prob"] = self.roles.compute_ref_log_prob(batch)
             if cfg.use_critic:
                 with self.timer("values"):
-                    batch.batch["values"] = self.compute_values(batch)
+                    batch.batch["values"] = self.roles.compute_values(batch)
             with self.timer("adv"):
                 kl_metrics = self._apply_kl_in_reward(batch)
                 advantages, returns = self.adv_fn(
@@ -189,11 +211,11 @@ class PPOTrainer:
             critic_metrics: dict[str, float] = {}
             if cfg.use_critic:
                 with self.timer("update_critic"):
-                    critic_metrics = self.update_critic(batch, self.critic_mini_batch_size)
+                    critic_metrics = self.roles.update_critic(batch, self.critic_mini_batch_size)
             actor_metrics: dict[str, float] = {}
             if step > cfg.critic.warmup_steps or not cfg.use_critic:
                 with self.timer("update_actor"):
-                    actor_metrics = self.update_actor(batch, cfg.actor.ppo_mini_batch_size * n)
+                    actor_metrics = self.roles.update_actor(batch, cfg.actor.ppo_mini_batch_size * n)
         self._log_step(step, batch, extras, texts, actor_metrics, critic_metrics, kl_metrics)
         return {}
 
@@ -224,8 +246,8 @@ class PPOTrainer:
     def _greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
         """ReMax baseline: the reward of each prompt's greedy response, ``(batch,)``."""
         params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.config.data.max_response_length)
-        greedy = self.generate(prompts, params)
-        scores, _, _ = self.compute_reward(greedy)
+        greedy = self.roles.generate(prompts, params)
+        scores, _, _ = self.roles.compute_reward(greedy)
         return scores.sum(-1)
 
     def _apply_kl_in_reward(self, batch: DataProto) -> dict[str, float]:
@@ -306,7 +328,7 @@ class PPOTrainer:
         step = self.global_step
         start = time.perf_counter()
         batch, scores, extras, texts = generate_and_score(
-            self.rollout_engine_for_validation(), self.val_dataset, self.reward_manager, self.val_sampling(),
+            self.roles.validation_engine(), self.val_dataset, self.reward_manager, self.val_sampling(),
             self.config.data.val_batch_size, self.config.data.val_max_samples,
         )
         metrics = validation_metrics(batch, scores, extras)
@@ -327,9 +349,6 @@ class PPOTrainer:
         self.callbacks.on_evaluate(self, step, flat)
         return flat
 
-    def rollout_engine_for_validation(self):
-        raise NotImplementedError
-
     def _checkpoint(self, step: int, metrics: dict[str, float]) -> None:
         with self.timer("save"):
             path = self.save_checkpoint(step, metrics)
@@ -339,12 +358,12 @@ class PPOTrainer:
         self.callbacks.on_save(self, step, path)
 
     def save_checkpoint(self, step: int, metrics: dict[str, float]) -> Path:
-        return write_checkpoint(self.run_dir, step, self.save_role_states, self.trainer_state(), metrics,
+        return write_checkpoint(self.run_dir, step, self.roles.save, self.trainer_state(), metrics,
                                 self.config.trainer.max_ckpt_to_keep)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         state = load_trainer_state(path)
-        self.load_role_states(path)
+        self.roles.load(path)
         self.restore_trainer_state(state)
         return state
 

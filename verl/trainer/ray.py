@@ -1,4 +1,4 @@
-"""``RayPPOTrainer``: the same driver loop, with roles in Ray worker groups (``trainer.executor=ray``).
+"""``RayPPOTrainer``: the same driver loop, with ``RayRoles`` over Ray worker groups (``trainer.executor=ray``).
 
 Placement (``trainer.ray.placement``), as HybridFlow's resource pools:
 
@@ -28,18 +28,15 @@ import numpy as np
 import torch
 
 from verl.config import VerlConfig
-from verl.data.dataset import PromptSampler, RLHFDataset
+from verl.data.dataset import RLHFDataset
 from verl.errors import ConfigError, MissingDependencyError, VerlError
-from verl.models.loader import load_tokenizer
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams, pad_responses
 from verl.trainer.checkpoint import read_pointer
-from verl.trainer.local import needed_roles
-from verl.trainer.ppo import PPOTrainer
+from verl.trainer.ppo import PPOTrainer, prepare_inputs
 from verl.utils.net import free_port
-from verl.utils.seeding import seed_everything, set_num_threads
-from verl.workers.ray_worker import RoleWorker
 from verl.workers.reward import RewardManager
+from verl.workers.role_worker import RoleWorker, needed_roles
 
 
 def _import_ray():
@@ -103,27 +100,16 @@ class WorkerGroup:
         return self.call_split(method, data, *args), extra
 
 
-class RayPPOTrainer(PPOTrainer):
-    def __init__(self, config: VerlConfig, train_dataset: RLHFDataset | None = None,
-                 val_dataset: RLHFDataset | None = None, quiet: bool = False):
-        super().__init__(config, quiet=quiet)
+class RayRoles:
+    """The roles over Ray worker groups: the ``Roles`` the loop calls, each operation split over (or sent to) the
+    group that holds the role."""
+
+    def __init__(self, config: VerlConfig, tokenizer: Any, reward_manager: RewardManager):
         ray = _import_ray()
-        cfg = self.config
-        set_num_threads(cfg.trainer.num_threads)
-        seed_everything(cfg.trainer.seed)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
-        self.train_dataset = train_dataset or RLHFDataset(cfg.data.train_files, self.tokenizer, cfg.data,
-                                                          "data.train_files", cfg.needs_ground_truth)
-        self.val_dataset = val_dataset or RLHFDataset(cfg.data.val_files, self.tokenizer, cfg.data, "data.val_files",
-                                                      cfg.needs_ground_truth)
-        self.sampler = PromptSampler(len(self.train_dataset), cfg.data.train_batch_size, cfg.data.shuffle,
-                                     cfg.trainer.seed)
-        cfg.resolve_total_steps(len(self.train_dataset))  # trainer.total_epochs, as verl counts them
-        self.device = torch.device("cpu")  # the driver holds no model
+        self.config, self.tokenizer, self.reward_manager = config, tokenizer, reward_manager
         self._start_ray(ray)
         self._check_resources(ray)
         self.groups = self._create_groups(ray)
-        self.reward_manager = RewardManager(self.tokenizer, cfg.reward)  # validation scoring (and colocated reward)
         for group in self.groups.values():
             group.call_all("ping")  # surface construction errors now, naming the group
 
@@ -238,7 +224,7 @@ class RayPPOTrainer(PPOTrainer):
     def update_critic(self, batch: DataProto, mini_batch_size: int) -> dict[str, float]:
         return self.groups["critic"].call_all("update_critic", batch, mini_batch_size)[0]
 
-    def rollout_engine_for_validation(self):
+    def validation_engine(self):
         return self  # generate() above has the engine signature
 
     # ------------------------------------------------------------------ checkpoints
@@ -248,21 +234,13 @@ class RayPPOTrainer(PPOTrainer):
         unique = {id(g): g for g in self.groups.values()}
         return [g for g in unique.values() if g.name not in ("reference", "reward")]
 
-    def save_role_states(self, directory: Path) -> None:
+    def save(self, directory: str | Path) -> None:
         for group in self._stateful_groups():
             group.call_all("save", str(directory))
 
-    def load_role_states(self, directory: Path) -> None:
+    def load(self, directory: str | Path) -> None:
         for group in self._stateful_groups():
             group.call_all("load", str(directory))
-
-    def fit(self) -> dict[str, float]:
-        try:
-            return super().fit()
-        except VerlError as exc:
-            latest = read_pointer(self.run_dir)
-            where = f"; last complete checkpoint: {latest}" if latest else "; no checkpoint was written yet"
-            raise VerlError(f"{exc}{where}") from None
 
     def shutdown(self) -> None:
         ray = _import_ray()
@@ -273,3 +251,26 @@ class RayPPOTrainer(PPOTrainer):
                 ray.kill(worker)
         if self._owns_ray:
             ray.shutdown()
+
+
+class RayPPOTrainer(PPOTrainer):
+    """``PPOTrainer`` with ``RayRoles``; only construction (and a failure message) differ from the local one."""
+
+    def __init__(self, config: VerlConfig, train_dataset: RLHFDataset | None = None,
+                 val_dataset: RLHFDataset | None = None, quiet: bool = False):
+        inputs = prepare_inputs(config, None, train_dataset, val_dataset)
+        reward_manager = RewardManager(inputs.tokenizer, config.reward)  # validation (and colocated) scoring
+        roles = RayRoles(config, inputs.tokenizer, reward_manager)
+        super().__init__(config, roles, inputs, reward_manager, device=torch.device("cpu"), quiet=quiet)
+
+    @property
+    def groups(self) -> dict[str, WorkerGroup]:
+        return self.roles.groups
+
+    def fit(self) -> dict[str, float]:
+        try:
+            return super().fit()
+        except VerlError as exc:  # a worker failure: say which checkpoint a resume would continue from
+            latest = read_pointer(self.run_dir)
+            where = f"; last complete checkpoint: {latest}" if latest else "; no checkpoint was written yet"
+            raise VerlError(f"{exc}{where}") from None

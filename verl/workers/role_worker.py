@@ -1,9 +1,10 @@
-"""``RoleWorker``: one worker process hosting some roles (actor + rollout, reference, critic, reward).
+"""``RoleWorker``: the roles (actor + rollout, reference, critic, reward) of one process.
 
-The Ray executor starts these as Ray actors in worker groups. The role code is the very same as in the local
-executor (``Actor``, ``Critic``, ``Reference``, ``HFRollout``, ``RewardManager``); this class only builds the
-roles a placement asks for, joins the group's ``torch.distributed`` process group, and exposes one method per
-role operation. It imports nothing from Ray, so it is testable in-process.
+The local executor uses one in the trainer's process as its roles object (``PPOTrainer(roles=...)``); the Ray
+executor starts several as Ray actors in worker groups behind ``RayRoles``. The role code is the very same either
+way (``Actor``, ``Critic``, ``Reference``, ``HFRollout``, ``RewardManager``); this class only builds the roles a
+placement asks for, joins the group's ``torch.distributed`` process group, and exposes one method per role
+operation. It imports nothing from Ray.
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ from verl.workers.reward import RewardManager
 
 ACTOR_STATE = "actor_state.pt"
 CRITIC_STATE = "critic_state.pt"
+
+
+def needed_roles(config: VerlConfig) -> list[str]:
+    """The roles a run needs: actor (+ rollout) and reward always; the reference with a KL term; a critic for
+    estimators that need values."""
+    roles = ["actor", "reward"]
+    if config.use_reference:
+        roles.append("ref")
+    if config.use_critic:
+        roles.append("critic")
+    return roles
 
 
 def actor_state_file(rank: int, fsdp: bool) -> str:
@@ -151,9 +163,13 @@ class RoleWorker:
     def update_critic(self, data: DataProto, mini_batch_size: int) -> dict[str, float]:
         return self.critic.update(data, mini_batch_size)
 
+    def validation_engine(self) -> Any:
+        """The engine validation generates with: the actor's rollout (it shares the actor's weights)."""
+        return self.rollout
+
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, directory: str) -> None:
+    def save(self, directory: str | Path) -> None:
         """Write this worker's part of a checkpoint into ``directory`` (a temp dir the driver renames).
 
         Rank 0 writes the HF model (+ ``critic/``); optimizer states go to ``actor_state*.pt`` /
@@ -173,7 +189,7 @@ class RoleWorker:
                 self.critic.model.save_pretrained(path / "critic", state_dict=weights, safe_serialization=True)
                 torch.save(self.critic.state_dict(), path / CRITIC_STATE)
 
-    def load(self, directory: str) -> None:
+    def load(self, directory: str | Path) -> None:
         path = Path(directory)
         if self.actor is not None:
             if self.dist.fsdp:
