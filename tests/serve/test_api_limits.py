@@ -330,6 +330,15 @@ def _closed_by_server(sock, within: float) -> bool:
         return False
 
 
+def _read_until_closed(sock, within: float) -> str:
+    """Everything the server sends until it closes the connection (fails if it does not close in time)."""
+    sock.settimeout(within)
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data.decode()
+
+
 def test_slow_clients_are_cut_off_by_header_and_body_deadlines():
     """Half-sent headers (only `verl serve` can time those: uvicorn alone waits forever) and a stalled body (the
     app's own deadline: 408) both free their connection; the service keeps answering meanwhile."""
@@ -344,11 +353,9 @@ def test_slow_clients_are_cut_off_by_header_and_body_deadlines():
         with _open_socket(srv.url) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # 11 of 100 bytes, then silence
-            sock.settimeout(10)
-            answer = sock.recv(4096).decode()
+            answer = _read_until_closed(sock, within=10)  # headers and body may come in separate segments
             assert answer.startswith("HTTP/1.1 408"), answer
             assert '"code":"request_timeout"' in answer.replace(" ", "") and "body_timeout_s" in answer
-            assert _closed_by_server(sock, within=5)
         for sock in silent + partial:
             sock.close()
 
@@ -358,5 +365,4 @@ def test_plain_uvicorn_still_times_out_a_stalled_body():
     with run_server(body_timeout_s=1.0) as srv, _open_socket(srv.url) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 50\r\n\r\n{")
-        sock.settimeout(10)
-        assert sock.recv(4096).decode().startswith("HTTP/1.1 408")
+        assert _read_until_closed(sock, within=10).startswith("HTTP/1.1 408")

@@ -1,0 +1,286 @@
+"""The HTTP routes: operational (health, metrics, version), OpenAI (models, completions, chat) and native
+(generate, tokenize, detokenize)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from serve import __version__
+from serve.engines.base import (
+    EngineOutput,
+    SamplingOptions,
+)
+from serve.logprobs import CompletionLogprobs, chat_logprobs, token_texts
+from serve.metrics import CONTENT_TYPE
+from serve.requests import (
+    chat_prompt,
+    check_model,
+    check_unsupported,
+    completion_prompts,
+    echo_texts,
+    encode_texts,
+    plan_tokens,
+    sequence_specs,
+)
+from serve.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from serve.service import ERROR_RESPONSES, SSE_DOC, ApiError, SequenceSpec, Service, require_api_key
+from serve.streaming import run_to_completion, stream_response, usage_block, usage_chunk
+
+
+def add_routes(app: FastAPI, service: Service) -> None:
+    """Mount the three routers on ``app``."""
+    for router in (ops_router(service), openai_router(service), native_router(service)):
+        app.include_router(router)
+
+
+def ops_router(service: Service) -> APIRouter:
+    """Health (open, for probes), Prometheus metrics and version."""
+    router = APIRouter()
+    app = router  # the decorators below read as they would on the app
+    protected = [Depends(require_api_key)]
+
+
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}}, tags=["ops"])
+    async def health() -> JSONResponse:
+        """200 when serving; 503 while loading, draining or when the engine died (no API key needed)."""
+        status, detail = service.health()
+        engine = service.engine.name if service.engine else None
+        body = HealthResponse(status=status, engine=engine, detail=detail, model=service.model_name,
+                              model_source=service.settings.model_source).model_dump()
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    # /metrics needs the key when one is set, unless metrics_public (a scraper that cannot send headers).
+    metrics_guard = [] if service.settings.metrics_public else protected
+
+    @app.get("/metrics", tags=["ops"], response_class=Response, dependencies=metrics_guard,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+    async def metrics() -> Response:
+        """Prometheus metrics (``verl:`` prefix, vLLM's names)."""
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/version", response_model=VersionResponse, tags=["ops"], dependencies=protected)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__, engine=service.engine.name if service.engine else "loading",
+                               model=service.model_name)
+
+    return router
+
+
+def openai_router(service: Service) -> APIRouter:
+    """OpenAI's models, completions and chat completions."""
+    router = APIRouter()
+    app = router
+    protected = [Depends(require_api_key)]
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=protected, responses=ERROR_RESPONSES,
+             tags=["openai"])
+    async def models() -> dict:
+        engine = service.ready_engine()
+        return {"object": "list", "data": [{
+            "id": service.model_name, "object": "model", "created": service.created, "owned_by": "verl-suite",
+            "root": service.model_name, "max_model_len": engine.max_model_len,  # never a local path
+            "source": service.settings.model_source}]}
+
+    @app.get("/v1/models/{model_id}", response_model=ModelCard, dependencies=protected, responses=ERROR_RESPONSES,
+             tags=["openai"])
+    async def model(model_id: str) -> dict:
+        """One served model by id (OpenAI's retrieve-model); an unknown id is a 404."""
+        if model_id != service.model_name:
+            raise ApiError(404, f"The model '{model_id}' does not exist", type="not_found_error", param="model",
+                           code="model_not_found")
+        return (await models())["data"][0]
+
+    @app.post("/v1/completions", dependencies=protected, tags=["openai"],
+              responses={200: {"model": CompletionResponse, **SSE_DOC}, **ERROR_RESPONSES})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI-compatible text completion (``prompt`` may be text, texts, token ids or lists of them)."""
+        return await create_completion(service, body, request)
+
+    @app.post("/v1/chat/completions", dependencies=protected, tags=["openai"],
+              responses={200: {"model": ChatCompletionResponse, **SSE_DOC}, **ERROR_RESPONSES})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI-compatible chat completion (the model's chat template is applied)."""
+        return await create_chat_completion(service, body, request)
+
+    return router
+
+
+def native_router(service: Service) -> APIRouter:
+    """The simple /generate and the tokenizer utilities."""
+    router = APIRouter()
+    app = router
+    protected = [Depends(require_api_key)]
+
+    @app.post("/generate", response_model=GenerateResponse, dependencies=protected, responses=ERROR_RESPONSES,
+              tags=["simple"])
+    async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
+        """The tutorial-style endpoint: raw prompt in, generated text out (greedy unless ``temperature`` > 0)."""
+        engine = service.ready_engine()
+        prompts = await asyncio.to_thread(encode_texts, engine, [body.prompt])
+        max_tokens = plan_tokens(service, engine, prompts, body.max_new_tokens, "max_new_tokens", "prompt")
+        temperature = body.temperature if body.temperature > 1e-5 else 0.0
+        sampling = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, seed=body.seed,
+                                   stop=list(body.stop or []))
+        service.admit(1)
+        request_id = f"gen-{uuid.uuid4().hex}"
+        [result] = await run_to_completion(service, request, request_id, [SequenceSpec(0, 0, prompts[0], sampling)])
+        return JSONResponse({"response": "".join(result.text), "finish_reason": result.finish_reason,
+                             "prompt_tokens": len(prompts[0]), "completion_tokens": result.tokens})
+
+
+    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=protected, responses=ERROR_RESPONSES,
+              tags=["utility"])
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """Token ids of a raw prompt, or of chat messages after the chat template."""
+        engine = service.ready_engine()
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+        if body.messages is not None:
+            if not body.messages:
+                raise ApiError(400, "'messages' must not be empty", param="messages")
+            ids = await asyncio.to_thread(chat_prompt, engine, body.messages, body.add_generation_prompt)
+        else:
+            ids = (await asyncio.to_thread(encode_texts, engine, [body.prompt]))[0] if body.prompt else []
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=protected, responses=ERROR_RESPONSES,
+              tags=["utility"])
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        engine = service.ready_engine()
+        vocab = len(engine.tokenizer)
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    return router
+
+
+async def create_completion(service: Service, body: CompletionRequest, request: Request) -> Response:
+    """OpenAI-compatible text completion (``prompt`` may be text, texts, token ids or lists of them)."""
+    check_unsupported(body)
+    check_model(service, body.model)
+    engine = service.ready_engine()
+    prompts = await asyncio.to_thread(completion_prompts, engine, body.prompt)
+    if len(prompts) > service.settings.max_prompts_per_request:
+        raise ApiError(400, f"{len(prompts)} prompts in one request; the limit is "
+                       f"{service.settings.max_prompts_per_request}", param="prompt")
+    if body.n > service.settings.max_n:
+        raise ApiError(400, f"'n' is {body.n}; this server allows at most {service.settings.max_n}", param="n")
+    max_tokens = plan_tokens(service, engine, prompts, body.max_tokens, "max_tokens", "prompt")
+    specs = sequence_specs(engine, prompts, body, max_tokens)
+    prompt_tokens = sum(len(p) for p in prompts)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    echoes = echo_texts(engine, body.prompt, prompts) if body.echo else None
+    text_of = token_texts(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
+    service.admit(len(specs))
+    if body.stream:
+        started: dict[int, CompletionLogprobs] = {}
+
+        def chunk(index: int, text: str, out: EngineOutput | None) -> dict | None:
+            spec = specs[index]
+            first = index not in started
+            logprobs = started.setdefault(index, CompletionLogprobs(text_of))
+            block = None
+            if echoes is not None and first:
+                text = echoes[spec.prompt_index] + text
+                if body.logprobs is not None and out is not None:
+                    block = logprobs.block(spec.prompt_ids, out.prompt_logprobs or [None] * len(spec.prompt_ids))
+            if out is not None and out.logprobs:
+                more = logprobs.block(out.token_ids, out.logprobs)
+                block = more if block is None else {k: block[k] + more[k] for k in block}
+            if not text and block is None and not (out and out.finished):
+                return None
+            choice = {"index": index, "text": text, "logprobs": block,
+                      "finish_reason": out.finish_reason if out else None}
+            if out is not None and out.finished:
+                choice["stop_reason"] = out.stop_reason
+            return {"id": request_id, "object": "text_completion", "created": created,
+                    "model": service.model_name, "choices": [choice]}
+
+        make_usage = usage_chunk(request_id, "text_completion", created, service.model_name)
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return stream_response(service, request_id, specs, prompt_tokens, chunk, [], include, make_usage)
+    results = await run_to_completion(service, request, request_id, specs)
+    choices = []
+    for spec, r in zip(specs, results, strict=True):
+        text, block = "".join(r.text), None
+        if body.logprobs is not None:
+            ids, entries = r.token_ids, r.logprobs
+            if echoes is not None:
+                ids = [*spec.prompt_ids, *ids]
+                entries = [*(r.prompt_logprobs or [None] * len(spec.prompt_ids)), *entries]
+            block = CompletionLogprobs(text_of).block(ids, entries)
+        if echoes is not None:
+            text = echoes[spec.prompt_index] + text
+        choices.append({"index": spec.index, "text": text, "logprobs": block, "finish_reason": r.finish_reason,
+                        "stop_reason": r.stop_reason})
+    return JSONResponse({"id": request_id, "object": "text_completion", "created": created,
+                         "model": service.model_name, "choices": choices,
+                         "usage": usage_block(prompt_tokens, results)})
+
+
+async def create_chat_completion(service: Service, body: ChatCompletionRequest, request: Request) -> Response:
+    """OpenAI-compatible chat completion (the model's chat template is applied)."""
+    check_unsupported(body)
+    check_model(service, body.model)
+    engine = service.ready_engine()
+    if body.n > service.settings.max_n:
+        raise ApiError(400, f"'n' is {body.n}; this server allows at most {service.settings.max_n}", param="n")
+    prompt = await asyncio.to_thread(chat_prompt, engine, body.messages, body.add_generation_prompt)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = plan_tokens(service, engine, [prompt], requested, param, "messages")
+    specs = sequence_specs(engine, [prompt], body, max_tokens)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    text_of = token_texts(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
+    service.admit(len(specs))
+    if body.stream:
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": service.model_name}
+
+        def chunk(index: int, text: str, out: EngineOutput | None) -> dict | None:
+            block = chat_logprobs(out.logprobs, text_of) if out is not None and out.logprobs else None
+            if not text and block is None and not (out and out.finished):
+                return None
+            finished = out is not None and out.finished
+            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": block,
+                      "finish_reason": out.finish_reason if finished else None}
+            if finished:
+                choice["stop_reason"] = out.stop_reason
+            return {**base, "choices": [choice]}
+
+        preamble = [{**base, "choices": [{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]} for s in specs]
+        make_usage = usage_chunk(request_id, "chat.completion.chunk", created, service.model_name)
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return stream_response(service, request_id, specs, len(prompt), chunk, preamble, include, make_usage)
+    results = await run_to_completion(service, request, request_id, specs)
+    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(r.text), "refusal": None},
+                "logprobs": chat_logprobs(r.logprobs, text_of) if body.logprobs else None,
+                "finish_reason": r.finish_reason, "stop_reason": r.stop_reason} for i, r in enumerate(results)]
+    return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,
+                         "model": service.model_name, "choices": choices,
+                         "usage": usage_block(len(prompt), results)})

@@ -1,0 +1,168 @@
+"""Running sequences: to completion (504 past the deadline, abort on disconnect) or as an SSE stream; usage blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from serve.engines.base import (
+    EngineDeadError,
+    EngineError,
+    EngineOutput,
+    RequestFailedError,
+)
+from serve.service import ApiError, SequenceResult, SequenceSpec, Service, error_body
+
+# A child of uvicorn's logger: our lines appear in the server log with its format and level.
+log = logging.getLogger("uvicorn.error.serve")
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return when the client goes away (the body was already read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_to_completion(service: Service, request: Request, request_id: str,
+                            specs: list[SequenceSpec]) -> list[SequenceResult]:
+    """Run every sequence to its end; 504 past the timeout; abort everything if the client disconnects."""
+    results = [SequenceResult() for _ in specs]
+
+    def sink(index: int, out: EngineOutput | BaseException) -> None:
+        result = results[index]
+        if isinstance(out, BaseException):
+            result.error = out
+            return
+        result.text.append(out.text)
+        result.tokens = out.num_generated_tokens
+        result.token_ids.extend(out.token_ids)
+        result.logprobs.extend(out.logprobs or [])
+        if out.prompt_logprobs is not None:
+            result.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
+
+    pending = set(service.start_pumps(request_id, specs, sink, stream=False))
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    deadline = time.monotonic() + service.settings.request_timeout_s
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending | {watcher}, timeout=deadline - time.monotonic(),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                service.metrics.rejected.labels(service.model_name, "client_disconnected").inc()
+                raise ApiError(499, "the client closed the connection", code="client_closed")
+            if not done:
+                service.metrics.rejected.labels(service.model_name, "timeout").inc()
+                raise ApiError(504, f"the request did not finish within {service.settings.request_timeout_s:g} s",
+                               type="timeout_error", code="timeout")
+            pending -= done
+    finally:
+        watcher.cancel()
+        for task in pending:
+            task.cancel()
+    for result in results:
+        if result.error is not None:
+            raise engine_failure(result.error)
+    return results
+
+
+def engine_failure(exc: BaseException) -> ApiError:
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, f"the engine is down: {exc}", type="service_unavailable", code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return ApiError(500, str(exc), type="internal_error", code="request_failed")
+    if isinstance(exc, EngineError):
+        return ApiError(503, str(exc), type="service_unavailable", code="engine_error")
+    log.exception("generation failed", exc_info=exc)
+    return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", type="internal_error")
+
+
+class _SSEResponse(StreamingResponse):
+    """A stream that always cleans up: if the client vanishes before or during streaming, ``on_close`` runs."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def stream_response(service: Service, request_id: str, specs: list[SequenceSpec], prompt_tokens: int,
+                    chunk: Callable[[int, str, EngineOutput | None], dict | None],
+                    preamble: list[dict], include_usage: bool,
+                    usage_chunk: Callable[[dict], dict]) -> StreamingResponse:
+    """SSE: ``preamble`` chunks, then one chunk per delta with text or a finish, optional usage, ``[DONE]``."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = service.start_pumps(request_id, specs, lambda index, out: queue.put_nowait((index, out)), stream=True)
+    deadline = time.monotonic() + service.settings.request_timeout_s
+
+    async def events() -> AsyncIterator[str]:
+        remaining, completion_tokens = len(specs), [0] * len(specs)
+        for item in preamble:
+            yield sse(item)
+        while remaining:
+            try:
+                index, out = await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                service.metrics.rejected.labels(service.model_name, "timeout").inc()
+                err = ApiError(504, f"the request did not finish within {service.settings.request_timeout_s:g} s",
+                               type="timeout_error", code="timeout")
+                yield sse(error_body(err.message, err.type, code=err.code))
+                break
+            if isinstance(out, BaseException):
+                err = engine_failure(out)
+                yield sse(error_body(err.message, err.type, code=err.code))
+                break
+            completion_tokens[index] = out.num_generated_tokens
+            if out.finished:
+                remaining -= 1
+            payload = chunk(index, out.text, out)
+            if payload is not None:
+                yield sse(payload)
+        else:
+            if include_usage:
+                total = sum(completion_tokens)
+                yield sse(usage_chunk({"prompt_tokens": prompt_tokens, "completion_tokens": total,
+                                       "total_tokens": prompt_tokens + total}))
+        yield "data: [DONE]\n\n"
+
+    def close() -> None:
+        for task in tasks:
+            task.cancel()  # no-op for finished pumps; aborts the rest (client gone, timeout, error)
+
+    return _SSEResponse(events(), close)
+
+
+# ---------------------------------------------------------------- middleware
+
+
+def usage_block(prompt_tokens: int, results: list[SequenceResult]) -> dict:
+    completion = sum(r.tokens for r in results)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def usage_chunk(request_id: str, obj: str, created: int, model: str) -> Callable[[dict], dict]:
+    def make(usage: dict) -> dict:
+        return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+
+    return make
