@@ -109,7 +109,7 @@ def test_validation_evaluators_run_through_entry_points():
     terms = {"policy_log_probs": torch.tensor([[-1.0, -2.0, 0.0], [-1.0, 0.0, 0.0]]),
              "ref_log_probs": torch.tensor([[-1.5, -2.0, 0.0], [-0.5, 0.0, 0.0]]),
              "token_kl": torch.tensor([[0.25, 0.5, 0.0], [0.75, 0.0, 0.0]])}
-    trainer = SimpleNamespace(config=cfg, evaluators=[], compute_kl_terms=lambda data: terms)
+    trainer = SimpleNamespace(config=cfg, evaluators=[], roles=SimpleNamespace(compute_kl_terms=lambda data: terms))
     metrics = evaluator_plugins.run_validation_evaluators(trainer, batch, ["a", "b"], np.zeros(2), {})
     assert metrics["kl_exact"] == pytest.approx((0.75 + 0.75) / 2)
     assert metrics["kl_k1"] == pytest.approx((0.5 - 0.5) / 2)  # k1 = logp - ref, summed per response
