@@ -56,11 +56,10 @@ def add_routes(app: FastAPI, service: Service) -> None:
 def ops_router(service: Service) -> APIRouter:
     """Health (open, for probes), Prometheus metrics and version."""
     router = APIRouter()
-    app = router  # the decorators below read as they would on the app
     protected = [Depends(require_api_key)]
 
 
-    @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}}, tags=["ops"])
+    @router.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}}, tags=["ops"])
     async def health() -> JSONResponse:
         """200 when serving; 503 while loading, draining or when the engine died (no API key needed)."""
         status, detail = service.health()
@@ -72,13 +71,13 @@ def ops_router(service: Service) -> APIRouter:
     # /metrics needs the key when one is set, unless metrics_public (a scraper that cannot send headers).
     metrics_guard = [] if service.settings.metrics_public else protected
 
-    @app.get("/metrics", tags=["ops"], response_class=Response, dependencies=metrics_guard,
+    @router.get("/metrics", tags=["ops"], response_class=Response, dependencies=metrics_guard,
              responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def metrics() -> Response:
         """Prometheus metrics (``verl:`` prefix, vLLM's names)."""
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    @app.get("/version", response_model=VersionResponse, tags=["ops"], dependencies=protected)
+    @router.get("/version", response_model=VersionResponse, tags=["ops"], dependencies=protected)
     async def version() -> VersionResponse:
         return VersionResponse(version=__version__, engine=service.engine.name if service.engine else "loading",
                                model=service.model_name)
@@ -89,10 +88,9 @@ def ops_router(service: Service) -> APIRouter:
 def openai_router(service: Service) -> APIRouter:
     """OpenAI's models, completions and chat completions."""
     router = APIRouter()
-    app = router
     protected = [Depends(require_api_key)]
 
-    @app.get("/v1/models", response_model=ModelList, dependencies=protected, responses=ERROR_RESPONSES,
+    @router.get("/v1/models", response_model=ModelList, dependencies=protected, responses=ERROR_RESPONSES,
              tags=["openai"])
     async def models() -> dict:
         engine = service.ready_engine()
@@ -101,7 +99,7 @@ def openai_router(service: Service) -> APIRouter:
             "root": service.model_name, "max_model_len": engine.max_model_len,  # never a local path
             "source": service.settings.model_source}]}
 
-    @app.get("/v1/models/{model_id}", response_model=ModelCard, dependencies=protected, responses=ERROR_RESPONSES,
+    @router.get("/v1/models/{model_id}", response_model=ModelCard, dependencies=protected, responses=ERROR_RESPONSES,
              tags=["openai"])
     async def model(model_id: str) -> dict:
         """One served model by id (OpenAI's retrieve-model); an unknown id is a 404."""
@@ -110,13 +108,13 @@ def openai_router(service: Service) -> APIRouter:
                            code="model_not_found")
         return (await models())["data"][0]
 
-    @app.post("/v1/completions", dependencies=protected, tags=["openai"],
+    @router.post("/v1/completions", dependencies=protected, tags=["openai"],
               responses={200: {"model": CompletionResponse, **SSE_DOC}, **ERROR_RESPONSES})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI-compatible text completion (``prompt`` may be text, texts, token ids or lists of them)."""
         return await create_completion(service, body, request)
 
-    @app.post("/v1/chat/completions", dependencies=protected, tags=["openai"],
+    @router.post("/v1/chat/completions", dependencies=protected, tags=["openai"],
               responses={200: {"model": ChatCompletionResponse, **SSE_DOC}, **ERROR_RESPONSES})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI-compatible chat completion (the model's chat template is applied)."""
@@ -128,10 +126,9 @@ def openai_router(service: Service) -> APIRouter:
 def native_router(service: Service) -> APIRouter:
     """The simple /generate and the tokenizer utilities."""
     router = APIRouter()
-    app = router
     protected = [Depends(require_api_key)]
 
-    @app.post("/generate", response_model=GenerateResponse, dependencies=protected, responses=ERROR_RESPONSES,
+    @router.post("/generate", response_model=GenerateResponse, dependencies=protected, responses=ERROR_RESPONSES,
               tags=["simple"])
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
         """The tutorial-style endpoint: raw prompt in, generated text out (greedy unless ``temperature`` > 0)."""
@@ -148,7 +145,7 @@ def native_router(service: Service) -> APIRouter:
                              "prompt_tokens": len(prompts[0]), "completion_tokens": result.tokens})
 
 
-    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=protected, responses=ERROR_RESPONSES,
+    @router.post("/tokenize", response_model=TokenizeResponse, dependencies=protected, responses=ERROR_RESPONSES,
               tags=["utility"])
     async def tokenize(body: TokenizeRequest) -> dict:
         """Token ids of a raw prompt, or of chat messages after the chat template."""
@@ -163,7 +160,7 @@ def native_router(service: Service) -> APIRouter:
             ids = (await asyncio.to_thread(encode_texts, engine, [body.prompt]))[0] if body.prompt else []
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=protected, responses=ERROR_RESPONSES,
+    @router.post("/detokenize", response_model=DetokenizeResponse, dependencies=protected, responses=ERROR_RESPONSES,
               tags=["utility"])
     async def detokenize(body: DetokenizeRequest) -> dict:
         engine = service.ready_engine()
