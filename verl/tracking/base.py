@@ -60,7 +60,12 @@ def tracker_factory(name: str) -> Callable[..., Tracker]:
     """The class or factory for ``name``: a registered one first, else the built-in table."""
     if name in TRACKERS:
         return TRACKERS[name]
-    module, attribute = BUILTIN_TRACKERS[name].split(":")
+    return _load(BUILTIN_TRACKERS[name])
+
+
+def _load(spec: str) -> Any:
+    """The object a ``"module:attribute"`` string names (both tables here hold such strings)."""
+    module, attribute = spec.split(":")
     return getattr(importlib.import_module(module), attribute)
 
 
@@ -97,8 +102,7 @@ def check_trackers(names: list[str], config: Any = None) -> None:
     _check_names(names)
     for name in dict.fromkeys(names):
         if name in PREFLIGHTS:
-            module, function = PREFLIGHTS[name].split(":")
-            getattr(importlib.import_module(module), function)(config)
+            _load(PREFLIGHTS[name])(config)
 
 
 def create_trackers(names: list[str], **context: Any) -> list[Tracker]:
