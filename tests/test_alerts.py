@@ -1,4 +1,5 @@
-"""Health alerts: the rules, the monitor, and two real runs (a KL blow-up, a NaN loss)."""
+"""Health rules: the conditions, the monitor, the legacy sections, and real runs (a KL blow-up, a NaN loss, rules
+that skip updates and add checkpoints)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,10 @@ import torch
 import yaml
 
 from verl.algos.losses import clipped_policy_loss, register_policy_loss
-from verl.trainer.alerts import (
-    AboveThreshold,
-    AlertMonitor,
-    EntropyCollapse,
-    KLAboveTarget,
-    NonFinite,
-    RewardCollapse,
-    ngram_repetition_rate,
-)
+from verl.config import build_config
+from verl.errors import ConfigError
+from verl.trainer.health import HealthMonitor, MetricRule, build_health_rules
+from verl.trainer.step_metrics import ngram_repetition_rate
 from verl.utils.log import RunLogger, read_jsonl
 
 TINY = {"data": {"train_batch_size": 4, "val_max_samples": 8}, "actor": {"ppo_mini_batch_size": 4},
@@ -60,33 +56,94 @@ def test_repetition_rate_is_zero_for_varied_and_high_for_looping_text():
 # ---------------------------------------------------------------------------------------------- rules
 
 
-def test_rules_fire_on_their_conditions():
-    kl = KLAboveTarget(target=0.1, factor=5)
+def default_rules(**alerts) -> dict[str, list[MetricRule]]:
+    """The shipped rules as ``trainer.alerts`` (deprecated) sets them, by name."""
+    rules: dict[str, list[MetricRule]] = {}
+    for rule in build_health_rules(build_config({"trainer": {"alerts": alerts}})):
+        rules.setdefault(rule.name, []).append(rule)
+    return rules
+
+
+def test_default_rules_fire_on_their_conditions():
+    rules = default_rules(kl_target=0.1, kl_factor=5, reward_collapse_drop=0.5, reward_window=2,
+                          entropy_collapse_ratio=0.1)
+    [kl] = rules["kl_far_above_target"]
     assert kl.check(1, {"ppo/kl_div": 0.4}) is None
     alert = kl.check(2, {"ppo/kl_div": 2.0})
-    assert alert.rule == "kl_far_above_target" and alert.threshold == pytest.approx(0.5)
-    assert "20.0x the KL target" in alert.message and "actor.optim.lr" in alert.message
+    assert alert.rule == "kl_far_above_target" and alert.threshold == pytest.approx(0.5) and alert.action == "warn"
+    assert "ppo/kl_div 2 > 0.5" in alert.message and "5x the KL target 0.1" in alert.message
+    assert "actor.optim.lr" in alert.message
 
-    collapse = RewardCollapse(drop=0.5, window=2)
+    [collapse] = rules["reward_collapse"]
     fired = [collapse.check(s, {"rollout/reward_mean": r}) for s, r in enumerate([1.0, 1.0, 0.8, 0.3, 0.1], 1)]
     assert [a is not None for a in fired] == [False, False, False, False, True]  # mean(0.3, 0.1) < 0.5
-    entropy = EntropyCollapse(ratio=0.1, window=2)
+    [entropy] = rules["entropy_collapse"]
     fired = [entropy.check(s, {"ppo/entropy": e}) for s, e in enumerate([1.0, 0.8, 0.5, 0.05], 1)]
-    assert [a is not None for a in fired] == [False, False, False, True]
-    clip = AboveThreshold("length_clip_high", "rollout/response_length_clip_ratio", 0.5, "raise it")
+    assert [a is not None for a in fired] == [False, False, False, True]  # 0.05 < 0.1 x mean(1.0, 0.8)
+    [clip] = rules["length_clip_high"]
     assert clip.check(1, {"rollout/response_length_clip_ratio": 0.9}).value == 0.9
     assert clip.check(1, {}) is None  # a metric this run does not log is not an alert
 
 
-def test_non_finite_counts_a_streak_and_stops_after_patience():
-    rule = NonFinite(patience=2)
-    assert rule.check(1, {"ppo/nan_skipped": 0.0, "ppo/policy_loss": 0.1}) is None
-    first = rule.check(2, {"ppo/nan_skipped": 1.0, "ppo/policy_loss": float("nan")})
-    assert first.action == "warn" and "ppo/policy_loss" in first.message
-    assert rule.check(3, {"ppo/nan_skipped": 0.0}) is None  # a good step resets the streak
-    assert rule.check(4, {"ppo/nan_skipped": 1.0}).action == "warn"
-    stop = rule.check(5, {"ppo/grad_norm": float("inf"), "ppo/nan_skipped": 1.0})
-    assert stop.action == "stop" and stop.severity == "critical" and "2 in a row" in stop.message
+def test_conditions_patience_and_actions_from_rule_specs():
+    below = MetricRule.of(name="short", metric="rollout/response_length_mean", when="below", threshold=2.0,
+                          patience=2, action="checkpoint", advice="look at the samples")
+    assert below.check(1, {"rollout/response_length_mean": 1.0}) is None  # 1 of 2
+    assert below.check(2, {"rollout/response_length_mean": 3.0}) is None  # cleared: the streak restarts
+    assert below.check(3, {"rollout/response_length_mean": 1.0}) is None
+    alert = below.check(4, {"rollout/response_length_mean": 1.5})
+    assert alert.action == "checkpoint" and alert.severity == "warning"
+    assert alert.message == ("rollout/response_length_mean 1.5 < 2 for 2 consecutive step(s); checkpointing step 4; "
+                             "look at the samples")
+    skip = MetricRule.of(name="no_signal", metric="rollout/reward_std", when="below", threshold=1e-6,
+                         action="skip_step")
+    assert skip.before_update and skip.check(1, {"rollout/reward_std": 0.0}).action == "skip_step"
+    with pytest.raises(ConfigError, match="skip_step is decided before the update.*'ppo/kl_div' is not one"):
+        MetricRule.of(name="bad", metric="ppo/kl_div", when="above", threshold=1.0, action="skip_step")
+    with pytest.raises(ConfigError, match="when=above needs a threshold"):
+        MetricRule.of(name="bad", metric="ppo/kl_div", when="above")
+    with pytest.raises(ConfigError, match="trainer.health.rules"):
+        build_config({"trainer": {"health": {"rules": [{"name": "x", "when": "sideways", "metric": "a/b"}]}}})
+
+
+def test_non_finite_reports_every_step_and_stops_after_patience():
+    rules = default_rules(nan_patience=2)
+    monitor = HealthMonitor(rules["non_finite"], cooldown_steps=10)
+    host = Host(None, [])
+    monitor.on_step_end(host, 1, {"ppo/nan_skipped": 0.0, "ppo/policy_loss": 0.1})
+    monitor.on_step_end(host, 2, {"ppo/nan_skipped": 1.0, "ppo/policy_loss": float("nan")})
+    monitor.on_step_end(host, 3, {"ppo/nan_skipped": 0.0})  # a good step resets the streak
+    monitor.on_step_end(host, 4, {"ppo/nan_skipped": 1.0})
+    assert host.stop_reason is None
+    monitor.on_step_end(host, 5, {"ppo/grad_norm": float("inf"), "ppo/nan_skipped": 1.0})
+    fired = [(a["rule"], a["action"]) for a in monitor.fired]
+    assert fired == [("non_finite", "warn"), ("non_finite", "warn"), ("non_finite", "stop")]  # one row per step
+    assert "ppo/policy_loss" in monitor.fired[0]["message"]
+    assert "for 2 consecutive step(s), stopping at step 5" in host.stop_reason
+
+
+def test_legacy_sections_still_configure_the_rules_with_a_notice_and_rules_replace_them(capsys):
+    import verl.trainer.health as health
+
+    health._NOTICED = False
+    assert "trainer.alerts" not in capsys.readouterr().err
+    build_health_rules(build_config({}))
+    assert "deprecated" not in capsys.readouterr().err  # the defaults alone: no notice
+    rules = default_rules(kl_factor=10, kl_target=0.01)
+    assert rules["kl_far_above_target"][0].spec.threshold == pytest.approx(0.1)
+    build_health_rules(build_config({"trainer": {"alerts": {"kl_factor": 7}}}))
+    err = capsys.readouterr().err
+    assert err.count("deprecated") == 1 and "trainer.health.rules" in err
+    build_health_rules(build_config({"trainer": {"alerts": {"kl_factor": 7}}}))
+    assert capsys.readouterr().err == ""  # once per process
+
+    stop = build_config({"trainer": {"callbacks": {"early_stop": {"enable": True, "kl_threshold": 0.3}}}})
+    early = [r for r in build_health_rules(stop) if r.name == "early_stop"]
+    assert {(r.spec.metric, r.spec.action) for r in early} >= {("ppo/kl_div", "stop")}
+    own = build_config({"trainer": {"health": {"rules": [{"name": "kl", "metric": "ppo/kl_div", "when": "above",
+                                                          "threshold": 1.0, "action": "stop"}],
+                                               "add_rules": [{"name": "nan", "when": "non_finite"}]}}})
+    assert [r.name for r in build_health_rules(own)] == ["kl", "nan"]
 
 
 class Host:
@@ -94,6 +151,7 @@ class Host:
 
     def __init__(self, logger, trackers):
         self.logger, self.trackers, self.quiet, self.stop_reason = logger, trackers, True, None
+        self.config = None
 
     def request_stop(self, reason: str) -> None:
         self.stop_reason = self.stop_reason or reason
@@ -107,7 +165,8 @@ def test_monitor_writes_rows_tracker_events_and_rate_limits(tmp_path):
     logger = RunLogger(tmp_path / "verl_logs.jsonl")
     tracker = TensorBoardTracker(log_dir=tmp_path / "tb")
     host = Host(logger, [tracker])
-    monitor = AlertMonitor([KLAboveTarget(0.1, 5), NonFinite(patience=2)], cooldown_steps=3)
+    rules = default_rules(kl_target=0.1, kl_factor=5, nan_patience=2)
+    monitor = HealthMonitor([*rules["kl_far_above_target"], *rules["non_finite"]], cooldown_steps=3)
     kl = [2.0, 2.0, 2.0, 2.0, 0.0, 2.0]  # violating, cleared at step 5, violating again
     for step, value in enumerate(kl, 1):
         monitor.on_step_end(host, step, {"ppo/kl_div": value, "ppo/nan_skipped": 0.0})
@@ -193,3 +252,31 @@ def test_nan_loss_is_skipped_reported_and_stops_after_patience(tmp_path):
     after_3 = load_file(run_dir / "checkpoints" / "global_step_3" / "model.safetensors")
     assert after_1.keys() == after_3.keys()
     assert all(torch.equal(after_1[k], after_3[k]) and torch.isfinite(after_3[k]).all() for k in after_1)
+
+
+def test_rules_skip_updates_and_add_checkpoints_in_a_real_run(tmp_path):
+    """skip_step: no update at all (the checkpoints of steps 1 and 3 hold the same weights); checkpoint: step 1 is
+    saved though save_freq saves only the end; both are alert rows; ppo/update_skipped says which steps skipped."""
+    from safetensors.torch import load_file
+
+    from verl.trainer.local import LocalPPOTrainer
+
+    rules = [{"name": "always_skip", "metric": "rollout/num_responses", "when": "above", "threshold": 0,
+              "action": "skip_step"},
+             {"name": "keep_one", "metric": "rollout/response_length_mean", "when": "above", "threshold": 0,
+              "action": "checkpoint", "cooldown_steps": 5}]
+    config = {**TINY, "trainer": {"total_steps": 3, "test_freq": -1, "val_before_train": False, "save_freq": -1,
+                                  "output_dir": str(tmp_path), "experiment_name": "rules", "logger": ["jsonl"],
+                                  "health": {"rules": rules}}}
+    LocalPPOTrainer(config, quiet=True).fit()
+    run_dir = tmp_path / "verl" / "rules"
+    rows = read_jsonl(run_dir / "verl_logs.jsonl")
+    assert [r["update_skipped"] for r in rows if r["scope"] == "ppo"] == [1.0, 1.0, 1.0]
+    alerts = [(r["step"], r["rule"], r["action"]) for r in rows if r["scope"] == "alert"]
+    assert alerts == [(1, "always_skip", "skip_step"), (1, "keep_one", "checkpoint"), (2, "always_skip", "skip_step"),
+                      (3, "always_skip", "skip_step")]
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("global_step_*"))
+    assert saved == ["global_step_1", "global_step_3"]
+    first = load_file(run_dir / "checkpoints" / "global_step_1" / "model.safetensors")
+    last = load_file(run_dir / "checkpoints" / "global_step_3" / "model.safetensors")
+    assert all(torch.equal(first[k], last[k]) for k in first)

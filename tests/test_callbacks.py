@@ -1,4 +1,5 @@
-"""Callbacks: EarlyStopper rules, BestCheckpointSaver in a real run (YAML + Python), custom callbacks from YAML."""
+"""Callbacks: EarlyStopper (the early-stop health rules), BestCheckpointSaver in a real run (YAML + Python),
+custom callbacks from YAML."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 
 from verl.config import build_config
 from verl.errors import ConfigError
-from verl.trainer.alerts import EarlyStopper, callbacks_from_config
 from verl.trainer.callbacks import BestCheckpointSaver, TrainerCallback, load_callback
+from verl.trainer.health import EarlyStopper, callbacks_from_config
 from verl.utils.log import RunLogger, read_jsonl
 
 
@@ -84,7 +85,8 @@ def test_custom_callbacks_load_from_yaml_specs(tmp_path):
     config = build_config({"trainer": {"callbacks": {"custom": [f"{source}:Counter"],
                                                      "early_stop": {"enable": True}}}})
     callbacks = callbacks_from_config(config)
-    assert [type(c).__name__ for c in callbacks] == ["AlertMonitor", "EarlyStopper", "Counter"]
+    assert [type(c).__name__ for c in callbacks] == ["HealthMonitor", "Counter"]
+    assert "early_stop" in {rule.name for rule in callbacks[0].rules}
     assert isinstance(callbacks[-1], TrainerCallback)
     with pytest.raises(ConfigError, match="not a verl TrainerCallback"):
         load_callback(f"{source}:NotACallback")
@@ -95,6 +97,7 @@ def test_custom_callbacks_load_from_yaml_specs(tmp_path):
     with pytest.raises(ConfigError, match="is not 'package.module:Class'"):
         load_callback("just_a_name")
     assert callbacks_from_config(build_config({"trainer": {"alerts": {"enable": False}}})) == []
+    assert callbacks_from_config(build_config({"trainer": {"health": {"enable": False}}})) == []
 
 
 def test_best_checkpoint_kept_through_retention_and_early_stop_from_python(tmp_path):

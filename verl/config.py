@@ -291,6 +291,8 @@ class BestCheckpointConfig(Section):
 
 
 class EarlyStopConfig(Section):
+    """Deprecated: read into ``trainer.health``'s default rules (``early_stop`` rules with action ``stop``)."""
+
     enable: bool = Field(False, description="Stop the run (final checkpoint, exit 0) when training goes unstable.")
     patience: int = Field(5, ge=1, description="Consecutive violating steps before stopping.")
     kl_threshold: float | None = Field(0.2, gt=0.0, description="Stop when ppo/kl_div stays above this; None = off.")
@@ -317,9 +319,9 @@ class CallbacksConfig(Section):
 
 
 class AlertsConfig(Section):
-    """Health rules checked every step; each firing is an alert row, a console warning and a tracker event."""
+    """Deprecated: the thresholds of ``trainer.health``'s default warn rules (used while ``health.rules`` is unset)."""
 
-    enable: bool = Field(True, description="Check the health rules.")
+    enable: bool = Field(True, description="Include the default warn rules in trainer.health.")
     kl_target: float | None = Field(None, gt=0.0, description="Expected KL; None = algorithm.kl_ctrl.target_kl.")
     kl_factor: float = Field(5.0, gt=1.0, description="Alert when ppo/kl_div exceeds kl_factor * kl_target.")
     reward_collapse_drop: float = Field(
@@ -339,6 +341,56 @@ class AlertsConfig(Section):
         3, ge=0, description="Consecutive non-finite (skipped) steps that stop the run; 0 = never stop."
     )
     cooldown_steps: int = Field(10, ge=1, description="While a rule keeps firing, repeat its alert every N steps.")
+
+
+class HealthRuleConfig(Section):
+    """One health rule: a condition over a logged ``scope/name`` metric and what to do when it holds."""
+
+    name: str = Field(..., min_length=1, description="Rule name (the alert row's 'rule').")
+    metric: str = Field("", description="scope/name metric (e.g. ppo/kl_div); non_finite watches ppo/* and critic/*.")
+    when: Literal["above", "below", "drop_from_peak", "below_start", "non_finite"] = Field(
+        ..., description="above/below: metric vs threshold; drop_from_peak: the mean of `window` steps fell more than "
+        "`threshold` (a fraction) below its peak; below_start: below `threshold` x the mean of the first `window` "
+        "steps; non_finite: a NaN/Inf loss or gradient (the actor skipped the optimizer step).",
+    )
+    threshold: float | None = Field(None, description="Required except for non_finite.")
+    window: int = Field(1, ge=1, description="Steps averaged (drop_from_peak) or taken as the start (below_start).")
+    patience: int = Field(1, ge=1, description="Consecutive steps the condition must hold before the action.")
+    action: Literal["warn", "skip_step", "checkpoint", "stop"] = Field(
+        "warn", description="warn: alert row + console + trackers; skip_step: no update this step (rollout/* "
+        "metrics only: checked before the update); checkpoint: save this step; stop: final checkpoint, exit 0.",
+    )
+    cooldown_steps: int | None = Field(
+        None, ge=1, description="While it keeps holding, act again every N steps; None = trainer.health.cooldown_steps."
+    )
+    advice: str = Field("", description="What to do about it, appended to the alert message.")
+
+    @model_validator(mode="after")
+    def _complete(self) -> HealthRuleConfig:
+        if self.when != "non_finite":
+            if not self.metric:
+                raise ValueError(f"rule '{self.name}': when={self.when} needs a metric (scope/name, e.g. ppo/kl_div)")
+            if self.threshold is None:
+                raise ValueError(f"rule '{self.name}': when={self.when} needs a threshold")
+        if self.when in ("drop_from_peak", "below_start") and not (self.threshold or 0) > 0:
+            raise ValueError(f"rule '{self.name}': when={self.when} needs a threshold > 0 (a fraction)")
+        if self.action == "skip_step" and not self.metric.startswith("rollout/"):
+            raise ValueError(f"rule '{self.name}': action=skip_step is decided before the update, when only "
+                             f"rollout/* metrics exist; '{self.metric or self.when}' is not one")
+        return self
+
+
+class HealthConfig(Section):
+    """Health rules over the logged metrics, checked every step (``verl.trainer.health``): one engine for alerts,
+    skipped updates, extra checkpoints and early stopping."""
+
+    enable: bool = Field(True, description="Check the health rules.")
+    cooldown_steps: int = Field(10, ge=1, description="While a warn rule keeps holding, repeat it every N steps.")
+    rules: list[HealthRuleConfig] | None = Field(
+        None, description="The rules; None = the defaults (KL, reward/entropy collapse, length clipping, "
+        "repetition, non-finite), with thresholds from the deprecated trainer.alerts / callbacks.early_stop.",
+    )
+    add_rules: list[HealthRuleConfig] = Field(default_factory=list, description="Rules added to `rules`.")
 
 
 class RayConfig(Section):
@@ -392,7 +444,8 @@ class TrainerConfig(Section):
     )
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Tracker settings.")
     callbacks: CallbacksConfig = Field(default_factory=CallbacksConfig, description="Callbacks from YAML.")
-    alerts: AlertsConfig = Field(default_factory=AlertsConfig, description="Metric health rules.")
+    health: HealthConfig = Field(default_factory=HealthConfig, description="Health rules over logged metrics.")
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig, description="Deprecated: use trainer.health.")
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainerConfig:

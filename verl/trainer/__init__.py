@@ -1,7 +1,7 @@
-"""Trainers: the PPO driver loop and its executors, SFT, callbacks, checkpoints."""
+"""Trainers: the PPO driver loop and its executors, SFT, callbacks, health rules, checkpoints."""
 
-# `from verl.trainer import TrainerCallback` (as in the user's guides); callbacks.py imports only the stdlib.
-from verl.trainer.alerts import EarlyStopper
+# `from verl.trainer import TrainerCallback` (as in the user's guides).
 from verl.trainer.callbacks import BestCheckpointSaver, TrainerCallback
+from verl.trainer.health import EarlyStopper, HealthMonitor
 
-__all__ = ["BestCheckpointSaver", "EarlyStopper", "TrainerCallback"]
+__all__ = ["BestCheckpointSaver", "EarlyStopper", "HealthMonitor", "TrainerCallback"]

@@ -1,13 +1,14 @@
 """Trainer callbacks: hooks the driver loop calls, and the ``StopTraining`` signal.
 
-Hooks: ``on_train_start(trainer)``, ``on_step_end(trainer, step, metrics)``, ``on_log(logs)``,
-``on_evaluate(trainer, step, metrics)``, ``on_save(trainer, step, path)``, ``on_train_end(trainer, reason)``.
-A callback stops the run by calling ``trainer.request_stop(reason)``; the loop then writes a final checkpoint,
-logs the reason and returns normally (exit code 0).
+Hooks: ``on_train_start(trainer)``, ``on_rollout_end(trainer, step, rollout_metrics)`` (before the update),
+``on_step_end(trainer, step, metrics)``, ``on_log(logs)``, ``on_evaluate(trainer, step, metrics)``,
+``on_save(trainer, step, path)``, ``on_train_end(trainer, reason)``. A callback stops the run by calling
+``trainer.request_stop(reason)``; the loop then writes a final checkpoint, logs the reason and returns normally
+(exit code 0). From ``on_rollout_end`` it may skip the step's update with ``trainer.request_skip_update(reason)``.
 
-Shipped here: ``BestCheckpointSaver`` (keep and mark the best checkpoint by a metric). The health rules —
-``AlertMonitor`` (metric alerts) and ``EarlyStopper`` (stop a run that goes unstable) — live in
-``verl.trainer.alerts``, which also builds the list from YAML (``trainer.callbacks``, ``trainer.alerts``;
+Shipped here: ``BestCheckpointSaver`` (keep and mark the best checkpoint by a metric). The health rules (alerts,
+skipped updates, extra checkpoints, early stopping: ``HealthMonitor``, ``EarlyStopper``) live in
+``verl.trainer.health``, which also builds the list from YAML (``trainer.health``, ``trainer.callbacks``;
 ``callbacks_from_config``). All can be attached from Python (``from verl.trainer import ...``)::
 
     trainer.add_callback(BestCheckpointSaver("eval/accuracy", mode="max"))
@@ -24,6 +25,8 @@ class TrainerCallback:
     """Base class with no-op hooks; override the ones you need."""
 
     def on_train_start(self, trainer: Any) -> None: ...
+
+    def on_rollout_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None: ...
 
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None: ...
 

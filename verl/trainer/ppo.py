@@ -34,7 +34,6 @@ from verl.data.dataset import PromptSampler, RLHFDataset
 from verl.models.loader import load_tokenizer
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams
-from verl.trainer.alerts import callbacks_from_config, ngram_repetition_rate
 from verl.trainer.callbacks import CallbackList, TrainerCallback
 from verl.trainer.checkpoint import (
     checkpoint_step,
@@ -43,6 +42,8 @@ from verl.trainer.checkpoint import (
     remove_stale_temp_dirs,
     write_checkpoint,
 )
+from verl.trainer.health import callbacks_from_config
+from verl.trainer.step_metrics import rollout_metrics
 from verl.utils import log
 from verl.utils.fs import atomic_write_text, ensure_writable_dir
 from verl.utils.seeding import seed_everything, set_num_threads
@@ -107,9 +108,10 @@ class PPOTrainer:
         self.reward_manager = reward_manager  # scores validation responses in this process
         self.device = device
         self.quiet = quiet
-        self.callbacks = CallbackList(callbacks_from_config(config))  # trainer.alerts / trainer.callbacks
+        self.callbacks = CallbackList(callbacks_from_config(config))  # trainer.health / trainer.callbacks
         self.global_step = 0
         self.stop_reason: str | None = None
+        self.skip_update_reason: str | None = None  # set by a health rule (action skip_step) for this step
         self.timer = StageTimer()
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -132,6 +134,10 @@ class PPOTrainer:
     def request_stop(self, reason: str) -> None:
         """Stop after the current step: a final checkpoint is written and ``fit`` returns normally."""
         self.stop_reason = self.stop_reason or reason
+
+    def request_skip_update(self, reason: str) -> None:
+        """Skip this step's critic and actor updates (call from ``on_rollout_end``; the next step is unaffected)."""
+        self.skip_update_reason = self.skip_update_reason or reason
 
     @property
     def run_dir(self) -> Path:
@@ -208,15 +214,20 @@ class PPOTrainer:
                     norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
                 )
                 batch.batch["advantages"], batch.batch["returns"] = advantages, returns
+            rollout = rollout_metrics(batch, extras, cfg.data.max_response_length, self.tokenizer.pad_token_id)
+            # Health rules with action skip_step decide here, on the rollout alone (e.g. a batch with no signal).
+            self.skip_update_reason = None
+            self.callbacks.on_rollout_end(self, step, {f"rollout/{k}": v for k, v in rollout.items()})
             critic_metrics: dict[str, float] = {}
-            if cfg.use_critic:
-                with self.timer("update_critic"):
-                    critic_metrics = self.roles.update_critic(batch, self.critic_mini_batch_size)
             actor_metrics: dict[str, float] = {}
-            if step > cfg.critic.warmup_steps or not cfg.use_critic:
-                with self.timer("update_actor"):
-                    actor_metrics = self.roles.update_actor(batch, cfg.actor.ppo_mini_batch_size * n)
-        self._log_step(step, batch, extras, texts, actor_metrics, critic_metrics, kl_metrics)
+            if self.skip_update_reason is None:
+                if cfg.use_critic:
+                    with self.timer("update_critic"):
+                        critic_metrics = self.roles.update_critic(batch, self.critic_mini_batch_size)
+                if step > cfg.critic.warmup_steps or not cfg.use_critic:
+                    with self.timer("update_actor"):
+                        actor_metrics = self.roles.update_actor(batch, cfg.actor.ppo_mini_batch_size * n)
+        self._log_step(step, batch, rollout, texts, actor_metrics, critic_metrics, kl_metrics)
         return {}
 
     # ------------------------------------------------------------------ pieces of the step
@@ -264,7 +275,7 @@ class PPOTrainer:
         self.kl_ctrl.update(current_kl, n_steps=len(batch))
         return {"reward_kl_penalty": current_kl, "kl_coef": beta}
 
-    def _log_step(self, step: int, batch: DataProto, extras: dict[str, np.ndarray], texts: list[str],
+    def _log_step(self, step: int, batch: DataProto, rollout: dict[str, float], texts: list[str],
                   actor: dict[str, float], critic: dict[str, float], kl_metrics: dict[str, float]) -> None:
         cfg = self.config
         info = self.logger.info
@@ -272,25 +283,13 @@ class PPOTrainer:
         rewards = batch.batch["token_level_rewards"].sum(-1)
         mask = batch.batch["response_mask"]
         lengths = mask.sum(-1).float()
-        rollout = {
-            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "score_mean": float(scores.mean()),
-            "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
-            "response_length_clip_ratio": float((lengths >= cfg.data.max_response_length).float().mean()),
-            "prompt_length_mean": float(batch.batch["prompts"].ne(self.tokenizer.pad_token_id).sum(-1).float().mean()),
-            "advantages_mean": float(masked_mean(batch.batch["advantages"], mask.float())),
-            "num_responses": len(batch),
-        }
-        for key, value in extras.items():
-            rollout[key] = float(np.nanmean(value))
-        rollout["repetition_rate"] = ngram_repetition_rate(batch.batch["responses"], mask)  # loop collapse alert
         info("rollout", **rollout)
         ppo = {"policy_loss": actor.get("policy_loss"), "entropy": actor.get("entropy"),
                "kl_div": actor.get("kl_div"), "approx_kl": actor.get("ppo_kl"), "clip_ratio": actor.get("clipfrac"),
                "clip_ratio_lower": actor.get("clipfrac_lower"), "kl_loss": actor.get("kl_loss"),
                "grad_norm": actor.get("grad_norm"), "lr": actor.get("lr"), "nan_skipped": actor.get("nan_skipped"),
                "kl_coef": cfg.actor.kl_loss_coef if cfg.actor.use_kl_loss else self.kl_ctrl.value,
-               "value_loss": critic.get("value_loss")}
+               "value_loss": critic.get("value_loss"), "update_skipped": float(self.skip_update_reason is not None)}
         ppo.update(kl_metrics)
         info("ppo", **{k: v for k, v in ppo.items() if v is not None})
         if critic:

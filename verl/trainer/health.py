@@ -1,0 +1,350 @@
+"""Training health: one rule engine over the logged metrics, with actions.
+
+A rule is a condition over one ``scope/name`` metric (``trainer.health.rules``, ``HealthRuleConfig``) and an action:
+
+==========  ====================================================================================================
+warn        an ``alert`` row in ``verl_logs.jsonl``, a console warning, a tracker event (wandb alert, TensorBoard
+            text, MLflow ``alerts.json``); repeated every ``cooldown_steps`` while the condition keeps holding
+skip_step   no critic/actor update this step (decided before the update, so only ``rollout/*`` metrics qualify);
+            the step's ``ppo/update_skipped`` is 1
+checkpoint  checkpoint this step (unless the loop saves it anyway)
+stop        stop after this step: final checkpoint, a reason row, exit 0
+==========  ====================================================================================================
+
+Conditions: ``above`` / ``below`` a threshold; ``drop_from_peak`` (the mean over ``window`` steps fell more than
+``threshold`` — a fraction — below its peak); ``below_start`` (below ``threshold`` x the mean of the first
+``window`` steps); ``non_finite`` (a NaN/Inf loss or gradient; the actor already skipped that optimizer step). A rule
+acts once its condition has held for ``patience`` consecutive steps.
+
+The default rules (used while ``trainer.health.rules`` is unset) are the former alerts and early-stop conditions,
+with thresholds read from the deprecated ``trainer.alerts`` and ``trainer.callbacks.early_stop`` sections, which
+still work (a notice says so). Python code adds rules with ``trainer.add_callback(HealthMonitor([...]))``; a rule is
+any object with a ``name`` and ``check(step, metrics) -> Alert | None`` (and, for ``skip_step``, ``before_update =
+True``). Best-checkpoint selection is not a health rule: it stays a callback (``BestCheckpointSaver``).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Protocol
+
+from verl.config import HealthRuleConfig
+from verl.errors import ConfigError
+from verl.trainer.callbacks import TrainerCallback
+
+Action = Literal["warn", "skip_step", "checkpoint", "stop"]
+ACTION_RANK = {"warn": 0, "skip_step": 1, "checkpoint": 2, "stop": 3}
+
+
+@dataclass
+class Alert:
+    """One firing of a health rule."""
+
+    rule: str
+    message: str
+    metric: str | None = None
+    value: float | None = None
+    threshold: float | None = None
+    severity: Literal["warning", "critical"] = "warning"
+    action: Action = "warn"
+
+
+class Rule(Protocol):
+    """What ``HealthMonitor`` runs: ``check`` returns an alert when the rule acts at this step."""
+
+    name: str
+
+    def check(self, step: int, metrics: dict[str, float]) -> Alert | None: ...
+
+
+def _finite(metrics: dict[str, float], key: str) -> float | None:
+    value = metrics.get(key)
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+class MetricRule:
+    """A ``HealthRuleConfig`` made runnable: it keeps the state its condition needs (peak, start level, streak)."""
+
+    WATCHED_SCOPES = ("ppo/", "critic/")  # where non_finite looks
+
+    def __init__(self, spec: HealthRuleConfig):
+        self.spec = spec
+        self.name = spec.name
+        self.before_update = spec.action == "skip_step"
+        self.cooldown_steps = spec.cooldown_steps
+        self.streak = 0
+        self.recent: deque[float] = deque(maxlen=spec.window)
+        self.peak: float | None = None
+        self.start: list[float] = []
+
+    @classmethod
+    def of(cls, **fields: Any) -> MetricRule:
+        """``MetricRule.of(name=..., metric=..., when=..., threshold=...)``: validated like YAML rules."""
+        try:
+            return cls(HealthRuleConfig(**fields))
+        except ValueError as exc:
+            raise ConfigError(f"health rule {fields.get('name')!r}: {exc}") from None
+
+    # ------------------------------------------------------------------ conditions: a description when it holds
+
+    def _holds(self, step: int, metrics: dict[str, float]) -> tuple[str, float | None, float | None] | None:
+        """(description, value, threshold) when the condition holds at this step, else None."""
+        spec = self.spec
+        if spec.when == "non_finite":
+            bad = sorted(k for k, v in metrics.items() if k.startswith(self.WATCHED_SCOPES)
+                         and isinstance(v, float) and not math.isfinite(v))
+            skipped = _finite(metrics, "ppo/nan_skipped")
+            if not bad and not (skipped is not None and skipped > 0):
+                return None
+            what = ", ".join(bad) if bad else "a gradient"
+            return f"non-finite value in {what} at step {step}: the optimizer step was skipped", None, None
+        value = _finite(metrics, spec.metric)
+        if value is None:
+            return None
+        threshold = float(spec.threshold)  # type: ignore[arg-type]  (validated: set for every other condition)
+        if spec.when == "above":
+            return (f"{spec.metric} {value:.4g} > {threshold:g}", value, threshold) if value > threshold else None
+        if spec.when == "below":
+            return (f"{spec.metric} {value:.4g} < {threshold:g}", value, threshold) if value < threshold else None
+        if spec.when == "drop_from_peak":
+            self.recent.append(value)
+            if len(self.recent) < spec.window:
+                return None
+            smoothed = sum(self.recent) / len(self.recent)
+            self.peak = smoothed if self.peak is None else max(self.peak, smoothed)
+            floor = self.peak - threshold * abs(self.peak)
+            if abs(self.peak) < 1e-12 or smoothed >= floor:
+                return None
+            return (f"{spec.metric} (mean of {len(self.recent)} steps) {smoothed:.4g} is more than {threshold:.0%} "
+                    f"below its peak {self.peak:.4g}", smoothed, floor)
+        # below_start: the first `window` values set the baseline; the condition is checked after them
+        if len(self.start) < spec.window:
+            self.start.append(value)
+            return None
+        baseline = sum(self.start) / len(self.start)
+        floor = threshold * baseline
+        if baseline <= 0 or value >= floor:
+            return None
+        return f"{spec.metric} {value:.4g} fell below {threshold:g}x its starting level {baseline:.4g}", value, floor
+
+    def check(self, step: int, metrics: dict[str, float]) -> Alert | None:
+        held = self._holds(step, metrics)
+        if held is None:
+            self.streak = 0
+            return None
+        self.streak += 1
+        if self.streak < self.spec.patience:
+            return None
+        message, value, threshold = held
+        if self.spec.patience > 1:
+            message += f" for {self.spec.patience} consecutive step(s)"
+        action = self.spec.action
+        message += {"warn": "", "skip_step": "; skipping this step's update",
+                    "checkpoint": f"; checkpointing step {step}", "stop": f", stopping at step {step}"}[action]
+        if self.spec.advice:
+            message += f"; {self.spec.advice}"
+        metric = self.spec.metric or "ppo/nan_skipped"
+        return Alert(self.name, message, metric, value, threshold,
+                     severity="critical" if action == "stop" else "warning", action=action)
+
+
+# ---------------------------------------------------------------------------------------------- acting
+
+
+def emit_alert(trainer: Any, alert: Alert, step: int) -> dict[str, Any]:
+    """Record ``alert`` everywhere (JSONL row, console, trackers) and carry out its action."""
+    fields = {k: v for k, v in asdict(alert).items() if v is not None}
+    logger = getattr(trainer, "logger", None)
+    if logger is not None:
+        logger.event("alert", level="ERROR" if alert.severity == "critical" else "WARNING", step=step, **fields)
+    trackers = list(getattr(trainer, "trackers", []))
+    for tracker in trackers:
+        tracker.log_alert(fields, step)
+    from verl.tracking.backends import ConsoleTracker
+
+    # The console tracker prints alerts itself; without it, still warn on stderr (unless told to be quiet).
+    if not any(isinstance(t, ConsoleTracker) for t in trackers) and not getattr(trainer, "quiet", False):
+        print(f"ALERT step {step}: {alert.rule}: {alert.message}", file=sys.stderr)
+    if alert.action == "stop":
+        trainer.request_stop(f"{alert.rule}: {alert.message}")
+    elif alert.action == "skip_step":
+        trainer.request_skip_update(f"{alert.rule}: {alert.message}")
+    elif alert.action == "checkpoint":
+        from verl.trainer.callbacks import _is_scheduled_save
+
+        if not _is_scheduled_save(trainer, step):
+            trainer._checkpoint(step, {})
+    return fields
+
+
+class HealthMonitor(TrainerCallback):
+    """Runs health rules: ``skip_step`` rules on the rollout metrics before the update (``on_rollout_end``), the
+    others on every step's metrics (``on_step_end``). A rule that keeps holding acts again every
+    ``cooldown_steps`` (its own, or the monitor's); ``stop`` acts once."""
+
+    def __init__(self, rules: list[Rule], cooldown_steps: int = 10):
+        self.rules = list(rules)
+        self.cooldown_steps = cooldown_steps
+        self.last_acted: dict[int, int] = {}  # id(rule) -> step
+        self.fired: list[dict[str, Any]] = []
+
+    @classmethod
+    def from_config(cls, config: Any) -> HealthMonitor:
+        return cls(build_health_rules(config), config.trainer.health.cooldown_steps)
+
+    def _run(self, trainer: Any, step: int, metrics: dict[str, float], before_update: bool) -> None:
+        due: dict[str, Alert] = {}
+        for rule in self.rules:
+            if bool(getattr(rule, "before_update", False)) != before_update:
+                continue
+            alert = rule.check(step, metrics)
+            if alert is None:
+                self.last_acted.pop(id(rule), None)  # the condition cleared: the next violation acts at once
+                continue
+            last = self.last_acted.get(id(rule))
+            cooldown = getattr(rule, "cooldown_steps", None) or self.cooldown_steps
+            if alert.action in ("stop", "skip_step") or last is None or step - last >= cooldown:
+                self.last_acted[id(rule)] = step
+                # Rules sharing a name (non_finite: warn every step, stop after a streak) report once per step,
+                # with the strongest action.
+                if alert.rule not in due or ACTION_RANK[alert.action] > ACTION_RANK[due[alert.rule].action]:
+                    due[alert.rule] = alert
+        for alert in due.values():
+            self.fired.append(emit_alert(trainer, alert, step))
+
+    def on_rollout_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        self._run(trainer, step, metrics, before_update=True)
+
+    def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        self._run(trainer, step, metrics, before_update=False)
+
+
+# ---------------------------------------------------------------------------------------------- defaults
+
+
+def default_rules(config: Any) -> list[HealthRuleConfig]:
+    """The shipped rules, thresholds from the deprecated ``trainer.alerts`` and ``trainer.callbacks.early_stop``."""
+    alerts, stop = config.trainer.alerts, config.trainer.callbacks.early_stop
+    rules: list[dict[str, Any]] = []
+    if alerts.enable:
+        target = alerts.kl_target or config.algorithm.kl_ctrl.target_kl
+        rules += [
+            dict(name="kl_far_above_target", metric="ppo/kl_div", when="above", threshold=alerts.kl_factor * target,
+                 advice=f"{alerts.kl_factor:g}x the KL target {target:g}: the policy is leaving the reference fast; "
+                        "lower actor.optim.lr or raise actor.kl_loss_coef"),
+            dict(name="reward_collapse", metric="rollout/reward_mean", when="drop_from_peak",
+                 threshold=alerts.reward_collapse_drop, window=alerts.reward_window,
+                 advice="look at the latest samples for reward hacking or degenerate outputs"),
+            dict(name="entropy_collapse", metric="ppo/entropy", when="below_start",
+                 threshold=alerts.entropy_collapse_ratio, window=alerts.reward_window,
+                 advice="the policy is becoming deterministic (mode collapse): consider actor.entropy_coeff > 0 or "
+                        "a lower learning rate"),
+            dict(name="length_clip_high", metric="rollout/response_length_clip_ratio", when="above",
+                 threshold=alerts.clip_ratio_max,
+                 advice="responses are being cut at data.max_response_length: raise it, or penalise length"),
+            dict(name="repetition_collapse", metric="rollout/repetition_rate", when="above",
+                 threshold=alerts.repetition_rate_max,
+                 advice="responses repeat themselves (degenerate loops): check the samples, lower the learning rate"),
+            dict(name="non_finite", when="non_finite", cooldown_steps=1),  # every skipped update is reported
+        ]
+        if alerts.nan_patience:
+            rules.append(dict(name="non_finite", when="non_finite", patience=alerts.nan_patience, action="stop",
+                              advice="lower actor.optim.lr, check the reward for NaN, or use float32"))
+    if stop.enable:
+        early = dict(name="early_stop", patience=stop.patience, action="stop")
+        if stop.kl_threshold is not None:
+            rules.append(dict(early, metric="ppo/kl_div", when="above", threshold=stop.kl_threshold))
+        if stop.reward_drop is not None:
+            rules.append(dict(early, metric="rollout/reward_mean", when="drop_from_peak", threshold=stop.reward_drop,
+                              window=stop.reward_window))
+        if stop.min_response_length is not None:
+            rules.append(dict(early, metric="rollout/response_length_mean", when="below",
+                              threshold=stop.min_response_length,
+                              advice="response collapse: responses shrink to nothing"))
+        if stop.max_repetition_rate is not None:
+            rules.append(dict(early, metric="rollout/repetition_rate", when="above",
+                              threshold=stop.max_repetition_rate, advice="responses collapse into loops"))
+    return [HealthRuleConfig(**rule) for rule in rules]
+
+
+_NOTICED = False
+
+
+def _deprecation_notice(config: Any) -> None:
+    """Once per process: the old sections still work, and where their replacement is."""
+    global _NOTICED
+    from verl.config import AlertsConfig, EarlyStopConfig
+
+    used = [name for name, section, default in (
+        ("trainer.alerts", config.trainer.alerts, AlertsConfig()),
+        ("trainer.callbacks.early_stop", config.trainer.callbacks.early_stop, EarlyStopConfig()),
+    ) if section != default]
+    if used and not _NOTICED:
+        _NOTICED = True
+        print(f"note: {' and '.join(used)} are deprecated; they still set trainer.health's default rules. Write "
+              "the rules under trainer.health.rules instead (docs/monitoring.md, 'Health rules').", file=sys.stderr)
+
+
+def build_health_rules(config: Any) -> list[Rule]:
+    """The rules ``trainer.health`` configures (``config`` is a ``VerlConfig``)."""
+    health = config.trainer.health
+    if health.rules is None:
+        _deprecation_notice(config)
+        specs = default_rules(config)
+    else:
+        specs = list(health.rules)
+    return [MetricRule(spec) for spec in [*specs, *health.add_rules]]
+
+
+def early_stop_rules(patience: int = 5, kl_threshold: float | None = 0.2, reward_drop: float | None = 0.2,
+                     reward_window: int = 5, min_response_length: float | None = 1.0,
+                     max_repetition_rate: float | None = 0.9) -> list[Rule]:
+    """The ``early_stop`` stop rules for Python code: ``trainer.add_callback(HealthMonitor(early_stop_rules(...)))``."""
+    from types import SimpleNamespace
+
+    from verl.config import AlertsConfig, EarlyStopConfig
+
+    if patience < 1:
+        raise ConfigError(f"EarlyStopper patience must be >= 1, got {patience}")
+    try:
+        stop = EarlyStopConfig(enable=True, patience=patience, kl_threshold=kl_threshold, reward_drop=reward_drop,
+                               reward_window=reward_window, min_response_length=min_response_length,
+                               max_repetition_rate=max_repetition_rate)
+    except ValueError as exc:
+        raise ConfigError(f"early_stop_rules: {exc}") from None
+    trainer = SimpleNamespace(alerts=AlertsConfig(enable=False), callbacks=SimpleNamespace(early_stop=stop))
+    return [MetricRule(spec) for spec in default_rules(SimpleNamespace(trainer=trainer, algorithm=None))]
+
+
+class EarlyStopper(HealthMonitor):
+    """A monitor holding only the early-stop rules: ``trainer.add_callback(EarlyStopper(patience=5, ...))``."""
+
+    def __init__(self, patience: int = 5, **conditions: Any):
+        super().__init__(early_stop_rules(patience, **conditions))
+
+
+def callbacks_from_config(config: Any) -> list[TrainerCallback]:
+    """The callbacks ``trainer.health`` and ``trainer.callbacks`` ask for, in the order they run: the health rules
+    first (their rows precede a stop), then the best-checkpoint saver (which then knows whether this step ends the
+    run and is checkpointed anyway), then custom callbacks."""
+    from verl.trainer.callbacks import BestCheckpointSaver, load_callback
+
+    trainer_cfg = getattr(config, "trainer", None)
+    if trainer_cfg is None or not hasattr(trainer_cfg, "callbacks"):
+        return []
+    callbacks: list[TrainerCallback] = []
+    if trainer_cfg.health.enable:
+        monitor = HealthMonitor.from_config(config)
+        if monitor.rules:
+            callbacks.append(monitor)
+    best = trainer_cfg.callbacks.best_checkpoint
+    if best.enable:
+        callbacks.append(BestCheckpointSaver(best.metric, best.mode, best.save_on_improve))
+    for i, spec in enumerate(trainer_cfg.callbacks.custom):
+        callbacks.append(load_callback(spec, f"trainer.callbacks.custom[{i}]"))
+    return callbacks

@@ -1,0 +1,58 @@
+"""Metrics of one training step's rollout, computed before the update (health rules can act on them then)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from verl.algos.masked import masked_mean
+from verl.protocol import DataProto
+
+
+def rollout_metrics(batch: DataProto, extras: dict[str, np.ndarray], max_response_length: int,
+                    pad_token_id: int) -> dict[str, float]:
+    """The ``rollout/*`` metrics (without the scope): rewards, lengths, advantages, reward extras, repetition."""
+    scores = batch.batch["token_level_scores"].sum(-1)
+    rewards = batch.batch["token_level_rewards"].sum(-1)
+    mask = batch.batch["response_mask"]
+    lengths = mask.sum(-1).float()
+    rollout = {
+        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "score_mean": float(scores.mean()),
+        "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
+        "response_length_clip_ratio": float((lengths >= max_response_length).float().mean()),
+        "prompt_length_mean": float(batch.batch["prompts"].ne(pad_token_id).sum(-1).float().mean()),
+        "advantages_mean": float(masked_mean(batch.batch["advantages"], mask.float())),
+        "num_responses": len(batch),
+    }
+    for key, value in extras.items():
+        rollout[key] = float(np.nanmean(value))
+    rollout["repetition_rate"] = ngram_repetition_rate(batch.batch["responses"], mask)  # loop collapse rule
+    return rollout
+
+
+def ngram_repetition_rate(responses: torch.Tensor, mask: torch.Tensor, n: int = 4) -> float:
+    """Mean over responses of seq-rep-n (Welleck et al. 2019) on token ids: 1 - unique n-grams / n-grams.
+
+    ``responses`` and ``mask`` are ``(batch, response_len)``; only n-grams entirely inside the mask count, and a
+    response with no complete n-gram counts as 0 (no repetition). Token ids rather than words make the rate
+    language-independent. 0 for varied text; close to 1 for a response stuck in a loop.
+    """
+    if responses.dim() != 2 or responses.shape != mask.shape:
+        raise ValueError(f"responses {tuple(responses.shape)} and mask {tuple(mask.shape)} must be equal 2-D shapes")
+    batch, length = responses.shape
+    if batch == 0 or length < n:
+        return 0.0
+    windows = responses.long().unfold(1, n, 1)  # (batch, length - n + 1, n)
+    valid = mask.bool().unfold(1, n, 1).all(-1)  # (batch, length - n + 1)
+    weights = torch.ones(n, dtype=torch.long)
+    for k in range(1, n):
+        weights[k] = weights[k - 1] * 1_000_003  # int64 wrap-around is fine for a hash
+    hashes = (windows * weights).sum(-1)
+    sentinel = torch.iinfo(torch.long).min
+    hashes = torch.where(valid, hashes, torch.full_like(hashes, sentinel)).sort(-1).values
+    distinct = 1 + (hashes[:, 1:] != hashes[:, :-1]).sum(-1)
+    total = valid.sum(-1)
+    distinct = distinct - (total < hashes.shape[1]).long()  # the sentinel group is not an n-gram
+    rate = torch.where(total > 0, 1.0 - distinct.double() / total.clamp(min=1).double(), torch.zeros(batch).double())
+    return float(rate.mean())
