@@ -52,7 +52,8 @@ def register(app: typer.Typer, run_guarded) -> None:
         def _run() -> None:
             from rich.console import Console
 
-            from loadtest.report import SLO, summary_text
+            from loadtest.render import summary_text
+            from loadtest.report import SLO
             from loadtest.run import LoadTestConfig, run_loadtest
             from verl.errors import ConfigError
 
@@ -93,7 +94,8 @@ def register(app: typer.Typer, run_guarded) -> None:
         def _run() -> None:
             from rich.console import Console
 
-            from loadtest.report import SLO, make_report, resolve_prefix, summary_text
+            from loadtest.render import make_report, summary_text
+            from loadtest.report import SLO, resolve_prefix
 
             prefix = resolve_prefix(csv_prefix)
             report, paths = make_report(prefix, out or prefix.parent, SLO(slo_p95_ms, max_failure_rate,

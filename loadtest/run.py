@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.checks import ABORT_EXIT_CODE, abort_reason
-from loadtest.report import SLO, make_report
+from loadtest.render import make_report
+from loadtest.report import SLO
 from loadtest.shapes import StepPlan, doubling_levels, parse_levels
 from verl.errors import ConfigError, VerlError
 from verl.utils.fs import atomic_write_text, ensure_writable_dir

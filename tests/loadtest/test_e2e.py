@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.report import SLO, make_report, parse_server_metrics
+from loadtest.render import make_report
+from loadtest.report import SLO, parse_server_metrics
 from loadtest.run import LOCUST_CONF, LOCUSTFILE, LoadTestConfig, http_get, local_service, locust_command, run_locust
 
 pytestmark = pytest.mark.timeout(170)

@@ -7,12 +7,12 @@ import math
 
 import pytest
 
+from loadtest.render import make_report
 from loadtest.report import (
     SLO,
     build_report,
     capacity,
     histogram_quantile,
-    make_report,
     parse_server_metrics,
     resolve_prefix,
 )

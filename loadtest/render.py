@@ -1,0 +1,279 @@
+"""The capacity report's rendering: Markdown, HTML (``templates/capacity_report.html``), PNG plots and the
+terminal summary, from the report dict ``loadtest.report.build_report`` makes. Nothing here reads Locust's files or
+computes a number: every figure comes from the dict.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from importlib import resources
+from pathlib import Path
+from string import Template
+from typing import Any
+
+from loadtest.report import LATENCY_ENTRY, PLOTS, REPORT_STEM, SLO, TTFT_ENTRY, build_report
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:.0f}"
+    return str(value)
+
+
+def _summary_lines(report: dict[str, Any]) -> list[str]:
+    cap, slo, totals = report["capacity"], report["slo"], report["totals"]
+    rule = f"p95 latency <= {slo['p95_ms']:g} ms and failure rate <= {slo['max_failure_rate']:.1%}"
+    if slo["ttft_p95_ms"] is not None:
+        rule += f" and TTFT p95 <= {slo['ttft_p95_ms']:g} ms"
+    lines = [f"SLO: {rule} (latency = {slo['latency_metric']}, over each step's last {report['window_s']} s)."]
+    if cap["max_users_within_slo"] is None:
+        first = report["steps"][0]["why_not"] if report["steps"] else ["no steps"]
+        lines.append(f"**No tested level meets the SLO** (lowest level: {'; '.join(first)}).")
+    else:
+        share = 1 - cap["headroom"]
+        lines.append(f"**Capacity: {cap['max_users_within_slo']} users** within the SLO "
+                     f"({_fmt(cap['rps_at_max'])} requests/s).")
+        planning = cap["planning_users"]
+        lines.append(f"**Plan for {planning} users** per replica ({share:.0%} of capacity, {cap['headroom']:.0%} "
+                     f"headroom; about {_fmt(cap['planning_rps'])} requests/s)"
+                     + (" - below one user: the replica has no headroom at 1 user." if planning < 1 else "."))
+        if cap["first_failing_users"] is not None:
+            why = next(s["why_not"] for s in report["steps"] if s["users"] == cap["first_failing_users"]
+                       and s["why_not"])
+            lines.append(f"The next level, {cap['first_failing_users']} users, misses it: {'; '.join(why)}.")
+        else:
+            lines.append("Every tested level met the SLO: capacity is at least this; test higher levels to find "
+                         "the limit.")
+    lines.append(f"{totals['http_requests']} HTTP requests ({totals['http_failures']} failed) and "
+                 f"{totals['output_tokens']} output tokens in {totals['duration_s']} s. Locust's Aggregated row "
+                 f"counts {totals['locust_aggregated_requests']}: the HTTP requests plus "
+                 f"{totals['llm_entries']} LLM custom entries.")
+    return lines
+
+
+STEP_HEADERS = ["users", "requests", "requests/s", "failure rate", "p50 ms", "p95 ms", "p99 ms", "TTFT p50 ms",
+                "TTFT p95 ms", "output tokens/s", "meets SLO"]
+
+
+def _step_row(step: dict) -> list[str]:
+    rate = step["failure_rate"]
+    return [_fmt(step["users"]), _fmt(step["requests"]), _fmt(step["requests_per_s"]),
+            "-" if rate is None else f"{rate:.2%}", _fmt(step["latency_p50_ms"]), _fmt(step["latency_p95_ms"]),
+            _fmt(step["latency_p99_ms"]), _fmt(step["ttft_p50_ms"]), _fmt(step["ttft_p95_ms"]),
+            _fmt(step["output_tokens_per_s"]), "yes" if step["meets_slo"] else "no: " + "; ".join(step["why_not"])]
+
+
+ENTRY_HEADERS = ["type", "name", "count", "failures", "mean", "p50", "p95", "p99", "max"]
+
+
+def _entry_row(e: dict) -> list[str]:
+    return [e["type"], e["name"], _fmt(e["requests"]), _fmt(e["failures"]), _fmt(e["mean"]), _fmt(e["p50"]),
+            _fmt(e["p95"]), _fmt(e["p99"]), _fmt(e["max"])]
+
+
+def _blocks(report: dict[str, Any], plots: dict[str, Path]) -> list[tuple]:
+    blocks: list[tuple] = [("p", line) for line in _summary_lines(report)]
+    blocks.append(("h", "Steps"))
+    blocks.append(("p", f"Counts cover the whole step; rates and percentiles its last {report['window_s']} s "
+                        "(after the users settled)."))
+    blocks.append(("table", STEP_HEADERS, [_step_row(s) for s in report["steps"]]))
+    for key, title in (("latency", "Latency vs users"), ("throughput", "Throughput vs users")):
+        if key in plots:
+            blocks.append(("img", plots[key].name, title))
+    blocks.append(("h", "Endpoints (whole run, milliseconds)"))
+    blocks.append(("table", ENTRY_HEADERS, [_entry_row(e) for e in report["endpoints"]]))
+    if report["llm"]:
+        blocks.append(("h", "LLM entries (whole run; unit in the name)"))
+        blocks.append(("table", ENTRY_HEADERS, [_entry_row(e) for e in report["llm"]]))
+    if report["failures"]:
+        blocks.append(("h", "Failures"))
+        blocks.append(("table", ["method", "name", "error", "occurrences"],
+                       [[f["method"], f["name"], f["error"], str(f["occurrences"])] for f in report["failures"][:20]]))
+    server = report.get("server")
+    if server:
+        blocks.append(("h", "The service's own view (/metrics)"))
+        blocks.append(("p", "Histogram means are exact (sum / count); p50/p95 are interpolated inside the buckets, "
+                            "as Prometheus' histogram_quantile does. The service times from admission (after "
+                            "parsing and tokenizing) and counts every endpoint; Locust times from sending the "
+                            "request, and its TTFT/ITL cover the streamed chats only."))
+        llm = {e["name"]: e for e in report["llm"]}
+        rows = []
+        for key, label, entry in (("ttft", "time to first token", TTFT_ENTRY), ("itl", "inter-token latency",
+                                   "itl_ms"), ("e2e", "end-to-end latency", LATENCY_ENTRY)):
+            svc, client = server[key], llm.get(entry, {})
+            rows.append([label, _fmt(svc["count"]), _fmt(svc["mean_ms"]), _fmt(svc["p50_ms"]), _fmt(svc["p95_ms"]),
+                         _fmt(client.get("requests")), _fmt(client.get("mean")), _fmt(client.get("p50")),
+                         _fmt(client.get("p95"))])
+        blocks.append(("table", ["metric (ms)", "service count", "service mean", "service p50", "service p95",
+                                 "Locust count", "Locust mean", "Locust p50", "Locust p95"], rows))
+        by_name = {e["name"]: e for e in report["endpoints"]}
+        rows = []
+        for path, statuses in sorted(server["http_requests"].items()):
+            locust_name = next((n for n in by_name if n.split(" ")[0] == path), None)
+            if locust_name is None:
+                continue
+            served = sum(v for k, v in statuses.items() if k == "200")
+            entry = by_name[locust_name]
+            rows.append([path, str(served), ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items())),
+                         str(entry["requests"] - entry["failures"])])
+        if rows:
+            blocks.append(("table", ["path", "service 200s", "service by status", "Locust successes"], rows))
+    info = report["source"]["run"]
+    if info:
+        keys = ("host", "model", "load_shape", "plan", "user_classes", "mixed_user_requests", "prompt_file",
+                "max_tokens", "temperature", "ignore_eos", "wait_s", "locust_version", "started_at")
+        blocks.append(("h", "Run"))
+        blocks.append(("table", ["setting", "value"], [[k, json.dumps(info.get(k))] for k in keys if k in info]))
+    if report["notes"]:
+        blocks.append(("h", "Notes"))
+        blocks.extend(("p", note) for note in report["notes"])
+    return blocks
+
+
+def render_markdown(report: dict[str, Any], plots: dict[str, Path]) -> str:
+    out = ["# Capacity report", ""]
+    for block in _blocks(report, plots):
+        if block[0] == "h":
+            out += [f"## {block[1]}", ""]
+        elif block[0] == "p":
+            out += [block[1], ""]
+        elif block[0] == "table":
+            out.append("| " + " | ".join(block[1]) + " |")
+            out.append("|" + "|".join("---" for _ in block[1]) + "|")
+            out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in block[2]]
+            out.append("")
+        elif block[0] == "img":
+            out += [f"![{block[2]}]({block[1]})", ""]
+    return "\n".join(out)
+
+
+def _inline_html(text: str) -> str:
+    # The only Markdown our paragraphs use is **bold**.
+    parts = html.escape(text).split("**")
+    return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
+
+
+def render_html(report: dict[str, Any], plots: dict[str, Path]) -> str:
+    """The blocks as HTML inside the page template (its styles and frame live in the template file)."""
+    parts = []
+    for block in _blocks(report, plots):
+        if block[0] == "h":
+            parts.append(f"<h2>{html.escape(block[1])}</h2>")
+        elif block[0] == "p":
+            parts.append(f"<p>{_inline_html(block[1])}</p>")
+        elif block[0] == "table":
+            head = "".join(f"<th>{html.escape(h)}</th>" for h in block[1])
+            body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in block[2])
+            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif block[0] == "img":
+            parts.append(f"<figure><img src='{html.escape(block[1])}' alt='{html.escape(block[2])}'>"
+                         f"<figcaption>{html.escape(block[2])}</figcaption></figure>")
+    template = resources.files("loadtest").joinpath("templates", "capacity_report.html").read_text()
+    return Template(template).substitute(body="\n".join(parts))
+
+
+def plot_report(report: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """Latency-vs-users and throughput-vs-users PNGs (written atomically); no steps, no plots."""
+    steps = report["steps"]
+    if not steps:
+        return {}
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    from verl.utils.fs import atomic_path
+
+    users = [s["users"] for s in steps]
+    cap = report["capacity"]
+    paths = {}
+
+    def mark_capacity(ax: Any) -> None:
+        if cap["max_users_within_slo"] is not None:
+            ax.axvline(cap["max_users_within_slo"], color="tab:green", ls=":", lw=1.2,
+                       label=f"capacity {cap['max_users_within_slo']} users")
+            if cap["planning_users"] >= 1:
+                ax.axvline(cap["planning_users"], color="tab:olive", ls="-.", lw=1.2,
+                           label=f"plan {cap['planning_users']} users ({1 - cap['headroom']:.0%})")
+
+    def series(key: str) -> list[float]:
+        return [float("nan") if s[key] is None else s[key] for s in steps]
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for key, label, style in (("latency_p50_ms", "p50", "o-"), ("latency_p95_ms", "p95", "s-"),
+                              ("latency_p99_ms", "p99", "^-"), ("ttft_p50_ms", "TTFT p50", "o--"),
+                              ("ttft_p95_ms", "TTFT p95", "s--")):
+        values = series(key)
+        if any(not math.isnan(v) for v in values):
+            ax.plot(users, values, style, label=label, ms=4)
+    ax.axhline(report["slo"]["p95_ms"], color="tab:red", lw=1, label=f"SLO p95 {report['slo']['p95_ms']:g} ms")
+    mark_capacity(ax)
+    ax.set(xlabel="concurrent users", ylabel="milliseconds", title="Latency vs users")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(users)), [str(u) for u in sorted(set(users))])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(out_dir / PLOTS["latency"]) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    paths["latency"] = out_dir / PLOTS["latency"]
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(users, series("requests_per_s"), "o-", color="tab:blue", label="requests/s")
+    ax.set(xlabel="concurrent users", ylabel="requests/s", title="Throughput vs users")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(users)), [str(u) for u in sorted(set(users))])
+    mark_capacity(ax)
+    tokens = series("output_tokens_per_s")
+    handles, labels = ax.get_legend_handles_labels()
+    if any(not math.isnan(v) for v in tokens):
+        ax2 = ax.twinx()
+        ax2.plot(users, tokens, "s--", color="tab:orange", label="output tokens/s")
+        ax2.set_ylabel("output tokens/s")
+        more_handles, more_labels = ax2.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.grid(alpha=0.3)
+    ax.legend(handles, labels, fontsize=8, loc="upper left")
+    fig.tight_layout()
+    with atomic_path(out_dir / PLOTS["throughput"]) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    paths["throughput"] = out_dir / PLOTS["throughput"]
+    return paths
+
+
+def write_report(report: dict[str, Any], out_dir: str | Path, plots: bool = True) -> dict[str, Path]:
+    """``capacity_report.{json,md,html}`` and the PNGs into ``out_dir``; each file written atomically."""
+    from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
+
+    out_dir = ensure_writable_dir(out_dir, "the report dir (--out)")
+    images = plot_report(report, out_dir) if plots else {}
+    paths = {
+        "json": atomic_write_json(out_dir / f"{REPORT_STEM}.json", report),
+        "markdown": atomic_write_text(out_dir / f"{REPORT_STEM}.md", render_markdown(report, images)),
+        "html": atomic_write_text(out_dir / f"{REPORT_STEM}.html", render_html(report, images)),
+    }
+    return {**paths, **images}
+
+
+def make_report(prefix: str | Path, out_dir: str | Path, slo: SLO | None = None, plots: bool = True,
+                server_metrics: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Read the CSVs at ``prefix``, write the report into ``out_dir``; returns the report and its files."""
+    report = build_report(prefix, slo, server_metrics)
+    return report, write_report(report, out_dir, plots)
+
+
+def summary_text(report: dict[str, Any]) -> str:
+    """The report's headline as plain text (for the terminal)."""
+    return "\n".join(line.replace("**", "") for line in _summary_lines(report))
