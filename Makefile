@@ -47,6 +47,14 @@ test-vllm: install-dev
 
 test-all: test test-slow test-vllm
 
+# Every benchmark, one after another on an idle machine; rewrites the blocks in benchmarks/RESULTS.md (~2.5 h on the
+# 2-core box). One: `make bench BENCH=grpo-smollm2`; the list: `$(BIN)/python benchmarks/run_all.py --list`.
+bench: install-dev install-real-model
+	$(BIN)/pip install -q -e ".[bench]"
+	bash scripts/vllm_env.sh
+	$(VENV)-vllm/bin/pip install -q "trl==1.16.0" datasets  # the TRL column of grpo-engines
+	$(BIN)/python benchmarks/run_all.py $(BENCH)
+
 lint: install-dev
 	$(BIN)/ruff check .
 

@@ -1,13 +1,17 @@
 """`verl eval` vs lm-evaluation-harness (hf backend): samples/s on the same checkpoint and the same prompts.
 
     python benchmarks/eval_vs_lm_eval.py                       # builtin:tiny-arith, 256 val prompts, greedy
-    python benchmarks/eval_vs_lm_eval.py --ckpt outputs/verl/grpo-a/checkpoints/global_step_60 --prompts 128
+    python benchmarks/eval_vs_lm_eval.py --ckpt builtin:smollm2-135m-instruct --data builtin:word_problems/val \
+        --prompts 64 --max-new-tokens 32 --max-prompt-length 96 --repeats 3 --cli-repeats 2
 
 Both tools get the identical prompt text (our chat-templated prompt, tokenized the same way: checked), greedy
 decoding, at most ``max_new_tokens`` tokens, the same batch size, fp32 on CPU with one torch thread. Scoring:
 our ``accuracy`` evaluator (strict ``>> N`` and lm-eval's flexible extraction) vs a custom lm-eval task with
 the same two filters (``regex`` strict-match and flexible-extract) and ``exact_match``; the accuracies must
 agree, which is printed as a check.
+
+``verl eval`` runs with its default settings, bootstrap CIs included (1000 resamples; ``--bootstrap 0`` is the
+option to leave them out); lm-eval computes its default standard errors.
 
 Two measurements, each the median over repeats, run side by side (alternating) in one process/session:
 
@@ -36,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-TASK_YAML = """task: verl_arithmetic
+TASK_YAML = """task: verl_task
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -54,7 +58,7 @@ filter_list:
   - name: strict-match
     filter:
       - function: regex
-        regex_pattern: ">> (\\\\-?[0-9\\\\.\\\\,]+)"
+        regex_pattern: "{strict}"
       - function: take_first
   - name: flexible-extract
     filter:
@@ -74,10 +78,17 @@ metadata:
 """
 
 
+# The strict answer format of each built-in task (the same as our reward's strict match), as an lm-eval regex.
+STRICT_PATTERNS = {"arithmetic": ">> (\\\\-?[0-9\\\\.\\\\,]+)", "word_problems": "#### (\\\\-?[0-9\\\\.\\\\,]+)"}
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", default="builtin:tiny-arith", help="checkpoint dir or builtin:NAME")
-    parser.add_argument("--prompts", type=int, default=256, help="validation prompts (builtin:arithmetic/val)")
+    parser.add_argument("--data", default="builtin:arithmetic/val", help="a built-in task's split")
+    parser.add_argument("--prompts", type=int, default=256, help="prompts taken from --data")
+    parser.add_argument("--max-prompt-length", type=int, default=None, help="verl eval's --max-prompt-length")
+    parser.add_argument("--bootstrap", type=int, default=1000, help="verl eval's --bootstrap (its default: 1000)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5, help="warm in-process repeats per tool")
@@ -112,7 +123,11 @@ def main() -> None:
     tokenizer = load_tokenizer(model_dir)
 
     # ---- the prompts, written for lm-eval exactly as our dataset feeds them to the model
-    dataset = RLHFDataset(["builtin:arithmetic/val"], tokenizer, DataConfig(), "--data")
+    task = args.data.removeprefix("builtin:").split("/")[0]
+    if task not in STRICT_PATTERNS:
+        raise SystemExit(f"--data {args.data}: use a built-in task ({', '.join(STRICT_PATTERNS)})")
+    data_config = DataConfig(**({"max_prompt_length": args.max_prompt_length} if args.max_prompt_length else {}))
+    dataset = RLHFDataset([args.data], tokenizer, data_config, "--data")
     count = min(args.prompts, len(dataset))
     data_file = work / "prompts.jsonl"
     with data_file.open("w") as fh:
@@ -121,13 +136,14 @@ def main() -> None:
                                  "target": str(dataset.ground_truth(i))}) + "\n")
     task_dir = work / "tasks"
     task_dir.mkdir(exist_ok=True)
-    (task_dir / "verl_arithmetic.yaml").write_text(TASK_YAML.format(data=data_file,
-                                                                    max_new_tokens=args.max_new_tokens))
+    (task_dir / "verl_task.yaml").write_text(TASK_YAML.format(data=data_file, max_new_tokens=args.max_new_tokens,
+                                                              strict=STRICT_PATTERNS[task]))
 
     # ---- tool 1: verl eval, warm
-    settings = EvalSettings(data=["builtin:arithmetic/val"], evaluators="accuracy", n=1, temperature=0.0,
+    settings = EvalSettings(data=[args.data], evaluators="accuracy", n=1, temperature=0.0,
                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_samples=count,
-                            num_threads=1, force=True, quiet=True, n_bootstrap=0)
+                            num_threads=1, force=True, quiet=True, n_bootstrap=args.bootstrap,
+                            max_prompt_length=args.max_prompt_length)
     resolved = resolve_settings(settings, None, None)
     evaluation = Evaluation(settings, resolved, None, None, model_dir)
 
@@ -148,7 +164,7 @@ def main() -> None:
 
     def run_lm_eval(i: int) -> tuple[float, dict]:
         start = time.perf_counter()
-        out = lm_eval.simple_evaluate(model=lm, tasks=["verl_arithmetic"], task_manager=manager, log_samples=True,
+        out = lm_eval.simple_evaluate(model=lm, tasks=["verl_task"], task_manager=manager, log_samples=True,
                                       verbosity="ERROR")
         return time.perf_counter() - start, out
 
@@ -163,13 +179,13 @@ def main() -> None:
 
     ours = {"strict": verl_results["metrics"]["eval/accuracy"]["value"],
             "flexible": verl_results["metrics"]["eval/accuracy_flexible"]["value"]}
-    scores = lm_results["results"]["verl_arithmetic"]
+    scores = lm_results["results"]["verl_task"]
     theirs = {"strict": scores["exact_match,strict-match"], "flexible": scores["exact_match,flexible-extract"]}
     # Stronger than equal accuracies: the generated texts themselves, prompt by prompt.
     our_texts = [json.loads(line)["response"] for line in
                  (work / f"verl_eval_{args.repeats - 1}" / "samples.jsonl").read_text().splitlines()]
     their_texts = {}
-    for sample in lm_results["samples"]["verl_arithmetic"]:
+    for sample in lm_results["samples"]["verl_task"]:
         if sample.get("filter") == "strict-match":
             their_texts[sample["doc_id"]] = sample["resps"][0][0]
     identical = sum(our_texts[i].strip() == their_texts.get(i, "").strip() for i in range(count))
@@ -179,12 +195,14 @@ def main() -> None:
     cli = {"verl": [], "lm_eval": []}
     verl_bin = Path(sys.executable).with_name("verl")
     lm_bin = Path(sys.executable).with_name("lm_eval")
-    verl_cmd = [str(verl_bin), "eval", "--ckpt", model_dir, "--data", "builtin:arithmetic/val", "--evaluators",
+    verl_cmd = [str(verl_bin), "eval", "--ckpt", model_dir, "--data", args.data, "--evaluators",
                 "accuracy", "--temperature", "0", "--max-new-tokens", str(args.max_new_tokens), "--batch-size",
                 str(args.batch_size), "--max-samples", str(count), "--threads", "1", "--force", "--quiet",
-                "--bootstrap", "0", "--out", str(work / "verl_eval_cli")]
+                "--bootstrap", str(args.bootstrap), "--out", str(work / "verl_eval_cli")]
+    if args.max_prompt_length:
+        verl_cmd += ["--max-prompt-length", str(args.max_prompt_length)]
     lm_cmd = [str(lm_bin), "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32",
-              "--tasks", "verl_arithmetic", "--include_path", str(task_dir), "--batch_size", str(args.batch_size),
+              "--tasks", "verl_task", "--include_path", str(task_dir), "--batch_size", str(args.batch_size),
               "--device", "cpu", "--verbosity", "ERROR"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     for _ in range(args.cli_repeats):
@@ -215,7 +233,8 @@ def summarise(args, count, verl_times, lm_times, cli, ours, theirs, verl_results
         return count / statistics.median(times)
 
     report = {
-        "checkpoint": args.ckpt, "prompts": count, "batch_size": args.batch_size,
+        "checkpoint": args.ckpt, "data": args.data, "bootstrap": args.bootstrap, "prompts": count,
+        "batch_size": args.batch_size,
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "cli_repeats": args.cli_repeats,
         "warm": {"verl_eval_seconds": verl_times, "lm_eval_seconds": lm_times,
                  "verl_eval_samples_per_s": rate(verl_times), "lm_eval_samples_per_s": rate(lm_times),
@@ -236,8 +255,10 @@ def summarise(args, count, verl_times, lm_times, cli, ours, theirs, verl_results
 
 def print_table(report: dict) -> None:
     w = report["warm"]
-    print(f"\n{report['prompts']} prompts, batch {report['batch_size']}, greedy, max_new_tokens "
-          f"{report['max_new_tokens']}, 1 thread, checkpoint {report['checkpoint']}")
+    print("\n=== summary")
+    print(f"{report['prompts']} prompts, batch {report['batch_size']}, greedy, max_new_tokens "
+          f"{report['max_new_tokens']}, 1 thread, checkpoint {report['checkpoint']}, data {report['data']}, "
+          f"verl eval bootstrap {report['bootstrap']}")
     print(f"{'measurement':<34}{'verl eval':>12}{'lm-eval':>12}{'ratio':>8}")
     print(f"{'warm, samples/s (median of ' + str(report['repeats']) + ')':<34}{w['verl_eval_samples_per_s']:>12.1f}"
           f"{w['lm_eval_samples_per_s']:>12.1f}{w['ratio']:>8.2f}")

@@ -15,8 +15,12 @@ Run from the vLLM environment (scripts/vllm_env.sh builds it); ``--engines hf`` 
     .venv-vllm/bin/python benchmarks/grpo_engines_bench.py                    # both sizes, hf and vllm, 10 steps
     .venv-vllm/bin/python benchmarks/grpo_engines_bench.py --models builtin:tiny-arith --steps 20 --repeats 2
 
-``--executors local ray trl`` adds the Ray executor (``trainer.n_workers=2``) and TRL's ``GRPOTrainer`` on the
-same settings (one process, transformers generation; its step time is the whole optimizer step incl. generation).
+``--executors local ray trl trl2`` adds the Ray executor (``trainer.n_workers=2``) and TRL's ``GRPOTrainer`` on
+the same settings (one process, transformers generation) with one torch thread (``trl``) and with two (``trl2``).
+Equal compute: ``vs TRL`` compares one-process configurations with ``trl`` (one core each) and the two-worker Ray
+executor with ``trl2`` (two cores each). Same span on every side: s/step is the wall time between the ends of
+consecutive steps (our ``timing`` rows' timestamps; TRL's step-end callback), so logging and everything else a
+step does is inside it.
 """
 
 from __future__ import annotations
@@ -37,24 +41,27 @@ MODELS = ["builtin:tiny-arith", "builtin:small-arith-base"]
 VERL = str(Path(sys.executable).parent / "verl")
 
 
-def run_trl(model: str, steps: int, skip: int, workdir: Path) -> dict:
+def run_trl(model: str, steps: int, skip: int, workdir: Path, threads: int = 1) -> dict:
     """TRL's GRPOTrainer on the same settings (benchmarks/grpo_vs_trl.py's worker); per-step wall times."""
-    out_file = workdir / f"trl-{model.split(':')[-1]}.json"
+    out_file = workdir / f"trl{threads}-{model.split(':')[-1]}.json"
     workdir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "grpo_vs_trl.py"), "--worker", "trl", "--steps",
-                    str(steps), "--model", model, "--no-eval", "--out", str(out_file)], check=True, timeout=7200)
+                    str(steps), "--model", model, "--threads", str(threads), "--no-eval", "--out", str(out_file)],
+                   check=True, timeout=7200)
     wall = time.perf_counter() - start
-    seconds = json.loads(out_file.read_text())["step_seconds"][skip:]
-    return {"model": model, "executor": "trl", "engine": "hf", "steps": steps, "wall_s": wall,
+    # step_seconds[i] is the interval ending at step i + 2 (step 1 has none): leave out the same warm-up steps.
+    seconds = json.loads(out_file.read_text())["step_seconds"][max(skip - 1, 0):]
+    executor = "trl" if threads == 1 else f"trl{threads}"
+    return {"model": model, "executor": executor, "engine": "hf", "steps": steps, "wall_s": wall,
             "start_s": float("nan"), "total": statistics.median(seconds), "gen": float("nan"),
             "ref": float("nan"), "update_actor": float("nan"), "total_min": min(seconds), "total_max": max(seconds)}
 
 
 def run_one(model: str, executor: str, engine: str, steps: int, skip: int, workdir: Path) -> dict:
     """One ``verl train`` run; returns median step timings (seconds) from its verl_logs.jsonl."""
-    if executor == "trl":
-        return run_trl(model, steps, skip, workdir)
+    if executor.startswith("trl"):
+        return run_trl(model, steps, skip, workdir, threads=int(executor[3:] or 1))
     name = f"{model.split(':')[-1]}-{executor}-{engine}"
     args = [VERL, "train", "--quiet", f"model.path={model}", f"rollout.name={engine}", f"trainer.executor={executor}",
             f"trainer.total_steps={steps}", "trainer.val_before_train=false", "trainer.test_freq=0",
@@ -72,17 +79,20 @@ def run_one(model: str, executor: str, engine: str, steps: int, skip: int, workd
         raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     log = workdir / "verl" / name / "verl_logs.jsonl"
     rows = [json.loads(line) for line in log.read_text().splitlines()]
-    timing = [r for r in rows if r["scope"] == "timing" and r["step"] > skip]
-    first = next(r for r in rows if r["scope"] == "timing")
+    timing = [r for r in rows if r["scope"] == "timing"]
+    ends = [datetime.fromisoformat(r["timestamp"]) for r in timing]
+    # Wall time between consecutive step ends (the same span as TRL's clock); the stage columns stay per stage.
+    walls = [(b - a).total_seconds() for a, b in zip(ends, ends[1:], strict=False)][max(skip - 1, 0):]
+    first = timing[0]
+    timing = [r for r in timing if r["step"] > skip]
     # Start-up = launch until the first step began (its row is written when it ends, ``total`` seconds later).
     started = (datetime.fromisoformat(first["timestamp"]) - launched).total_seconds() - first["total"]
     out = {"model": model, "executor": executor, "engine": engine, "steps": steps, "wall_s": wall,
            "start_s": started}
-    for key in ("total", "gen", "ref", "update_actor"):
+    for key in ("gen", "ref", "update_actor"):
         values = [r[key] for r in timing if key in r]
         out[key] = statistics.median(values) if values else float("nan")
-    out["total_min"] = min(r["total"] for r in timing)
-    out["total_max"] = max(r["total"] for r in timing)
+    out["total"], out["total_min"], out["total_max"] = statistics.median(walls), min(walls), max(walls)
     return out
 
 
@@ -90,10 +100,12 @@ def table(results: list[dict]) -> str:
     lines = ["| model | executor + engine | s/step (min–max) | gen | ref | update (+ sync) | start | vs local+hf | "
              "vs TRL |", "|---|---|---|---|---|---|---|---|---|"]
     base = {r["model"]: r["total"] for r in results if r["executor"] == "local" and r["engine"] == "hf"}
-    trl = {r["model"]: r["total"] for r in results if r["executor"] == "trl"}
+    trl = {(r["model"], r["executor"]): r["total"] for r in results if r["executor"].startswith("trl")}
     for r in results:
         speedup = base.get(r["model"], float("nan")) / r["total"]
-        vs_trl = trl.get(r["model"], float("nan")) / r["total"]
+        # Equal cores: the two-worker Ray executor against TRL on two threads, one-process runs against one thread.
+        peer = "trl2" if r["executor"] in ("ray", "trl2") else "trl"
+        vs_trl = trl.get((r["model"], peer), float("nan")) / r["total"]
         lines.append(f"| {r['model']} | {r['executor']}+{r['engine']} | {r['total']:.2f} ({r['total_min']:.2f}–"
                      f"{r['total_max']:.2f}) | {r['gen']:.2f} | {r['ref']:.2f} | {r['update_actor']:.2f} | "
                      f"{r['start_s']:.0f} s | {speedup:.2f}× | {vs_trl:.2f}× |")
@@ -115,7 +127,8 @@ def main() -> None:
         for model in args.models:
             runs: dict[tuple[str, str], list[dict]] = {}
             for repeat in range(args.repeats):
-                combos = [(x, e) for x in args.executors for e in args.engines if not (x == "trl" and e != "hf")]
+                combos = [(x, e) for x in args.executors for e in args.engines
+                          if not (x.startswith("trl") and e != "hf")]
                 if repeat % 2:
                     combos.reverse()  # alternate the order so machine noise hits every configuration alike
                 for executor, engine in combos:
@@ -130,6 +143,7 @@ def main() -> None:
                 merged["total_min"] = min(g["total_min"] for g in group)
                 merged["total_max"] = max(g["total_max"] for g in group)
                 results.append(merged)
+    print("=== summary")
     print(f"GRPO, default config (16 prompts x 8, max 16 new tokens), {args.steps} steps, first {args.skip} "
           f"left out, {args.repeats} run(s) per configuration")
     print(table(results))

@@ -1,14 +1,25 @@
-"""Our GRPO vs TRL's GRPOTrainer, side by side in one run: seconds per step and accuracy at equal steps.
+"""Our GRPO vs TRL's GRPOTrainer, side by side in one run: seconds per step and (tiny preset) accuracy at equal steps.
 
-Same warm start (builtin:tiny-arith), same task (builtin:arithmetic), same batch (16 prompts x 8 completions),
-lr 1e-4 constant, beta 0.04 (KL to a reference), epsilon 0.2, token-level loss (TRL "dapo" = our token-mean),
-max 16 new tokens, temperature 1.0, one torch thread, CPU fp32. Each repeat runs both trainers in fresh
-subprocesses, alternating order, so machine noise hits both alike; we report medians.
+Two presets, each the same settings on both sides:
+- ``tiny``: warm start builtin:tiny-arith on builtin:arithmetic, 16 prompts x 8 completions, lr 1e-4, beta 0.04,
+  max 16 new tokens, temperature 1.0, full fine-tuning.
+- ``smollm2``: SmolLM2-135M-Instruct (builtin:smollm2-135m-instruct) on builtin:word_problems with
+  configs/grpo_smollm2.yaml's shape: 4 prompts x 4 completions, 32 new tokens, temperature 0.7, lr 2e-4, beta 0.01,
+  LoRA r16 / alpha 32 on all linear layers (peft on both sides; the reference is the base with adapters disabled).
+Both: epsilon 0.2, token-level loss (TRL "dapo" = our token-mean), group-std advantages, one optimizer step per
+batch, CPU fp32, no gradient checkpointing.
 
-Accuracy for both is measured by the same code (our validation: greedy, strict `>> N`, 256 held-out prompts).
+Equal compute: each trainer runs in its own fresh subprocess with ONE torch thread, one after the other (never
+together), order alternating per repeat. Our local executor is one process, so both sides use one core.
+Same measured span: seconds per step = wall time between the ends of consecutive optimizer steps, taken by a
+step-end callback on both sides — generation, reward, reference, update and each side's own per-step logging all
+fall inside it; the first step (warm-up) is left out. Accuracy (tiny preset) is measured by the same code for both
+(our validation: greedy, strict answer format, held-out prompts).
 
-    python benchmarks/grpo_vs_trl.py --steps 30 --repeats 3
+    python benchmarks/grpo_vs_trl.py --preset tiny --steps 30 --repeats 3
+    python benchmarks/grpo_vs_trl.py --preset smollm2 --steps 6 --repeats 3
 """
+
 
 from __future__ import annotations
 
@@ -20,27 +31,47 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-PROMPTS_PER_STEP = 16
-GROUP = 8
-LR = 1e-4
-BETA = 0.04
-MAX_NEW = 16
+
+@dataclass(frozen=True)
+class Preset:
+    model: str
+    train: str
+    val: str
+    prompts_per_step: int
+    group: int
+    lr: float
+    beta: float
+    max_new: int
+    temperature: float
+    lora_rank: int = 0  # 0: full fine-tuning
+    lora_alpha: int = 32
+    max_prompt_length: int = 64
+    eval_prompts: int = 256
 
 
-def _setup() -> None:
+PRESETS = {
+    "tiny": Preset("builtin:tiny-arith", "builtin:arithmetic/train", "builtin:arithmetic/val", 16, 8, 1e-4, 0.04,
+                   16, 1.0),
+    "smollm2": Preset("builtin:smollm2-135m-instruct", "builtin:word_problems/train", "builtin:word_problems/val",
+                      4, 4, 2e-4, 0.01, 32, 0.7, lora_rank=16, lora_alpha=32, max_prompt_length=96, eval_prompts=64),
+}
+
+
+def _setup(threads: int) -> None:
     os.environ.setdefault("VERL_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     import torch
     from transformers.utils import logging as hf_logging
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
 
-def evaluate(model, tokenizer) -> dict[str, float]:
+def evaluate(model, tokenizer, preset: Preset) -> dict[str, float]:
     from verl.config import DataConfig
     from verl.data.dataset import RLHFDataset
     from verl.rollout.base import SamplingParams
@@ -48,115 +79,151 @@ def evaluate(model, tokenizer) -> dict[str, float]:
     from verl.trainer.validation import generate_and_score, validation_metrics
     from verl.workers.reward import RewardManager
 
-    val = RLHFDataset(["builtin:arithmetic/val"], tokenizer, DataConfig(), "data.val_files")
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=MAX_NEW)
+    data = DataConfig(max_prompt_length=preset.max_prompt_length)
+    val = RLHFDataset([preset.val], tokenizer, data, "data.val_files")
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=preset.max_new)
     engine, reward = HFRollout(model, tokenizer), RewardManager(tokenizer)
-    batch, scores, extras, _ = generate_and_score(engine, val, reward, params, 256)
+    batch, scores, extras, _ = generate_and_score(engine, val, reward, params, preset.eval_prompts)
     metrics = validation_metrics(batch, scores, extras)
     return {"accuracy": metrics["accuracy"], "accuracy_flexible": metrics["accuracy_flexible"]}
 
 
-def run_ours(steps: int, seed: int, workdir: Path, model_path: str = "builtin:tiny-arith",
-             evaluate_model: bool = True) -> dict:
+def _no_scores() -> dict[str, float]:
+    return {"accuracy": float("nan"), "accuracy_flexible": float("nan")}
+
+
+def _intervals(marks: list[float]) -> list[float]:
+    """Seconds per step: wall time between consecutive step ends (the first step, from start-up, has none)."""
+    return [b - a for a, b in zip(marks, marks[1:], strict=False)]
+
+
+def run_ours(preset: Preset, steps: int, seed: int, workdir: Path, evaluate_model: bool) -> dict:
     from verl.trainer.local import LocalPPOTrainer
 
+    class StepClock:
+        def __init__(self) -> None:
+            self.marks: list[float] = []
+
+        def on_step_end(self, trainer, step, metrics) -> None:
+            self.marks.append(time.perf_counter())
+
+    model: dict = {"path": preset.model}
+    if preset.lora_rank:
+        model["lora"] = {"rank": preset.lora_rank, "alpha": preset.lora_alpha, "target_modules": "all-linear"}
     trainer = LocalPPOTrainer({
-        "model": {"path": model_path},
-        "data": {"train_batch_size": PROMPTS_PER_STEP, "max_response_length": MAX_NEW},
-        "rollout": {"n": GROUP, "temperature": 1.0},
-        "actor": {"optim": {"lr": LR}, "ppo_mini_batch_size": PROMPTS_PER_STEP, "use_kl_loss": True,
-                  "kl_loss_coef": BETA, "kl_loss_type": "low_var_kl", "clip_ratio": 0.2, "loss_agg_mode": "token-mean"},
+        "model": model,
+        "data": {"train_files": [preset.train], "val_files": [preset.val], "train_batch_size": preset.prompts_per_step,
+                 "max_prompt_length": preset.max_prompt_length, "max_response_length": preset.max_new},
+        "rollout": {"n": preset.group, "temperature": preset.temperature},
+        "actor": {"optim": {"lr": preset.lr}, "ppo_mini_batch_size": preset.prompts_per_step, "use_kl_loss": True,
+                  "kl_loss_coef": preset.beta, "kl_loss_type": "low_var_kl", "clip_ratio": 0.2,
+                  "loss_agg_mode": "token-mean"},
         "algorithm": {"adv_estimator": "grpo"},
         "trainer": {"total_steps": steps, "test_freq": 0, "val_before_train": False, "save_freq": 0, "seed": seed,
                     "logger": ["jsonl"], "output_dir": str(workdir), "experiment_name": "ours",
-                    "num_samples_to_log": 0},
+                    "num_samples_to_log": 0, "num_threads": 1},
     }, quiet=True)
+    clock = StepClock()
+    trainer.add_callback(clock)
     start = time.perf_counter()
     trainer.fit()
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in trainer.config.log_path().read_text().splitlines()]
-    step_seconds = [r["total"] for r in rows if r["scope"] == "timing"]
-    scores = evaluate(trainer.model, trainer.tokenizer) if evaluate_model else {"accuracy": float("nan"),
-                                                                                 "accuracy_flexible": float("nan")}
-    return {"step_seconds": step_seconds, "wall": wall, **scores}
+    stages = [{k: r[k] for k in ("gen", "ref", "update", "total") if k in r} for r in rows if r["scope"] == "timing"]
+    scores = evaluate(trainer.model, trainer.tokenizer, preset) if evaluate_model else _no_scores()
+    return {"step_seconds": _intervals(clock.marks), "stages": stages, "wall": wall, **scores}
 
 
-def run_trl(steps: int, seed: int, workdir: Path, model_path: str = "builtin:tiny-arith",
-            evaluate_model: bool = True) -> dict:
+def run_trl(preset: Preset, steps: int, seed: int, workdir: Path, evaluate_model: bool) -> dict:
     import datasets
     from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from verl.data.dataset import read_rows
     from verl.models.loader import load_tokenizer, resolve_model_path
-    from verl.rewards.registry import arithmetic
+    from verl.rewards.registry import reward_for_data_source
 
-    path = resolve_model_path(model_path)
-    tokenizer = load_tokenizer(model_path)
-    rows = read_rows(["builtin:arithmetic/train"], "data.train_files")
-    dataset = datasets.Dataset.from_list(
-        [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows]
-    )
+    path = resolve_model_path(preset.model)
+    tokenizer = load_tokenizer(preset.model)
+    rows = read_rows([preset.train], "data.train_files")
+    dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"],
+                                           "data_source": r["data_source"]} for r in rows])
 
-    def strict_reward(prompts, completions, ground_truth, **_):
-        return [arithmetic("arithmetic", c[-1]["content"], gt)["score"] for c, gt in zip(completions, ground_truth,
-                                                                                         strict=True)]
+    def strict_reward(prompts, completions, ground_truth, data_source, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [reward_for_data_source(src)(src, text, gt)["score"]
+                for text, gt, src in zip(texts, ground_truth, data_source, strict=True)]
 
     class StepClock(TrainerCallback):
         def __init__(self):
-            self.marks = []
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.marks.append(["begin", time.perf_counter()])
+            self.marks: list[float] = []
 
         def on_step_end(self, args, state, control, **kw):
-            self.marks.append(["end", time.perf_counter()])
+            self.marks.append(time.perf_counter())
 
     clock = StepClock()
     config = GRPOConfig(
         output_dir=str(workdir / "trl"), use_cpu=True, bf16=False, seed=seed,
-        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP, num_generations=GROUP, gradient_accumulation_steps=1,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        beta=BETA, epsilon=0.2, loss_type="dapo", max_completion_length=MAX_NEW, temperature=1.0,
-        max_steps=steps, logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
+        per_device_train_batch_size=preset.prompts_per_step * preset.group, num_generations=preset.group,
+        gradient_accumulation_steps=1, gradient_checkpointing=False,
+        learning_rate=preset.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        beta=preset.beta, epsilon=0.2, loss_type="dapo", max_completion_length=preset.max_new,
+        temperature=preset.temperature, max_steps=steps, logging_steps=1, report_to=[], save_strategy="no",
+        disable_tqdm=True,
     )
-    model = AutoModelForCausalLM.from_pretrained(path)
-    trainer = GRPOTrainer(model=model, reward_funcs=[strict_reward], args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[clock])
-    from transformers.trainer_callback import PrinterCallback
+    peft_config = None
+    if preset.lora_rank:
+        from peft import LoraConfig
 
+        peft_config = LoraConfig(r=preset.lora_rank, lora_alpha=preset.lora_alpha, lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    trainer = GRPOTrainer(model=model, reward_funcs=[strict_reward], args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[clock], peft_config=peft_config)
     trainer.remove_callback(PrinterCallback)  # its per-step dict prints would drown the table
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    begins = [t for kind, t in clock.marks if kind == "begin"]
-    ends = [t for kind, t in clock.marks if kind == "end"]
-    # A TRL "step" includes generation (done inside the step for the first micro-step).
-    step_seconds = [e - b for b, e in zip(begins, ends, strict=False)]
-    scores = evaluate(trainer.model, tokenizer) if evaluate_model else {"accuracy": float("nan"),
-                                                                         "accuracy_flexible": float("nan")}
-    return {"step_seconds": step_seconds, "wall": wall, **scores}
+    scores = evaluate(trainer.model, tokenizer, preset) if evaluate_model else _no_scores()
+    return {"step_seconds": _intervals(clock.marks), "wall": wall, **scores}
 
 
-def worker(kind: str, steps: int, seed: int, out: Path, model_path: str, evaluate_model: bool) -> None:
-    _setup()
+def worker(kind: str, preset: Preset, steps: int, seed: int, out: Path, evaluate_model: bool,
+           threads: int = 1) -> None:
+    _setup(threads)
     with tempfile.TemporaryDirectory() as tmp:
-        result = (run_ours if kind == "ours" else run_trl)(steps, seed, Path(tmp), model_path, evaluate_model)
+        result = (run_ours if kind == "ours" else run_trl)(preset, steps, seed, Path(tmp), evaluate_model)
     out.write_text(json.dumps(result))
+
+
+def _load() -> str:
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--worker", choices=["ours", "trl"])
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--model", default="builtin:tiny-arith", help="worker mode: model to train")
-    parser.add_argument("--no-eval", action="store_true", help="worker mode: skip the final accuracy evaluation")
+    parser.add_argument("--out", type=Path, help="worker: result file; driver: JSON with every run")
+    parser.add_argument("--model", help="worker: train this model instead of the preset's")
+    parser.add_argument("--threads", type=int, default=1, help="worker: torch threads (TRL given two cores when "
+                                                               "our side uses two processes)")
+    parser.add_argument("--no-eval", action="store_true", help="skip the final accuracy evaluation "
+                                                                 "(the default for the smollm2 preset)")
     args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    if args.model:
+        preset = replace(preset, model=args.model)
+    evaluate_model = not args.no_eval and args.preset == "tiny"
     if args.worker:
-        worker(args.worker, args.steps, args.seed, args.out, args.model, not args.no_eval)
+        worker(args.worker, preset, args.steps, args.seed, args.out, evaluate_model, args.threads)
         return
 
     results: dict[str, list[dict]] = {"ours": [], "trl": []}
@@ -165,27 +232,36 @@ def main() -> None:
             order = ["ours", "trl"] if repeat % 2 == 0 else ["trl", "ours"]
             for kind in order:
                 out = Path(tmp) / f"{kind}-{repeat}.json"
-                subprocess.run([sys.executable, __file__, "--worker", kind, "--steps", str(args.steps),
-                                "--seed", str(args.seed + repeat), "--out", str(out)], check=True)
+                command = [sys.executable, __file__, "--worker", kind, "--preset", args.preset, "--steps",
+                           str(args.steps), "--seed", str(args.seed + repeat), "--out", str(out)]
+                load_before = _load()
+                subprocess.run(command + (["--no-eval"] if not evaluate_model else []), check=True)
                 result = json.loads(out.read_text())
+                result["load"] = [load_before, _load()]
                 results[kind].append(result)
-                per_step = statistics.median(result["step_seconds"][1:])
-                print(f"repeat {repeat} {kind:4s}: {per_step:.3f} s/step (median), wall {result['wall']:.1f} s, "
-                      f"accuracy {result['accuracy']:.3f} (flexible {result['accuracy_flexible']:.3f})", flush=True)
+                print(f"repeat {repeat} {kind:4s}: {statistics.median(result['step_seconds']):.3f} s/step (median "
+                      f"of {len(result['step_seconds'])}), wall {result['wall']:.1f} s, accuracy "
+                      f"{result['accuracy']:.3f}, load {result['load'][0]} -> {result['load'][1]}", flush=True)
 
     def summary(kind: str) -> dict[str, float]:
-        per_step = [statistics.median(r["step_seconds"][1:]) for r in results[kind]]
-        return {"s_per_step": statistics.median(per_step), "accuracy": statistics.median(r["accuracy"] for r in
-                                                                                         results[kind]),
-                "wall": statistics.median(r["wall"] for r in results[kind])}
+        per_run = [statistics.median(r["step_seconds"]) for r in results[kind]]
+        return {"per_run": per_run, "s_per_step": statistics.median(per_run),
+                "accuracy": statistics.median(r["accuracy"] for r in results[kind])}
 
     ours, trl = summary("ours"), summary("trl")
-    print()
-    print(f"| trainer | s/step (median of {args.repeats} medians) | accuracy after {args.steps} steps | wall s |")
+    print("\n=== summary")
+    print(f"preset {args.preset}: {asdict(preset)}")
+    print("| trainer | s/step per run | s/step (median) | accuracy (median) |")
     print("|---|---|---|---|")
-    print(f"| verl suite GRPO | {ours['s_per_step']:.3f} | {ours['accuracy']:.3f} | {ours['wall']:.1f} |")
-    print(f"| TRL GRPOTrainer | {trl['s_per_step']:.3f} | {trl['accuracy']:.3f} | {trl['wall']:.1f} |")
-    print(f"\nthroughput ratio (TRL s/step / ours s/step): {trl['s_per_step'] / ours['s_per_step']:.2f}x")
+    for name, s in (("verl suite GRPO", ours), ("TRL GRPOTrainer", trl)):
+        runs = " / ".join(f"{x:.3f}" for x in s["per_run"])
+        print(f"| {name} | {runs} | {s['s_per_step']:.3f} | {s['accuracy']:.3f} |")
+    ratio = trl["s_per_step"] / ours["s_per_step"]
+    print(f"\nthroughput ratio (TRL s/step / ours s/step), one core each: {ratio:.2f}x")
+    if args.out:
+        args.out.write_text(json.dumps({"preset": args.preset, "settings": asdict(preset), "steps": args.steps,
+                                        "results": results, "ratio": ratio},
+                                       indent=1) + "\n")
 
 
 if __name__ == "__main__":

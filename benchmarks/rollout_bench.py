@@ -144,6 +144,7 @@ def main() -> None:
     results = []
     for path in args.models:
         results.extend(bench_model(path, args))
+    print("=== summary")
     print(table(results, args))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))

