@@ -24,6 +24,7 @@ and permutation importance of each differing key against the chosen metric). Out
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from eval import plots
+from eval.evaluators import build_evaluator
 from eval.report import Doc, fmt, ordered_metrics, training_curves
 from eval.runner import (
     EvalSettings,
@@ -47,7 +49,8 @@ from eval.runner import (
 )
 from eval.stats import mcnemar, paired_resample, pearson, permutation_importance
 from verl.errors import CheckpointError, ConfigError, VerlError
-from verl.utils.fs import ensure_writable_dir
+from verl.trainer.checkpoint import list_checkpoints, read_pointer
+from verl.utils.fs import atomic_write_json, ensure_writable_dir
 
 CURVE_METRICS = ["rollout/reward_mean", "eval/accuracy", "ppo/kl_div", "rollout/response_length_mean"]
 # Config keys that name a run rather than change it.
@@ -73,8 +76,6 @@ class Entry:
 
 def choose_checkpoint(run_dir: Path, ckpt: str, select: str) -> tuple[Path, str]:
     """The checkpoint dir of ``run_dir`` that ``--ckpt`` names, and how it was chosen."""
-    from verl.trainer.checkpoint import list_checkpoints, read_pointer
-
     checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
         raise CheckpointError(f"run '{run_dir}' has no complete checkpoints (checkpoints/global_step_N/meta.json)")
@@ -90,8 +91,6 @@ def choose_checkpoint(run_dir: Path, ckpt: str, select: str) -> tuple[Path, str]
         raise ConfigError(f"--ckpt '{ckpt}' must be best, latest or global_step_N")
     best_file = run_dir / "eval" / "best.json"
     if best_file.is_file():
-        import json
-
         label = json.loads(best_file.read_text()).get("label")
         for _, path in checkpoints:
             if path.name == label:
@@ -100,8 +99,6 @@ def choose_checkpoint(run_dir: Path, ckpt: str, select: str) -> tuple[Path, str]
     metric, mode = parse_select(select)
     scored = []
     for step, path in checkpoints:
-        import json
-
         meta = json.loads((path / "meta.json").read_text())
         value = meta.get("metrics", {}).get(metric)
         if isinstance(value, (int, float)):
@@ -216,8 +213,6 @@ def _row(name: str, meta: dict, mean_a: float, mean_b: float, test: dict, n: int
 def _compare_corpus(spec: str, names: list[str], base: Entry, cand: Entry, common: list[str], alpha: float,
                     n_boot: int, seed: int) -> dict[str, dict]:
     """Corpus metrics: recompute them from both sides' responses under the same resampling of shared prompts."""
-    from eval.evaluators import build_evaluator
-
     evaluator = build_evaluator(spec)
     unit = {p: i for i, p in enumerate(common)}
 
@@ -407,8 +402,6 @@ def _slug(text: str) -> str:
 
 
 def _write(out_dir: Path, report: dict, entries: list[Entry]) -> None:
-    from verl.utils.fs import atomic_write_json
-
     doc = Doc("verl compare — " + " vs ".join(e.name for e in entries))
     doc.p(f"Baseline: **{entries[0].name}**. Paired by prompt; differences are candidate − baseline; "
           f"verdicts at α = {report['alpha']} (McNemar for binary per-prompt outcomes, paired bootstrap otherwise; "
@@ -476,8 +469,6 @@ def _write(out_dir: Path, report: dict, entries: list[Entry]) -> None:
 
 
 def json_key(value: Any) -> str:
-    import json
-
     return json.dumps(value, sort_keys=True, default=str)
 
 

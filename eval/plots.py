@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from verl.utils.fs import atomic_path
+
 INSTALL_HINT = "plots need matplotlib: pip install 'verl-suite[eval]'"
 
 
@@ -32,8 +34,6 @@ def _integer_locator():
 
 
 def _save(fig, path: Path) -> Path:
-    from verl.utils.fs import atomic_path
-
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")

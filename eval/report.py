@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from eval import plots
+from verl.utils.fs import atomic_write_text
+from verl.utils.log import read_jsonl
 
 # Metrics shown first (in this order) in tables and plots; the rest follow alphabetically.
 MAIN_METRICS = ("eval/accuracy", "eval/accuracy_flexible", "eval/reward_mean", "eval/kl_exact", "eval/kl_k1",
@@ -90,8 +93,6 @@ class Doc:
         return "\n".join(parts)
 
     def write(self, out_dir: Path, stem: str = "report") -> tuple[Path, Path]:
-        from verl.utils.fs import atomic_write_text
-
         md = atomic_write_text(out_dir / f"{stem}.md", self.markdown())
         page = atomic_write_text(out_dir / f"{stem}.html", self.html())
         return md, page
@@ -115,8 +116,6 @@ def _md_cell(value: Any) -> str:
 
 def _inline(text: str) -> str:
     """Escape, then turn `code` spans into <code> and **bold** into <b> (the Markdown the reports use)."""
-    import re
-
     pieces = html.escape(text).split("`")
     out = "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(pieces))
     return re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", out)
@@ -203,8 +202,6 @@ def write_checkpoint_report(out_dir: Path, results: dict, samples: list[dict]) -
 
 def training_curves(run_dir: Path, keys: list[str] | None = None) -> dict[str, tuple[list[int], list[float]]]:
     """``scope/name -> (steps, values)`` from ``verl_logs.jsonl`` (numeric INFO rows; the last value per step)."""
-    from verl.utils.log import read_jsonl
-
     path = Path(run_dir) / "verl_logs.jsonl"
     if not path.is_file():
         return {}

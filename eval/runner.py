@@ -20,7 +20,9 @@ checkpoints, ``best.json`` (``--select eval/accuracy:max``) and metric-vs-step p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.metadata as md
 import importlib.util
 import json
 import platform
@@ -29,12 +31,38 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+import torch
+from peft import PeftModel
+from pydantic import TypeAdapter, ValidationError
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+import verl.config as config_module
+from eval.evaluators import DEFAULT_EVALUATORS, build_evaluator, build_evaluators
+from eval.evaluators.kl import compute_kl_terms
+from eval.report import write_checkpoint_report, write_run_report
 from eval.stats import Metric
+from verl.config import DataConfig, RewardConfig, RolloutConfig, ValidationSampling, build_config, load_yaml
+from verl.data.dataset import RLHFDataset
 from verl.errors import CheckpointError, ConfigError, VerlError
+from verl.models.loader import (
+    check_hub_id,
+    load_causal_lm,
+    load_tokenizer,
+    looks_local,
+    missing_dir_error,
+    pick_device,
+    resolve_model_path,
+)
+from verl.protocol import DataProto
+from verl.rollout.base import SamplingParams, get_rollout_factory, pad_responses
+from verl.trainer.checkpoint import STEP_DIR, list_checkpoints
+from verl.trainer.evaluator_plugins import EvalBatch, scalar_metrics, split_specs
+from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
+from verl.utils.seeding import set_num_threads
+from verl.workers.reward import RewardManager, decode_responses
 
 SCHEMA = "verl-eval/1"
 METRIC_PREFIX = "eval/"
@@ -91,12 +119,6 @@ FLAG_RULES: dict[str, tuple[str, str, str]] = {
 
 def check_flags(values: dict[str, Any]) -> None:
     """Validate the given (non-None) flag values against their config keys' constraints; one line per problem."""
-    from typing import Annotated
-
-    from pydantic import TypeAdapter, ValidationError
-
-    import verl.config as config_module
-
     problems = []
     for name, value in values.items():
         if value is None:
@@ -198,9 +220,6 @@ def is_run_dir(path: Path) -> bool:
 
 
 def resolve_target(spec: str | Path) -> Target:
-    from verl.models.loader import check_hub_id, looks_local, missing_dir_error
-    from verl.trainer.checkpoint import STEP_DIR
-
     text = str(spec)
     path = Path(text).expanduser()
     if path.is_dir():
@@ -232,7 +251,6 @@ def load_run_config(run_dir: Path | None) -> tuple[Any, dict | None, list[str]]:
     """``(VerlConfig or None, the raw dict, notes)`` from ``<run>/config.yaml``."""
     if run_dir is None:
         return None, None, []
-    from verl.config import build_config, load_yaml
 
     raw = load_yaml(run_dir / "config.yaml")
     try:
@@ -243,8 +261,6 @@ def load_run_config(run_dir: Path | None) -> tuple[Any, dict | None, list[str]]:
 
 
 def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: str | None) -> Resolved:
-    from verl.config import DataConfig, ValidationSampling
-
     data = run_cfg.data if run_cfg is not None else DataConfig()
     val = run_cfg.rollout.val_kwargs if run_cfg is not None else ValidationSampling()
     notes: list[str] = []
@@ -280,14 +296,10 @@ def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: s
 
 
 def _needs_reference(spec: str) -> bool:
-    from eval.evaluators import build_evaluator
-
     return "ref_logprobs" in getattr(build_evaluator(spec), "needs", ())
 
 
 def _evaluator_specs(requested: str | list[str] | None, reference: str | None, notes: list[str]) -> list[str]:
-    from eval.evaluators import DEFAULT_EVALUATORS, build_evaluators
-
     if requested is None:
         specs = list(DEFAULT_EVALUATORS)
         if reference is None:
@@ -303,8 +315,6 @@ def _evaluator_specs(requested: str | list[str] | None, reference: str | None, n
 
 
 def _split(requested: str | list[str]) -> list[str]:
-    from verl.trainer.evaluator_plugins import split_specs
-
     return split_specs(requested) if isinstance(requested, str) else [s for s in requested if s.strip()]
 
 
@@ -313,8 +323,6 @@ def _split(requested: str | list[str]) -> list[str]:
 
 def model_hash(path: str) -> str:
     """sha256 (first 16 hex) of the weight files, so results name exactly which weights they describe."""
-    from verl.models.loader import resolve_model_path
-
     try:
         local = Path(resolve_model_path(path))
     except VerlError:
@@ -333,12 +341,8 @@ def model_hash(path: str) -> str:
 
 def load_policy(path: str, run_cfg: Any, device: Any, dtype: str) -> Any:
     """The model at ``path``; a LoRA checkpoint (adapter files only) is applied to its base and merged."""
-    from verl.models.loader import load_causal_lm
-
     local = Path(path)
     if local.is_dir() and (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
-        from peft import PeftModel
-
         adapter = json.loads((local / "adapter_config.json").read_text())
         base_path = run_cfg.model.path if run_cfg is not None else adapter.get("base_model_name_or_path")
         if not base_path:
@@ -349,8 +353,6 @@ def load_policy(path: str, run_cfg: Any, device: Any, dtype: str) -> Any:
 
 
 def versions() -> dict[str, str]:
-    import importlib.metadata as md
-
     out = {"python": platform.python_version()}
     for name in ("verl-suite", "torch", "transformers", "numpy"):
         try:
@@ -369,13 +371,6 @@ class Evaluation:
 
     def __init__(self, settings: EvalSettings, resolved: Resolved, run_cfg: Any, raw_config: dict | None,
                  tokenizer_path: str, console: Any = None):
-        import torch
-
-        from eval.evaluators import build_evaluators
-        from verl.config import DataConfig, RewardConfig
-        from verl.models.loader import load_tokenizer, pick_device
-        from verl.utils.seeding import set_num_threads
-
         self.settings, self.resolved, self.run_cfg, self.raw_config = settings, resolved, run_cfg, raw_config
         self.console = console
         threads = settings.num_threads if settings.num_threads is not None else (
@@ -393,7 +388,6 @@ class Evaluation:
         self._reference = None
         self.reward_manager = None
         reward_cfg = run_cfg.reward if run_cfg is not None else RewardConfig()
-        from verl.workers.reward import RewardManager
 
         # Rule rewards cost nothing; they are always computed so samples.jsonl carries the run's score.
         if "rewards" in self.needs or not reward_cfg.model.path:
@@ -403,8 +397,6 @@ class Evaluation:
     @property
     def dataset(self) -> Any:
         if self._dataset is None:
-            from verl.data.dataset import RLHFDataset
-
             self._dataset = RLHFDataset(self.resolved.data_files, self.tokenizer, self.data_cfg, "--data")
             self.prompt_ids = _prompt_ids(self._dataset, self.data_cfg.prompt_key)
             dropped, cut = self._dataset.num_filtered, getattr(self._dataset, "num_truncated", 0)
@@ -418,8 +410,6 @@ class Evaluation:
 
     def reference(self) -> Any:
         if self._reference is None:
-            from verl.models.loader import load_causal_lm
-
             self._reference = load_causal_lm(self.resolved.reference, self.dtype, self.device)
             self._reference.requires_grad_(False)
         return self._reference
@@ -430,8 +420,6 @@ class Evaluation:
                  run_dir: Path | None = None) -> dict[str, Any]:
         """Evaluate the weights at ``model_path``: build the engine, generate, KL to the reference, run the
         evaluators, assemble and write ``results.json`` (+ samples, report); returns its content."""
-        from verl.rollout.base import SamplingParams
-
         t0 = time.perf_counter()
         digest = model_hash(model_path)
         cached = _reusable(out_dir, self.resolved.fingerprint, digest) if not self.settings.force else None
@@ -457,7 +445,6 @@ class Evaluation:
         del policy
         if self._torch.cuda.is_available():
             self._torch.cuda.empty_cache()
-        from verl.trainer.evaluator_plugins import EvalBatch
 
         eval_batch = EvalBatch.from_rollout(batch, texts, scores, extras, n=self.resolved.n,
                                             max_new_tokens=self.resolved.max_new_tokens,
@@ -471,7 +458,6 @@ class Evaluation:
         results = self._assemble(model_path, label, step, run_dir, digest, batch, len(texts), metrics, notes, timing)
         samples = self._sample_rows(batch, texts, scores, columns)
         write_results(out_dir, results, samples)
-        from eval.report import write_checkpoint_report
 
         write_checkpoint_report(out_dir, results, samples)
         self._say(f"{label}: " + summary_line(results) + f"  -> {out_dir}")
@@ -479,15 +465,12 @@ class Evaluation:
 
     def _build_engine(self, policy: Any, model_path: str) -> Any:
         """The rollout engine the run's validation used, around ``policy`` (vLLM loads ``model_path`` itself)."""
-        from verl.rollout.base import get_rollout_factory
-
         factory = get_rollout_factory(self.resolved.engine)
         if self.resolved.engine == "hf":
             # The run's generation chunking and autocast, so samples match the trainer's validation exactly.
             micro = self.run_cfg.rollout.micro_batch_size if self.run_cfg is not None else None
             bf16 = self.run_cfg is not None and self.run_cfg.actor.autocast == "bf16"
             return factory(policy, self.tokenizer, micro, self._torch.bfloat16 if bf16 else None)
-        from verl.config import RolloutConfig
 
         rollout_cfg = self.run_cfg.rollout if self.run_cfg is not None else RolloutConfig()
         return factory(model_path=model_path, tokenizer=self.tokenizer, config=rollout_cfg,
@@ -501,7 +484,6 @@ class Evaluation:
             raise ConfigError(f"reference '{self.resolved.reference}' has vocab size {reference.config.vocab_size} "
                               f"but the checkpoint has {policy.config.vocab_size}; give a --reference with the "
                               "same tokenizer")
-        from eval.evaluators.kl import compute_kl_terms
 
         with self._progress(f"{label}: KL to reference", len(batch)) as advance:
             return compute_kl_terms(policy, reference, batch, self.settings.kl_micro_batch_size, progress=advance)
@@ -542,10 +524,6 @@ class Evaluation:
 
     def _generate(self, engine: Any, params: Any, label: str) -> tuple[Any, list[str], Any, dict, float]:
         """The trainer's validation loop (``verl.trainer.validation.generate_and_score``) with a progress bar."""
-        from verl.protocol import DataProto
-        from verl.rollout.base import pad_responses
-        from verl.workers.reward import decode_responses
-
         dataset = self.dataset
         count = min(len(dataset), self.resolved.max_samples or len(dataset))
         outputs, scores, texts = [], [], []
@@ -599,10 +577,6 @@ class Evaluation:
 
     def _progress(self, description: str, total: int):
         """A rich progress bar (only on a terminal, never with --quiet) yielding an ``advance(k)`` function."""
-        import contextlib
-
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
         @contextlib.contextmanager
         def bar():
             console = self.console
@@ -620,8 +594,6 @@ class Evaluation:
 
 def run_evaluators(evaluators: list[Any], batch: Any) -> tuple[dict[str, Metric], dict[str, np.ndarray], list[str]]:
     """Every evaluator on one batch; metric and column names must not collide between evaluators."""
-    from verl.trainer.evaluator_plugins import scalar_metrics
-
     metrics: dict[str, Metric] = {}
     columns: dict[str, np.ndarray] = {}
     notes: list[str] = []
@@ -684,8 +656,6 @@ def _prompt_ids(dataset: Any, prompt_key: str) -> list[str]:
 
 
 def write_results(out_dir: Path, results: dict, samples: list[dict]) -> None:
-    from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
-
     ensure_writable_dir(out_dir, "the eval output dir (--out)")
     atomic_write_text(out_dir / "samples.jsonl",
                       "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in samples))
@@ -736,7 +706,6 @@ def ensure_report(out_dir: Path, results: dict) -> bool:
     wanted = [name for name in REPORT_FILES if plots_wanted or not name.endswith(".png")]
     if all((out_dir / name).is_file() and (out_dir / name).stat().st_size > 0 for name in wanted):
         return False
-    from eval.report import write_checkpoint_report
 
     write_checkpoint_report(out_dir, results, load_samples(out_dir))
     return True
@@ -800,8 +769,6 @@ def _tokenizer_source(path: str, run_cfg: Any) -> str:
 
 def _evaluate_run(target: Target, settings: EvalSettings, resolved: Resolved, run_cfg: Any, raw: dict | None,
                   out: str | Path | None, console: Any) -> dict:
-    from verl.trainer.checkpoint import list_checkpoints
-
     run_dir = Path(target.path)
     checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
@@ -831,11 +798,9 @@ def _evaluate_run(target: Target, settings: EvalSettings, resolved: Resolved, ru
                          "checkpoint": r["checkpoint"], "metrics": r["metrics"]} for r in per_checkpoint],
         "best": best,
     }
-    from verl.utils.fs import atomic_write_json
 
     atomic_write_json(out_dir / "best.json", best)
     atomic_write_json(out_dir / "summary.json", summary)
-    from eval.report import write_run_report
 
     write_run_report(out_dir, summary, run_dir)
     if console is not None and not settings.quiet:

@@ -27,9 +27,12 @@ UI's form) choose prompts, the request mix and the stepped shape (``StepShape``,
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +57,7 @@ from loadtest.checks import (
 from loadtest.prompts import DEFAULT_PROMPT_FILE, Prompt, load_prompts, render_with_server
 from loadtest.shapes import StepPlan
 from verl.errors import VerlError
+from verl.utils.fs import atomic_write_json
 
 log = logging.getLogger("loadtest")
 
@@ -219,8 +223,6 @@ def prepare(environment: Environment, **_: Any) -> None:
 
 def _write_run_info(environment: Environment, host: str, num_prompts: int) -> None:
     """``<csv prefix>_loadtest.json``: what this run did, so the report can name the step plan and the mix."""
-    from verl.utils.fs import atomic_write_json
-
     options = environment.parsed_options
     info = {
         "locust_version": locust.__version__,
@@ -248,9 +250,6 @@ def _wait_ready(host: str, timeout_s: float) -> None:
 
     A server without ``/health`` (404 or anything else) is taken as ready.
     """
-    import urllib.error
-    import urllib.request
-
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -273,9 +272,6 @@ def _auth_headers(api_key: str) -> dict[str, str]:
 
 
 def _first_model(host: str, headers: dict[str, str]) -> str | None:
-    import json
-    import urllib.request
-
     try:
         request = urllib.request.Request(host.rstrip("/") + "/v1/models", headers=headers)
         with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 (the test's own target host)

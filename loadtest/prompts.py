@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
+from verl.data.builtin import resolve_data_file
 from verl.errors import DataError
 
 DEFAULT_PROMPT_FILE = "builtin:arithmetic/val"
@@ -52,8 +55,6 @@ def _read_cells(path: Path, column: str) -> list[Any]:
                         f"'{column}' column, or builtin:arithmetic/val)")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         table = pq.read_table(path)
         if column not in table.column_names:
             raise DataError(f"prompt file '{path}' has no column '{column}' (columns: "
@@ -83,8 +84,6 @@ def _read_cells(path: Path, column: str) -> list[Any]:
 
 def load_prompts(name: str = DEFAULT_PROMPT_FILE, column: str = "prompt", limit: int | None = None) -> list[Prompt]:
     """Read prompts from ``name`` (a path or ``builtin:TASK/SPLIT``); text forms start as the joined contents."""
-    from verl.data.builtin import resolve_data_file
-
     path = resolve_data_file(name)
     cells = _read_cells(path, column)
     if limit is not None:

@@ -14,6 +14,7 @@ from string import Template
 from typing import Any
 
 from loadtest.report import LATENCY_ENTRY, PLOTS, REPORT_STEM, SLO, TTFT_ENTRY, build_report
+from verl.utils.fs import atomic_path, atomic_write_json, atomic_write_text, ensure_writable_dir
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -192,8 +193,6 @@ def plot_report(report: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    from verl.utils.fs import atomic_path
-
     users = [s["users"] for s in steps]
     cap = report["capacity"]
     paths = {}
@@ -255,8 +254,6 @@ def plot_report(report: dict[str, Any], out_dir: Path) -> dict[str, Path]:
 
 def write_report(report: dict[str, Any], out_dir: str | Path, plots: bool = True) -> dict[str, Path]:
     """``capacity_report.{json,md,html}`` and the PNGs into ``out_dir``; each file written atomically."""
-    from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
-
     out_dir = ensure_writable_dir(out_dir, "the report dir (--out)")
     images = plot_report(report, out_dir) if plots else {}
     paths = {

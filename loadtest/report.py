@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verl.errors import DataError
+from verl.errors import DataError, MissingDependencyError
 
 LLM = "LLM"  # request type of the locustfile's custom entries
 LATENCY_ENTRY, TTFT_ENTRY, TOKENS_ENTRY = "e2e_latency_ms", "ttft_ms", "output_tokens"
@@ -476,8 +476,6 @@ def _read_prometheus(text: str) -> dict[str, Any]:
     try:
         from prometheus_client.parser import text_string_to_metric_families
     except ImportError:
-        from verl.errors import MissingDependencyError
-
         raise MissingDependencyError("prometheus-client", "reading the service's /metrics") from None
 
     raw: dict[str, Any] = {key: {"buckets": {}, "sum": 0.0, "count": 0.0} for key in SERVER_HISTOGRAMS}

@@ -33,9 +33,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+import yaml
+from peft import PeftConfig, PeftModel
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from serve import __version__
 from verl.errors import CheckpointError, ConfigError, ModelError, VerlError
+from verl.models.loader import DTYPES, missing_dir_error, resolve_model_path
 from verl.trainer.checkpoint import META, STEP_DIR, checkpoint_root, list_checkpoints, read_pointer
 from verl.utils.fs import atomic_dir, atomic_write_json
+from verl.utils.log import read_jsonl
 
 EXPORT_FILE = "export.json"
 SCHEMA = "verl-suite/export/v1"
@@ -175,8 +185,6 @@ def log_path(run: Path, logs: str | Path | None = None) -> Path | None:
         return run / "verl_logs.jsonl"
     config = run / "config.yaml"
     if config.is_file():
-        import yaml
-
         try:
             log_dir = ((yaml.safe_load(config.read_text()) or {}).get("trainer") or {}).get("log_dir")
         except yaml.YAMLError:
@@ -188,8 +196,6 @@ def log_path(run: Path, logs: str | Path | None = None) -> Path | None:
 
 def eval_metrics_by_step(path: Path) -> dict[int, dict[str, float]]:
     """``{step: {"eval/accuracy": 0.8, ...}}`` from the ``eval`` rows of a ``verl_logs.jsonl`` (last row wins)."""
-    from verl.utils.log import read_jsonl
-
     out: dict[int, dict[str, float]] = {}
     for row in read_jsonl(path):
         if row.get("scope") != "eval" or not isinstance(row.get("step"), int):
@@ -264,17 +270,10 @@ def _best_from_meta(by_step: dict[int, Path], name: str, mode: str) -> tuple[Pat
 
 def load_for_export(ckpt: Path, base: str | None = None, dtype: str = "auto") -> tuple[Any, Any, dict]:
     """Load a checkpoint as a plain HF model (LoRA merged) and its tokenizer; returns (model, tokenizer, lora_info)."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from verl.models.loader import DTYPES, resolve_model_path
-
     torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
     lora: dict[str, Any] = {"merged": False}
     try:
         if (ckpt / ADAPTER_CONFIG).is_file():
-            from peft import PeftConfig, PeftModel
-
             peft_config = PeftConfig.from_pretrained(str(ckpt))
             base_path = resolve_model_path(base or peft_config.base_model_name_or_path or "")
             base_model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch_dtype, use_safetensors=True)
@@ -314,9 +313,6 @@ def config_hash(run_dir: Path | None, ckpt: Path) -> tuple[str | None, str | Non
 
 def _verify(model: Any, export_dir: Path, tokenizer: Any) -> float:
     """Reload the written model and compare logits with the in-memory one; returns the max abs difference."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     reloaded = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype="auto", use_safetensors=True).eval()
     text = "1 + 2 = 3. The quick brown fox."
     ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :32]
@@ -337,11 +333,6 @@ def _verify(model: Any, export_dir: Path, tokenizer: Any) -> float:
 def export_model(target: str | Path, selection: Selection, force: bool = False, base: str | None = None,
                  dtype: str = "auto", verify: bool = True) -> Path:
     """Write the export for ``selection`` to ``target`` atomically; returns the target path."""
-    import torch
-    import transformers
-
-    from serve import __version__
-
     target = Path(target).expanduser()
     if target.exists() and not target.is_dir():
         raise VerlError(f"--to '{target}' is a file, not a directory; give a new directory path for the export")
@@ -410,8 +401,6 @@ def export_model(target: str | Path, selection: Selection, force: bool = False, 
 
 def _complete_generation_config(model: Any, tokenizer: Any) -> None:
     """Make sure generation stops at the tokenizer's eos and pads with its pad token, whatever training left."""
-    from transformers import GenerationConfig
-
     config = model.generation_config or GenerationConfig()
     if config.eos_token_id is None and tokenizer.eos_token_id is not None:
         config.eos_token_id = tokenizer.eos_token_id
@@ -431,12 +420,9 @@ def run_export(to: str | Path, run: str | Path | None = None, ckpt: str | Path |
     if ckpt is not None:
         path = Path(ckpt).expanduser()
         if str(ckpt).startswith("builtin:"):  # a built-in model (e.g. the real smollm2-135m-instruct) as it ships
-            from verl.models.loader import resolve_model_path
 
             path = Path(resolve_model_path(str(ckpt)))
         if not path.exists():
-            from verl.models.loader import missing_dir_error
-
             raise missing_dir_error(str(ckpt), "--ckpt")
         if not path.is_dir():
             raise CheckpointError(f"--ckpt '{path}' is not a directory")

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
@@ -188,8 +189,6 @@ def _model_source(overrides: dict[str, Any], path: Path | None) -> str:
     if os.environ.get(ENV_PREFIX + "MODEL"):
         return f"env {ENV_PREFIX}MODEL"
     if path is not None:
-        import yaml
-
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except (yaml.YAMLError, OSError):

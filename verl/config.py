@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from verl.config_aliases import map_verl_keys
 from verl.errors import ConfigError
 
 # Mirrors verl.algos.kl.KL_ESTIMATORS; kept here so the config loads without importing torch.
@@ -506,7 +507,8 @@ class VerlConfig(Section):
     @property
     def estimator_facts(self):
         """What the advantage estimator needs (critic, groups, greedy baseline), from its registration."""
-        from verl.algos.advantages import ADV_ESTIMATORS, estimator_facts
+        # The registry lives with the (torch) estimators; the schema itself loads without torch.
+        from verl.algos.advantages import ADV_ESTIMATORS, estimator_facts  # noqa: PLC0415
 
         name = self.algorithm.adv_estimator
         if name not in ADV_ESTIMATORS:
@@ -732,8 +734,6 @@ def explicit_settings(
         settings.pop(key, None)  # re-insert: an override comes after what the file set
         settings[key] = value
     if schema is VerlConfig:
-        from verl.config_aliases import map_verl_keys
-
         settings = map_verl_keys(settings)
         if settings.get("trainer.total_epochs") is not None and "trainer.total_steps" not in settings:
             settings["trainer.total_steps"] = None

@@ -22,6 +22,7 @@ import numpy as np
 
 from eval.evaluators.base import EvalBatch, EvalResult, Evaluator
 from eval.stats import default_ks, majority_vote, pass_at_k
+from verl.errors import DataError
 from verl.rewards.extract import (
     ARITHMETIC_STRICT,
     GSM8K_STRICT,
@@ -85,7 +86,6 @@ class Accuracy(Evaluator):
     def evaluate(self, batch: EvalBatch) -> EvalResult:
         if any(gt is None for gt in batch.ground_truth):
             row = next(i for i, gt in enumerate(batch.ground_truth) if gt is None)
-            from verl.errors import DataError
 
             raise DataError(f"accuracy: sample {row} has no ground truth; set data.ground_truth_key (or --gt-key) "
                             "to the column holding the reference answer")

@@ -15,7 +15,10 @@ import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from transformers import AutoConfig
+
 from verl.errors import ConfigError, MissingDependencyError
+from verl.models.loader import load_tokenizer, resolve_model_path
 
 if TYPE_CHECKING:
     from serve.engines.base import Engine
@@ -60,8 +63,6 @@ def get_engine_class(name: str) -> type[Engine]:
 
 def model_max_len(model_path: str, tokenizer, trust_remote_code: bool = False) -> int:
     """Context length: the model config's ``max_position_embeddings`` (else the tokenizer's, else 2048)."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
@@ -74,8 +75,6 @@ def model_max_len(model_path: str, tokenizer, trust_remote_code: bool = False) -
 
 def create_engine(settings: ServeSettings) -> Engine:
     """Resolve the model dir, load the tokenizer and build (not start) the configured engine."""
-    from verl.models.loader import load_tokenizer, resolve_model_path
-
     name = resolve_engine_name(settings.engine)
     cls = get_engine_class(name)
     path = resolve_model_path(settings.model)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.utils import logging as hf_logging
 
 from serve.engines import register_engine
 from serve.engines.base import (
@@ -54,6 +55,7 @@ from serve.engines.base import (
     TokenLogprob,
 )
 from serve.settings import ServeSettings
+from verl.models.loader import load_causal_lm, pick_device
 
 log = logging.getLogger("uvicorn.error.serve.engine")  # shows in the uvicorn server log
 FAILURES_BEFORE_DEAD = 8  # consecutive requests that fail alone before the engine declares itself dead
@@ -227,10 +229,6 @@ class TransformersEngine(Engine):
         self._thread.start()
 
     def _load(self) -> None:
-        from transformers.utils import logging as hf_logging
-
-        from verl.models.loader import load_causal_lm, pick_device
-
         hf_logging.disable_progress_bar()  # a server log wants one line per load, not a progress bar
         torch.set_num_threads(self.settings.torch_threads)
         self.device = pick_device(self.settings.device)

@@ -22,6 +22,7 @@ import torch
 
 from verl.algos.masked import masked_whiten
 from verl.algos.registry import register
+from verl.errors import ConfigError
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
@@ -60,8 +61,6 @@ def estimator_facts(name: str) -> EstimatorFacts:
 
 def get_adv_estimator(name: str) -> AdvantageFn:
     if name not in ADV_ESTIMATORS:
-        from verl.errors import ConfigError
-
         raise ConfigError(
             f"algorithm.adv_estimator='{name}' is unknown; available: {', '.join(sorted(ADV_ESTIMATORS))}"
         )

@@ -11,6 +11,7 @@ import torch
 
 from verl.algos.masked import masked_mean
 from verl.algos.registry import register
+from verl.errors import ConfigError
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -81,8 +82,6 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     if name not in POLICY_LOSSES:
-        from verl.errors import ConfigError
-
         raise ConfigError(f"actor.policy_loss='{name}' is unknown; available: {', '.join(sorted(POLICY_LOSSES))}")
     return POLICY_LOSSES[name]
 

@@ -18,7 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from verl.dashboard.app import create_app
+from verl.dashboard.server import resolve_runs
 from verl.errors import MissingDependencyError, VerlError
+from verl.tracking.follow import row_kind
+from verl.utils.log import read_jsonl
 from verl.utils.net import free_port
 
 CHROMIUM_ARGS = [
@@ -90,11 +94,6 @@ def wait_for_points(page: Any, panel: str, points_per_run: list[int], timeout_ms
 
 def screenshot(log_dirs: list[Path], out: Path, width: int = 1400, height: int = 1000, full_page: bool = True) -> Path:
     """Save a screenshot of the dashboard showing ``log_dirs`` once every run's reward curve is drawn."""
-    from verl.dashboard.app import create_app
-    from verl.dashboard.server import resolve_runs
-    from verl.tracking.follow import row_kind
-    from verl.utils.log import read_jsonl
-
     logs = resolve_runs(log_dirs)
     expected = [sum(1 for r in read_jsonl(p) if row_kind(r) == "metrics" and r.get("scope") == "rollout"
                     and "reward_mean" in r) for p in logs]

@@ -6,6 +6,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from verl.dashboard.app import create_app
 from verl.errors import ConfigError, VerlError
 from verl.tracking.follow import find_logs
 
@@ -39,8 +40,6 @@ def check_port(host: str, port: int) -> None:
 def serve(paths: list[Path], host: str = "127.0.0.1", port: int = 8265, refresh_seconds: float = 5.0,
           console: Any = None) -> None:
     import uvicorn
-
-    from verl.dashboard.app import create_app
 
     if refresh_seconds <= 0:
         raise ConfigError(f"--refresh must be > 0 seconds, got {refresh_seconds}")

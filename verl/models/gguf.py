@@ -18,6 +18,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from verl.errors import ModelError
 from verl.utils.fs import atomic_dir, sha256_file
 
@@ -79,8 +82,6 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     except ImportError:
         raise ModelError(f"reading {gguf.name} needs the 'gguf' package: pip install 'verl-suite[real-model]'") \
             from None
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -13,16 +13,20 @@ checkpoint take the same code path.
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import os
 import re
 import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from verl.errors import ModelError
+from verl.models.gguf import PACKAGED_MODELS, convert_gguf, packaged_gguf_path
 from verl.models.tiny import BUILTIN_SPECS, build_char_tokenizer, build_tiny_model
 from verl.utils.fs import atomic_dir
 
@@ -37,8 +41,6 @@ def cache_dir() -> Path:
 
 
 def builtin_names() -> list[str]:
-    from verl.models.gguf import PACKAGED_MODELS
-
     return sorted([*SHIPPED_MODELS, *BUILTIN_SPECS, *PACKAGED_MODELS])
 
 
@@ -59,8 +61,6 @@ def looks_local(path: str) -> bool:
 
 def missing_dir_error(path: str, what: str = "model path") -> ModelError:
     """'no such directory', with the closest names beside it (a typo is the usual cause)."""
-    import difflib
-
     local = Path(path).expanduser()
     parent = local.parent if str(local.parent) else Path(".")
     near = []
@@ -79,8 +79,6 @@ def _hub_offline() -> bool:
 def check_hub_id(repo_id: str) -> str:
     """``repo_id`` when it can load: in the local HF cache, or the Hub answers. Otherwise fail in seconds with the
     reason, instead of ``from_pretrained``'s minute of retries and a message blaming the network."""
-    from urllib.parse import urlsplit
-
     try:
         from huggingface_hub import try_to_load_from_cache
 
@@ -125,7 +123,6 @@ def resolve_model_path(path: str) -> str:
         if (shipped / "model.safetensors").is_file():
             return str(shipped)
         return str(_build_warm_start(name))
-    from verl.models.gguf import PACKAGED_MODELS, convert_gguf, packaged_gguf_path
 
     if name in PACKAGED_MODELS:
         return str(convert_gguf(packaged_gguf_path(name), cache_dir() / "models" / name))
@@ -144,10 +141,6 @@ def resolve_model_path(path: str) -> str:
 
 def _converted_gguf(gguf: Path) -> Path:
     """A local ``.gguf`` file as an HF directory in the cache (one per file location; reconverted when it changes)."""
-    import hashlib
-
-    from verl.models.gguf import convert_gguf
-
     where = hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:8]
     return convert_gguf(gguf, cache_dir() / "models" / f"gguf-{gguf.stem}-{where}")
 

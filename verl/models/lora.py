@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model
 
 from verl.config import LoraConfig
-from verl.errors import MissingDependencyError
 
 
 def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
-    try:
-        from peft import LoraConfig as PeftLoraConfig
-        from peft import get_peft_model
-    except ImportError:
-        raise MissingDependencyError("peft", "model.lora.rank > 0", "pip install peft") from None
     peft_config = PeftLoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
@@ -30,6 +28,4 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A plain HF model with the adapters folded in (for export and weight sync to engines)."""
-    import copy
-
     return copy.deepcopy(model).merge_and_unload() if is_lora(model) else model

@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
 
 from verl.errors import CheckpointError
 
 
 def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
     """The full-weight state dict saved in a checkpoint dir (``model.safetensors``)."""
-    from safetensors.torch import load_file
-
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise CheckpointError(f"{path} has no model.safetensors")
@@ -22,11 +22,7 @@ def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
     """Load ``model.safetensors`` (or adapter weights for a PEFT model) from a checkpoint into ``model``."""
-    from safetensors.torch import load_file
-
     if hasattr(model, "peft_config"):
-        from peft import set_peft_model_state_dict
-
         adapter = path / "adapter_model.safetensors"
         if not adapter.is_file():
             raise CheckpointError(f"{path} has no adapter_model.safetensors to resume a LoRA run from")

@@ -7,6 +7,8 @@ reproducible from ``trainer.seed`` and does not disturb the global RNG that drop
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -83,16 +85,12 @@ class HFRollout(RolloutEngine):
 
     def _autocast(self, device: torch.device):
         if self.autocast_dtype is None:
-            import contextlib
-
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
 
     @staticmethod
     def _sampling_rng(seed: int | None, device: torch.device):
         """Fork the global RNG for the duration of sampling, seeded by ``seed`` when given."""
-        import contextlib
-
         if seed is None:
             return contextlib.nullcontext()
 

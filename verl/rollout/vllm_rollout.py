@@ -43,6 +43,8 @@ from transformers import PreTrainedTokenizerBase
 
 from verl.config import RolloutConfig
 from verl.errors import ConfigError, MissingDependencyError, ModelError
+from verl.models.loader import resolve_model_path
+from verl.models.lora import merged_copy
 from verl.protocol import DataProto
 from verl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, register_rollout
 
@@ -134,8 +136,6 @@ def _dtype_name(actor_model: torch.nn.Module | None, fallback: str) -> str:
 
 def serialize_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> bytes:
     """The model's weights (LoRA merged) as one ``torch.save`` buffer, in HF checkpoint names, cast to ``dtype``."""
-    from verl.models.lora import merged_copy
-
     plain = merged_copy(model)  # a LoRA actor: a merged copy; a plain model: itself
     # Unwrap torch.compile so names are the HF checkpoint names vLLM's loader expects.
     plain = getattr(plain, "_orig_mod", plain)
@@ -171,8 +171,6 @@ class VLLMRollout(RolloutEngine):
         a stale copy (e.g. after the trainer loaded a checkpoint or applied LoRA). ``engine_kwargs`` go to
         ``vllm.LLM`` as they are and override ours.
         """
-        from verl.models.loader import resolve_model_path
-
         _check_temperatures(config)
         apply_cpu_env_defaults()
         self.tokenizer = tokenizer

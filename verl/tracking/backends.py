@@ -11,9 +11,11 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
 
 from verl.tracking.base import Tracker
 from verl.tracking.common import histogram_summary
+from verl.utils import log
 
 # (metric key, short label) shown on the console line, in order, when present.
 CONSOLE_FIELDS = (
@@ -40,8 +42,6 @@ class ConsoleTracker(Tracker):
         # On a terminal a progress bar (steps, elapsed, ETA) stays under the step lines; piped output gets the
         # lines alone, so log files stay clean.
         if not quiet and total_steps and self.console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
-
             self.progress = Progress("train", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), "eta",
                                      TimeRemainingColumn(), console=self.console, transient=True)
             self.task = self.progress.add_task("train", total=total_steps)
@@ -85,8 +85,6 @@ class JsonlTracker(Tracker):
         pass
 
     def log_histograms(self, values: dict[str, list[float]], step: int) -> None:
-        from verl.utils import log
-
         logger = log.get_active()
         if logger is None:
             return

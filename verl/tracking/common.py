@@ -9,14 +9,18 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from verl.config import TrackingConfig
+from verl.errors import MissingDependencyError
 from verl.utils.fs import atomic_write_json
 
 HISTOGRAM_BUCKETS = 30
@@ -129,10 +133,6 @@ class RunIds:
 
 def require(module: str, package: str, tracker: str) -> Any:
     """Import an optional backend's package or fail with the install command (at run start, not mid-run)."""
-    import importlib
-
-    from verl.errors import MissingDependencyError
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -145,8 +145,6 @@ def backend_settings(config: Any, backend: str) -> Any:
     """``config.trainer.tracking.<backend>``, or its defaults for configs without a tracking section (SFT)."""
     tracking = getattr(getattr(config, "trainer", None), "tracking", None)
     if tracking is None:
-        from verl.config import TrackingConfig
-
         tracking = TrackingConfig()
     return getattr(tracking, backend)
 
@@ -168,8 +166,6 @@ def exiting_with_error() -> str | None:
 
     Trackers' ``finish`` runs in the trainer's ``finally``, so this tells them how the run ended.
     """
-    import sys
-
     exc = sys.exc_info()[0]
     if exc is None:
         return None

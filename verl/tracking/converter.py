@@ -23,6 +23,7 @@ from typing import Any
 from verl.errors import ConfigError
 from verl.tracking.common import require, samples_markdown
 from verl.tracking.follow import LogFollower, resolve_log_path, row_kind, row_metrics
+from verl.tracking.tensorboard_tracker import write_histogram
 from verl.utils.fs import atomic_write_json
 
 STATE_FILE = ".verl_tb_state.json"
@@ -81,8 +82,6 @@ class TensorBoardConverter:
         Sample rows of the step at the end of the log are held back (the trainer may still be adding to that
         table) unless ``final`` or the run has finished; the saved offset then points at their start.
         """
-        from verl.tracking.tensorboard_tracker import write_histogram
-
         rows, truncated = self.follower.poll()
         if truncated:
             self._count("restarts")

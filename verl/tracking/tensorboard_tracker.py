@@ -10,6 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from verl.errors import ConfigError
 from verl.tracking.base import Tracker
 from verl.tracking.common import (
     backend_settings,
@@ -39,8 +42,6 @@ class TensorBoardTracker(Tracker):
         settings = backend_settings(config, "tensorboard")
         chosen = log_dir or settings.log_dir or (Path(run_dir) / "tensorboard" if run_dir else None)
         if chosen is None:
-            from verl.errors import ConfigError
-
             raise ConfigError("the tensorboard tracker needs a run directory or trainer.tracking.tensorboard.log_dir")
         self.log_dir = Path(chosen)
         resumed = resumed_step
@@ -49,7 +50,6 @@ class TensorBoardTracker(Tracker):
                                        flush_secs=30)
 
     def log_config(self, config: dict[str, Any]) -> None:
-        import yaml
         from torch.utils.tensorboard.summary import hparams
 
         experiment, start, end = hparams(flatten_config(config), dict.fromkeys(HPARAM_METRICS, 0.0))

@@ -11,14 +11,17 @@ Under a sweep agent (``configs/sweeps/``) the agent's run id, project and parame
 
 from __future__ import annotations
 
+import netrc
 import os
 import re
 import secrets
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
+from verl.errors import ConfigError
 from verl.tracking.base import Tracker
 from verl.tracking.common import SAMPLE_COLUMNS, RunIds, backend_settings, exiting_with_error, require, run_names
 
@@ -35,9 +38,6 @@ def _logged_in() -> bool:
 
         return bool(read_netrc_auth(host=host))
     except ImportError:
-        import netrc
-        from urllib.parse import urlsplit
-
         path = os.environ.get("NETRC") or str(Path.home() / ".netrc")
         try:
             return netrc.netrc(path).authenticators(urlsplit(host).netloc) is not None
@@ -47,8 +47,6 @@ def _logged_in() -> bool:
 
 def preflight(config: Any = None) -> None:
     """Fail before the run directory exists when wandb cannot start: package missing, or online with no login."""
-    from verl.errors import ConfigError
-
     require("wandb", "wandb", "wandb")
     settings = backend_settings(config, "wandb")
     mode = settings.mode or os.environ.get("WANDB_MODE") or "online"

@@ -17,8 +17,16 @@ skipped updates, extra checkpoints, early stopping: ``HealthMonitor``, ``EarlySt
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import json
+import math
 from pathlib import Path
 from typing import Any
+
+from verl.errors import ConfigError
+from verl.trainer.checkpoint import checkpoint_root, read_pointer, write_pointer
+from verl.utils.fs import atomic_write_json
 
 
 class TrainerCallback:
@@ -45,8 +53,6 @@ HOOKS = tuple(name for name in vars(TrainerCallback) if name.startswith("on_"))
 def check_callback(callback: Any) -> Any:
     """Accept any object with at least one hook method (the others are no-ops); refuse the rest at once, with the
     fix, instead of failing inside ``fit()``."""
-    from verl.errors import ConfigError
-
     if isinstance(callback, type):
         raise ConfigError(f"add_callback got the class {callback.__name__}; pass an instance: "
                           f"add_callback({callback.__name__}(...))")
@@ -101,8 +107,6 @@ class BestCheckpointSaver(TrainerCallback):
 
     def __init__(self, metric: str = "eval/accuracy", mode: str = "max", save_on_improve: bool = True):
         if mode not in ("max", "min"):
-            from verl.errors import ConfigError
-
             raise ConfigError(f"BestCheckpointSaver mode must be 'max' or 'min', got {mode!r}")
         self.metric = metric
         self.mode = mode
@@ -118,10 +122,6 @@ class BestCheckpointSaver(TrainerCallback):
         return value > self.best_value if self.mode == "max" else value < self.best_value
 
     def on_train_start(self, trainer: Any) -> None:
-        import json
-
-        from verl.trainer.checkpoint import checkpoint_root, read_pointer
-
         marker = checkpoint_root(trainer.run_dir) / "best.json"
         if read_pointer(trainer.run_dir, "best") is None or not marker.is_file():
             return
@@ -134,8 +134,6 @@ class BestCheckpointSaver(TrainerCallback):
             self.best_path = read_pointer(trainer.run_dir, "best")
 
     def _observe(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        import math
-
         value = metrics.get(self.metric)
         if step <= 0 or not isinstance(value, (int, float)) or not math.isfinite(value):
             return  # step 0 is the untrained model (validation before training): nothing to save
@@ -150,9 +148,6 @@ class BestCheckpointSaver(TrainerCallback):
         self._observe(trainer, step, metrics)
 
     def on_save(self, trainer: Any, step: int, path: Path) -> None:
-        from verl.trainer.checkpoint import checkpoint_root, write_pointer
-        from verl.utils.fs import atomic_write_json
-
         if self.current is None or self.current[0] != step or not self.better(self.current[1]):
             return
         self.best_step, self.best_value, self.best_path = step, self.current[1], Path(path)
@@ -166,11 +161,6 @@ class BestCheckpointSaver(TrainerCallback):
 
 def load_callback(spec: str, where: str = "trainer.callbacks.custom") -> TrainerCallback:
     """Instantiate ``package.module:Class`` or ``path/to/file.py:Class`` (a TrainerCallback taking no arguments)."""
-    import importlib
-    import importlib.util
-
-    from verl.errors import ConfigError
-
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{where}: '{spec}' is not 'package.module:Class' or 'file.py:Class'")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from verl.errors import CheckpointError
 from verl.models.weights import load_model_weights, read_model_weights  # noqa: F401  (re-exported)
@@ -174,7 +175,6 @@ def _find_problem(path: Path, meta_file: Path) -> str | None:
             if sha256_file(file) != facts.get("sha256"):
                 return f"{name} does not match the SHA-256 recorded when it was written"
         return None
-    from safetensors import SafetensorError, safe_open
 
     for file in sorted(path.rglob("*.safetensors")):
         try:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from verl.config import VerlConfig
+from verl.trainer.local import LocalPPOTrainer
 from verl.trainer.ppo import PPOTrainer
+from verl.trainer.ray import RayPPOTrainer
 
 
 def build_trainer(config: VerlConfig, quiet: bool = False) -> PPOTrainer:
     if config.trainer.executor == "ray":
-        from verl.trainer.ray import RayPPOTrainer
-
         return RayPPOTrainer(config, quiet=quiet)
-    from verl.trainer.local import LocalPPOTrainer
 
     return LocalPPOTrainer(config, quiet=quiet)

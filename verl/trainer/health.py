@@ -29,11 +29,13 @@ import math
 import sys
 from collections import deque
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Any, Literal, Protocol
 
-from verl.config import HealthRuleConfig
+from verl.config import AlertsConfig, EarlyStopConfig, HealthRuleConfig
 from verl.errors import ConfigError
-from verl.trainer.callbacks import TrainerCallback
+from verl.tracking.backends import ConsoleTracker
+from verl.trainer.callbacks import BestCheckpointSaver, TrainerCallback, _is_scheduled_save, load_callback
 
 Action = Literal["warn", "skip_step", "checkpoint", "stop"]
 ACTION_RANK = {"warn": 0, "skip_step": 1, "checkpoint": 2, "stop": 3}
@@ -165,7 +167,6 @@ def emit_alert(trainer: Any, alert: Alert, step: int) -> dict[str, Any]:
     trackers = list(getattr(trainer, "trackers", []))
     for tracker in trackers:
         tracker.log_alert(fields, step)
-    from verl.tracking.backends import ConsoleTracker
 
     # The console tracker prints alerts itself; without it, still warn on stderr (unless told to be quiet).
     if not any(isinstance(t, ConsoleTracker) for t in trackers) and not getattr(trainer, "quiet", False):
@@ -174,11 +175,8 @@ def emit_alert(trainer: Any, alert: Alert, step: int) -> dict[str, Any]:
         trainer.request_stop(f"{alert.rule}: {alert.message}")
     elif alert.action == "skip_step":
         trainer.request_skip_update(f"{alert.rule}: {alert.message}")
-    elif alert.action == "checkpoint":
-        from verl.trainer.callbacks import _is_scheduled_save
-
-        if not _is_scheduled_save(trainer, step):
-            trainer._checkpoint(step, {})
+    elif alert.action == "checkpoint" and not _is_scheduled_save(trainer, step):
+        trainer._checkpoint(step, {})
     return fields
 
 
@@ -278,7 +276,6 @@ _NOTICED = False
 def _deprecation_notice(config: Any) -> None:
     """Once per process: the old sections still work, and where their replacement is."""
     global _NOTICED
-    from verl.config import AlertsConfig, EarlyStopConfig
 
     used = [name for name, section, default in (
         ("trainer.alerts", config.trainer.alerts, AlertsConfig()),
@@ -305,10 +302,6 @@ def early_stop_rules(patience: int = 5, kl_threshold: float | None = 0.2, reward
                      reward_window: int = 5, min_response_length: float | None = 1.0,
                      max_repetition_rate: float | None = 0.9) -> list[Rule]:
     """The ``early_stop`` stop rules for Python code: ``trainer.add_callback(HealthMonitor(early_stop_rules(...)))``."""
-    from types import SimpleNamespace
-
-    from verl.config import AlertsConfig, EarlyStopConfig
-
     if patience < 1:
         raise ConfigError(f"EarlyStopper patience must be >= 1, got {patience}")
     try:
@@ -332,8 +325,6 @@ def callbacks_from_config(config: Any) -> list[TrainerCallback]:
     """The callbacks ``trainer.health`` and ``trainer.callbacks`` ask for, in the order they run: the health rules
     first (their rows precede a stop), then the best-checkpoint saver (which then knows whether this step ends the
     run and is checkpointed anyway), then custom callbacks."""
-    from verl.trainer.callbacks import BestCheckpointSaver, load_callback
-
     trainer_cfg = getattr(config, "trainer", None)
     if trainer_cfg is None or not hasattr(trainer_cfg, "callbacks"):
         return []

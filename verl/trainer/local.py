@@ -15,6 +15,7 @@ from verl.config import VerlConfig, build_config, resolve_experiment_name
 from verl.data.dataset import RLHFDataset
 from verl.errors import ConfigError
 from verl.trainer.ppo import PPOTrainer, prepare_inputs
+from verl.trainer.resume import load_train_config
 from verl.workers.role_worker import RoleWorker, needed_roles
 
 
@@ -32,7 +33,6 @@ def coerce_config(config: VerlConfig | dict | str | Path | None, config_path: st
         built = build_config(config, "config dict")
         resolve_experiment_name(built, "grpo_tiny")
         return built
-    from verl.trainer.resume import load_train_config
 
     return load_train_config(config_path or config, overrides)[0]
 

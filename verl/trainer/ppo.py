@@ -34,6 +34,7 @@ from verl.data.dataset import PromptSampler, RLHFDataset
 from verl.models.loader import load_tokenizer
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams
+from verl.tracking import check_trackers, create_trackers
 from verl.trainer.callbacks import CallbackList, TrainerCallback
 from verl.trainer.checkpoint import (
     checkpoint_step,
@@ -42,11 +43,14 @@ from verl.trainer.checkpoint import (
     remove_stale_temp_dirs,
     write_checkpoint,
 )
+from verl.trainer.evaluator_plugins import resolve_validation_evaluators, run_validation_evaluators
 from verl.trainer.health import callbacks_from_config
+from verl.trainer.resume import check_resumable, saved_config
 from verl.trainer.step_metrics import rollout_metrics
+from verl.trainer.validation import generate_and_score, sample_rows, validation_metrics
 from verl.utils import log
 from verl.utils.fs import atomic_write_text, ensure_writable_dir
-from verl.utils.seeding import seed_everything, set_num_threads
+from verl.utils.seeding import rng_state, seed_everything, set_num_threads, set_rng_state
 from verl.utils.system import SystemMonitor
 from verl.utils.timing import StageTimer
 
@@ -150,7 +154,6 @@ class PPOTrainer:
         if cfg.trainer.test_freq > 0:
             # Resolve trainer.evaluators now: an unknown name or an input validation cannot compute fails before
             # any step (and before the run dir is written), not at the first validation, steps into the run.
-            from verl.trainer.evaluator_plugins import resolve_validation_evaluators
 
             resolve_validation_evaluators(self)
         self._start_run()
@@ -308,8 +311,6 @@ class PPOTrainer:
         self._log_samples(step, batch, texts, scores)
 
     def _log_samples(self, step: int, batch: DataProto, texts: list[str], scores: torch.Tensor) -> None:
-        from verl.trainer.validation import sample_rows
-
         samples = []
         for row in sample_rows(batch, texts, scores, self.config.trainer.num_samples_to_log, self.config.rollout.n):
             self.logger.event("sample", step=step, split="train", **row)
@@ -322,8 +323,6 @@ class PPOTrainer:
 
     def validate(self) -> dict[str, float]:
         """Generate on the validation split (greedy by default); log ``eval/*`` and sample rows."""
-        from verl.trainer.validation import generate_and_score, sample_rows, validation_metrics
-
         step = self.global_step
         start = time.perf_counter()
         batch, scores, extras, texts = generate_and_score(
@@ -333,7 +332,6 @@ class PPOTrainer:
         metrics = validation_metrics(batch, scores, extras)
         # trainer.evaluators (resolved through the verl.evaluators entry points) and register_evaluator() objects:
         # the same evaluator code as `verl eval`, so eval/accuracy here equals its accuracy on this checkpoint.
-        from verl.trainer.evaluator_plugins import run_validation_evaluators
 
         metrics.update(run_validation_evaluators(self, batch, texts, scores, extras))
         metrics["seconds"] = time.perf_counter() - start
@@ -367,14 +365,10 @@ class PPOTrainer:
         return state
 
     def trainer_state(self) -> dict[str, Any]:
-        from verl.utils.seeding import rng_state
-
         return {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict(), "rng": rng_state()}
 
     def restore_trainer_state(self, state: dict[str, Any]) -> None:
-        from verl.utils.seeding import set_rng_state
-
         self.global_step = int(state["global_step"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -387,8 +381,6 @@ class PPOTrainer:
 
         A start-up failure of a new run removes the directory it made, so nothing half-made is left behind.
         """
-        from verl.tracking import check_trackers
-
         cfg = self.config
         check_trackers(cfg.trainer.logger, cfg)  # unknown tracker, missing package, no wandb login: no run dir yet
         resume_from = find_resume_checkpoint(self.run_dir, cfg.trainer.resume)
@@ -404,14 +396,10 @@ class PPOTrainer:
 
     def _check_resume(self, resume_from: Path | None) -> list[tuple[str, Any, Any]]:
         """The keys this run changes from the run's own config.yaml (refusing what a checkpoint cannot take)."""
-        from verl.trainer.resume import check_resumable, saved_config
-
         saved = saved_config(self.run_dir) if resume_from is not None else None
         return check_resumable(self.run_dir, saved, self.config) if saved is not None else []
 
     def _open_run(self, resume_from: Path | None, changes: list[tuple[str, Any, Any]]) -> None:
-        from verl.tracking import create_trackers
-
         cfg = self.config
         ensure_writable_dir(self.run_dir, "the run directory (trainer.output_dir)")
         remove_stale_temp_dirs(self.run_dir)

@@ -8,6 +8,8 @@ as the RL trainer does.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from verl.config import DataConfig, RewardConfig, SFTConfig, dump_config
+from verl.config import DataConfig, RewardConfig, SFTConfig, build_config, dump_config
 from verl.data.dataset import RLHFDataset, get_nested, prompt_text, read_rows
 from verl.errors import DataError
 from verl.models.loader import load_causal_lm, load_tokenizer, pick_device
@@ -25,7 +27,7 @@ from verl.tracking import create_trackers
 from verl.trainer.checkpoint import save_checkpoint
 from verl.trainer.validation import generate_and_score, validation_metrics
 from verl.utils import log
-from verl.utils.fs import atomic_write_text, ensure_writable_dir
+from verl.utils.fs import atomic_dir, atomic_write_text, ensure_writable_dir
 from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.optim import build_optimizer, build_scheduler
 from verl.workers.reward import RewardManager
@@ -164,12 +166,6 @@ class SFTTrainer:
 
 def train_builtin_warm_start(target: Path) -> None:
     """Reproduce ``builtin:tiny-arith`` (the SFT warm start) into ``target`` with the default SFT config."""
-    import shutil
-    import tempfile
-
-    from verl.config import build_config
-    from verl.utils.fs import atomic_dir
-
     with tempfile.TemporaryDirectory() as tmp:
         config = build_config({"trainer": {"output_dir": tmp, "experiment_name": "warm-start",
                                            "logger": ["jsonl"], "test_freq": -1}}, schema=SFTConfig)

@@ -13,6 +13,7 @@ import platform
 import sys
 from dataclasses import dataclass
 
+import torch
 from packaging.version import Version
 
 OK, FAIL, WARN = "✓", "✗", "!"
@@ -75,8 +76,6 @@ def collect_checks() -> list[Check]:
     if torch_version is None:
         checks.append(Check(FAIL, "PyTorch", "not installed", "pip install torch==2.13.0 (CPU) or a CUDA build"))
     else:
-        import torch
-
         checks.append(Check(OK, "PyTorch", torch_version))
         if torch.cuda.is_available():
             names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}

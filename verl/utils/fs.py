@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from verl.errors import VerlError
+
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     """SHA-256 of a file's bytes, read in chunks (model weights can be gigabytes)."""
@@ -25,8 +27,6 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 def ensure_writable_dir(path: str | os.PathLike, what: str) -> Path:
     """Create ``path`` (and parents) as a directory we can write into, or raise one line naming ``what`` (the
     flag or config key it came from) and the fix. Called before any slow work, so a bad ``--out`` fails at once."""
-    from verl.errors import VerlError
-
     path = Path(path)
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():

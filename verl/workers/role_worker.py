@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from verl.config import VerlConfig
 from verl.models.loader import load_causal_lm, load_tokenizer, pick_device
 from verl.models.lora import apply_lora, is_lora
-from verl.models.weights import load_model_weights
+from verl.models.weights import load_model_weights, read_model_weights
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams, get_rollout_factory
 from verl.utils.net import free_port
@@ -26,6 +27,7 @@ from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.actor import Actor
 from verl.workers.critic import Critic, load_critic_model
 from verl.workers.dist import DistInfo, all_ranks, apply_fsdp, full_state_dict, init_process_group
+from verl.workers.kl_terms import compute_kl_terms
 from verl.workers.reference import Reference
 from verl.workers.reward import RewardManager
 
@@ -147,8 +149,6 @@ class RoleWorker:
     def compute_kl_terms(self, data: DataProto) -> dict[str, torch.Tensor]:
         """Exact per-token KL of the actor from the reference along ``data``'s responses (the ``kl`` evaluator's
         inputs, at temperature 1 as ``verl eval`` computes them); each field ``(batch, response_len)``."""
-        from verl.workers.kl_terms import compute_kl_terms
-
         return compute_kl_terms(self.model, self.reference.model, data, self.config.actor.ppo_micro_batch_size or 32,
                                 reference_context=self.reference.weights)
 
@@ -195,8 +195,6 @@ class RoleWorker:
             if self.dist.fsdp:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-                from verl.models.weights import read_model_weights
-
                 set_model_state_dict(self.model, read_model_weights(path),
                                      options=StateDictOptions(full_state_dict=True))
             else:
@@ -211,7 +209,5 @@ class RoleWorker:
     def shutdown(self) -> None:
         if self.rollout is not None:
             self.rollout.shutdown()
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()

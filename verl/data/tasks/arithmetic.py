@@ -12,6 +12,8 @@ Rows follow verl's parquet layout: ``data_source``, ``prompt`` (chat messages), 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from dataclasses import asdict, dataclass, field
 
@@ -35,9 +37,6 @@ class ArithmeticSpec:
 
     def key(self) -> str:
         """A short stable identifier of the spec, used to name cached parquet files."""
-        import hashlib
-        import json
-
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 

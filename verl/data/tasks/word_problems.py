@@ -18,6 +18,8 @@ ignores the instruction), and the stories without the format instruction 16%. On
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from dataclasses import asdict, dataclass
 
@@ -42,9 +44,6 @@ class WordProblemSpec:
     seed: int = 2024
 
     def key(self) -> str:
-        import hashlib
-        import json
-
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
