@@ -216,8 +216,8 @@ def main() -> None:
     report = summarise(args, count, verl_times, lm_times, cli, ours, theirs, verl_results, " ".join(verl_cmd),
                        " ".join(lm_cmd))
     (work / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"results: {work / 'results.json'}")
     print_table(report)
-    print(f"\nresults: {work / 'results.json'}")
 
 
 def check_tokenization(lm, dataset, count: int) -> None:
