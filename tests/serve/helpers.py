@@ -103,6 +103,19 @@ def run_server_process(env: dict[str, str], python: str | None = None) -> Iterat
                 proc.wait(10)
 
 
+@contextlib.contextmanager
+def healthy_server_process(env: dict[str, str], timeout: float) -> Iterator[str]:
+    """``run_server_process`` once ``/health`` answers 200; a server that never gets there fails the caller with
+    the tail of its own output (why it did not start), not just a timeout."""
+    with run_server_process(env) as (url, proc):
+        try:
+            wait_healthy(url, timeout=timeout)
+        except AssertionError:
+            proc.terminate()
+            raise AssertionError(proc.stdout.read()[-3000:]) from None
+        yield url
+
+
 def metric_value(text: str, name: str, **labels: str) -> float:
     """One sample's value from Prometheus text (0 when the series does not exist yet)."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.helpers import metric_value, run_server, run_server_process, wait_healthy
+from tests.serve.helpers import healthy_server_process, metric_value, run_server
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -25,12 +25,7 @@ PROMPTS = ["<|user|>What is 12+30?\n<|assistant|>", "<|user|>What is 999+1?\n<|a
 def vllm_url():
     env = {"VERL_SERVE_MODEL": "builtin:tiny-arith", "VERL_SERVE_ENGINE": "vllm", "VERL_SERVE_MAX_BATCH_SIZE": "4",
            "VERL_SERVE_MAX_QUEUE_SIZE": "4", "VERL_SERVE_DTYPE": "float32", "HF_HUB_OFFLINE": "1"}
-    with run_server_process(env) as (url, proc):
-        try:
-            wait_healthy(url, timeout=300)
-        except AssertionError:
-            proc.terminate()
-            raise AssertionError(proc.stdout.read()[-3000:]) from None
+    with healthy_server_process(env, timeout=300) as url:
         yield url
 
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.helpers import run_server, run_server_process, wait_healthy
+from tests.serve.helpers import healthy_server_process, run_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 pytest.importorskip("vllm")
@@ -27,12 +27,7 @@ def smollm2_url():
     resolve_model_path(MODEL)  # converted once into $VERL_CACHE_DIR (the slow group usually did it already)
     env = {"VERL_SERVE_MODEL": MODEL, "VERL_SERVE_ENGINE": "vllm", "VERL_SERVE_MAX_BATCH_SIZE": "4",
            "VERL_SERVE_DTYPE": "float32", "HF_HUB_OFFLINE": "1"}
-    with run_server_process(env) as (url, proc):
-        try:
-            wait_healthy(url, timeout=600)
-        except AssertionError:
-            proc.terminate()
-            raise AssertionError(proc.stdout.read()[-3000:]) from None
+    with healthy_server_process(env, timeout=600) as url:
         yield url
 
 
