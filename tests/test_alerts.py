@@ -123,9 +123,9 @@ def test_non_finite_reports_every_step_and_stops_after_patience():
 
 
 def test_legacy_sections_still_configure_the_rules_with_a_notice_and_rules_replace_them(capsys):
-    import verl.trainer.health as health
+    from verl.utils import log
 
-    health._NOTICED = False
+    log._SAID.clear()
     assert "trainer.alerts" not in capsys.readouterr().err
     build_health_rules(build_config({}))
     assert "deprecated" not in capsys.readouterr().err  # the defaults alone: no notice

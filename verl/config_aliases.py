@@ -11,10 +11,10 @@ Works on flat ``{"dotted.key": value}`` settings (``verl.config.explicit_setting
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from verl.errors import ConfigError
+from verl.utils.log import say_once
 
 # Section prefixes: verl's -> ours. Longest first.
 PREFIXES: tuple[tuple[str, str], ...] = (
@@ -102,16 +102,6 @@ VALUE_MAPS: dict[str, dict[Any, Any]] = {
     "rollout.val_kwargs.top_k": {-1: 0},
 }
 
-_ANNOUNCED: set[str] = set()
-
-
-def _notice(message: str) -> None:
-    """Print ``message`` to stderr once per process (a resumed or re-read config does not repeat it)."""
-    if message not in _ANNOUNCED:
-        _ANNOUNCED.add(message)
-        print(f"note: {message}", file=sys.stderr)
-
-
 def _ignored(key: str) -> bool:
     return any(key == p or (p.endswith((".", "_")) and key.startswith(p)) for p in IGNORED)
 
@@ -162,7 +152,7 @@ def map_verl_keys(settings: dict[str, Any]) -> dict[str, Any]:
         # verl filters over-long prompts before its truncation rule can see them: the effect is ours 'filter'.
         mapped["data.truncation"] = "filter"
     if renamed:
-        _notice("verl keys mapped to verl-suite's: " + ", ".join(renamed))
+        say_once("verl keys mapped to verl-suite's: " + ", ".join(renamed))
     if dropped:
-        _notice("verl keys with no effect here (GPU engine tuning / cluster shape), ignored: " + ", ".join(dropped))
+        say_once("verl keys with no effect here (GPU engine tuning / cluster shape), ignored: " + ", ".join(dropped))
     return mapped

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from verl.errors import CheckpointError
 from verl.models.weights import load_model_weights, read_model_weights  # noqa: F401  (re-exported)
 from verl.utils.fs import atomic_dir, atomic_write_json, atomic_write_text, sha256_file
+from verl.utils.log import say_once
 
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 TRAINER_STATE = "trainer_state.pt"
@@ -185,15 +185,6 @@ def _find_problem(path: Path, meta_file: Path) -> str | None:
     return None
 
 
-_ANNOUNCED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _ANNOUNCED:  # resume looks the checkpoint up more than once; say it once
-        _ANNOUNCED.add(message)
-        print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
 def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
     """``auto``: the newest intact checkpoint (``latest`` first; a damaged one is skipped with a warning naming it);
     ``disable``: None; otherwise the given path, which must be an intact checkpoint."""
@@ -207,7 +198,7 @@ def find_resume_checkpoint(run_dir: str | Path, resume: str) -> Path | None:
             problem = checkpoint_problem(path)
             if problem is None:
                 for note in skipped:
-                    _warn_once(f"skipping damaged checkpoint {note}; resuming from {path.name}")
+                    say_once(f"skipping damaged checkpoint {note}; resuming from {path.name}", label="warning")
                 return path
             skipped.append(f"{path} ({problem})")
         if skipped:

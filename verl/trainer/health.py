@@ -36,6 +36,7 @@ from verl.config import AlertsConfig, EarlyStopConfig, HealthRuleConfig
 from verl.errors import ConfigError
 from verl.tracking.backends import ConsoleTracker
 from verl.trainer.callbacks import BestCheckpointSaver, TrainerCallback, _is_scheduled_save, load_callback
+from verl.utils.log import say_once
 
 Action = Literal["warn", "skip_step", "checkpoint", "stop"]
 ACTION_RANK = {"warn": 0, "skip_step": 1, "checkpoint": 2, "stop": 3}
@@ -270,21 +271,15 @@ def default_rules(config: Any) -> list[HealthRuleConfig]:
     return [HealthRuleConfig(**rule) for rule in rules]
 
 
-_NOTICED = False
-
-
 def _deprecation_notice(config: Any) -> None:
     """Once per process: the old sections still work, and where their replacement is."""
-    global _NOTICED
-
     used = [name for name, section, default in (
         ("trainer.alerts", config.trainer.alerts, AlertsConfig()),
         ("trainer.callbacks.early_stop", config.trainer.callbacks.early_stop, EarlyStopConfig()),
     ) if section != default]
-    if used and not _NOTICED:
-        _NOTICED = True
-        print(f"note: {' and '.join(used)} are deprecated; they still set trainer.health's default rules. Write "
-              "the rules under trainer.health.rules instead (docs/monitoring.md, 'Health rules').", file=sys.stderr)
+    if used:
+        say_once(f"{' and '.join(used)} are deprecated; they still set trainer.health's default rules. Write the "
+                 "rules under trainer.health.rules instead (docs/monitoring.md, 'Health rules').")
 
 
 def build_health_rules(config: Any) -> list[Rule]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import threading
 from collections.abc import Iterator
 from datetime import datetime
@@ -169,6 +170,18 @@ def iter_jsonl(path: str | Path, start: int = 0) -> Iterator[tuple[int, dict]]:
                 continue
             if isinstance(row, dict):
                 yield offset, row
+
+
+_SAID: set[str] = set()
+
+
+def say_once(message: str, label: str = "note") -> None:
+    """Print ``label: message`` to stderr once per process: a resumed or re-read config, or a checkpoint looked up
+    twice, does not repeat it."""
+    line = f"{label}: {message}"
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, file=sys.stderr, flush=True)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
