@@ -76,8 +76,8 @@ def register(app: typer.Typer, run_guarded) -> None:
 
     @app.command("compare")
     def compare_command(
-        runs: Annotated[list[str], typer.Argument(help="Two or more run dirs, checkpoint dirs or eval result dirs; "
-                                                       "the first is the baseline.")],
+        runs: Annotated[list[str] | None, typer.Argument(help="Two or more run dirs, checkpoint dirs or eval result "
+                                                              "dirs; the first is the baseline.")] = None,
         ckpt: Annotated[str, typer.Option("--ckpt", help="Which checkpoint of a run dir: best, latest or "
                                                          "global_step_N.")] = "best",
         out: Annotated[Path | None, typer.Option("--out", help="Report dir (default: outputs/compare/A-vs-B).")
@@ -95,8 +95,25 @@ def register(app: typer.Typer, run_guarded) -> None:
         max_prompt_length: Annotated[int | None, typer.Option("--max-prompt-length")] = None,
         evaluators: Annotated[str | None, typer.Option("--evaluators", "-e")] = None,
         quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+        online: Annotated[str | None, typer.Option("--online", help="Instead of runs: the models of a running service "
+                                                   "(its URL) or its records_path JSONL file, compared from the "
+                                                   "service's per-request records.")] = None,
+        baseline: Annotated[str | None, typer.Option("--baseline", help="--online: the baseline model (default: "
+                                                     "the one with the most requests).")] = None,
+        models: Annotated[list[str] | None, typer.Option("--model", help="--online: compare only these models "
+                                                         "(repeatable).")] = None,
+        since: Annotated[float | None, typer.Option("--since", help="--online: only records after this Unix "
+                                                    "time.")] = None,
+        admin_key: Annotated[str | None, typer.Option("--admin-key", help="--online URL: the service's "
+                                                      "admin_api_key (default: $VERL_SERVE_ADMIN_API_KEY).")] = None,
     ) -> None:
-        """Compare runs pairwise against the first: paired bootstrap CIs, McNemar, config diff, training curves."""
+        """Compare runs pairwise against the first: paired bootstrap CIs, McNemar, config diff, training curves.
+        With --online: the models a service serves side by side, from its records (reward, latency, errors)."""
+        if online is not None:
+            run_guarded(_compare_online, online, out, baseline, models, alpha, bootstrap, seed, since, admin_key)
+            return
+        if not runs or len(runs) < 2:
+            run_guarded(_usage_error, "verl compare needs two or more runs (A B ...), or --online URL|FILE")
 
         def _run():
             from rich.console import Console
@@ -116,3 +133,28 @@ def register(app: typer.Typer, run_guarded) -> None:
                     seed=seed if seed is not None else 0, console=Console(stderr=True))
 
         run_guarded(_run)
+
+
+def _usage_error(message: str) -> None:
+    from verl.errors import ConfigError
+
+    raise ConfigError(message)
+
+
+def _compare_online(source: str, out: Path | None, baseline: str | None, models: list[str] | None, alpha: float,
+                    n_boot: int, seed: int | None, since: float | None, admin_key: str | None) -> None:
+    from rich.console import Console
+
+    from eval.online import compare_online
+
+    out_dir = out or Path("outputs/compare/online")
+    report = compare_online(source, out_dir, baseline, models, alpha, n_boot, seed or 0, since, admin_key)
+    console = Console()
+    for name, s in report["models"].items():
+        reward = "–" if s["reward_mean"] is None else f"{s['reward_mean']:.3f} (n={s['rewarded']})"
+        e2e = "–" if s["e2e_mean"] is None else f"{s['e2e_mean']:.3f}"
+        console.print(f"{name}: {s['requests']} requests, {s['errors']} errors, reward {reward}, e2e mean {e2e} s")
+    for pair in report["comparisons"]:
+        reward = pair["reward"]["verdict"] if pair["reward"] else "no rewards recorded"
+        console.print(f"{pair['candidate']} vs {pair['baseline']}: reward {reward}; latency {pair['e2e']['verdict']}")
+    console.print(f"report: {out_dir / 'report.md'}")

@@ -9,6 +9,10 @@ Users (``--user-mix``, or name classes: ``locust -f loadtest/ ChatStreamUser``; 
 - ``GenerateUser``: ``POST /generate`` (the tutorial endpoint).
 - ``CompletionUser``: ``POST /v1/completions``.
 - ``ChatStreamUser``: ``POST /v1/chat/completions`` with ``stream: true``, read to ``[DONE]``.
+- ``RouteUser`` (``--user-mix route``): ``POST /v1/completions`` to a route of a multi-model service (``--model
+  ROUTE``, default ``default``), each request as one of ``--route-user-pool`` end users (the ``user`` field keeps
+  each on one variant); every entry is named after the variant that answered (``/v1/completions @b``,
+  ``e2e_latency_ms @b``), so the tables and the capacity report show latency and request share per variant.
 
 Every response is checked (status, JSON shape, non-empty text, usage counts; see ``checks.py``). Besides the HTTP
 entries, LLM numbers go into Locust's statistics as custom entries of type ``LLM`` (in the web UI, the console
@@ -55,6 +59,7 @@ from loadtest.checks import (
     error_message,
 )
 from loadtest.prompts import DEFAULT_PROMPT_FILE, Prompt, load_prompts, render_with_server
+from loadtest.report import VARIANT_MARK
 from loadtest.shapes import StepPlan
 from verl.errors import VerlError
 from verl.utils.fs import atomic_write_json
@@ -97,9 +102,12 @@ def add_arguments(parser: Any) -> None:
            help="Always generate max-tokens tokens (vLLM extension; OpenAI endpoints only), like vllm bench.")
     option("model", default="", help="Model name for the OpenAI endpoints (default: the first of /v1/models).")
     option("api-key", default="", is_secret=True, help="Bearer key when the server sets VERL_SERVE_API_KEY.")
-    option("user-mix", choices=["mixed", "classes"], default="mixed",
+    option("user-mix", choices=["mixed", "classes", "route"], default="mixed",
            help="mixed: every user sends all three requests by weight (MixedUser); classes: one user class per "
-                "endpoint, weighted (GenerateUser, CompletionUser, ChatStreamUser). Naming classes overrides this.")
+                "endpoint, weighted (GenerateUser, CompletionUser, ChatStreamUser); route: RouteUser, a route's "
+                "traffic split per variant. Naming classes overrides this.")
+    option("route-user-pool", type=int, default=100_000,
+           help="RouteUser: requests come from this many distinct end users (the `user` field), uniformly.")
     option("generate-weight", type=int, default=1, help="Relative weight of /generate requests (0 = none).")
     option("completion-weight", type=int, default=1, help="Relative weight of /v1/completions requests (0 = none).")
     option("chat-weight", type=int, default=1, help="Relative weight of streamed chat requests (0 = none).")
@@ -160,6 +168,8 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
             user_class.weight = 1 if named or options.user_mix == "mixed" else 0
         elif user_class.__name__ in weights:
             user_class.weight = weights[user_class.__name__] if named or options.user_mix == "classes" else 0
+        elif user_class is RouteUser:
+            user_class.weight = 1 if named or options.user_mix == "route" else 0
     if not any(getattr(c, "weight", 1) > 0 for c in environment.user_classes):
         raise SystemExit("loadtest: no user class left to run (weights 0); check --user-mix and the --*-weight "
                          "options")
@@ -305,7 +315,7 @@ class LLMUser(FastHttpUser):
 
     def openai_body(self, **fields: Any) -> dict[str, Any]:
         body = {"max_tokens": self.options.max_tokens, "temperature": self.options.temperature, **fields}
-        if STATE["model"]:
+        if STATE["model"] and "model" not in fields:
             body["model"] = STATE["model"]
         if self.options.ignore_eos:
             body["ignore_eos"] = True
@@ -320,6 +330,31 @@ class LLMUser(FastHttpUser):
         self.fire("e2e_latency_ms", latency_s * 1000)
         self.fire("output_tokens", completion_tokens)
         self.fire("output_tokens_per_s", completion_tokens / latency_s if latency_s > 0 else 0.0)
+
+    def route_completion(self) -> None:
+        """``POST /v1/completions`` to a route as a random end user; named after the variant that answered."""
+        body = self.openai_body(prompt=self.prompt().text, model=self.options.model or "default",
+                                user=f"user-{random.randrange(max(1, self.options.route_user_pool))}")
+        start = time.perf_counter()
+        with self.client.post("/v1/completions", json=body, catch_response=True) as response:
+            latency = time.perf_counter() - start
+            variant = response.headers.get("X-Verl-Model") if response.headers else None
+            if variant:
+                response.request_meta["name"] = "/v1/completions" + VARIANT_MARK + variant
+            if response.status_code != 200:
+                response.failure(error_message(response.status_code, response.content))
+                return
+            try:
+                result = check_completion(response.content)
+            except BadResponse as exc:
+                response.failure(str(exc))
+                return
+            if not variant:
+                response.failure("no X-Verl-Model header: the server does not name the variant (not a route?)")
+                return
+            response.success()
+        self.record(latency, result.completion_tokens)
+        self.fire("e2e_latency_ms" + VARIANT_MARK + variant, latency * 1000)
 
     def post_checked(self, path: str, body: dict[str, Any], check: Any) -> None:
         """POST, validate with ``check``, record the LLM entries for a success."""
@@ -412,6 +447,12 @@ class MixedUser(LLMUser):
     """
 
     tasks = [LLMUser.generate, LLMUser.completion, LLMUser.chat_stream]  # reweighted by apply_options
+
+
+class RouteUser(LLMUser):
+    """Sends ``POST /v1/completions`` to a route (``--model``) and records which variant answered."""
+
+    tasks = [LLMUser.route_completion]
 
 
 def _lines(response: Any) -> Iterator[bytes]:

@@ -93,6 +93,15 @@ def _blocks(report: dict[str, Any], plots: dict[str, Path]) -> list[tuple]:
             blocks.append(("img", plots[key].name, title))
     blocks.append(("h", "Endpoints (whole run, milliseconds)"))
     blocks.append(("table", ENTRY_HEADERS, [_entry_row(e) for e in report["endpoints"]]))
+    if report.get("variants"):
+        blocks.append(("h", "Variants of the route (whole run)"))
+        blocks.append(("p", "Which model answered (the X-Verl-Model header): its share of the route's requests "
+                            "with a 95% Wilson interval, and its own end-to-end latency (ms)."))
+        blocks.append(("table", ["variant", "requests", "failures", "share", "share 95% CI", "e2e mean", "e2e p50",
+                                 "e2e p95"],
+                       [[v["variant"], _fmt(v["requests"]), _fmt(v["failures"]), f"{v['share']:.1%}",
+                         f"[{v['share_ci'][0]:.1%}, {v['share_ci'][1]:.1%}]", _fmt(v["e2e_mean_ms"]),
+                         _fmt(v["e2e_p50_ms"]), _fmt(v["e2e_p95_ms"])] for v in report["variants"]]))
     if report["llm"]:
         blocks.append(("h", "LLM entries (whole run; unit in the name)"))
         blocks.append(("table", ENTRY_HEADERS, [_entry_row(e) for e in report["llm"]]))

@@ -36,6 +36,7 @@ from verl.errors import DataError, MissingDependencyError
 
 LLM = "LLM"  # request type of the locustfile's custom entries
 LATENCY_ENTRY, TTFT_ENTRY, TOKENS_ENTRY = "e2e_latency_ms", "ttft_ms", "output_tokens"
+VARIANT_MARK = " @"  # RouteUser names entries "<endpoint> @<model>": requests a route's variant answered
 STATS_COLUMNS = ("Type", "Name", "Request Count", "Failure Count", "Median Response Time", "Average Response Time",
                  "Min Response Time", "Max Response Time", "Requests/s", "50%", "95%", "99%")
 HISTORY_COLUMNS = ("Timestamp", "User Count", "Type", "Name", "50%", "95%", "99%", "Total Request Count",
@@ -437,11 +438,44 @@ def build_report(prefix: str | Path, slo: SLO | None = None,
         "steps": steps,
         "capacity": capacity(steps, slo),
         "endpoints": [entry(e) for e in http],
+        "variants": variants(run.entries),
         "llm": [entry(e) for e in run.entries if e.type == LLM],
         "failures": run.failures,
         "server": server,
         "notes": notes,
     }
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95% by default)."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def variants(entries: list[Entry]) -> list[dict[str, Any]]:
+    """Per variant of a route (RouteUser's ``... @model`` entries): requests, share of the route's answered
+    requests with its 95% Wilson interval, failures, and e2e latency from the variant's own LLM entry."""
+    counts: dict[str, list[int]] = {}
+    for e in entries:
+        if e.is_http and VARIANT_MARK in e.name:
+            c = counts.setdefault(e.name.rsplit(VARIANT_MARK, 1)[1], [0, 0])
+            c[0] += e.requests
+            c[1] += e.failures
+    total = sum(c[0] for c in counts.values())
+    latency = {e.name.rsplit(VARIANT_MARK, 1)[1]: e for e in entries
+               if e.type == LLM and e.name.startswith(LATENCY_ENTRY + VARIANT_MARK)}
+    rows = []
+    for name, (requests, failures) in sorted(counts.items()):
+        low, high = wilson_interval(requests, total)
+        lat = latency.get(name)
+        rows.append({"variant": name, "requests": requests, "failures": failures, "share": requests / total,
+                     "share_ci": [low, high], "e2e_mean_ms": lat.mean_ms if lat else None,
+                     "e2e_p50_ms": lat.p50 if lat else None, "e2e_p95_ms": lat.p95 if lat else None})
+    return rows
 
 
 # ---------------------------------------------------------------- the service's own numbers (/metrics)

@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve import __version__
+from serve.admin import ADMIN_PREFIX, admin_router, check_admin_key
 from serve.metrics import ServeMetrics
 from serve.routes import add_routes
 from serve.service import ApiError, Service, check_bearer, error_body, error_response
@@ -67,22 +68,28 @@ class HTTPMetricsMiddleware:
 
 
 class EdgeGuard:
-    """What must happen before a POST body is read (FastAPI reads it before any dependency runs): the API key
-    check, and the body-size limit — a declared ``Content-Length`` over ``max_body_bytes`` is refused at once,
-    a chunked body as soon as it passes the limit. Both answer in OpenAI's error shape (401, 413)."""
+    """What must happen before a request body is read (FastAPI reads it before any dependency runs): the API key
+    check (the admin key on /admin paths), and the body-size limit — a declared ``Content-Length`` over
+    ``max_body_bytes`` is refused at once, a chunked body as soon as it passes the limit. Both answer in OpenAI's
+    error shape (401, 413)."""
 
     def __init__(self, app: ASGIApp, settings: ServeSettings):
         self.app, self.settings = app, settings
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT"):
             await self.app(scope, receive, send)
             return
         headers = {k.lower(): v for k, v in scope["headers"]}
         limit = self.settings.max_body_bytes
         try:
             auth = headers.get(b"authorization", b"").decode("latin-1")
-            check_bearer(self.settings, auth[7:].strip() if auth[:7].lower() == "bearer " else "")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if scope["path"].startswith(ADMIN_PREFIX + "/"):
+                if self.settings.admin_api_key is not None:  # (else the path is a 404 anyway)
+                    check_admin_key(self.settings, token)
+            else:
+                check_bearer(self.settings, token)
             declared = headers.get(b"content-length")
             if declared is not None and declared.isdigit() and int(declared) > limit:
                 raise _too_large(limit)
@@ -189,6 +196,8 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
                        paths=lambda: {route.path for route in app.routes})
     _add_error_handlers(app)
     add_routes(app, service)
+    if settings.admin_api_key is not None:
+        app.include_router(admin_router(service))
     return app
 
 

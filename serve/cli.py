@@ -1,4 +1,5 @@
-"""``verl export`` and ``verl serve``, registered on the ``verl`` CLI by ``verl.cli.register_subcommands``.
+"""``verl export``, ``verl serve`` and ``verl promote``, registered on the ``verl`` CLI by
+``verl.cli.register_subcommands``.
 
 Heavy imports (torch, transformers, fastapi, uvicorn) happen inside the commands, so ``verl --help`` works in an
 environment without the serving extra.
@@ -80,6 +81,36 @@ def register(app: typer.Typer, run_guarded) -> None:
             settings = load_settings(config, load_in_background=False, **overrides)
             app = create_app(settings)
             uvicorn.run(app, log_level="info", **uvicorn_options(settings))
+
+        run_guarded(_run)
+
+    @app.command("promote")
+    def promote_command(
+        service: Annotated[str, typer.Option("--service", help="The service's URL, e.g. http://127.0.0.1:8000.")],
+        model: Annotated[str, typer.Option("--model", help="The model (or adapter) to give traffic to.")],
+        route: Annotated[str, typer.Option("--route", help="The route to change.")] = "default",
+        weight: Annotated[float, typer.Option("--weight", help="Its share of the route, 0-1; the other models "
+                                              "keep their proportions of the rest.")] = 1.0,
+        path: Annotated[str | None, typer.Option("--path", help="Load --model first from this export dir.")] = None,
+        adapter: Annotated[str | None, typer.Option("--adapter", help="Load --model first as this LoRA adapter "
+                                                    "(over --base).")] = None,
+        base: Annotated[str | None, typer.Option("--base", help="The full model an --adapter applies to.")] = None,
+        unload: Annotated[list[str] | None, typer.Option("--unload", help="Unload this model afterwards "
+                                                         "(repeatable); its requests finish first.")] = None,
+        admin_key: Annotated[str | None, typer.Option("--admin-key", help="The service's admin_api_key (default: "
+                                                      "$VERL_SERVE_ADMIN_API_KEY).")] = None,
+    ) -> None:
+        """Shift a route's traffic on a running service (canary, promote, roll back) without a restart."""
+
+        def _run() -> None:
+            import json
+
+            from rich.console import Console
+
+            from serve.promote import promote
+
+            state = promote(service, route, model, weight, admin_key, path, adapter, base, unload)
+            Console().print_json(json.dumps(state))
 
         run_guarded(_run)
 

@@ -39,6 +39,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+REWARD_BUCKETS = (0.0, 0.25, 0.5, 0.75, 1.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -74,6 +75,9 @@ class ServeMetrics:
                                          labels, buckets=TOKEN_BUCKETS, registry=r)
         self.healthy = Gauge(PREFIX + "engine_healthy", "1 when the engine serves requests, else 0.", labels,
                              registry=r)
+        self.reward = Histogram(PREFIX + "request_reward", "Rule reward of responses whose request named one "
+                                "(the `verl` extension field), per model.", labels, buckets=REWARD_BUCKETS,
+                                registry=r)
         self.info = Gauge(PREFIX + "server_info", "Constant 1, labelled with what is served.",
                           ["model_name", "engine", "version"], registry=r)
         self.model_name = model_name
@@ -96,11 +100,12 @@ class ServeMetrics:
 class SequenceTimer:
     """Feeds one sequence's outputs into the histograms and counters."""
 
-    __slots__ = ("metrics", "arrival", "last", "tokens", "label")
+    __slots__ = ("metrics", "arrival", "last", "tokens", "label", "ttft")
 
-    def __init__(self, metrics: ServeMetrics, arrival: float, prompt_tokens: int):
+    def __init__(self, metrics: ServeMetrics, arrival: float, prompt_tokens: int, label: str | None = None):
         self.metrics, self.arrival, self.last, self.tokens = metrics, arrival, None, 0
-        self.label = metrics.model_name
+        self.label = label or metrics.model_name  # the model that answers (one of several in a service)
+        self.ttft: float | None = None
         metrics.prompt_tokens.labels(self.label).inc(prompt_tokens)
         metrics.prompt_hist.labels(self.label).observe(prompt_tokens)
 
@@ -116,7 +121,8 @@ class SequenceTimer:
             return
         if new_tokens:
             if self.last is None:
-                m.ttft.labels(self.label).observe(now - self.arrival)
+                self.ttft = now - self.arrival
+                m.ttft.labels(self.label).observe(self.ttft)
             else:
                 m.itl.labels(self.label).observe(now - self.last)
             self.last = now

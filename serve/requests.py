@@ -37,12 +37,6 @@ def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
         raise ApiError(400, "'stream_options' is only allowed together with 'stream': true", param="stream_options")
 
 
-def check_model(service: Service, model: str | None) -> None:
-    if model is not None and model != service.model_name:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{service.model_name}' "
-                       "(see /v1/models)", type="invalid_request_error", param="model", code="model_not_found")
-
-
 # No tokenizer packs more characters than this into one token on ordinary text: a prompt longer than the context
 # times this is rejected by its length alone, before the tokenizer spends seconds on it.
 MAX_CHARS_PER_TOKEN = 32

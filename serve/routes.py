@@ -19,7 +19,6 @@ from serve.logprobs import CompletionLogprobs, chat_logprobs, token_texts
 from serve.metrics import CONTENT_TYPE
 from serve.requests import (
     chat_prompt,
-    check_model,
     check_unsupported,
     completion_prompts,
     echo_texts,
@@ -43,7 +42,7 @@ from serve.schemas import (
     TokenizeResponse,
     VersionResponse,
 )
-from serve.service import ERROR_RESPONSES, SSE_DOC, ApiError, SequenceSpec, Service, require_api_key
+from serve.service import ERROR_RESPONSES, SSE_DOC, ApiError, SequenceSpec, Service, Target, require_api_key
 from serve.streaming import run_to_completion, stream_response, usage_block, usage_chunk
 
 
@@ -93,20 +92,32 @@ def openai_router(service: Service) -> APIRouter:
     @router.get("/v1/models", response_model=ModelList, dependencies=protected, responses=ERROR_RESPONSES,
              tags=["openai"])
     async def models() -> dict:
-        engine = service.ready_engine()
-        return {"object": "list", "data": [{
-            "id": service.model_name, "object": "model", "created": service.created, "owned_by": "verl-suite",
-            "root": service.model_name, "max_model_len": engine.max_model_len,  # never a local path
-            "source": service.settings.model_source}]}
+        """Every served model (LoRA adapters name their base in ``parent``), then every route (``parent`` null,
+        ``root`` the route's name): a client may send either in ``model``."""
+        service.ready_engine()
+        registry = service.registry
+        source = "serve.models" if service.settings.models else service.settings.model_source
+        cards = []
+        for name in registry.names():
+            m = registry.models[name]
+            cards.append({"id": name, "object": "model", "created": m.created, "owned_by": "verl-suite",
+                          "root": m.base, "parent": m.base if m.kind == "adapter" else None,
+                          "max_model_len": m.engine.max_model_len, "source": source})  # never a local path
+        for route in registry.routes:
+            cards.append({"id": route, "object": "model", "created": service.created, "owned_by": "verl-suite",
+                          "root": route, "parent": None, "max_model_len": service.engine.max_model_len,
+                          "source": "serve.routes"})
+        return {"object": "list", "data": cards}
 
     @router.get("/v1/models/{model_id}", response_model=ModelCard, dependencies=protected, responses=ERROR_RESPONSES,
              tags=["openai"])
     async def model(model_id: str) -> dict:
-        """One served model by id (OpenAI's retrieve-model); an unknown id is a 404."""
-        if model_id != service.model_name:
-            raise ApiError(404, f"The model '{model_id}' does not exist", type="not_found_error", param="model",
-                           code="model_not_found")
-        return (await models())["data"][0]
+        """One served model or route by id (OpenAI's retrieve-model); an unknown id is a 404."""
+        for card in (await models())["data"]:
+            if card["id"] == model_id:
+                return card
+        raise ApiError(404, f"The model '{model_id}' does not exist", type="not_found_error", param="model",
+                       code="model_not_found")
 
     @router.post("/v1/completions", dependencies=protected, tags=["openai"],
               responses={200: {"model": CompletionResponse, **SSE_DOC}, **ERROR_RESPONSES})
@@ -131,8 +142,10 @@ def native_router(service: Service) -> APIRouter:
     @router.post("/generate", response_model=GenerateResponse, dependencies=protected, responses=ERROR_RESPONSES,
               tags=["simple"])
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
-        """The tutorial-style endpoint: raw prompt in, generated text out (greedy unless ``temperature`` > 0)."""
-        engine = service.ready_engine()
+        """The tutorial-style endpoint: raw prompt in, generated text out (greedy unless ``temperature`` > 0); served
+        by the `default` route when there is one, else the first model."""
+        target = service.target(None, request.headers.get(USER_HEADER))
+        engine = target.model.engine
         prompts = await asyncio.to_thread(encode_texts, engine, [body.prompt])
         max_tokens = plan_tokens(service, engine, prompts, body.max_new_tokens, "max_new_tokens", "prompt")
         temperature = body.temperature if body.temperature > 1e-5 else 0.0
@@ -140,9 +153,11 @@ def native_router(service: Service) -> APIRouter:
                                    stop=list(body.stop or []))
         service.admit(1)
         request_id = f"gen-{uuid.uuid4().hex}"
-        [result] = await run_to_completion(service, request, request_id, [SequenceSpec(0, 0, prompts[0], sampling)])
+        [result] = await run_to_completion(service, request, request_id, [SequenceSpec(0, 0, prompts[0], sampling)],
+                                           target)
         return JSONResponse({"response": "".join(result.text), "finish_reason": result.finish_reason,
-                             "prompt_tokens": len(prompts[0]), "completion_tokens": result.tokens})
+                             "prompt_tokens": len(prompts[0]), "completion_tokens": result.tokens},
+                            headers=target.headers())
 
 
     @router.post("/tokenize", response_model=TokenizeResponse, dependencies=protected, responses=ERROR_RESPONSES,
@@ -176,8 +191,8 @@ def native_router(service: Service) -> APIRouter:
 async def create_completion(service: Service, body: CompletionRequest, request: Request) -> Response:
     """OpenAI-compatible text completion (``prompt`` may be text, texts, token ids or lists of them)."""
     check_unsupported(body)
-    check_model(service, body.model)
-    engine = service.ready_engine()
+    target = pick_target(service, body, request)
+    engine = target.model.engine
     prompts = await asyncio.to_thread(completion_prompts, engine, body.prompt)
     if len(prompts) > service.settings.max_prompts_per_request:
         raise ApiError(400, f"{len(prompts)} prompts in one request; the limit is "
@@ -214,12 +229,12 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
             if out is not None and out.finished:
                 choice["stop_reason"] = out.stop_reason
             return {"id": request_id, "object": "text_completion", "created": created,
-                    "model": service.model_name, "choices": [choice]}
+                    "model": target.name, "choices": [choice]}
 
-        make_usage = usage_chunk(request_id, "text_completion", created, service.model_name)
+        make_usage = usage_chunk(request_id, "text_completion", created, target.name)
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return stream_response(service, request_id, specs, prompt_tokens, chunk, [], include, make_usage)
-    results = await run_to_completion(service, request, request_id, specs)
+        return stream_response(service, request_id, specs, prompt_tokens, chunk, [], include, make_usage, target)
+    results = await run_to_completion(service, request, request_id, specs, target)
     choices = []
     for spec, r in zip(specs, results, strict=True):
         text, block = "".join(r.text), None
@@ -234,15 +249,15 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
         choices.append({"index": spec.index, "text": text, "logprobs": block, "finish_reason": r.finish_reason,
                         "stop_reason": r.stop_reason})
     return JSONResponse({"id": request_id, "object": "text_completion", "created": created,
-                         "model": service.model_name, "choices": choices,
-                         "usage": usage_block(prompt_tokens, results)})
+                         "model": target.name, "choices": choices,
+                         "usage": usage_block(prompt_tokens, results)}, headers=target.headers())
 
 
 async def create_chat_completion(service: Service, body: ChatCompletionRequest, request: Request) -> Response:
     """OpenAI-compatible chat completion (the model's chat template is applied)."""
     check_unsupported(body)
-    check_model(service, body.model)
-    engine = service.ready_engine()
+    target = pick_target(service, body, request)
+    engine = target.model.engine
     if body.n > service.settings.max_n:
         raise ApiError(400, f"'n' is {body.n}; this server allows at most {service.settings.max_n}", param="n")
     prompt = await asyncio.to_thread(chat_prompt, engine, body.messages, body.add_generation_prompt)
@@ -255,8 +270,7 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
     text_of = token_texts(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
     service.admit(len(specs))
     if body.stream:
-        base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": service.model_name}
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": target.name}
 
         def chunk(index: int, text: str, out: EngineOutput | None) -> dict | None:
             block = chat_logprobs(out.logprobs, text_of) if out is not None and out.logprobs else None
@@ -271,13 +285,22 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
 
         preamble = [{**base, "choices": [{"index": s.index, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]} for s in specs]
-        make_usage = usage_chunk(request_id, "chat.completion.chunk", created, service.model_name)
+        make_usage = usage_chunk(request_id, "chat.completion.chunk", created, target.name)
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return stream_response(service, request_id, specs, len(prompt), chunk, preamble, include, make_usage)
-    results = await run_to_completion(service, request, request_id, specs)
+        return stream_response(service, request_id, specs, len(prompt), chunk, preamble, include, make_usage, target)
+    results = await run_to_completion(service, request, request_id, specs, target)
     choices = [{"index": i, "message": {"role": "assistant", "content": "".join(r.text), "refusal": None},
                 "logprobs": chat_logprobs(r.logprobs, text_of) if body.logprobs else None,
                 "finish_reason": r.finish_reason, "stop_reason": r.stop_reason} for i, r in enumerate(results)]
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,
-                         "model": service.model_name, "choices": choices,
-                         "usage": usage_block(len(prompt), results)})
+                         "model": target.name, "choices": choices,
+                         "usage": usage_block(len(prompt), results)}, headers=target.headers())
+
+
+USER_HEADER = "X-Verl-User"
+
+
+def pick_target(service: Service, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Target:
+    """The model that answers: ``body.model`` (a model or a route; none: the default), sticky per ``user`` (else
+    the ``X-Verl-User`` header)."""
+    return service.target(body.model, body.user or request.headers.get(USER_HEADER), body.verl)

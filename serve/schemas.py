@@ -74,6 +74,16 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = Field(False, description="Send a last chunk with `usage` and empty `choices`.")
 
 
+class VerlExtension(_Strict):
+    """The ``verl`` field of a completion or chat request (with the openai client: ``extra_body={"verl": ...}``)."""
+
+    ground_truth: str | int | float = Field(description="The expected answer; the response is scored against it.")
+    reward: str = Field("gsm8k", max_length=64, description="A registered rule reward (gsm8k, arithmetic, math, "
+                        "exact_match) applied to the response text.")
+    prompt_id: str | None = Field(None, max_length=256, description="Names the prompt for pairing across models "
+                                  "(default: a hash of the prompt tokens).")
+
+
 class _SamplingFields(_Strict):
     model: str | None = Field(None, description="Model id from /v1/models (optional: this server serves one model).")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
@@ -95,7 +105,10 @@ class _SamplingFields(_Strict):
                                       "negative) logits of tokens in the prompt or output; 1 = off.")
     logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100] "
                                                 "added to its logit before sampling.")
-    user: str | None = Field(None, description="Opaque end-user id (logged nowhere; accepted for compatibility).")
+    user: str | None = Field(None, max_length=256, description="Opaque end-user id: keeps one user on one variant "
+                             "of a route (hashed, never logged or stored).")
+    verl: VerlExtension | None = Field(None, description="verl extension: score the response with a rule reward, "
+                                       "recorded per model for the online A/B report.")
     # OpenAI fields that do not change what this server generates: accepted and ignored (docs/serving.md).
     store: StrictBool | None = Field(None, description="Ignored: this server stores no completions.")
     metadata: dict[str, str] | None = Field(None, description="Ignored: tags for OpenAI's stored completions.")
@@ -265,6 +278,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "verl-suite"
     root: str
+    parent: str | None = Field(None, description="A LoRA adapter's base model (vLLM's field); null otherwise.")
     max_model_len: int
     source: str = Field(description="Where the served model was chosen: env VERL_SERVE_MODEL, a serve.yaml, "
                         "an argument, or default (the built-in model).")

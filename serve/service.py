@@ -10,6 +10,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, Request
@@ -20,20 +21,23 @@ from serve import __version__
 from serve.engines import create_engine
 from serve.engines.base import (
     Engine,
+    EngineError,
     EngineOutput,
     EngineRequest,
     SamplingOptions,
 )
 from serve.metrics import SequenceTimer, ServeMetrics
+from serve.records import OnlineRecord, OnlineRecords, prompt_hash, score
+from serve.registry import ModelRegistry, ServedModel, UnknownModelError
 from serve.schemas import (
     ErrorResponse,
+    VerlExtension,
 )
 from serve.settings import ServeSettings
+from verl.errors import ConfigError
 
 # A child of uvicorn's logger: our lines appear in the server log with its format and level.
 log = logging.getLogger("uvicorn.error.serve")
-
-
 
 
 SEED_MODULUS = 2**63  # torch generators take 64-bit seeds; seed + i for n > 1 must stay in range
@@ -97,14 +101,51 @@ class SequenceSpec:
     sampling: SamplingOptions
 
 
+@dataclass
+class Target:
+    """Who answers one request and what is recorded about it: the model (picked directly or by ``route``) and the
+    request's ``verl`` extension (a rule reward to score the response with)."""
+
+    model: ServedModel
+    route: str | None = None
+    online: VerlExtension | None = None
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    def headers(self) -> dict[str, str]:
+        """Response headers naming the variant that answered (and the route that chose it)."""
+        headers = {"X-Verl-Model": self.model.name}
+        if self.route is not None:
+            headers["X-Verl-Route"] = self.route
+        return headers
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def resolve_adapter_dir(path: str) -> str:
+    """A PEFT adapter dir: ``path`` itself, or a verl checkpoint's ``actor/`` holding the adapter."""
+    root = Path(path).expanduser()
+    for candidate in (root, root / "actor"):
+        if (candidate / ADAPTER_CONFIG).is_file():
+            return str(candidate)
+    raise ConfigError(f"'{path}' holds no LoRA adapter ({ADAPTER_CONFIG}); give the adapter dir of a LoRA run's "
+                      "checkpoint (outputs/<run>/checkpoints/global_step_N), or serve a full export with 'path'")
+
+
 class Service:
-    """Engine lifecycle, admission control and the sequence pumps shared by every endpoint."""
+    """Engines and the models they serve, routes, admission control and the sequence pumps every endpoint shares."""
 
     def __init__(self, settings: ServeSettings):
         self.settings = settings
-        self.model_name = settings.model_name()
+        self.entries = settings.model_entries()
+        self.model_name = self.entries[0].name  # the primary model: /health, /tokenize, /generate without a route
         self.metrics = ServeMetrics(self.model_name, version=__version__)
-        self.engine: Engine | None = None
+        self.registry = ModelRegistry()
+        self.records = OnlineRecords(settings.records_path)
+        self.engine: Engine | None = None  # the primary model's engine
         self.status = "loading"
         self.detail: str | None = "the model is loading"
         self.capacity = settings.max_batch_size + settings.max_queue_size
@@ -112,9 +153,10 @@ class Service:
         self.created = int(time.time())
         self.pumps: set[asyncio.Task] = set()
         self._abort_timer: asyncio.TimerHandle | None = None
+        self._changes = asyncio.Lock()  # one admin change at a time
         self.metrics.bind_gauges(
-            running=lambda: self.engine.num_running if self.engine else 0,
-            waiting=lambda: self.engine.num_waiting if self.engine else 0,
+            running=lambda: sum(m.engine.num_running for m in self.registry.full_models()),
+            waiting=lambda: sum(m.engine.num_waiting for m in self.registry.full_models()),
             healthy=lambda: 1.0 if self.health()[0] == "ok" else 0.0,
         )
 
@@ -125,7 +167,10 @@ class Service:
         source = self.settings.model_source
         if self.settings.config_file is not None:
             log.warning("verl serve: settings from %s (then VERL_SERVE_* env vars)", self.settings.config_file)
-        if source == "default":
+        if self.settings.models:
+            log.warning("verl serve: serving %d models: %s", len(self.entries),
+                        ", ".join(f"{e.name} ({e.path or 'adapter ' + str(e.adapter)})" for e in self.entries))
+        elif source == "default":
             log.warning("verl serve: no model configured; serving the built-in %s (set VERL_SERVE_MODEL=<export dir> "
                         "or model: in serve.yaml to serve yours)", self.settings.model)
         else:
@@ -133,23 +178,76 @@ class Service:
 
     async def load(self) -> None:
         self.announce()
+        first_full = next(e.name for e in self.entries if e.path is not None)
         try:
-            engine = await asyncio.to_thread(create_engine, self.settings)
-            await engine.start()
+            for entry in self.entries:
+                if entry.path is not None:
+                    await self.load_model(entry.name, entry.path)
+            for entry in self.entries:
+                if entry.adapter is not None:
+                    await self.load_adapter(entry.name, entry.adapter, entry.base or first_full)
+            for route, weights in self.settings.routes.items():
+                self.registry.set_route(route, weights)
         except Exception as exc:
             self.status, self.detail = "dead", f"the model failed to load: {exc}"
             log.error("verl serve: %s", self.detail)
             raise
-        self.engine = engine
-        self.metrics.set_engine(engine.name, __version__)
         if self.status == "loading":
             self.status, self.detail = "ok", None
-        log.info("verl serve: %s ready on the %s engine (context %d tokens)", self.model_name, engine.name,
-                 engine.max_model_len)
+
+    async def load_model(self, name: str, path: str) -> ServedModel:
+        """Start an engine for the full model at ``path`` and serve it as ``name``."""
+        engine = await asyncio.to_thread(create_engine, self.settings, path)
+        await engine.start()
+        model = ServedModel(name, engine, "model", name, path)
+        self.registry.add(model)
+        if self.engine is None:
+            self.engine = engine
+            self.metrics.set_engine(engine.name, __version__)
+        log.info("verl serve: %s ready on the %s engine (context %d tokens)", name, engine.name, engine.max_model_len)
+        return model
+
+    async def load_adapter(self, name: str, path: str, base: str) -> ServedModel:
+        """Serve the LoRA adapter at ``path`` as ``name`` over full model ``base``'s engine (not merged)."""
+        base_model = self.registry.models.get(base)
+        if base_model is None or base_model.kind != "model" or base_model.retiring:
+            raise ConfigError(f"adapter '{name}': base '{base}' is not a served full model")
+        if not base_model.engine.supports_adapters:
+            raise ConfigError(f"adapter '{name}': the {base_model.engine.name} engine does not serve LoRA adapters")
+        if name in self.registry.models or name in self.registry.routes:
+            raise ConfigError(f"the name '{name}' is already in use")
+        directory = resolve_adapter_dir(path)
+        await base_model.engine.add_adapter(name, directory)
+        model = ServedModel(name, base_model.engine, "adapter", base, path)
+        self.registry.add(model)
+        log.info("verl serve: adapter %s (%s) ready over %s", name, directory, base)
+        return model
+
+    async def unload(self, name: str) -> None:
+        """Stop routing to ``name``, let its requests finish (up to ``request_timeout_s``), then release it."""
+        model = self.registry.retire(name)
+        try:
+            await asyncio.wait_for(model.idle.wait(), self.settings.request_timeout_s)
+        except TimeoutError:
+            log.warning("verl serve: %s still had %d requests after %g s; releasing it anyway", name,
+                        model.in_flight, self.settings.request_timeout_s)
+        self.registry.remove(name)
+        if model.kind == "adapter":
+            await model.engine.remove_adapter(name)
+        else:
+            await model.engine.shutdown(self.settings.shutdown_timeout_s)
+            if model.engine is self.engine:
+                fulls = self.registry.full_models()
+                self.engine = fulls[0].engine if fulls else None
+                self.model_name = fulls[0].name if fulls else self.model_name
+        log.info("verl serve: %s unloaded", name)
 
     def health(self) -> tuple[str, str | None]:
-        if self.status == "ok" and self.engine is not None and not self.engine.is_healthy():
-            self.status, self.detail = "dead", "the engine worker stopped"
+        if self.status == "ok":
+            dead = [m.name for m in self.registry.full_models() if not m.engine.is_healthy()]
+            if dead or self.engine is None:
+                self.status = "dead"
+                self.detail = f"the engine worker of {', '.join(dead)} stopped" if dead else "no model is served"
         return self.status, self.detail
 
     def begin_drain(self) -> None:
@@ -168,19 +266,38 @@ class Service:
 
     async def shutdown(self) -> None:
         self.begin_drain()
-        if self.engine is not None:
-            await self.engine.shutdown(self.settings.shutdown_timeout_s)
+        engines = [m.engine for m in self.registry.full_models()]
+        await asyncio.gather(*(e.shutdown(self.settings.shutdown_timeout_s) for e in engines),
+                             return_exceptions=True)
         self.abort_all()
 
     # ------------------------------------------------------------ admission
 
     def ready_engine(self) -> Engine:
+        """The primary model's engine, or the 503 while loading, draining or dead."""
         status, detail = self.health()
         if status != "ok" or self.engine is None:
             self.metrics.rejected.labels(self.model_name, status).inc()
             raise ApiError(503, f"service unavailable: {detail}", type="service_unavailable", code=status,
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         return self.engine
+
+    def target(self, requested: str | None, user: str | None, online: VerlExtension | None = None) -> Target:
+        """The model that answers a request naming ``requested`` (a model, a route, or None for the default)."""
+        self.ready_engine()
+        try:
+            model, route = self.registry.pick(requested, user)
+        except UnknownModelError:
+            served = ", ".join([*self.registry.names(), *self.registry.routes]) or "none"
+            raise ApiError(404, f"The model '{requested}' does not exist (served models and routes: {served}; see "
+                           "/v1/models)", type="invalid_request_error", param="model",
+                           code="model_not_found") from None
+        if online is not None:
+            try:
+                score(online.reward, "", online.ground_truth)
+            except ConfigError as exc:
+                raise ApiError(400, f"verl.reward: {exc}", param="verl.reward") from None
+        return Target(model, route, online)
 
     def admit(self, sequences: int) -> None:
         """Reserve ``sequences`` slots or refuse: the queue never grows past ``max_queue_size``."""
@@ -195,29 +312,36 @@ class Service:
         self.in_flight += sequences
 
     def start_pumps(self, request_id: str, specs: list[SequenceSpec],
-                    sink: Callable[[int, EngineOutput | BaseException], None], stream: bool) -> list[asyncio.Task]:
+                    sink: Callable[[int, EngineOutput | BaseException], None], stream: bool,
+                    target: Target | None = None) -> list[asyncio.Task]:
         """One task per sequence, reading the engine stream and passing each output to ``sink``."""
-        engine = self.engine
+        if target is None:
+            target = Target(self.registry.models[self.model_name])
         arrival = time.perf_counter()
         tasks = []
         for spec in specs:
-            timer = SequenceTimer(self.metrics, arrival, len(spec.prompt_ids))
-            req = EngineRequest(f"{request_id}-{spec.index}", spec.prompt_ids, spec.sampling, arrival, stream)
-            task = asyncio.create_task(self._pump(engine, req, spec.index, timer, sink))
+            timer = SequenceTimer(self.metrics, arrival, len(spec.prompt_ids), label=target.name)
+            req = EngineRequest(f"{request_id}-{spec.index}", spec.prompt_ids, spec.sampling, arrival, stream,
+                                adapter=target.model.adapter)
+            target.model.acquire()
+            task = asyncio.create_task(self._pump(target, req, spec.index, timer, sink))
             self.pumps.add(task)
             task.add_done_callback(self.pumps.discard)
             tasks.append(task)
         return tasks
 
-    async def _pump(self, engine: Engine, req: EngineRequest, index: int, timer: SequenceTimer,
+    async def _pump(self, target: Target, req: EngineRequest, index: int, timer: SequenceTimer,
                     sink: Callable[[int, EngineOutput | BaseException], None]) -> None:
-        finish, produced = "abort", 0
+        finish, produced, error = "abort", 0, None
+        text: list[str] = []
         try:
-            stream = engine.generate(req)
+            stream = target.model.engine.generate(req)
             try:
                 async for out in stream:
                     timer.on_output(time.perf_counter(), len(out.token_ids), out.scheduled_time, out.token_times)
                     produced = out.num_generated_tokens
+                    if target.online is not None:
+                        text.append(out.text)
                     sink(index, out)
                     if out.finished:
                         finish = out.finish_reason
@@ -228,10 +352,32 @@ class Service:
             sink(index, EngineOutput("", [], produced, finish_reason="abort"))
             raise
         except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
             sink(index, exc)
         finally:
             self.in_flight -= 1
-            timer.on_finish(time.perf_counter(), finish)
+            target.model.release()
+            end = time.perf_counter()
+            timer.on_finish(end, finish)
+            self._record(target, req, timer, end, finish, produced, error, "".join(text))
+
+    def _record(self, target: Target, req: EngineRequest, timer: SequenceTimer, end: float, finish: str,
+                produced: int, error: str | None, text: str) -> None:
+        """One online record per finished sequence; the reward when the request asked for one."""
+        reward = None
+        online = target.online
+        if online is not None and error is None and finish != "abort":
+            try:
+                reward = score(online.reward, text, online.ground_truth)
+            except (EngineError, ValueError, TypeError) as exc:  # a reward that cannot score this text: no reward
+                log.warning("verl serve: reward %s failed on a response: %r", online.reward, exc)
+            if reward is not None:
+                self.metrics.reward.labels(target.name).observe(reward)
+        prompt_id = online.prompt_id if online is not None and online.prompt_id else prompt_hash(req.prompt_token_ids)
+        self.records.add(OnlineRecord(
+            time=time.time(), model=target.name, route=target.route, prompt_id=prompt_id,
+            prompt_tokens=len(req.prompt_token_ids), completion_tokens=produced, ttft_s=timer.ttft,
+            e2e_s=end - timer.arrival, finish_reason=finish, error=error, reward=reward))
 
 
 def service_of(request: Request) -> Service:

@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 from verl.errors import ConfigError
@@ -25,6 +34,28 @@ DEFAULT_CONFIG_FILE = "serve.yaml"
 # The YAML file for the settings object being built; a context variable (not a global) so concurrent builds
 # with different files (tests, several apps in one process) never see each other's file.
 _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("serve_config_file", default=None)
+
+
+class ModelEntry(BaseModel):
+    """One servable model: a full model (``path``) or a LoRA adapter (``adapter``) over a full model's weights."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="The id clients send in `model` and see in /v1/models.", min_length=1)
+    path: str | None = Field(None, description="An export / checkpoint HF dir, builtin:NAME or a .gguf file.")
+    adapter: str | None = Field(
+        None, description="A PEFT LoRA adapter dir (adapter_config.json), served over `base` without merging.")
+    base: str | None = Field(
+        None, description="For an adapter: the name of the full model entry it applies to (default: the first).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelEntry:
+        if (self.path is None) == (self.adapter is None):
+            raise ValueError(f"model '{self.name}': give exactly one of 'path' (a full model) or 'adapter' (a LoRA "
+                             "adapter dir)")
+        if self.path is not None and self.base is not None:
+            raise ValueError(f"model '{self.name}': 'base' applies to adapters only")
+        return self
 
 
 class ServeSettings(BaseSettings):
@@ -45,6 +76,26 @@ class ServeSettings(BaseSettings):
     trust_remote_code: bool = Field(False, description="Run model code shipped in the model dir.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads (1 is fastest on small shared CPUs).")
     seed: int = Field(0, description="Seed of the engine's sampler for requests that give no `seed`.")
+
+
+    # ---------------------------------------------------------------- several models, routes, admin
+    models: list[ModelEntry] = Field(
+        default_factory=list, description="Several models in one service (replaces `model`): a list of {name, path} "
+        "and {name, adapter, base} entries; adapters share their base's weights in memory.",
+    )
+    routes: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="Route name -> {model: weight}; a request whose `model` is the route goes "
+        "to one of them by weight, sticky per `user` (or the X-Verl-User header). The route `default` also takes "
+        "requests that name no model.",
+    )
+    admin_api_key: SecretStr | None = Field(
+        None, description="Turns on /admin/* (route weights, load and unload models) for `Authorization: Bearer "
+        "<this key>`; unset: the admin endpoints do not exist.",
+    )
+    records_path: str | None = Field(
+        None, description="Append one JSON line per finished request (model, route, prompt hash, latency, tokens, "
+        "reward) here, for `verl compare --online FILE`; the last 10000 are also kept in memory for /admin/records.",
+    )
 
     # ---------------------------------------------------------------- capacity and limits
     max_batch_size: int = Field(32, ge=1, le=4096, description="Sequences decoded together in one forward pass.")
@@ -117,11 +168,29 @@ class ServeSettings(BaseSettings):
         """The serve.yaml these settings read, if any (logged at startup)."""
         return self._config_file
 
-    @field_validator("api_key")
+    @field_validator("api_key", "admin_api_key")
     @classmethod
     def _empty_key_is_none(cls, value: SecretStr | None) -> SecretStr | None:
         # `VERL_SERVE_API_KEY=` (empty) must not mean "the key is the empty string".
         return value if value is not None and value.get_secret_value() else None
+
+    @model_validator(mode="after")
+    def _check_models_and_routes(self) -> ServeSettings:
+        names = [m.name for m in self.models]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"models: the name '{duplicated[0]}' is used twice; names must be unique")
+        full = [m.name for m in self.models if m.path is not None]
+        if self.models and not full:
+            raise ValueError("models: adapters need a full model to apply to; add an entry with 'path'")
+        for m in self.models:
+            if m.adapter is not None and m.base is not None and m.base not in full:
+                raise ValueError(f"models: '{m.name}' names base '{m.base}', which is not a full model entry "
+                                 f"(full models: {', '.join(full)})")
+        known = set(names) or {self.model_name()}
+        for route, weights in self.routes.items():
+            check_route(route, weights, known)
+        return self
 
     @classmethod
     def settings_customise_sources(
@@ -139,6 +208,10 @@ class ServeSettings(BaseSettings):
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
 
+    def model_entries(self) -> list[ModelEntry]:
+        """The models to serve: ``models``, or one entry made of ``model`` / ``served_model_name``."""
+        return list(self.models) or [ModelEntry(name=self.model_name(), path=self.model)]
+
     def model_name(self) -> str:
         """The id clients see in /v1/models and send back in `model`."""
         if self.served_model_name:
@@ -146,6 +219,21 @@ class ServeSettings(BaseSettings):
         if self.model.startswith("builtin:"):
             return self.model.split(":", 1)[1]
         return Path(self.model).name or self.model
+
+
+def check_route(route: str, weights: dict[str, float], known: set[str]) -> None:
+    """Raise ``ValueError`` naming what is wrong with one route's weights."""
+    if route in known:
+        raise ValueError(f"routes: '{route}' is also a model name; a route needs a name of its own")
+    if not weights:
+        raise ValueError(f"routes.{route}: give at least one model with a weight")
+    for name, weight in weights.items():
+        if name not in known:
+            raise ValueError(f"routes.{route}: unknown model '{name}' (models: {', '.join(sorted(known))})")
+        if not weight >= 0 or weight == float("inf"):
+            raise ValueError(f"routes.{route}.{name}: the weight must be a finite number >= 0 (got {weight})")
+    if sum(weights.values()) <= 0:
+        raise ValueError(f"routes.{route}: the weights sum to 0; at least one must be > 0")
 
 
 def config_file_path(config_file: str | os.PathLike | None = None) -> Path | None:

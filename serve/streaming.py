@@ -18,7 +18,7 @@ from serve.engines.base import (
     EngineOutput,
     RequestFailedError,
 )
-from serve.service import ApiError, SequenceResult, SequenceSpec, Service, error_body
+from serve.service import ApiError, SequenceResult, SequenceSpec, Service, Target, error_body
 
 # A child of uvicorn's logger: our lines appear in the server log with its format and level.
 log = logging.getLogger("uvicorn.error.serve")
@@ -33,7 +33,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def run_to_completion(service: Service, request: Request, request_id: str,
-                            specs: list[SequenceSpec]) -> list[SequenceResult]:
+                            specs: list[SequenceSpec], target: Target | None = None) -> list[SequenceResult]:
     """Run every sequence to its end; 504 past the timeout; abort everything if the client disconnects."""
     results = [SequenceResult() for _ in specs]
 
@@ -51,7 +51,8 @@ async def run_to_completion(service: Service, request: Request, request_id: str,
         if out.finished:
             result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
 
-    pending = set(service.start_pumps(request_id, specs, sink, stream=False))
+    pending = set(service.start_pumps(request_id, specs, sink, stream=False, target=target))
+    label = target.name if target is not None else service.model_name
     watcher = asyncio.create_task(_wait_disconnect(request))
     deadline = time.monotonic() + service.settings.request_timeout_s
     try:
@@ -59,10 +60,10 @@ async def run_to_completion(service: Service, request: Request, request_id: str,
             done, _ = await asyncio.wait(pending | {watcher}, timeout=deadline - time.monotonic(),
                                          return_when=asyncio.FIRST_COMPLETED)
             if watcher in done:
-                service.metrics.rejected.labels(service.model_name, "client_disconnected").inc()
+                service.metrics.rejected.labels(label, "client_disconnected").inc()
                 raise ApiError(499, "the client closed the connection", code="client_closed")
             if not done:
-                service.metrics.rejected.labels(service.model_name, "timeout").inc()
+                service.metrics.rejected.labels(label, "timeout").inc()
                 raise ApiError(504, f"the request did not finish within {service.settings.request_timeout_s:g} s",
                                type="timeout_error", code="timeout")
             pending -= done
@@ -90,9 +91,10 @@ def engine_failure(exc: BaseException) -> ApiError:
 class _SSEResponse(StreamingResponse):
     """A stream that always cleans up: if the client vanishes before or during streaming, ``on_close`` runs."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None):
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -109,10 +111,12 @@ def sse(obj: dict) -> str:
 def stream_response(service: Service, request_id: str, specs: list[SequenceSpec], prompt_tokens: int,
                     chunk: Callable[[int, str, EngineOutput | None], dict | None],
                     preamble: list[dict], include_usage: bool,
-                    usage_chunk: Callable[[dict], dict]) -> StreamingResponse:
+                    usage_chunk: Callable[[dict], dict], target: Target | None = None) -> StreamingResponse:
     """SSE: ``preamble`` chunks, then one chunk per delta with text or a finish, optional usage, ``[DONE]``."""
     queue: asyncio.Queue = asyncio.Queue()
-    tasks = service.start_pumps(request_id, specs, lambda index, out: queue.put_nowait((index, out)), stream=True)
+    tasks = service.start_pumps(request_id, specs, lambda index, out: queue.put_nowait((index, out)), stream=True,
+                                target=target)
+    label = target.name if target is not None else service.model_name
     deadline = time.monotonic() + service.settings.request_timeout_s
 
     async def events() -> AsyncIterator[str]:
@@ -123,7 +127,7 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
             try:
                 index, out = await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                service.metrics.rejected.labels(service.model_name, "timeout").inc()
+                service.metrics.rejected.labels(label, "timeout").inc()
                 err = ApiError(504, f"the request did not finish within {service.settings.request_timeout_s:g} s",
                                type="timeout_error", code="timeout")
                 yield sse(error_body(err.message, err.type, code=err.code))
@@ -149,7 +153,7 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
         for task in tasks:
             task.cancel()  # no-op for finished pumps; aborts the rest (client gone, timeout, error)
 
-    return _SSEResponse(events(), close)
+    return _SSEResponse(events(), close, target.headers() if target is not None else None)
 
 
 # ---------------------------------------------------------------- middleware

@@ -73,11 +73,12 @@ def model_max_len(model_path: str, tokenizer, trust_remote_code: bool = False) -
     return tok_max if isinstance(tok_max, int) and 0 < tok_max < 10**7 else 2048
 
 
-def create_engine(settings: ServeSettings) -> Engine:
-    """Resolve the model dir, load the tokenizer and build (not start) the configured engine."""
+def create_engine(settings: ServeSettings, model: str | None = None) -> Engine:
+    """Resolve the model dir (``model``, default ``settings.model``), load the tokenizer and build (not start) the
+    configured engine."""
     name = resolve_engine_name(settings.engine)
     cls = get_engine_class(name)
-    path = resolve_model_path(settings.model)
+    path = resolve_model_path(model or settings.model)
     tokenizer = load_tokenizer(path, trust_remote_code=settings.trust_remote_code)
     max_len = model_max_len(path, tokenizer, settings.trust_remote_code)
     if name == "vllm" and settings.vllm_max_model_len:

@@ -80,6 +80,8 @@ class EngineRequest:
     # False: the caller only needs the final result, so an engine may send one aggregated output (with
     # ``token_times``) instead of a delta per token -- far less event-loop work for non-streamed requests.
     stream: bool = True
+    # The LoRA adapter (as registered with ``Engine.add_adapter``) to generate with; None: the base weights.
+    adapter: str | None = None
 
 
 @dataclass
@@ -140,6 +142,18 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def num_waiting(self) -> int:
         """Sequences admitted but not yet in the batch."""
+
+    # ------------------------------------------------------------ LoRA adapters (engines that serve several)
+
+    supports_adapters: bool = False
+
+    async def add_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in ``path`` as ``name``, without pausing requests in flight."""
+        raise EngineError(f"the {self.name} engine does not serve LoRA adapters")
+
+    async def remove_adapter(self, name: str) -> None:
+        """Unload adapter ``name``; the caller makes sure no request still uses it."""
+        raise EngineError(f"the {self.name} engine does not serve LoRA adapters")
 
     def eos_token_ids(self) -> set[int]:
         ids: set[int] = set()

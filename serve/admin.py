@@ -1,0 +1,125 @@
+"""Admin endpoints: change route weights, load and unload models and adapters, read the online records — while
+requests are in flight. Mounted only when ``admin_api_key`` is set (otherwise every /admin path is a 404), and
+every call needs ``Authorization: Bearer <admin_api_key>`` (the service's own ``api_key`` does not open them).
+
+    GET    /admin/state                  models (kind, base, requests in flight) and routes
+    PUT    /admin/routes/{route}         {"weights": {"a": 0.9, "b": 0.1}}   (creates the route if new)
+    DELETE /admin/routes/{route}
+    POST   /admin/models                 {"name": "b", "path": DIR} or {"name": "b", "adapter": DIR, "base": "a"}
+    DELETE /admin/models/{name}          stops routing to it, waits for its requests, then releases it
+    GET    /admin/records?since=T        the online records (``verl compare --online`` reads them)
+
+A change is applied in one step on the event loop: each request sees the old routing or the new, and a model is
+released only after its last request finished, so a change never fails or drops a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import ValidationError
+
+from serve.schemas import _Strict
+from serve.service import ApiError, Service, service_of
+from serve.settings import ModelEntry, ServeSettings
+from verl.errors import VerlError
+
+log = logging.getLogger("uvicorn.error.serve")
+ADMIN_PREFIX = "/admin"
+
+_bearer = HTTPBearer(auto_error=False, description="The admin_api_key setting.")
+
+
+class RouteWeights(_Strict):
+    weights: dict[str, float]
+
+
+def check_admin_key(settings: ServeSettings, given: str) -> None:
+    """Raise the 401 unless ``given`` is the admin key (constant time)."""
+    key = settings.admin_api_key
+    if key is None or not secrets.compare_digest(given.encode(), key.get_secret_value().encode()):
+        raise ApiError(401, "missing or wrong admin key: send 'Authorization: Bearer <admin_api_key>'",
+                       type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def require_admin_key(request: Request,
+                            credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    check_admin_key(service_of(request).settings, credentials.credentials if credentials is not None else "")
+
+
+def state(service: Service) -> dict:
+    registry = service.registry
+    return {
+        "models": [{"name": m.name, "kind": m.kind, "base": m.base, "source": m.source, "in_flight": m.in_flight,
+                    "retiring": m.retiring, "engine": m.engine.name} for m in registry.models.values()],
+        "routes": {route: dict(weights) for route, weights in registry.routes.items()},
+    }
+
+
+def admin_router(service: Service) -> APIRouter:
+    router = APIRouter(prefix=ADMIN_PREFIX, tags=["admin"], dependencies=[Depends(require_admin_key)])
+
+    @router.get("/state")
+    async def get_state() -> dict:
+        return state(service)
+
+    @router.put("/routes/{route}")
+    async def put_route(route: str, body: RouteWeights) -> dict:
+        async with service._changes:
+            try:
+                service.registry.set_route(route, body.weights)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="weights") from None
+        log.warning("verl serve: route %s -> %s", route, service.registry.routes[route])
+        return state(service)
+
+    @router.delete("/routes/{route}")
+    async def delete_route(route: str) -> dict:
+        async with service._changes:
+            if route not in service.registry.routes:
+                raise ApiError(404, f"no route named '{route}'", type="not_found_error", param="route")
+            service.registry.delete_route(route)
+        return state(service)
+
+    @router.post("/models")
+    async def load_model(body: dict) -> dict:
+        try:
+            entry = ModelEntry(**body)
+        except ValidationError as exc:
+            raise ApiError(400, f"invalid model entry: {exc.errors()[0]['msg']}", param="name") from None
+        async with service._changes:
+            if entry.name in service.registry.models or entry.name in service.registry.routes:
+                raise ApiError(409, f"the name '{entry.name}' is already in use; unload it first or pick another",
+                               param="name", code="name_in_use")
+            try:
+                if entry.path is not None:
+                    await service.load_model(entry.name, entry.path)
+                else:
+                    fulls = service.registry.full_models()
+                    base = entry.base or (fulls[0].name if fulls else "")
+                    await service.load_adapter(entry.name, entry.adapter, base)
+            except (VerlError, OSError, ValueError) as exc:
+                raise ApiError(400, f"cannot load '{entry.name}': {exc}", param="path") from None
+        return state(service)
+
+    @router.delete("/models/{name}")
+    async def unload_model(name: str) -> dict:
+        async with service._changes:
+            if name not in service.registry.models:
+                raise ApiError(404, f"no model named '{name}'", type="not_found_error", param="name")
+            if len(service.registry.names()) == 1:
+                raise ApiError(409, f"'{name}' is the last model served; load another first", code="last_model")
+            try:
+                await service.unload(name)
+            except ValueError as exc:
+                raise ApiError(409, str(exc), param="name", code="in_use") from None
+        return state(service)
+
+    @router.get("/records")
+    async def records(since: float | None = None) -> dict:
+        return {"records": service.records.snapshot(since)}
+
+    return router
