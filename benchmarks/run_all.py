@@ -46,6 +46,10 @@ BENCHES: dict[str, list[str]] = {
                       "--out", "benchmarks/serve_bench_smollm2.json"],
     "rollout-smollm2": [VLLM_PY, "benchmarks/rollout_bench.py", "--models", SMOLLM2, "--shapes", "4x4x64",
                         "16x1x128", "--repeats", "3"],
+    "rollout-small": [VLLM_PY, "benchmarks/rollout_bench.py", "--repeats", "3"],
+    "lora-memory": [PY, "benchmarks/lora_memory.py"],
+    "adapter-batching": [PY, "benchmarks/adapter_batching.py", "--model", SMOLLM2, "--rows", "16", "--adapters",
+                         "4"],
 }
 
 

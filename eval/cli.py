@@ -153,7 +153,8 @@ def _compare_online(source: str, out: Path | None, baseline: str | None, models:
     for name, s in report["models"].items():
         reward = "–" if s["reward_mean"] is None else f"{s['reward_mean']:.3f} (n={s['rewarded']})"
         e2e = "–" if s["e2e_mean"] is None else f"{s['e2e_mean']:.3f}"
-        console.print(f"{name}: {s['requests']} requests, {s['errors']} errors, reward {reward}, e2e mean {e2e} s")
+        console.print(f"{name}: {s['requests']} requests, {s['errors']} errors, {s['aborted']} aborted, reward "
+                      f"{reward}, e2e mean {e2e} s")
     for pair in report["comparisons"]:
         reward = pair["reward"]["verdict"] if pair["reward"] else "no rewards recorded"
         console.print(f"{pair['candidate']} vs {pair['baseline']}: reward {reward}; latency {pair['e2e']['verdict']}")

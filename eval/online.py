@@ -11,7 +11,8 @@ with the baseline (``--baseline``, else the model with the most requests — the
   shifted to the null);
 - **latency**: e2e and TTFT, unpaired bootstrap of the difference of means (requests are not repeated per model in
   a split, so there is nothing to pair), p50/p95 beside;
-- **errors**: counts and rates.
+- **errors**: counts and rates (sequences the client abandoned — disconnects, timeouts, a load test stopping —
+  are counted apart as ``aborted`` and left out of latency and reward).
 
 Verdicts at ``alpha``: reward better / worse, latency faster / slower, or no significant difference.
 Outputs ``online.json``, ``report.md`` and ``report.html`` in ``--out``.
@@ -105,8 +106,10 @@ def model_summary(rows: list[dict]) -> dict[str, Any]:
         return float(np.percentile(values, q)) if values.size else None
 
     tokens = sum(int(r.get("completion_tokens") or 0) for r in ok)
-    return {"requests": len(rows), "errors": len(rows) - len(ok),
-            "error_rate": (len(rows) - len(ok)) / len(rows) if rows else None,
+    errors = sum(1 for r in rows if r.get("error"))
+    return {"requests": len(rows), "errors": errors, "error_rate": errors / len(rows) if rows else None,
+            # Aborted: the client went away or timed out (a load test stopping mid-request); not the model's fault.
+            "aborted": sum(1 for r in rows if not r.get("error") and r.get("finish_reason") == "abort"),
             "e2e_mean": float(e2e.mean()) if e2e.size else None, "e2e_p50": pct(e2e, 50), "e2e_p95": pct(e2e, 95),
             "ttft_mean": float(ttft.mean()) if ttft.size else None, "ttft_p50": pct(ttft, 50),
             "ttft_p95": pct(ttft, 95), "completion_tokens": tokens, "rewarded": len(rewards),
@@ -207,9 +210,9 @@ def write_report(out_dir: Path, report: dict) -> None:
           "where both models answered the same prompts (McNemar for 0/1 outcomes), unpaired otherwise; latency "
           "is unpaired (bootstrap of the difference of means).")
     doc.h("Per model")
-    doc.table(["model", "requests", "errors", "reward (mean, n)", "e2e mean / p50 / p95 s", "TTFT mean / p95 s",
-               "tokens"],
-              [[m, s["requests"], s["errors"], f"{fmt(s['reward_mean'])} ({s['rewarded']})",
+    doc.table(["model", "requests", "errors", "aborted", "reward (mean, n)", "e2e mean / p50 / p95 s",
+               "TTFT mean / p95 s", "tokens"],
+              [[m, s["requests"], s["errors"], s["aborted"], f"{fmt(s['reward_mean'])} ({s['rewarded']})",
                 f"{fmt(s['e2e_mean'])} / {fmt(s['e2e_p50'])} / {fmt(s['e2e_p95'])}",
                 f"{fmt(s['ttft_mean'])} / {fmt(s['ttft_p95'])}", s["completion_tokens"]]
                for m, s in report["models"].items()])

@@ -108,6 +108,9 @@ def add_arguments(parser: Any) -> None:
                 "traffic split per variant. Naming classes overrides this.")
     option("route-user-pool", type=int, default=100_000,
            help="RouteUser: requests come from this many distinct end users (the `user` field), uniformly.")
+    option("reward", default="",
+           help="RouteUser: score each response with this rule reward (arithmetic, gsm8k, ...) against the prompt "
+                "file's ground truth (the `verl` extension field), so `verl compare --online` compares reward.")
     option("generate-weight", type=int, default=1, help="Relative weight of /generate requests (0 = none).")
     option("completion-weight", type=int, default=1, help="Relative weight of /v1/completions requests (0 = none).")
     option("chat-weight", type=int, default=1, help="Relative weight of streamed chat requests (0 = none).")
@@ -333,8 +336,11 @@ class LLMUser(FastHttpUser):
 
     def route_completion(self) -> None:
         """``POST /v1/completions`` to a route as a random end user; named after the variant that answered."""
-        body = self.openai_body(prompt=self.prompt().text, model=self.options.model or "default",
+        prompt = self.prompt()
+        body = self.openai_body(prompt=prompt.text, model=self.options.model or "default",
                                 user=f"user-{random.randrange(max(1, self.options.route_user_pool))}")
+        if self.options.reward and prompt.ground_truth is not None:
+            body["verl"] = {"ground_truth": prompt.ground_truth, "reward": self.options.reward}
         start = time.perf_counter()
         with self.client.post("/v1/completions", json=body, catch_response=True) as response:
             latency = time.perf_counter() - start

@@ -30,6 +30,7 @@ class Prompt:
     messages: tuple[dict[str, str], ...]  # for /v1/chat/completions
     text: str  # for /generate and /v1/completions
     chat: bool  # the file gave a chat (text endpoints want it rendered with the chat template)
+    ground_truth: str | None = None  # verl data files' reward_model.ground_truth (RouteUser --reward sends it)
 
 
 def _as_messages(cell: Any, where: str) -> tuple[dict[str, str], ...]:
@@ -82,10 +83,28 @@ def _read_cells(path: Path, column: str) -> list[Any]:
     raise DataError(f"prompt file '{path}' must end in .parquet or .jsonl")
 
 
+def _read_truths(path: Path) -> list[str | None] | None:
+    """Each row's ``reward_model.ground_truth`` (verl's data format), or None when the file has none."""
+    if path.suffix.lower() == ".parquet":
+        table = pq.read_table(path)
+        if "reward_model" not in table.column_names:
+            return None
+        cells = table.column("reward_model").to_pylist()
+    else:
+        cells = []
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                cells.append(row.get("reward_model") if isinstance(row, dict) else None)
+    truths = [c.get("ground_truth") if isinstance(c, dict) else None for c in cells]
+    return [None if t is None else str(t) for t in truths] if any(t is not None for t in truths) else None
+
+
 def load_prompts(name: str = DEFAULT_PROMPT_FILE, column: str = "prompt", limit: int | None = None) -> list[Prompt]:
     """Read prompts from ``name`` (a path or ``builtin:TASK/SPLIT``); text forms start as the joined contents."""
     path = resolve_data_file(name)
     cells = _read_cells(path, column)
+    truths = _read_truths(path) or [None] * len(cells)
     if limit is not None:
         cells = cells[:limit]
     if not cells:
@@ -93,7 +112,8 @@ def load_prompts(name: str = DEFAULT_PROMPT_FILE, column: str = "prompt", limit:
     prompts = []
     for row, cell in enumerate(cells):
         messages = _as_messages(cell, f"{path}, row {row}, column '{column}'")
-        prompts.append(Prompt(messages, "\n".join(m["content"] for m in messages), chat=not isinstance(cell, str)))
+        prompts.append(Prompt(messages, "\n".join(m["content"] for m in messages), chat=not isinstance(cell, str),
+                              ground_truth=truths[row]))
     return prompts
 
 
@@ -122,7 +142,7 @@ def render_with_server(prompts: list[Prompt], host: str, headers: dict[str, str]
             tokens = _post_json(f"{base}/tokenize", {"messages": list(prompt.messages),
                                                      "add_generation_prompt": True}, headers, timeout)["tokens"]
             text = _post_json(f"{base}/detokenize", {"tokens": tokens}, headers, timeout)["prompt"]
-            rendered.append(Prompt(prompt.messages, text, chat=True))
+            rendered.append(Prompt(prompt.messages, text, chat=True, ground_truth=prompt.ground_truth))
     except (OSError, urllib.error.URLError, KeyError, TypeError, ValueError) as exc:
         return prompts, f"{type(exc).__name__}: {exc}"
     return rendered, None

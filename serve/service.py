@@ -26,6 +26,7 @@ from serve.engines.base import (
     EngineRequest,
     SamplingOptions,
 )
+from serve.export import select_checkpoint
 from serve.metrics import SequenceTimer, ServeMetrics
 from serve.records import OnlineRecord, OnlineRecords, prompt_hash, score
 from serve.registry import ModelRegistry, ServedModel, UnknownModelError
@@ -126,13 +127,20 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def resolve_adapter_dir(path: str) -> str:
-    """A PEFT adapter dir: ``path`` itself, or a verl checkpoint's ``actor/`` holding the adapter."""
+    """A PEFT adapter dir: ``path`` itself (a LoRA run's checkpoint), or a LoRA run dir's best checkpoint (as
+    ``verl export`` picks it)."""
     root = Path(path).expanduser()
-    for candidate in (root, root / "actor"):
-        if (candidate / ADAPTER_CONFIG).is_file():
-            return str(candidate)
-    raise ConfigError(f"'{path}' holds no LoRA adapter ({ADAPTER_CONFIG}); give the adapter dir of a LoRA run's "
-                      "checkpoint (outputs/<run>/checkpoints/global_step_N), or serve a full export with 'path'")
+    if (root / ADAPTER_CONFIG).is_file():
+        return str(root)
+    if (root / "checkpoints").is_dir():
+        chosen = select_checkpoint(root, "best").checkpoint
+        if (chosen / ADAPTER_CONFIG).is_file():
+            return str(chosen)
+        raise ConfigError(f"the best checkpoint of run '{path}' ({chosen.name}) is a full model, not a LoRA adapter; "
+                          "serve its export with 'path' instead")
+    raise ConfigError(f"'{path}' holds no LoRA adapter ({ADAPTER_CONFIG}); give a LoRA run dir or one of its "
+                      "checkpoints (outputs/<project>/<run>/checkpoints/global_step_N), or serve a full export with "
+                      "'path'")
 
 
 class Service:
@@ -198,6 +206,11 @@ class Service:
     async def load_model(self, name: str, path: str) -> ServedModel:
         """Start an engine for the full model at ``path`` and serve it as ``name``."""
         engine = await asyncio.to_thread(create_engine, self.settings, path)
+        # vLLM decides at start whether it can take adapters: yes when some are configured over this model, or when
+        # the admin API may load them later.
+        first_full = next(e.name for e in self.entries if e.path is not None)
+        engine.lora_enabled = self.settings.admin_api_key is not None or any(
+            e.adapter is not None and (e.base or first_full) == name for e in self.entries)
         await engine.start()
         model = ServedModel(name, engine, "model", name, path)
         self.registry.add(model)

@@ -150,6 +150,8 @@ class ServeSettings(BaseSettings):
     vllm_kv_cache_gib: float = Field(1.0, gt=0, description="vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE, GiB).")
     vllm_enforce_eager: bool = Field(True, description="vLLM: skip graph compilation (starts in ~15 s, not ~45 s).")
     vllm_max_model_len: int | None = Field(None, ge=1, description="vLLM max_model_len (default: the model's).")
+    vllm_max_loras: int = Field(4, ge=1, description="vLLM: LoRA adapters in one batch (when adapters are served).")
+    vllm_max_lora_rank: int = Field(64, ge=1, description="vLLM: the largest LoRA rank it accepts.")
 
     # ---------------------------------------------------------------- `verl serve` only
     host: str = Field("127.0.0.1", description="`verl serve` bind address (loopback unless you mean otherwise).")

@@ -5,6 +5,11 @@ vLLM does the batching, KV cache, sampling, stop strings and detokenisation; thi
 and vLLM's ``RequestOutput`` deltas back onto ``EngineOutput``. Closing the stream cancels vLLM's generator,
 which aborts the request inside vLLM (its documented behaviour).
 
+LoRA adapters: when the service serves adapters (or may load them at run time: the admin API is on), vLLM starts
+with ``enable_lora`` (``vllm_max_loras`` adapters in one batch, rank up to ``vllm_max_lora_rank``); each request
+carries its adapter's ``LoRARequest``, so requests for different adapters share vLLM's batches; ``add_lora`` /
+``remove_lora`` load and unload at run time.
+
 CPU notes (REFERENCES.md, "vLLM on this machine"): the engine core runs in a child process and takes ~15-20 s
 to start with ``enforce_eager``; ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the KV cache; hub access is off.
 """
@@ -35,6 +40,33 @@ class VLLMEngine(Engine):
         self._waiting: set[str] = set()
         self._running: set[str] = set()
         self._accepting = True
+        self.lora_enabled = False  # set by the service before start() when adapters may be served
+        self._loras: dict[str, Any] = {}  # adapter name -> vLLM LoRARequest
+        self._next_lora_id = 1
+
+    @property
+    def supports_adapters(self) -> bool:  # type: ignore[override]
+        return self.lora_enabled
+
+    async def add_adapter(self, name: str, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_enabled or self.llm is None:
+            raise EngineError("this vLLM engine was started without LoRA support")
+        if name in self._loras:
+            raise EngineError(f"an adapter named '{name}' is already loaded")
+        request = LoRARequest(name, self._next_lora_id, path)
+        self._next_lora_id += 1
+        # Loaded now (not at its first request), so a bad adapter fails this call and not a user's request.
+        if not await self.llm.add_lora(request):
+            raise EngineError(f"vLLM could not load the adapter in '{path}'")
+        self._loras[name] = request
+
+    async def remove_adapter(self, name: str) -> None:
+        request = self._loras.pop(name, None)
+        if request is None:
+            raise EngineError(f"no adapter named '{name}' is loaded")
+        await self.llm.remove_lora(request.lora_int_id)
 
     async def start(self) -> None:
         # Environment first: vLLM reads these when its modules are imported and its engine process starts.
@@ -60,6 +92,9 @@ class VLLMEngine(Engine):
             # Stats on (vLLM's default): they give non-streamed requests their first/last token times, so the
             # API can send them FINAL_ONLY (one output instead of one per token) and still time them.
             disable_log_stats=False,
+            enable_lora=self.lora_enabled,
+            max_loras=self.settings.vllm_max_loras,
+            max_lora_rank=self.settings.vllm_max_lora_rank,
         )
         return AsyncLLM.from_engine_args(args)
 
@@ -85,7 +120,13 @@ class VLLMEngine(Engine):
         rid = request.request_id
         self._waiting.add(rid)
         produced = 0
-        stream = self.llm.generate({"prompt_token_ids": list(request.prompt_token_ids)}, params, rid)
+        lora = None
+        if request.adapter is not None:
+            lora = self._loras.get(request.adapter)
+            if lora is None:
+                raise EngineError(f"the adapter '{request.adapter}' is not loaded")
+        stream = self.llm.generate({"prompt_token_ids": list(request.prompt_token_ids)}, params, rid,
+                                   lora_request=lora)
         try:
             async for out in stream:
                 if rid in self._waiting:

@@ -126,3 +126,24 @@ def metric_value(text: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def make_lora_adapters(root: Path, names: tuple[str, ...] = ("a", "b"), rank: int = 4) -> dict[str, str]:
+    """Real PEFT LoRA adapters over the tiny model, saved under ``root``; B is random (not PEFT's zero init), so
+    each adapter really changes the outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from verl.models.loader import resolve_model_path
+
+    base_path = resolve_model_path("builtin:tiny-arith")
+    out = {}
+    for seed, name in enumerate(names):
+        torch.manual_seed(100 + seed)
+        model = AutoModelForCausalLM.from_pretrained(base_path)
+        peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=4 * rank, target_modules="all-linear",
+                                                init_lora_weights=False))
+        peft.save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loadtest.render import make_report
@@ -24,7 +24,7 @@ from loadtest.run import LOCUST_CONF, LOCUSTFILE, run_locust
 from serve.promote import new_weights
 from serve.registry import draw, user_share
 from serve.settings import load_settings
-from tests.serve.helpers import REPO, TEST_SETTINGS, run_server
+from tests.serve.helpers import REPO, TEST_SETTINGS, make_lora_adapters, run_server
 from verl.errors import ConfigError
 from verl.models.loader import resolve_model_path
 
@@ -34,18 +34,7 @@ PROMPTS = ["12+7=", "3*4=", "20-5=", "9+9="]
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory) -> dict[str, str]:
-    """Two real PEFT LoRA adapters over the tiny model, with non-zero B so each changes the outputs."""
-    root = tmp_path_factory.mktemp("adapters")
-    base_path = resolve_model_path("builtin:tiny-arith")
-    out = {}
-    for seed, name in enumerate(["a", "b"]):
-        torch.manual_seed(100 + seed)
-        model = AutoModelForCausalLM.from_pretrained(base_path)
-        peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, target_modules="all-linear",
-                                                init_lora_weights=False))
-        peft.save_pretrained(root / name)
-        out[name] = str(root / name)
-    return out
+    return make_lora_adapters(tmp_path_factory.mktemp("adapters"))
 
 
 def multi_settings(adapters: dict[str, str], **extra) -> dict:
@@ -329,7 +318,7 @@ def test_compare_online_pairs_prompts_and_gives_verdicts(adapters, tmp_path: Pat
     assert pair["reward"]["test"].startswith("McNemar")
     assert report["models"]["tiny"]["requests"] == 12 and report["models"]["a"]["rewarded"] == 12
     assert pair["e2e"]["verdict"] in ("faster", "slower", "no significant difference")
-    assert "| a | 12 | 0 |" in (out / "report.md").read_text()
+    assert "| a | 12 | 0 | 0 |" in (out / "report.md").read_text()
     assert json.loads((tmp_path / "live" / "online.json").read_text())["comparisons"][0]["reward"] == pair["reward"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"model": "a", "e2e_s": 1}\nnot json\n')
@@ -345,7 +334,8 @@ def test_locust_route_user_reports_each_variant_and_the_split_holds(multi, tmp_p
     command = [sys.executable, "-m", "locust", "--config", str(LOCUST_CONF), "-f", str(LOCUSTFILE), "--headless",
                "-H", multi.url, "--csv", str(prefix), "--html", f"{prefix}.html", "--load-shape", "fixed",
                "-u", "4", "-r", "4", "-t", "8s", "--num-prompts", "16", "--max-tokens", "2", "--model", "default",
-               "RouteUser"]
+               "--reward", "arithmetic", "RouteUser"]
+    since = time.time()
     assert run_locust(command, 90, tmp_path / "locust.log") == 0, (tmp_path / "locust.log").read_text()[-3000:]
     report, files = make_report(prefix, tmp_path / "report", plots=False)
     variants = {v["variant"]: v for v in report["variants"]}
@@ -357,3 +347,8 @@ def test_locust_route_user_reports_each_variant_and_the_split_holds(multi, tmp_p
     assert all(v["e2e_p50_ms"] is not None and v["e2e_p50_ms"] > 0 for v in variants.values())
     markdown = (tmp_path / "report" / "capacity_report.md").read_text()
     assert "Variants of the route" in markdown and "| a |" in markdown
+    # --reward sent each prompt's ground truth: the service scored every answer, per variant.
+    rows = httpx.get(multi.url + "/admin/records", params={"since": since},
+                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["records"]
+    assert len(rows) >= n and {r["model"] for r in rows} == {"tiny", "a"}
+    assert all(r["reward"] in (0.0, 1.0) for r in rows if r["route"] == "default")
