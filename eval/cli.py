@@ -113,7 +113,7 @@ def register(app: typer.Typer, run_guarded) -> None:
             run_guarded(_compare_online, online, out, baseline, models, alpha, bootstrap, seed, since, admin_key)
             return
         if not runs or len(runs) < 2:
-            run_guarded(_usage_error, "verl compare needs two or more runs (A B ...), or --online URL|FILE")
+            run_guarded(_usage_error, "verl compare needs at least two runs (A B ...), or --online URL|FILE")
 
         def _run():
             from rich.console import Console

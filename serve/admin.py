@@ -74,6 +74,7 @@ def admin_router(service: Service) -> APIRouter:
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="weights") from None
         log.warning("verl serve: route %s -> %s", route, service.registry.routes[route])
+        service.save_state()
         return state(service)
 
     @router.delete("/routes/{route}")
@@ -82,6 +83,7 @@ def admin_router(service: Service) -> APIRouter:
             if route not in service.registry.routes:
                 raise ApiError(404, f"no route named '{route}'", type="not_found_error", param="route")
             service.registry.delete_route(route)
+        service.save_state()
         return state(service)
 
     @router.post("/models")
@@ -103,6 +105,7 @@ def admin_router(service: Service) -> APIRouter:
                     await service.load_adapter(entry.name, entry.adapter, base)
             except (VerlError, OSError, ValueError) as exc:
                 raise ApiError(400, f"cannot load '{entry.name}': {exc}", param="path") from None
+        service.save_state()
         return state(service)
 
     @router.delete("/models/{name}")
@@ -116,6 +119,7 @@ def admin_router(service: Service) -> APIRouter:
                 await service.unload(name)
             except ValueError as exc:
                 raise ApiError(409, str(exc), param="name", code="in_use") from None
+        service.save_state()
         return state(service)
 
     @router.get("/records")

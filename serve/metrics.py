@@ -75,6 +75,8 @@ class ServeMetrics:
                                          labels, buckets=TOKEN_BUCKETS, registry=r)
         self.healthy = Gauge(PREFIX + "engine_healthy", "1 when the engine serves requests, else 0.", labels,
                              registry=r)
+        self.errors = Counter(PREFIX + "request_errors", "Sequences that failed in the engine (the client got an "
+                              "error), per model.", labels, registry=r)
         self.reward = Histogram(PREFIX + "request_reward", "Rule reward of responses whose request named one "
                                 "(the `verl` extension field), per model.", labels, buckets=REWARD_BUCKETS,
                                 registry=r)

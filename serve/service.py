@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import time
@@ -34,8 +35,9 @@ from serve.schemas import (
     ErrorResponse,
     VerlExtension,
 )
-from serve.settings import ServeSettings
+from serve.settings import ModelEntry, ServeSettings
 from verl.errors import ConfigError
+from verl.utils.fs import atomic_write_json
 
 # A child of uvicorn's logger: our lines appear in the server log with its format and level.
 log = logging.getLogger("uvicorn.error.serve")
@@ -149,6 +151,11 @@ class Service:
     def __init__(self, settings: ServeSettings):
         self.settings = settings
         self.entries = settings.model_entries()
+        self.routes = dict(settings.routes)
+        self.state_note: str | None = None
+        if settings.state_path and Path(settings.state_path).is_file():
+            self.entries, self.routes = read_state(Path(settings.state_path))
+            self.state_note = f"models and routes from {settings.state_path} (saved by the admin API)"
         self.model_name = self.entries[0].name  # the primary model: /health, /tokenize, /generate without a route
         self.metrics = ServeMetrics(self.model_name, version=__version__)
         self.registry = ModelRegistry()
@@ -175,7 +182,9 @@ class Service:
         source = self.settings.model_source
         if self.settings.config_file is not None:
             log.warning("verl serve: settings from %s (then VERL_SERVE_* env vars)", self.settings.config_file)
-        if self.settings.models:
+        if self.state_note:
+            log.warning("verl serve: %s", self.state_note)
+        if self.settings.models or self.state_note:
             log.warning("verl serve: serving %d models: %s", len(self.entries),
                         ", ".join(f"{e.name} ({e.path or 'adapter ' + str(e.adapter)})" for e in self.entries))
         elif source == "default":
@@ -194,7 +203,7 @@ class Service:
             for entry in self.entries:
                 if entry.adapter is not None:
                     await self.load_adapter(entry.name, entry.adapter, entry.base or first_full)
-            for route, weights in self.settings.routes.items():
+            for route, weights in self.routes.items():
                 self.registry.set_route(route, weights)
         except Exception as exc:
             self.status, self.detail = "dead", f"the model failed to load: {exc}"
@@ -254,6 +263,17 @@ class Service:
                 self.engine = fulls[0].engine if fulls else None
                 self.model_name = fulls[0].name if fulls else self.model_name
         log.info("verl serve: %s unloaded", name)
+
+    def save_state(self) -> None:
+        """Write the served models and routes to ``state_path`` (atomically), after an admin change."""
+        if not self.settings.state_path:
+            return
+        models = []
+        for m in self.registry.models.values():
+            if not m.retiring:
+                models.append({"name": m.name, "path": m.source} if m.kind == "model"
+                              else {"name": m.name, "adapter": m.source, "base": m.base})
+        atomic_write_json(Path(self.settings.state_path), {"models": models, "routes": self.registry.routes})
 
     def health(self) -> tuple[str, str | None]:
         if self.status == "ok":
@@ -366,6 +386,7 @@ class Service:
             raise
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
+            self.metrics.errors.labels(target.name).inc()
             sink(index, exc)
         finally:
             self.in_flight -= 1
@@ -391,6 +412,20 @@ class Service:
             time=time.time(), model=target.name, route=target.route, prompt_id=prompt_id,
             prompt_tokens=len(req.prompt_token_ids), completion_tokens=produced, ttft_s=timer.ttft,
             e2e_s=end - timer.arrival, finish_reason=finish, error=error, reward=reward))
+
+
+def read_state(path: Path) -> tuple[list[ModelEntry], dict[str, dict[str, float]]]:
+    """The models and routes a previous run saved in ``state_path``; a damaged file is an error naming it."""
+    try:
+        data = json.loads(path.read_text())
+        entries = [ModelEntry(**m) for m in data["models"]]
+        routes = {str(k): {str(n): float(w) for n, w in v.items()} for k, v in data["routes"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"the service state file {path} is damaged ({exc}); fix or delete it (the service then "
+                          "starts from serve.yaml's models and routes)") from None
+    if not any(e.path is not None for e in entries):
+        raise ConfigError(f"the service state file {path} lists no full model; delete it")
+    return entries, routes
 
 
 def service_of(request: Request) -> Service:

@@ -92,6 +92,10 @@ class ServeSettings(BaseSettings):
         None, description="Turns on /admin/* (route weights, load and unload models) for `Authorization: Bearer "
         "<this key>`; unset: the admin endpoints do not exist.",
     )
+    state_path: str | None = Field(
+        None, description="Save the served models and routes here (JSON, atomically) after every admin change, and "
+        "start from it when it exists (over `models`/`routes`), so a restart keeps the last promote.",
+    )
     records_path: str | None = Field(
         None, description="Append one JSON line per finished request (model, route, prompt hash, latency, tokens, "
         "reward) here, for `verl compare --online FILE`; the last 10000 are also kept in memory for /admin/records.",

@@ -190,6 +190,11 @@ def test_a_request_that_fails_alone_fails_alone_and_the_engine_goes_on():
         assert bad.status_code == 500 and bad.json()["error"]["code"] == "request_failed"
         assert good.status_code == good2.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8
         assert httpx.get(srv.url + "/health").status_code == 200
+        # Counted per model, and the failed sequence's record names the error.
+        assert metric_value(httpx.get(srv.url + "/metrics").text, "verl:request_errors_total",
+                            model_name="tiny-arith") == 1
+        assert [r["error"] for r in srv.service.records.snapshot() if r["error"]] == [
+            "RequestFailedError: generation failed for this request: RuntimeError('poisoned row')"]
 
 
 def test_a_model_that_cannot_load_reports_dead_with_the_reason(tmp_path):

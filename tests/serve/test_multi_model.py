@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loadtest.render import make_report
 from loadtest.run import LOCUST_CONF, LOCUSTFILE, run_locust
+from serve.api import create_app
 from serve.promote import new_weights
 from serve.registry import draw, user_share
 from serve.settings import load_settings
@@ -352,3 +353,22 @@ def test_locust_route_user_reports_each_variant_and_the_split_holds(multi, tmp_p
                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()["records"]
     assert len(rows) >= n and {r["model"] for r in rows} == {"tiny", "a"}
     assert all(r["reward"] in (0.0, 1.0) for r in rows if r["route"] == "default")
+
+
+def test_admin_changes_survive_a_restart_with_state_path(adapters, tmp_path: Path) -> None:
+    state_file = tmp_path / "state.json"
+    settings = {**multi_settings(adapters), "state_path": str(state_file)}
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    with run_server(**settings) as srv:
+        assert httpx.put(srv.url + "/admin/routes/default", json={"weights": {"tiny": 0.2, "b": 0.8}},
+                         headers=admin).status_code == 200
+        assert httpx.post(srv.url + "/admin/models", json={"name": "c", "adapter": adapters["a"]}, headers=admin,
+                          timeout=60).status_code == 200
+        assert httpx.delete(srv.url + "/admin/models/a", headers=admin, timeout=60).status_code == 200
+    with run_server(**settings) as srv:  # the same settings: the saved state wins over serve.yaml's
+        state = httpx.get(srv.url + "/admin/state", headers=admin).json()
+        assert [m["name"] for m in state["models"]] == ["tiny", "b", "c"]
+        assert state["routes"] == {"default": {"tiny": 0.2, "b": 0.8}}
+    state_file.write_text("{not json")
+    with pytest.raises(ConfigError, match="state.json is damaged"):
+        create_app(load_settings(**settings))

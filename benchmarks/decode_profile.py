@@ -1,0 +1,110 @@
+"""Where a batch-16 decode step of the serving engine goes, per operator (issue 17, item 2: profile first).
+
+Runs the transformers engine's decode path — the model's forward over one new token per row with the engine's own
+KV cache (``_GrowingLayer``: append in place, right-aligned rows) — at ``--rows`` rows and ``--context`` cached
+tokens, one torch thread, and reports:
+
+- the step time (median of ``--repeats``) and tokens/s;
+- torch.profiler's CPU time per operator over ``--profile-steps`` steps, as a share of the step;
+- two machine limits timed in the same run: a plain fp32 GEMM of the decode's widest shape (rows x hidden x
+  intermediate) and a weight-read probe (summing a buffer the size of the model's weights), with the step's
+  achieved GFLOP/s (2 x parameters x rows / step) and its implied weight-read bandwidth against them.
+
+    python benchmarks/decode_profile.py --model builtin:smollm2-135m-instruct --rows 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from serve.engines.hf_engine import _new_cache
+from verl.models.loader import load_causal_lm, resolve_model_path
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--context", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--out", default=None, help="Write the results as JSON here.")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model = load_causal_lm(resolve_model_path(args.model), dtype="float32", device=torch.device("cpu")).eval()
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    ids = torch.randint(10, 1000, (args.rows, args.context))
+    mask = torch.ones(args.rows, args.context + 1, dtype=torch.long)
+    positions = torch.full((args.rows, 1), args.context)
+    token = torch.randint(10, 1000, (args.rows, 1))
+    with torch.inference_mode():
+        cache = _new_cache(config)
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+
+    def step() -> None:
+        with torch.inference_mode():
+            model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                  use_cache=True)
+            for layer in cache.layers:  # drop the appended column: every step decodes at the same length
+                layer._len -= 1
+                layer.keys, layer.values = layer._kbuf[:, :, :layer._len], layer._vbuf[:, :, :layer._len]
+
+    seconds = median_time(step, args.repeats)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.profile_steps):
+            step()
+    total_us = sum(e.self_cpu_time_total for e in prof.key_averages())
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    table = [{"op": e.key, "calls_per_step": e.count / args.profile_steps,
+              "ms_per_step": e.self_cpu_time_total / 1000 / args.profile_steps,
+              "share": e.self_cpu_time_total / total_us} for e in ops[:args.top]]
+
+    a, b = torch.randn(args.rows, config.hidden_size), torch.randn(config.hidden_size, config.intermediate_size)
+    gemm_s = median_time(lambda: a @ b, args.repeats * 20)
+    gemm_gflops = 2 * args.rows * config.hidden_size * config.intermediate_size / gemm_s / 1e9
+    buffer = torch.randn(weight_bytes // 4)
+    read_s = median_time(lambda: buffer.sum(), max(5, args.repeats // 2))
+    read_gbs = weight_bytes / read_s / 1e9
+    achieved = 2 * params * args.rows / seconds / 1e9
+    summary = {"model": args.model, "params": params, "rows": args.rows, "context": args.context,
+               "step_ms": seconds * 1000, "tokens_per_s": args.rows / seconds, "achieved_gflops": achieved,
+               "gemm_gflops": gemm_gflops, "pct_of_gemm": 100 * achieved / gemm_gflops, "read_gbs": read_gbs,
+               "weight_read_floor_ms": weight_bytes / (read_gbs * 1e9) * 1000, "ops": table}
+    print("=== summary")
+    print(f"{args.model} ({params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32), batch {args.rows}, "
+          f"context {args.context}, one thread")
+    print(f"decode step {seconds * 1000:.1f} ms = {args.rows / seconds:.0f} tok/s; {achieved:.1f} GFLOP/s = "
+          f"{summary['pct_of_gemm']:.0f}% of a {args.rows}x{config.hidden_size}x{config.intermediate_size} GEMM "
+          f"({gemm_gflops:.1f} GFLOP/s); reading the weights once takes {summary['weight_read_floor_ms']:.1f} ms "
+          f"at {read_gbs:.1f} GB/s")
+    print("| op | calls/step | ms/step | share of profiled time |")
+    print("|---|---|---|---|")
+    for row in table:
+        print(f"| {row['op']} | {row['calls_per_step']:.0f} | {row['ms_per_step']:.2f} | {row['share']:.1%} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
