@@ -46,10 +46,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--attn", default=None, help="attn_implementation to set (sdpa, eager); default: the model's.")
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = load_causal_lm(resolve_model_path(args.model), dtype="float32", device=torch.device("cpu")).eval()
+    if args.attn:
+        model.set_attn_implementation(args.attn)
     config = model.config
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -71,7 +74,7 @@ def main() -> None:
                 layer.keys, layer.values = layer._kbuf[:, :, :layer._len], layer._vbuf[:, :, :layer._len]
 
     seconds = median_time(step, args.repeats)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(args.profile_steps):
             step()
     total_us = sum(e.self_cpu_time_total for e in prof.key_averages())
@@ -80,6 +83,15 @@ def main() -> None:
               "ms_per_step": e.self_cpu_time_total / 1000 / args.profile_steps,
               "share": e.self_cpu_time_total / total_us} for e in ops[:args.top]]
 
+    # The matrix products by shape: which GEMMs of the step take the time, and at what rate.
+    gemms = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key == "aten::mm" and e.input_shapes and len(e.input_shapes) >= 2 and e.input_shapes[0]:
+            (m, k), (_, n) = e.input_shapes[0], e.input_shapes[1]
+            ms = e.self_cpu_time_total / 1000 / args.profile_steps
+            gemms.append({"shape": f"{m}x{k}x{n}", "calls_per_step": e.count / args.profile_steps,
+                          "ms_per_step": ms, "gflops": 2 * m * k * n * e.count / args.profile_steps / ms / 1e6})
+    gemms.sort(key=lambda g: g["ms_per_step"], reverse=True)
     a, b = torch.randn(args.rows, config.hidden_size), torch.randn(config.hidden_size, config.intermediate_size)
     gemm_s = median_time(lambda: a @ b, args.repeats * 20)
     gemm_gflops = 2 * args.rows * config.hidden_size * config.intermediate_size / gemm_s / 1e9
@@ -90,10 +102,10 @@ def main() -> None:
     summary = {"model": args.model, "params": params, "rows": args.rows, "context": args.context,
                "step_ms": seconds * 1000, "tokens_per_s": args.rows / seconds, "achieved_gflops": achieved,
                "gemm_gflops": gemm_gflops, "pct_of_gemm": 100 * achieved / gemm_gflops, "read_gbs": read_gbs,
-               "weight_read_floor_ms": weight_bytes / (read_gbs * 1e9) * 1000, "ops": table}
+               "weight_read_floor_ms": weight_bytes / (read_gbs * 1e9) * 1000, "ops": table, "gemms": gemms}
     print("=== summary")
     print(f"{args.model} ({params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32), batch {args.rows}, "
-          f"context {args.context}, one thread")
+          f"context {args.context}, one thread, attention {config._attn_implementation}")
     print(f"decode step {seconds * 1000:.1f} ms = {args.rows / seconds:.0f} tok/s; {achieved:.1f} GFLOP/s = "
           f"{summary['pct_of_gemm']:.0f}% of a {args.rows}x{config.hidden_size}x{config.intermediate_size} GEMM "
           f"({gemm_gflops:.1f} GFLOP/s); reading the weights once takes {summary['weight_read_floor_ms']:.1f} ms "
@@ -102,6 +114,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for row in table:
         print(f"| {row['op']} | {row['calls_per_step']:.0f} | {row['ms_per_step']:.2f} | {row['share']:.1%} |")
+    print("| matrix product (rows x in x out) | calls/step | ms/step | GFLOP/s |")
+    print("|---|---|---|---|")
+    for g in gemms:
+        print(f"| {g['shape']} | {g['calls_per_step']:.0f} | {g['ms_per_step']:.2f} | {g['gflops']:.1f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
 
