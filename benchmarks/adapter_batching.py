@@ -19,34 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from probes import gemm_gflops, median_time
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from verl.models.loader import resolve_model_path
-
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def gemm_gflops(rows: int, k: int, n: int, repeats: int) -> float:
-    a, b = torch.randn(rows, k), torch.randn(k, n)
-    seconds = timed(lambda: a @ b, repeats * 20)
-    return 2 * rows * k * n / seconds / 1e9
 
 
 def make_adapters(path: str, root: Path, count: int, rank: int) -> list[str]:
@@ -97,20 +79,20 @@ def main() -> None:
     base = AutoModelForCausalLM.from_pretrained(path).eval()
     params = sum(p.numel() for p in base.parameters())
     config = base.config
-    results = {"base": timed(decode_step(base, args.rows, args.context), args.repeats)}
+    results = {"base": median_time(decode_step(base, args.rows, args.context), args.repeats)}
     peft = PeftModel.from_pretrained(base, str(tmp / names[0]), adapter_name=names[0])
     for name in names[1:]:
         peft.load_adapter(str(tmp / name), adapter_name=name)
     peft.eval()
-    results["one adapter"] = timed(decode_step(peft, args.rows, args.context, adapter_names=[names[0]] * args.rows),
-                                   args.repeats)
+    one = decode_step(peft, args.rows, args.context, adapter_names=[names[0]] * args.rows)
+    results["one adapter"] = median_time(one, args.repeats)
     mixed = [names[i % len(names)] for i in range(args.rows)]
-    results["mixed"] = timed(decode_step(peft, args.rows, args.context, adapter_names=mixed), args.repeats)
+    results["mixed"] = median_time(decode_step(peft, args.rows, args.context, adapter_names=mixed), args.repeats)
     per = args.rows // len(names)
     steps = [decode_step(peft, per, args.context, adapter_names=[name] * per) for name in names]
-    results["per adapter"] = timed(lambda: [s() for s in steps], args.repeats)
+    results["per adapter"] = median_time(lambda: [s() for s in steps], args.repeats)
 
-    peak = gemm_gflops(args.rows, config.hidden_size, config.intermediate_size, args.repeats)
+    peak = gemm_gflops(args.rows, config.hidden_size, config.intermediate_size, args.repeats * 20)
     rows = []
     for label, seconds in results.items():
         gflops = 2 * params * args.rows / seconds / 1e9

@@ -17,25 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from probes import gemm_gflops, median_time, read_gbs
 from torch.profiler import ProfilerActivity, profile
 
 from serve.engines.hf_engine import _new_cache
 from verl.models.loader import load_causal_lm, resolve_model_path
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -92,24 +81,20 @@ def main() -> None:
             gemms.append({"shape": f"{m}x{k}x{n}", "calls_per_step": e.count / args.profile_steps,
                           "ms_per_step": ms, "gflops": 2 * m * k * n * e.count / args.profile_steps / ms / 1e6})
     gemms.sort(key=lambda g: g["ms_per_step"], reverse=True)
-    a, b = torch.randn(args.rows, config.hidden_size), torch.randn(config.hidden_size, config.intermediate_size)
-    gemm_s = median_time(lambda: a @ b, args.repeats * 20)
-    gemm_gflops = 2 * args.rows * config.hidden_size * config.intermediate_size / gemm_s / 1e9
-    buffer = torch.randn(weight_bytes // 4)
-    read_s = median_time(lambda: buffer.sum(), max(5, args.repeats // 2))
-    read_gbs = weight_bytes / read_s / 1e9
+    gemm = gemm_gflops(args.rows, config.hidden_size, config.intermediate_size, args.repeats * 20)
+    read = read_gbs(weight_bytes, max(5, args.repeats // 2))
     achieved = 2 * params * args.rows / seconds / 1e9
     summary = {"model": args.model, "params": params, "rows": args.rows, "context": args.context,
                "step_ms": seconds * 1000, "tokens_per_s": args.rows / seconds, "achieved_gflops": achieved,
-               "gemm_gflops": gemm_gflops, "pct_of_gemm": 100 * achieved / gemm_gflops, "read_gbs": read_gbs,
-               "weight_read_floor_ms": weight_bytes / (read_gbs * 1e9) * 1000, "ops": table, "gemms": gemms}
+               "gemm_gflops": gemm, "pct_of_gemm": 100 * achieved / gemm, "read_gbs": read,
+               "weight_read_floor_ms": weight_bytes / (read * 1e9) * 1000, "ops": table, "gemms": gemms}
     print("=== summary")
     print(f"{args.model} ({params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32), batch {args.rows}, "
           f"context {args.context}, one thread, attention {config._attn_implementation}")
     print(f"decode step {seconds * 1000:.1f} ms = {args.rows / seconds:.0f} tok/s; {achieved:.1f} GFLOP/s = "
           f"{summary['pct_of_gemm']:.0f}% of a {args.rows}x{config.hidden_size}x{config.intermediate_size} GEMM "
-          f"({gemm_gflops:.1f} GFLOP/s); reading the weights once takes {summary['weight_read_floor_ms']:.1f} ms "
-          f"at {read_gbs:.1f} GB/s")
+          f"({gemm:.1f} GFLOP/s); reading the weights once takes {summary['weight_read_floor_ms']:.1f} ms "
+          f"at {read:.1f} GB/s")
     print("| op | calls/step | ms/step | share of profiled time |")
     print("|---|---|---|---|")
     for row in table:

@@ -341,32 +341,19 @@ class LLMUser(FastHttpUser):
                                 user=f"user-{random.randrange(max(1, self.options.route_user_pool))}")
         if self.options.reward and prompt.ground_truth is not None:
             body["verl"] = {"ground_truth": prompt.ground_truth, "reward": self.options.reward}
-        start = time.perf_counter()
-        with self.client.post("/v1/completions", json=body, catch_response=True) as response:
-            latency = time.perf_counter() - start
-            variant = response.headers.get("X-Verl-Model") if response.headers else None
-            if variant:
-                response.request_meta["name"] = "/v1/completions" + VARIANT_MARK + variant
-            if response.status_code != 200:
-                response.failure(error_message(response.status_code, response.content))
-                return
-            try:
-                result = check_completion(response.content)
-            except BadResponse as exc:
-                response.failure(str(exc))
-                return
-            if not variant:
-                response.failure("no X-Verl-Model header: the server does not name the variant (not a route?)")
-                return
-            response.success()
-        self.record(latency, result.completion_tokens)
-        self.fire("e2e_latency_ms" + VARIANT_MARK + variant, latency * 1000)
+        self.post_checked("/v1/completions", body, check_completion, by_variant=True)
 
-    def post_checked(self, path: str, body: dict[str, Any], check: Any) -> None:
-        """POST, validate with ``check``, record the LLM entries for a success."""
+    def post_checked(self, path: str, body: dict[str, Any], check: Any, by_variant: bool = False) -> None:
+        """POST, validate with ``check``, record the LLM entries for a success. ``by_variant``: name the entries
+        after the model that answered (the ``X-Verl-Model`` header: ``/v1/completions @b``), which must be there."""
         start = time.perf_counter()
+        variant = None
         with self.client.post(path, json=body, catch_response=True) as response:
             latency = time.perf_counter() - start
+            if by_variant:
+                variant = response.headers.get("X-Verl-Model") if response.headers else None
+                if variant:
+                    response.request_meta["name"] = path + VARIANT_MARK + variant
             if response.status_code != 200:
                 response.failure(error_message(response.status_code, response.content))
                 return
@@ -375,8 +362,13 @@ class LLMUser(FastHttpUser):
             except BadResponse as exc:
                 response.failure(str(exc))
                 return
+            if by_variant and not variant:
+                response.failure("no X-Verl-Model header: the server does not name the variant (not a route?)")
+                return
             response.success()
         self.record(latency, result.completion_tokens)
+        if variant:
+            self.fire("e2e_latency_ms" + VARIANT_MARK + variant, latency * 1000)
 
     # ------------------------------------------------------------ the three requests (tasks of the classes below)
 
