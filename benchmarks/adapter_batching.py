@@ -45,12 +45,13 @@ def make_adapters(path: str, root: Path, count: int, rank: int) -> list[str]:
 
 def decode_step(model, rows: int, context: int, **kwargs):
     """A callable running one decode step for ``rows`` rows over a prefilled cache of ``context`` tokens."""
-    ids = torch.randint(10, 1000, (rows, context))
+    vocab = min(1000, model.config.vocab_size)
+    ids = torch.randint(3, vocab, (rows, context))
     names = kwargs.get("adapter_names")
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
-    token = torch.randint(10, 1000, (rows, 1))
+    token = torch.randint(3, vocab, (rows, 1))
 
     def step() -> None:
         with torch.inference_mode():

@@ -46,10 +46,11 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
-    ids = torch.randint(10, 1000, (args.rows, args.context))
+    vocab = min(1000, config.vocab_size)
+    ids = torch.randint(3, vocab, (args.rows, args.context))
     mask = torch.ones(args.rows, args.context + 1, dtype=torch.long)
     positions = torch.full((args.rows, 1), args.context)
-    token = torch.randint(10, 1000, (args.rows, 1))
+    token = torch.randint(3, vocab, (args.rows, 1))
     with torch.inference_mode():
         cache = _new_cache(config)
         model(input_ids=ids, past_key_values=cache, use_cache=True)
