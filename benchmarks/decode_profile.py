@@ -24,6 +24,7 @@ from probes import gemm_gflops, median_time, read_gbs
 from torch.profiler import ProfilerActivity, profile
 
 from serve.engines.hf_engine import _new_cache
+from verl.models.attention import use_gqa_sdpa
 from verl.models.loader import load_causal_lm, resolve_model_path
 
 
@@ -35,12 +36,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--attn", default=None, help="attn_implementation to set (sdpa, eager); default: the model's.")
+    parser.add_argument("--attn", default="engine", help="attention: engine (what the serving engine uses: "
+                        "verl_gqa_sdpa for grouped-query models), sdpa, eager")
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = load_causal_lm(resolve_model_path(args.model), dtype="float32", device=torch.device("cpu")).eval()
-    if args.attn:
+    if args.attn == "engine":
+        use_gqa_sdpa(model)
+    else:
         model.set_attn_implementation(args.attn)
     config = model.config
     params = sum(p.numel() for p in model.parameters())
@@ -48,12 +52,18 @@ def main() -> None:
 
     vocab = min(1000, config.vocab_size)
     ids = torch.randint(3, vocab, (args.rows, args.context))
+    # Rows of different lengths, as in the engine's batch (right-aligned, padding on the left): row i is i tokens
+    # shorter, so the attention mask is a real one (an all-ones mask lets transformers drop it).
     mask = torch.ones(args.rows, args.context + 1, dtype=torch.long)
-    positions = torch.full((args.rows, 1), args.context)
+    for row in range(args.rows):
+        mask[row, :min(row, args.context - 1)] = 0
     token = torch.randint(3, vocab, (args.rows, 1))
     with torch.inference_mode():
         cache = _new_cache(config)
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        prefill_positions = (mask[:, :-1].cumsum(-1) - 1).clamp(min=0)
+        model(input_ids=ids, attention_mask=mask[:, :-1], position_ids=prefill_positions, past_key_values=cache,
+              use_cache=True)
+    positions = mask[:, :-1].sum(-1, keepdim=True)
 
     def step() -> None:
         with torch.inference_mode():
