@@ -438,6 +438,10 @@ class TrainerConfig(Section):
     log_dir: str | None = Field(None, description="Where verl_logs.jsonl goes; defaults to the run directory.")
     log_level: Literal["DEBUG", "INFO", "WARNING"] = Field("INFO")
     num_samples_to_log: int = Field(4, ge=0, description="Sample rows (prompt/response/reward) logged per step.")
+    profile_steps: list[int] = Field(
+        default_factory=list, description="Steps to record with torch.profiler: a Chrome trace and per-stage, "
+        "per-operator and per-GEMM-shape tables in <run dir>/profile/step_N.*",
+    )
     evaluators: list[str] = Field(
         ["accuracy"],
         description="Validation evaluators (the verl.evaluators entry points: accuracy, length, diversity, reward; "
@@ -453,6 +457,11 @@ class TrainerConfig(Section):
         if self.total_steps is None and self.total_epochs is None:
             raise ValueError("set trainer.total_steps or trainer.total_epochs")
         return self
+
+    @field_validator("profile_steps", mode="before")
+    @classmethod
+    def _no_profile_steps(cls, value: Any) -> Any:
+        return [] if value is None else value  # verl's own default is null
 
     @field_validator("logger")
     @classmethod

@@ -89,7 +89,7 @@ IGNORED: tuple[str, ...] = (
     "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.default_local_dir", "trainer.default_hdfs_dir",
     "trainer.del_local_ckpt_after_load", "trainer.balance_batch", "trainer.ray_wait_register_center_timeout",
     "trainer.max_critic_ckpt_to_keep", "trainer.rollout_data_dir", "trainer.validation_data_dir",
-    "trainer.esi_redundant_time", "trainer.val_only", "trainer.log_val_generations_freq", "trainer.profile_steps",
+    "trainer.esi_redundant_time", "trainer.val_only", "trainer.log_val_generations_freq",
     "trainer.use_legacy_worker_impl", "trainer.critic_warmup_steps",
     "algorithm.use_pf_ppo", "algorithm.pf_ppo.", "algorithm.rollout_is", "algorithm.rollout_correction.",
     "ray_init.", "ray_kwargs.", "global_profiler.", "transfer_queue.",

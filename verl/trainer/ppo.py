@@ -50,6 +50,7 @@ from verl.trainer.step_metrics import rollout_metrics
 from verl.trainer.validation import generate_and_score, sample_rows, validation_metrics
 from verl.utils import log
 from verl.utils.fs import atomic_write_text, ensure_writable_dir
+from verl.utils.profiling import profile_step
 from verl.utils.seeding import rng_state, seed_everything, set_num_threads, set_rng_state
 from verl.utils.system import SystemMonitor
 from verl.utils.timing import StageTimer
@@ -166,7 +167,8 @@ class PPOTrainer:
                 self.global_step += 1
                 step = self.global_step
                 self.logger.set_step(step)
-                last_metrics = self.train_step(step)
+                run_step = self._profiled_step if step in cfg.trainer.profile_steps else self.train_step
+                last_metrics = run_step(step)
                 last_metrics.update(self.logger.flush(step))
                 self.callbacks.on_log(last_metrics, step=step)
                 self.callbacks.on_step_end(self, step, last_metrics)
@@ -181,6 +183,17 @@ class PPOTrainer:
         finally:
             self._end_run()
         return last_metrics
+
+    def _profiled_step(self, step: int) -> dict[str, float]:
+        """``train_step`` under torch.profiler (trainer.profile_steps); files in <run dir>/profile/."""
+        self.timer.profiling = True
+        try:
+            with profile_step(self.run_dir, step, self.timer.seconds):
+                metrics = self.train_step(step)
+        finally:
+            self.timer.profiling = False
+        self.logger.event("profile", step=step, trace=str(self.run_dir / "profile" / f"step_{step}.trace.json"))
+        return metrics
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.config
