@@ -61,7 +61,6 @@ from serve.engines.base import (
     TokenLogprob,
 )
 from serve.settings import ServeSettings
-from verl.models.attention import use_gqa_sdpa
 from verl.models.loader import load_causal_lm, pick_device
 
 log = logging.getLogger("uvicorn.error.serve.engine")  # shows in the uvicorn server log
@@ -246,9 +245,6 @@ class TransformersEngine(Engine):
         self.device = pick_device(self.settings.device)
         model = load_causal_lm(self.model_path, dtype=self.settings.dtype, device=self.device,
                                trust_remote_code=self.settings.trust_remote_code)
-        # Grouped-query models: attention over the grouped K/V without copying them per head (identical output).
-        if use_gqa_sdpa(model):
-            log.info("attention: %s (grouped K/V, no per-head copies)", model.config._attn_implementation)
         self.model = model.eval()
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         if gen_eos is not None:

@@ -78,3 +78,29 @@ def test_engine_greedy_on_a_gqa_model_matches_generate(gqa_model_dir: Path) -> N
                                      eos_token_id=engine.tokenizer.eos_token_id,
                                      pad_token_id=engine.tokenizer.pad_token_id)
         assert tokens == out[0, len(ids):].tolist()
+
+
+def test_training_through_gqa_attention_matches_sdpa(gqa_model_dir: Path) -> None:
+    """Loaded through load_causal_lm (trainer, eval, serving) on CPU, a GQA model uses the copy-free attention;
+    the loss is identical to sdpa's and the gradients agree to float rounding."""
+    from verl.models.loader import load_causal_lm
+
+    ids = torch.randint(3, 40, (4, 12))
+    mask = torch.ones_like(ids)
+    mask[2, :5] = 0
+
+    def loss_and_grads(model) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, attention_mask=mask).logits.logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]
+
+    ours = load_causal_lm(str(gqa_model_dir))
+    assert ours.config._attn_implementation == NAME
+    reference = AutoModelForCausalLM.from_pretrained(gqa_model_dir)
+    assert reference.config._attn_implementation == "sdpa"
+    loss_a, grads_a = loss_and_grads(ours)
+    loss_b, grads_b = loss_and_grads(reference)
+    assert torch.equal(loss_a, loss_b)
+    assert len(grads_a) == len(grads_b) and all(torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+                                                for a, b in zip(grads_a, grads_b, strict=True))

@@ -10,9 +10,14 @@ own ``sdpa`` function unchanged.
 
     from verl.models.attention import use_gqa_sdpa
     use_gqa_sdpa(model)          # a no-op for models without grouped heads or off CPU
+
+``load_causal_lm`` applies it to every model it loads (training, evaluation, serving); ``VERL_GQA_SDPA=0`` turns
+it off (transformers' own sdpa then runs, for comparison or if a model's attention module is unusual).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +54,8 @@ def use_gqa_sdpa(model: PreTrainedModel) -> bool:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if not heads or not kv_heads or kv_heads == heads or model.device.type != "cpu":
+        return False
+    if os.environ.get("VERL_GQA_SDPA", "1") == "0":
         return False
     if model.config._attn_implementation != "sdpa":
         return False

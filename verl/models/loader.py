@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from verl.errors import ModelError
+from verl.models.attention import use_gqa_sdpa
 from verl.models.gguf import PACKAGED_MODELS, convert_gguf, packaged_gguf_path
 from verl.models.tiny import BUILTIN_SPECS, build_char_tokenizer, build_tiny_model
 from verl.utils.fs import atomic_dir
@@ -187,7 +188,11 @@ def load_causal_lm(
     except SafetensorError as exc:  # truncated or overwritten weights: say which file, not a Rust error
         raise ModelError(f"the weights in '{path}' are damaged ({exc}); the file was cut short or overwritten: "
                          "export or copy it again, or use another checkpoint") from None
-    return model.to(device)
+    model = model.to(device)
+    # Grouped-query models on CPU: attention over the grouped K/V without per-head copies (identical forward,
+    # gradients equal to float rounding); see verl/models/attention.py.
+    use_gqa_sdpa(model)
+    return model
 
 
 def pick_device(name: str = "auto") -> torch.device:
