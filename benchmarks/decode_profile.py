@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from serve.engines.hf_engine import _new_cache
 from verl.models.attention import use_gqa_sdpa
 from verl.models.loader import load_causal_lm, resolve_model_path
+from verl.utils.profiling import matmul_flops
 
 
 def main() -> None:
@@ -86,11 +87,12 @@ def main() -> None:
     # The matrix products by shape: which GEMMs of the step take the time, and at what rate.
     gemms = []
     for e in prof.key_averages(group_by_input_shape=True):
-        if e.key == "aten::mm" and e.input_shapes and len(e.input_shapes) >= 2 and e.input_shapes[0]:
+        flops = matmul_flops(e.key, e.input_shapes or []) if e.key == "aten::mm" else None
+        if flops:
             (m, k), (_, n) = e.input_shapes[0], e.input_shapes[1]
             ms = e.self_cpu_time_total / 1000 / args.profile_steps
             gemms.append({"shape": f"{m}x{k}x{n}", "calls_per_step": e.count / args.profile_steps,
-                          "ms_per_step": ms, "gflops": 2 * m * k * n * e.count / args.profile_steps / ms / 1e6})
+                          "ms_per_step": ms, "gflops": flops * e.count / args.profile_steps / ms / 1e6})
     gemms.sort(key=lambda g: g["ms_per_step"], reverse=True)
     gemm = gemm_gflops(args.rows, config.hidden_size, config.intermediate_size, args.repeats * 20)
     read = read_gbs(weight_bytes, max(5, args.repeats // 2))

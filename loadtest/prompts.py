@@ -50,7 +50,8 @@ def _as_messages(cell: Any, where: str) -> tuple[dict[str, str], ...]:
     raise DataError(f"{where}: the prompt must be text or a non-empty list of chat messages; got {cell!r}")
 
 
-def _read_cells(path: Path, column: str) -> list[Any]:
+def _read_cells(path: Path, column: str) -> tuple[list[Any], list[str | None] | None]:
+    """The prompt column's cells and, when the file has verl's ``reward_model`` column, each row's ground truth."""
     if not path.is_file():
         raise DataError(f"prompt file '{path}' does not exist (give a .parquet or .jsonl file with a "
                         f"'{column}' column, or builtin:arithmetic/val)")
@@ -60,9 +61,10 @@ def _read_cells(path: Path, column: str) -> list[Any]:
         if column not in table.column_names:
             raise DataError(f"prompt file '{path}' has no column '{column}' (columns: "
                             f"{', '.join(table.column_names)}); choose one with --prompt-column")
-        return table.column(column).to_pylist()
+        rewards = table.column("reward_model").to_pylist() if "reward_model" in table.column_names else []
+        return table.column(column).to_pylist(), _ground_truths(rewards)
     if suffix in (".jsonl", ".json"):
-        cells = []
+        cells, rewards = [], []
         try:
             raw_lines = path.read_bytes().decode("utf-8").splitlines()
         except UnicodeDecodeError as exc:
@@ -79,32 +81,22 @@ def _read_cells(path: Path, column: str) -> list[Any]:
             if not isinstance(row, dict) or column not in row:
                 raise DataError(f"{path}, line {number}: no '{column}' field; choose one with --prompt-column")
             cells.append(row[column])
-        return cells
+            rewards.append(row.get("reward_model"))
+        return cells, _ground_truths(rewards)
     raise DataError(f"prompt file '{path}' must end in .parquet or .jsonl")
 
 
-def _read_truths(path: Path) -> list[str | None] | None:
-    """Each row's ``reward_model.ground_truth`` (verl's data format), or None when the file has none."""
-    if path.suffix.lower() == ".parquet":
-        table = pq.read_table(path)
-        if "reward_model" not in table.column_names:
-            return None
-        cells = table.column("reward_model").to_pylist()
-    else:
-        cells = []
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                cells.append(row.get("reward_model") if isinstance(row, dict) else None)
-    truths = [c.get("ground_truth") if isinstance(c, dict) else None for c in cells]
+def _ground_truths(rewards: list[Any]) -> list[str | None] | None:
+    """Each row's ``reward_model.ground_truth`` (verl's data format), or None when no row has one."""
+    truths = [c.get("ground_truth") if isinstance(c, dict) else None for c in rewards]
     return [None if t is None else str(t) for t in truths] if any(t is not None for t in truths) else None
 
 
 def load_prompts(name: str = DEFAULT_PROMPT_FILE, column: str = "prompt", limit: int | None = None) -> list[Prompt]:
     """Read prompts from ``name`` (a path or ``builtin:TASK/SPLIT``); text forms start as the joined contents."""
     path = resolve_data_file(name)
-    cells = _read_cells(path, column)
-    truths = _read_truths(path) or [None] * len(cells)
+    cells, truths = _read_cells(path, column)
+    truths = truths or [None] * len(cells)
     if limit is not None:
         cells = cells[:limit]
     if not cells:

@@ -100,9 +100,7 @@ def admin_router(service: Service) -> APIRouter:
                 if entry.path is not None:
                     await service.load_model(entry.name, entry.path)
                 else:
-                    fulls = service.registry.full_models()
-                    base = entry.base or (fulls[0].name if fulls else "")
-                    await service.load_adapter(entry.name, entry.adapter, base)
+                    await service.load_adapter(entry.name, entry.adapter, entry.base or service.default_base())
             except (VerlError, OSError, ValueError) as exc:
                 raise ApiError(400, f"cannot load '{entry.name}': {exc}", param="path") from None
         service.save_state()

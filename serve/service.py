@@ -27,7 +27,7 @@ from serve.engines.base import (
     EngineRequest,
     SamplingOptions,
 )
-from serve.export import select_checkpoint
+from serve.export import ADAPTER_CONFIG, select_checkpoint
 from serve.metrics import SequenceTimer, ServeMetrics
 from serve.records import OnlineRecord, OnlineRecords, prompt_hash, score
 from serve.registry import ModelRegistry, ServedModel, UnknownModelError
@@ -125,9 +125,6 @@ class Target:
         return headers
 
 
-ADAPTER_CONFIG = "adapter_config.json"
-
-
 def resolve_adapter_dir(path: str) -> str:
     """A PEFT adapter dir: ``path`` itself (a LoRA run's checkpoint), or a LoRA run dir's best checkpoint (as
     ``verl export`` picks it)."""
@@ -195,7 +192,7 @@ class Service:
 
     async def load(self) -> None:
         self.announce()
-        first_full = next(e.name for e in self.entries if e.path is not None)
+        first_full = self.default_base()
         try:
             for entry in self.entries:
                 if entry.path is not None:
@@ -217,9 +214,9 @@ class Service:
         engine = await asyncio.to_thread(create_engine, self.settings, path)
         # vLLM decides at start whether it can take adapters: yes when some are configured over this model, or when
         # the admin API may load them later.
-        first_full = next(e.name for e in self.entries if e.path is not None)
+        default = self.default_base()
         engine.lora_enabled = self.settings.admin_api_key is not None or any(
-            e.adapter is not None and (e.base or first_full) == name for e in self.entries)
+            e.adapter is not None and (e.base or default) == name for e in self.entries)
         await engine.start()
         model = ServedModel(name, engine, "model", name, path)
         self.registry.add(model)
@@ -228,6 +225,12 @@ class Service:
             self.metrics.set_engine(engine.name, __version__)
         log.info("verl serve: %s ready on the %s engine (context %d tokens)", name, engine.name, engine.max_model_len)
         return model
+
+    def default_base(self) -> str:
+        """The full model an adapter without ``base`` applies to: the first one served (the first configured one
+        while loading)."""
+        fulls = self.registry.full_models()
+        return fulls[0].name if fulls else next(e.name for e in self.entries if e.path is not None)
 
     async def load_adapter(self, name: str, path: str, base: str) -> ServedModel:
         """Serve the LoRA adapter at ``path`` as ``name`` over full model ``base``'s engine (not merged)."""
