@@ -438,6 +438,11 @@ class TrainerConfig(Section):
     log_dir: str | None = Field(None, description="Where verl_logs.jsonl goes; defaults to the run directory.")
     log_level: Literal["DEBUG", "INFO", "WARNING"] = Field("INFO")
     num_samples_to_log: int = Field(4, ge=0, description="Sample rows (prompt/response/reward) logged per step.")
+    one_step_off_policy: bool = Field(
+        False, description="Overlap rollout and update (verl's one-step-off-policy recipe): step t+1's rollout runs "
+        "in its own process on its own cores while step t updates; the ratio uses the behaviour policy's log-probs "
+        "(staleness 1, corrected by the clipped ratio). Off by default.",
+    )
     profile_steps: list[int] = Field(
         default_factory=list, description="Steps to record with torch.profiler: a Chrome trace and per-stage, "
         "per-operator and per-GEMM-shape tables in <run dir>/profile/step_N.*",
@@ -508,6 +513,12 @@ class VerlConfig(Section):
                 f"data.train_batch_size ({self.data.train_batch_size}) and actor.ppo_mini_batch_size "
                 f"({self.actor.ppo_mini_batch_size}) must be divisible by trainer.n_workers ({workers})"
             )
+        if self.trainer.one_step_off_policy and self.actor.strategy == "fsdp":
+            raise ValueError("trainer.one_step_off_policy sends the actor's full weights to the rollout worker; it "
+                             "does not work with actor.strategy=fsdp (use strategy=local)")
+        if self.trainer.one_step_off_policy and self.rollout.name != "hf":
+            raise ValueError(f"trainer.one_step_off_policy runs the transformers engine in the rollout worker; "
+                             f"rollout.name={self.rollout.name} is not supported there yet (use rollout.name=hf)")
         if self.estimator_facts.needs_groups and self.rollout.n < 2:
             raise ValueError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses to the "
                              f"same prompt and needs rollout.n >= 2 (got {self.rollout.n})")

@@ -75,6 +75,29 @@ def test_two_ray_workers_match_the_local_executor(tmp_path):
         torch.testing.assert_close(w_ray[name], tensor, atol=1e-6, rtol=1e-5)
 
 
+def test_one_step_off_policy_over_ray_matches_the_local_executor(tmp_path):
+    """trainer.one_step_off_policy with Ray: the rollout is one more actor, weights go from actor rank 0 through the
+    object store; the same batches, versions and updates as the local executor's rollout process."""
+    from verl.trainer.ray import RayPPOTrainer
+
+    overlap = {"total_steps": 3, "one_step_off_policy": True}
+    local = LocalPPOTrainer(tiny_config(tmp_path / "local", trainer=overlap), quiet=True)
+    run(local)
+    remote = RayPPOTrainer(build_config(ray_config(tmp_path / "ray", trainer=overlap)), quiet=True)
+    run(remote)
+    a, b = rows_by_step(local.run_dir, "rollout"), rows_by_step(remote.run_dir, "rollout")
+    assert [b[s]["policy_version"] for s in (1, 2, 3)] == [0, 0, 1]
+    assert [b[s]["staleness"] for s in (1, 2, 3)] == [0, 1, 1]
+    pa, pb = rows_by_step(local.run_dir, "ppo"), rows_by_step(remote.run_dir, "ppo")
+    for step in (1, 2, 3):
+        assert b[step]["reward_mean"] == a[step]["reward_mean"]
+        assert b[step]["response_length_mean"] == a[step]["response_length_mean"]
+        for key in ("policy_loss", "approx_kl", "clip_ratio"):
+            assert pb[step][key] == pytest.approx(pa[step][key], abs=1e-5, rel=1e-4), (step, key)
+    assert pb[2]["approx_kl"] != 0.0  # a stale batch: the ratio's denominator is the behaviour policy
+    assert all(r["wait_rollout"] >= 0 for r in rows_by_step(remote.run_dir, "timing").values())
+
+
 @pytest.mark.slow  # six worker processes on two cores: minutes
 def test_split_placement_ppo_with_critic_and_resume(tmp_path):
     from verl.trainer.ray import RayPPOTrainer

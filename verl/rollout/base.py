@@ -10,6 +10,8 @@ samples adjacent) with
 - ``input_ids``      (batch*n, prompt_len+response_len)
 - ``attention_mask`` (batch*n, prompt_len+response_len)
 - ``position_ids``   (batch*n, prompt_len+response_len)
+- ``rollout_log_probs`` (batch*n, response_len)       only when ``SamplingParams.logprobs`` and the engine gives
+  them: the behaviour policy's log-prob of each token at the sampling temperature (0 after eos)
 
 and the prompt's non-tensor fields repeated. ``response_len`` is the longest response in the batch
 (at most ``max_new_tokens``), not the configured maximum, so no compute is spent on all-padding columns.
@@ -35,6 +37,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 16
     seed: int | None = None
+    logprobs: bool = False  # also return each drawn token's log-prob (``rollout_log_probs``) where the engine can
 
     @property
     def greedy(self) -> bool:
@@ -82,11 +85,12 @@ def get_rollout_factory(name: str) -> Callable[..., RolloutEngine]:
 
 def assemble_rollout(
     prompts: DataProto, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, eos_id: int,
-    pad_id: int, n: int,
+    pad_id: int, n: int, log_probs: torch.Tensor | None = None,
 ) -> DataProto:
     """Build the engine output from ``responses`` (batch*n, gen_len) as generated (tokens after eos arbitrary).
 
-    The response mask keeps tokens up to and including the first eos; later tokens become pad.
+    The response mask keeps tokens up to and including the first eos; later tokens become pad. ``log_probs``
+    (batch*n, gen_len), when given, becomes ``rollout_log_probs``, zeroed where the mask is 0.
     """
     is_eos = responses == eos_id
     after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first eos
@@ -94,6 +98,9 @@ def assemble_rollout(
     responses = responses.masked_fill(after_eos, pad_id)
     width = int(response_mask.sum(-1).max().item()) if responses.numel() else 0
     responses, response_mask = responses[:, :width], response_mask[:, :width]
+    extra: dict[str, torch.Tensor] = {}
+    if log_probs is not None:
+        extra["rollout_log_probs"] = log_probs[:, :width].float() * response_mask
     if n > 1:
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
@@ -107,6 +114,7 @@ def assemble_rollout(
             "input_ids": torch.cat([prompt_ids, responses], dim=1),
             "attention_mask": attention_mask,
             "position_ids": position_ids,
+            **extra,
         },
         non_tensors={k: v for k, v in (prompts.repeat(n).non_tensor.items() if n > 1 else prompts.non_tensor.items())},
         meta=dict(prompts.meta),
@@ -129,6 +137,8 @@ def pad_responses(parts: list[DataProto], pad_id: int) -> list[DataProto]:
         if extra:
             b["responses"] = torch.nn.functional.pad(b["responses"], (0, extra), value=pad_id)
             b["response_mask"] = torch.nn.functional.pad(b["response_mask"], (0, extra), value=0)
+            if "rollout_log_probs" in b:
+                b["rollout_log_probs"] = torch.nn.functional.pad(b["rollout_log_probs"], (0, extra), value=0.0)
         if lead:
             b["prompts"] = torch.nn.functional.pad(b["prompts"], (lead, 0), value=pad_id)
         if extra or lead:

@@ -64,12 +64,14 @@ class HFRollout(RolloutEngine):
                           top_k=params.top_k or None)
         was_training = self.model.training
         self.model.eval()
+        log_probs: list[torch.Tensor] | None = [] if params.logprobs and self.shared_prefill else None
         try:
             if self.shared_prefill:
                 with self._autocast(device):
                     seeds = [int(i) for i in prompts.non_tensor["index"]] if "index" in prompts.non_tensor else None
                     responses = sample_with_shared_prefill(self.model, ids, mask, params, self.eos_id, self.pad_id,
-                                                           prompt_seeds=seeds, stop_when=self.stop_when)
+                                                           prompt_seeds=seeds, stop_when=self.stop_when,
+                                                           log_probs_out=log_probs)
             else:
                 if params.greedy:
                     kwargs["num_return_sequences"] = 1  # greedy samples are identical; generate once, repeat
@@ -81,7 +83,10 @@ class HFRollout(RolloutEngine):
         finally:
             self.model.train(was_training)
         responses = responses.cpu()
-        return assemble_rollout(prompts, ids.cpu(), mask.cpu(), responses, self.eos_id, self.pad_id, params.n)
+        # `generate` (the fallback) gives no log-probs: callers that need them compute them with a forward pass.
+        behaviour = log_probs[0].cpu() if log_probs else None
+        return assemble_rollout(prompts, ids.cpu(), mask.cpu(), responses, self.eos_id, self.pad_id, params.n,
+                                log_probs=behaviour)
 
     def _autocast(self, device: torch.device):
         if self.autocast_dtype is None:

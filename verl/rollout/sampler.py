@@ -51,6 +51,7 @@ def sample_with_shared_prefill(
     pad_token_id: int,
     prompt_seeds: list[int] | None = None,
     stop_when: Callable[[bool], bool] | None = None,
+    log_probs_out: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Generate ``(batch * n, <= max_new_tokens)`` token ids for left-padded prompts ``(batch, prompt_len)``.
 
@@ -58,6 +59,11 @@ def sample_with_shared_prefill(
     ``prompt_seeds`` (one per prompt) make each prompt's samples independent of the rest of the batch.
     ``stop_when(all_local_rows_finished)`` decides early stopping; sharded (FSDP) models pass an all-reduce so
     every rank runs the same number of forward passes.
+
+    ``log_probs_out``: when given, the behaviour policy's log-prob of each drawn token is appended to it as one
+    ``(batch * n, gen_len)`` tensor: ``log_softmax(logits / temperature)`` at the token, the distribution the actor's
+    ``compute_log_prob`` scores (temperature only; top-k/top-p truncation is not part of it). One-step off-policy
+    training uses them as ``old_log_probs``, so no extra forward pass is needed to correct for staleness.
     """
     n = params.n
     device = input_ids.device
@@ -83,6 +89,8 @@ def sample_with_shared_prefill(
     warpers = _warpers(params)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     tokens: list[torch.Tensor] = []
+    token_log_probs: list[torch.Tensor] = []
+    temperature = 1.0 if params.greedy else params.temperature
     generated = torch.empty((rows, 0), dtype=torch.long, device=device)
     for step in range(params.max_new_tokens):
         if params.greedy:
@@ -96,6 +104,9 @@ def sample_with_shared_prefill(
                 token = torch.cat([torch.multinomial(group_probs, 1, generator=gen).squeeze(-1)
                                    for group_probs, gen in zip(probs.split(n), generators, strict=True)])
         token = token.masked_fill(finished, pad_token_id)
+        if log_probs_out is not None:  # (rows,): one log_softmax over the vocabulary per step, as the actor scores it
+            chosen = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+            token_log_probs.append(chosen.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(finished, 0.0))
         tokens.append(token)
         finished |= token == eos_token_id
         done = bool(finished.all())
@@ -111,4 +122,7 @@ def sample_with_shared_prefill(
                     past_key_values=cache, use_cache=True)
         next_position = next_position + 1
         logits = out.logits[:, -1, :].float()
+    if log_probs_out is not None:
+        log_probs_out.append(torch.stack(token_log_probs, dim=1) if token_log_probs
+                             else torch.empty((rows, 0), device=device))
     return torch.stack(tokens, dim=1) if tokens else torch.empty((rows, 0), dtype=torch.long, device=device)

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from verl.config import VerlConfig, build_config, resolve_experiment_name
 from verl.data.dataset import RLHFDataset
 from verl.errors import ConfigError
+from verl.trainer.overlap import LocalRolloutProcess
 from verl.trainer.ppo import PPOTrainer, prepare_inputs
 from verl.trainer.resume import load_train_config
 from verl.workers.role_worker import RoleWorker, needed_roles
@@ -54,7 +55,8 @@ class LocalPPOTrainer(PPOTrainer):
         cfg = coerce_config(config, config_path, overrides)
         inputs = prepare_inputs(cfg, tokenizer, train_dataset, val_dataset)
         worker = RoleWorker(cfg.model_dump(mode="json"), needed_roles(cfg), tokenizer=inputs.tokenizer)
-        super().__init__(cfg, worker, inputs, reward_manager=worker.reward, device=worker.device, quiet=quiet)
+        super().__init__(cfg, worker, inputs, reward_manager=worker.reward, device=worker.device, quiet=quiet,
+                         rollout_worker_factory=lambda: LocalRolloutProcess(cfg, worker.model))
 
     # The roles, for users and tests that want to reach them.
     worker = property(lambda self: self.roles)

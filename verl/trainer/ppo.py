@@ -105,7 +105,7 @@ class PPOTrainer:
     """The loop, over a ``roles`` object that does the compute (see the module docstring)."""
 
     def __init__(self, config: VerlConfig, roles: Roles, inputs: TrainInputs, reward_manager: Any,
-                 device: torch.device, quiet: bool = False):
+                 device: torch.device, quiet: bool = False, rollout_worker_factory: Any = None):
         self.config = config
         self.roles = roles
         self.tokenizer, self.sampler = inputs.tokenizer, inputs.sampler
@@ -122,10 +122,21 @@ class PPOTrainer:
         self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
         self.evaluators: list[Any] = []
+        self.policy_version = 0  # actor updates applied so far: the version of the weights a rollout samples from
+        # trainer.one_step_off_policy: a verl.trainer.overlap.RolloutWorker, started by this factory at the first step
+        self.rollout_worker_factory = rollout_worker_factory
+        self.rollout_worker: Any = None
+        self._sampler_state_before_prefetch: dict[str, Any] | None = None
 
     def shutdown(self) -> None:
         """Release the roles' resources (workers, engines)."""
+        self._stop_rollout_worker()
         self.roles.shutdown()
+
+    def _stop_rollout_worker(self) -> None:
+        if self.rollout_worker is not None:
+            self.rollout_worker.shutdown()
+            self.rollout_worker = None
 
     # ------------------------------------------------------------------ public API
 
@@ -161,6 +172,10 @@ class PPOTrainer:
         last_metrics: dict[str, float] = {}
         try:
             self.callbacks.on_train_start(self)
+            if cfg.trainer.one_step_off_policy and self.global_step < cfg.trainer.total_steps:
+                # Start the rollout worker and its first batch now, so both overlap the first validation.
+                self.rollout_worker = self.rollout_worker_factory()
+                self._submit_rollout(self.global_step + 1)
             if cfg.trainer.val_before_train and self.global_step == 0 and cfg.trainer.test_freq > 0:
                 self.validate()
             while self.global_step < cfg.trainer.total_steps and self.stop_reason is None:
@@ -181,6 +196,7 @@ class PPOTrainer:
             self.logger.event("train", step=self.global_step, status="finished", reason=reason)
             self.callbacks.on_train_end(self, reason)
         finally:
+            self._stop_rollout_worker()  # a batch generated ahead of a stop is dropped; resume regenerates it
             self._end_run()
         return last_metrics
 
@@ -199,9 +215,7 @@ class PPOTrainer:
         cfg = self.config
         n = cfg.rollout.n
         with self.timer("total"):
-            prompts = self.train_dataset.collate(self.sampler.next_batch())
-            with self.timer("gen"):
-                batch = self.roles.generate(prompts, self.train_sampling(step))
+            prompts, batch, overlap = self._rollout(step)
             batch.non_tensor["uid"] = batch.non_tensor["index"]  # group id: responses to the same prompt
             if estimator_facts(cfg.algorithm.adv_estimator).needs_greedy_baseline:
                 with self.timer("gen_baseline"):
@@ -209,10 +223,10 @@ class PPOTrainer:
             with self.timer("reward"):
                 scores, extras, texts = self.roles.compute_reward(batch)
                 batch.batch["token_level_scores"] = scores
-            if self.needs_old_log_probs:
+            if self.needs_old_log_probs and "old_log_probs" not in batch.batch:  # off-policy: the behaviour's
                 with self.timer("old_log_prob"):
                     batch.batch["old_log_probs"] = self.roles.compute_old_log_prob(batch)
-            if cfg.use_reference:
+            if cfg.use_reference and "ref_log_prob" not in batch.batch:  # the rollout worker may have computed it
                 with self.timer("ref"):
                     batch.batch["ref_log_prob"] = self.roles.compute_ref_log_prob(batch)
             if cfg.use_critic:
@@ -231,6 +245,7 @@ class PPOTrainer:
                 )
                 batch.batch["advantages"], batch.batch["returns"] = advantages, returns
             rollout = rollout_metrics(batch, extras, cfg.data.max_response_length, self.tokenizer.pad_token_id)
+            rollout.update(overlap)
             # Health rules with action skip_step decide here, on the rollout alone (e.g. a batch with no signal).
             self.skip_update_reason = None
             self.callbacks.on_rollout_end(self, step, {f"rollout/{k}": v for k, v in rollout.items()})
@@ -243,10 +258,46 @@ class PPOTrainer:
                 if step > cfg.critic.warmup_steps or not cfg.use_critic:
                     with self.timer("update_actor"):
                         actor_metrics = self.roles.update_actor(batch, cfg.actor.ppo_mini_batch_size * n)
+                    self.policy_version += 1
         self._log_step(step, batch, rollout, texts, actor_metrics, critic_metrics, kl_metrics)
         return {}
 
     # ------------------------------------------------------------------ pieces of the step
+
+    def _rollout(self, step: int) -> tuple[DataProto, DataProto, dict[str, float]]:
+        """This step's prompts, their rollout, and its version metrics.
+
+        Synchronous: sample prompts and generate now (``timing/gen``). One-step off-policy
+        (``trainer.one_step_off_policy``, see ``verl.trainer.overlap``): take the batch the rollout worker generated
+        while the last step updated (``timing/wait_rollout`` is how long this waited for it), hand it the next
+        step's prompts with the current weights, and use its behaviour log-probs as ``old_log_probs``.
+        """
+        if not self.config.trainer.one_step_off_policy:
+            prompts = self.train_dataset.collate(self.sampler.next_batch())
+            with self.timer("gen"):
+                return prompts, self.roles.generate(prompts, self.train_sampling(step)), {}
+        if self.rollout_worker is None:  # train_step called outside fit()
+            self.rollout_worker = self.rollout_worker_factory()
+        if not self.rollout_worker.pending:
+            self._submit_rollout(step)
+        with self.timer("wait_rollout"):
+            done = self.rollout_worker.result()
+        if step < self.config.trainer.total_steps and self.stop_reason is None:
+            self._submit_rollout(step + 1)  # runs while this step updates
+        for stage, seconds in done.seconds.items():  # the rollout worker's own stage times, concurrent with ours
+            self.timer.seconds[stage] = self.timer.seconds.get(stage, 0.0) + seconds
+        batch = done.batch
+        batch.batch["old_log_probs"] = batch.batch.pop("rollout_log_probs")
+        batch.meta["policy_version"] = done.policy_version
+        return done.prompts, batch, {"policy_version": float(done.policy_version),
+                                     "staleness": float(self.policy_version - done.policy_version)}
+
+    def _submit_rollout(self, step: int) -> None:
+        """Draw ``step``'s prompts and start generating them with the current weights. The sampler's state from
+        before the draw is what a checkpoint saves, so a resume regenerates the batch that was in flight."""
+        self._sampler_state_before_prefetch = self.sampler.state_dict()
+        prompts = self.train_dataset.collate(self.sampler.next_batch())
+        self.rollout_worker.submit(prompts, self.train_sampling(step), self.policy_version)
 
     @property
     def needs_old_log_probs(self) -> bool:
@@ -378,11 +429,14 @@ class PPOTrainer:
         return state
 
     def trainer_state(self) -> dict[str, Any]:
-        return {"global_step": self.global_step, "sampler": self.sampler.state_dict(),
-                "kl_ctrl": self.kl_ctrl.state_dict(), "rng": rng_state()}
+        in_flight = self.rollout_worker is not None and self.rollout_worker.pending
+        sampler = self._sampler_state_before_prefetch if in_flight else self.sampler.state_dict()
+        return {"global_step": self.global_step, "sampler": sampler, "kl_ctrl": self.kl_ctrl.state_dict(),
+                "rng": rng_state(), "policy_version": self.policy_version}
 
     def restore_trainer_state(self, state: dict[str, Any]) -> None:
         self.global_step = int(state["global_step"])
+        self.policy_version = int(state.get("policy_version", self.global_step))
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         set_rng_state(state["rng"])

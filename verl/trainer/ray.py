@@ -33,6 +33,7 @@ from verl.errors import ConfigError, MissingDependencyError, VerlError
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams, pad_responses
 from verl.trainer.checkpoint import read_pointer
+from verl.trainer.overlap import RayRolloutWorker
 from verl.trainer.ppo import PPOTrainer, prepare_inputs
 from verl.utils.net import free_port
 from verl.workers.reward import RewardManager
@@ -152,9 +153,10 @@ class RayRoles:
 
     def _process_count(self) -> int:
         cfg = self.config
+        rollout = 1 if cfg.trainer.one_step_off_policy else 0  # the overlapped rollout's own actor
         if cfg.trainer.ray.placement == "colocate":
-            return cfg.trainer.n_workers
-        return cfg.trainer.n_workers * (2 if cfg.use_critic else 1) + cfg.trainer.ray.ref_workers + 1
+            return cfg.trainer.n_workers + rollout
+        return cfg.trainer.n_workers * (2 if cfg.use_critic else 1) + cfg.trainer.ray.ref_workers + 1 + rollout
 
     def _create_groups(self, ray) -> dict[str, WorkerGroup]:
         cfg = self.config
@@ -227,6 +229,19 @@ class RayRoles:
     def validation_engine(self):
         return self  # generate() above has the engine signature
 
+    def start_rollout_worker(self) -> RayRolloutWorker:
+        """trainer.one_step_off_policy: one more Ray actor generating ahead; weights from actor rank 0."""
+        ray = _import_ray()
+        rc, config = self.config.trainer.ray, self.config.model_dump(mode="json")
+
+        def group(name: str, roles: list[str]) -> WorkerGroup:
+            return WorkerGroup(ray, name, config, roles, 1, num_cpus=rc.num_cpus_per_worker,
+                               num_gpus=rc.num_gpus_per_worker, timeout=rc.timeout_s, distributed=False)
+
+        worker = RayRolloutWorker(ray, self.config, self.groups["actor"].workers[0], group)
+        worker.group.call_all("ping")  # construction errors now, naming the group
+        return worker
+
     # ------------------------------------------------------------------ checkpoints
 
     def _stateful_groups(self) -> list[WorkerGroup]:
@@ -261,7 +276,8 @@ class RayPPOTrainer(PPOTrainer):
         inputs = prepare_inputs(config, None, train_dataset, val_dataset)
         reward_manager = RewardManager(inputs.tokenizer, config.reward)  # validation (and colocated) scoring
         roles = RayRoles(config, inputs.tokenizer, reward_manager)
-        super().__init__(config, roles, inputs, reward_manager, device=torch.device("cpu"), quiet=quiet)
+        super().__init__(config, roles, inputs, reward_manager, device=torch.device("cpu"), quiet=quiet,
+                         rollout_worker_factory=roles.start_rollout_worker)
 
     @property
     def groups(self) -> dict[str, WorkerGroup]:

@@ -10,6 +10,8 @@ operation. It imports nothing from Ray.
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +168,52 @@ class RoleWorker:
     def validation_engine(self) -> Any:
         """The engine validation generates with: the actor's rollout (it shares the actor's weights)."""
         return self.rollout
+
+    # ------------------------------------------------------------------ one-step off-policy (verl.trainer.overlap)
+
+    def trainable_weights(self) -> dict[str, torch.Tensor]:
+        """The parameters the update changes (LoRA: only the adapters), by name, on CPU: what the rollout worker
+        needs to generate with this policy."""
+        if self.dist.fsdp:
+            raise ValueError("trainer.one_step_off_policy needs full (not FSDP-sharded) actor weights")
+        return {name: p.detach().cpu() for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def load_policy_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy the trainer's ``trainable_weights`` into this worker's model (names must match: same model
+        and LoRA config), then let the engine pick them up."""
+        params = dict(self.model.named_parameters())
+        missing = sorted(set(weights) - set(params))
+        if missing:
+            raise ValueError(f"the rollout worker's model has no parameters named {missing[:3]}")
+        with torch.no_grad():
+            for name, value in weights.items():
+                params[name].copy_(value)
+        self.rollout.sync_weights(self.model)
+
+    def behaviour_rollout(self, prompts: DataProto, params: SamplingParams,
+                          weights: dict[str, torch.Tensor] | None = None,
+                          version: int | None = None) -> tuple[DataProto, int | None, dict[str, float]]:
+        """The overlapped rollout's call: load ``weights`` (policy ``version``) unless that version is loaded,
+        generate with the behaviour log-probs (``rollout_log_probs``), and add ``ref_log_prob`` when this worker
+        holds the reference. Returns the batch, the version and the stage times (gen, ref, load_weights, ...)."""
+        seconds: dict[str, float] = {}
+        if weights is not None and version != getattr(self, "_policy_version", None):
+            start = time.perf_counter()
+            self.load_policy_weights(weights)
+            self._policy_version = version
+            seconds["load_weights"] = time.perf_counter() - start
+        start = time.perf_counter()
+        batch = self.generate(prompts, replace(params, logprobs=True))
+        seconds["gen"] = time.perf_counter() - start
+        if "rollout_log_probs" not in batch.batch:  # an engine that gives no log-probs: one forward pass instead
+            start = time.perf_counter()
+            batch.batch["rollout_log_probs"] = self.compute_old_log_prob(batch)
+            seconds["behaviour_log_prob"] = time.perf_counter() - start
+        if self.reference is not None:
+            start = time.perf_counter()
+            batch.batch["ref_log_prob"] = self.compute_ref_log_prob(batch)
+            seconds["ref"] = time.perf_counter() - start
+        return batch, version, seconds
 
     # ------------------------------------------------------------------ checkpoints
 
