@@ -13,6 +13,7 @@ from verl.algos.losses import (
     POLICY_LOSSES,
     agg_loss,
     clipped_policy_loss,
+    entropy_from_log_probs,
     entropy_from_logits,
     get_policy_loss,
     global_agg_denominators,
@@ -243,6 +244,18 @@ def test_entropy_matches_a_hand_loop_on_random_logits_and_keeps_leading_dims():
 def test_entropy_is_stable_for_peaked_logits():
     ent = entropy_from_logits(torch.tensor([[1000.0, 0.0, 0.0]]))
     assert torch.isfinite(ent).all() and ent.item() == pytest.approx(0.0, abs=1e-6)
+    from_log_probs = entropy_from_log_probs(torch.log_softmax(torch.tensor([[1000.0, 0.0, 0.0]]), -1))
+    assert torch.isfinite(from_log_probs).all() and from_log_probs.item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_entropy_from_log_probs_equals_entropy_from_logits():
+    """The trainer's path (entropy from the log-softmax it already has) against the definition above."""
+    logits = torch.randn(3, 5, 50, generator=torch.Generator().manual_seed(1), dtype=F64) * 5
+    torch.testing.assert_close(entropy_from_log_probs(torch.log_softmax(logits, -1)), entropy_from_logits(logits),
+                               atol=1e-12, rtol=0)
+    probs = [0.5, 0.25, 0.25]
+    log_probs = torch.tensor([[math.log(p) for p in probs]], dtype=F64)
+    assert entropy_from_log_probs(log_probs).item() == pytest.approx(1.5 * math.log(2), abs=1e-12)
 
 
 

@@ -136,6 +136,11 @@ def value_loss(
     return loss, masked_mean((loss_clipped > loss_unclipped).float(), mask)
 
 
+def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
+    """Entropy per position from normalised log-probabilities ``(..., vocab)`` -> ``(...)``: -sum p log p."""
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the categorical distribution per position: ``(..., vocab)`` -> ``(...)``."""
     probs = torch.softmax(logits, dim=-1)

@@ -114,7 +114,7 @@ class Actor:
             weight = float(mask.sum()) / agg_kwargs["num_tokens"]
             log_prob, entropy = response_log_probs(
                 self.model, batch, self.temperature, with_entropy=True, autocast_dtype=self.autocast_dtype,
-                group_size=group,
+                group_size=group, entropy_grad=need_entropy_grad,
             )
             old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
             # By keyword: verl's ported losses take (old_log_prob, log_prob); a positional call would invert the ratio.

@@ -16,7 +16,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from verl.algos.losses import entropy_from_logits
+from verl.algos.losses import entropy_from_log_probs
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None):
@@ -32,13 +32,15 @@ def response_log_probs(
     with_entropy: bool = False,
     autocast_dtype: torch.dtype | None = None,
     group_size: int = 1,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``responses`` under ``model`` at ``temperature``: ``(batch, response_len)`` (+ entropy).
 
     ``batch`` holds ``input_ids``/``attention_mask``/``position_ids`` ``(batch, prompt_len + response_len)`` and
     ``responses`` ``(batch, response_len)``. Logits are divided by the sampling temperature so the log-probs are
     those of the distribution the rollout sampled from. ``group_size`` > 1 enables the shared-prefix path when
-    the batch really is grouped (checked, else the plain path runs).
+    the batch really is grouped (checked, else the plain path runs). ``entropy_grad=False``: the entropy is a
+    metric only, computed outside the autograd graph.
     """
     responses = batch["responses"]
     width = responses.shape[1]
@@ -60,10 +62,14 @@ def response_log_probs(
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    log_probs = torch.gather(F.log_softmax(logits, dim=-1), -1, responses.unsqueeze(-1)).squeeze(-1)
+    log_probs_all = F.log_softmax(logits, dim=-1)  # (batch, response_len, vocab)
+    log_probs = torch.gather(log_probs_all, -1, responses.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
-        entropy = entropy_from_logits(logits)
+        # From the log-softmax above (one exp over the vocabulary, not a softmax and a logsumexp), and outside the
+        # graph when only logged, so the update keeps no vocabulary-sized tensors alive for it.
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            entropy = entropy_from_log_probs(log_probs_all)
     return log_probs, entropy
 
 
