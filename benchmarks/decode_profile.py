@@ -1,7 +1,7 @@
 """Where a batch-16 decode step of the serving engine goes, per operator (issue 17, item 2: profile first).
 
 Runs the transformers engine's decode path — the model's forward over one new token per row with the engine's own
-KV cache (``_GrowingLayer``: append in place, right-aligned rows) — at ``--rows`` rows and ``--context`` cached
+KV cache (``GrowingLayer``: append in place, right-aligned rows) — at ``--rows`` rows and ``--context`` cached
 tokens, one torch thread, and reports:
 
 - the step time (median of ``--repeats``) and tokens/s;
@@ -16,6 +16,7 @@ tokens, one torch thread, and reports:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -23,9 +24,10 @@ import torch
 from probes import gemm_gflops, median_time, read_gbs
 from torch.profiler import ProfilerActivity, profile
 
-from serve.engines.hf_engine import _new_cache
 from verl.models.attention import use_gqa_sdpa
+from verl.models.kv_cache import new_growing_cache
 from verl.models.loader import load_causal_lm, resolve_model_path
+from verl.models.packed_linear import packed_weights
 from verl.utils.profiling import matmul_flops
 
 
@@ -39,10 +41,14 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--attn", default="engine", help="attention: engine (what the serving engine uses: "
                         "verl_gqa_sdpa for grouped-query models), sdpa, eager")
+    parser.add_argument("--packed", choices=["on", "off"], default="on", help="on: frozen linear layers multiply by "
+                        "oneDNN-packed weights, as both engines decode (verl/models/packed_linear.py); off: F.linear")
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = load_causal_lm(resolve_model_path(args.model), dtype="float32", device=torch.device("cpu")).eval()
+    model.requires_grad_(False)  # as the serving engine holds it
+    packing = packed_weights if args.packed == "on" else contextlib.nullcontext
     if args.attn == "engine":
         use_gqa_sdpa(model)
     else:
@@ -60,14 +66,14 @@ def main() -> None:
         mask[row, :min(row, args.context - 1)] = 0
     token = torch.randint(3, vocab, (args.rows, 1))
     with torch.inference_mode():
-        cache = _new_cache(config)
+        cache = new_growing_cache(config)
         prefill_positions = (mask[:, :-1].cumsum(-1) - 1).clamp(min=0)
         model(input_ids=ids, attention_mask=mask[:, :-1], position_ids=prefill_positions, past_key_values=cache,
               use_cache=True)
     positions = mask[:, :-1].sum(-1, keepdim=True)
 
     def step() -> None:
-        with torch.inference_mode():
+        with torch.inference_mode(), packing():
             model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache,
                   use_cache=True)
             for layer in cache.layers:  # drop the appended column: every step decodes at the same length
@@ -87,9 +93,11 @@ def main() -> None:
     # The matrix products by shape: which GEMMs of the step take the time, and at what rate.
     gemms = []
     for e in prof.key_averages(group_by_input_shape=True):
-        flops = matmul_flops(e.key, e.input_shapes or []) if e.key == "aten::mm" else None
+        flops = matmul_flops(e.key, e.input_shapes or [])
         if flops:
-            (m, k), (_, n) = e.input_shapes[0], e.input_shapes[1]
+            k = e.input_shapes[0][-1]
+            m = flops // (2 * k * (e.input_shapes[1][0] if e.key.startswith("mkldnn") else e.input_shapes[1][-1]))
+            n = flops // (2 * m * k)
             ms = e.self_cpu_time_total / 1000 / args.profile_steps
             gemms.append({"shape": f"{m}x{k}x{n}", "calls_per_step": e.count / args.profile_steps,
                           "ms_per_step": ms, "gflops": flops * e.count / args.profile_steps / ms / 1e6})
@@ -103,7 +111,7 @@ def main() -> None:
                "weight_read_floor_ms": weight_bytes / (read * 1e9) * 1000, "ops": table, "gemms": gemms}
     print("=== summary")
     print(f"{args.model} ({params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32), batch {args.rows}, "
-          f"context {args.context}, one thread, attention {config._attn_implementation}")
+          f"context {args.context}, one thread, attention {config._attn_implementation}, packed linear {args.packed}")
     print(f"decode step {seconds * 1000:.1f} ms = {args.rows / seconds:.0f} tok/s; {achieved:.1f} GFLOP/s = "
           f"{summary['pct_of_gemm']:.0f}% of a {args.rows}x{config.hidden_size}x{config.intermediate_size} GEMM "
           f"({gemm:.1f} GFLOP/s); reading the weights once takes {summary['weight_read_floor_ms']:.1f} ms "

@@ -34,6 +34,8 @@ def test_matmul_flops_by_hand() -> None:
     assert matmul_flops("aten::mm", [[16, 576], [576, 1536]]) == 2 * 16 * 576 * 1536
     assert matmul_flops("aten::addmm", [[1536], [16, 576], [576, 1536]]) == 2 * 16 * 576 * 1536
     assert matmul_flops("aten::bmm", [[4, 3, 5], [4, 5, 7]]) == 2 * 4 * 3 * 5 * 7
+    # oneDNN's packed linear: input (..., k), packed weight (n, k)
+    assert matmul_flops("mkldnn::_linear_pointwise", [[16, 1, 576], [1536, 576]]) == 2 * 16 * 576 * 1536
     assert matmul_flops("aten::mm", [[], []]) is None
 
 

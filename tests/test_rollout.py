@@ -99,3 +99,24 @@ def test_shared_prefix_falls_back_for_ungrouped_batches(parts):
     shuffled = {k: v[torch.tensor([0, 2, 1, 3, 4, 6, 5, 7])] for k, v in batch.items()}
     assert shared_prefix_group_size(shuffled, 2) == 1
     assert shared_prefix_group_size(batch, 3) == 1  # 8 rows do not split into groups of 3
+
+
+def test_draw_categorical_samples_the_distribution_and_never_a_zero():
+    from verl.rollout.sampler import draw_categorical
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0]]).repeat(40_000, 1) * 3.0  # unnormalised on purpose
+    drawn = draw_categorical(probs, torch.Generator().manual_seed(0))
+    counts = torch.bincount(drawn, minlength=6).double() / len(drawn)
+    assert counts[[0, 2, 5]].sum() == 0
+    # Each frequency within 4 standard errors of its probability (sd <= 0.0025 at 40,000 draws).
+    torch.testing.assert_close(counts[[1, 3, 4]], torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.01,
+                               rtol=0)
+    again = draw_categorical(probs[:50], torch.Generator().manual_seed(0))
+    assert torch.equal(again, drawn[:50])  # the same generator state, the same draws
+    one_hot = torch.zeros(3, 49_152)
+    one_hot[torch.arange(3), torch.tensor([0, 7, 49_151])] = 1.0  # the first and last entries are reachable
+    assert draw_categorical(one_hot).tolist() == [0, 7, 49_151]
+    with pytest.raises(ValueError, match="probability"):
+        draw_categorical(torch.tensor([[float("nan"), 1.0]]))
+    with pytest.raises(ValueError, match="probability"):
+        draw_categorical(torch.zeros(1, 4))

@@ -19,9 +19,9 @@ How it works (one background thread owns the model):
   ``max_tokens``, context length) and delivery of text deltas to each request's asyncio queue.
 - Finished or aborted rows (client gone, timeout) are dropped from the cache before the next step, and columns
   that became padding for every row are trimmed, so the cache is as long as the longest live row.
-- The cache layers append in place into spare capacity (``_GrowingLayer``) instead of ``DynamicLayer``'s
-  ``torch.cat`` of the whole cache per step; with that, 32 requests x 100 tokens run at least as fast as one
-  fixed ``model.generate`` batch of 32 (measured 489 vs 467 tokens/s), while rows come and go.
+- The cache layers append in place into spare capacity (``GrowingLayer`` in verl/models/kv_cache.py) instead of
+  ``DynamicLayer``'s ``torch.cat`` of the whole cache per step; with that, 32 requests x 100 tokens run at least
+  as fast as one fixed ``model.generate`` batch of 32 (measured 489 vs 467 tokens/s), while rows come and go.
 - LoRA adapters (several checkpoints of one run over one base in memory) are PEFT adapters on the model; every
   forward passes ``adapter_names`` per row, so requests for different adapters and for the base share one decode
   step (PEFT runs each adapter's low-rank product on its rows only). Adapters are loaded and unloaded on the engine
@@ -61,7 +61,10 @@ from serve.engines.base import (
     TokenLogprob,
 )
 from serve.settings import ServeSettings
+from verl.models.kv_cache import new_growing_cache
 from verl.models.loader import load_causal_lm, pick_device
+from verl.models.packed_linear import packed_weights
+from verl.rollout.sampler import draw_categorical
 
 log = logging.getLogger("uvicorn.error.serve.engine")  # shows in the uvicorn server log
 FAILURES_BEFORE_DEAD = 8  # consecutive requests that fail alone before the engine declares itself dead
@@ -90,61 +93,6 @@ class _Seq:
     @property
     def sampling(self) -> SamplingOptions:
         return self.request.sampling
-
-
-class _GrowingLayer(DynamicLayer):
-    """A ``DynamicLayer`` that appends into spare capacity instead of concatenating.
-
-    ``DynamicLayer.update`` copies the whole layer cache on every step (``torch.cat``). Here every row is
-    right-aligned, so all rows append at the same column and a buffer with headroom takes the new token in
-    place; the buffer is reallocated (doubling) only when full, and when rows join or leave. Measured on the 25M
-    model with 32 rows and 120 cached tokens, those per-step copies were ~30 ms of a ~115 ms decode step.
-    ``keys``/``values`` are views of the filled part, which is all the attention code reads.
-    """
-
-    _layer_type = None  # never register this class in transformers' layer-type mapping
-    HEADROOM = 64
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._kbuf: torch.Tensor | None = None
-        self._vbuf: torch.Tensor | None = None
-        self._len = 0
-
-    def set_state(self, keys: torch.Tensor, values: torch.Tensor, headroom: int = HEADROOM) -> None:
-        """Make ``keys``/``values`` (batch, heads, length, head_dim) the contents, with ``headroom`` free columns."""
-        batch, heads, length, dim = keys.shape
-        kbuf = keys.new_empty((batch, heads, length + headroom, dim))
-        vbuf = values.new_empty((batch, values.shape[1], length + headroom, values.shape[3]))
-        kbuf[:, :, :length] = keys
-        vbuf[:, :, :length] = values
-        self._kbuf, self._vbuf, self._len = kbuf, vbuf, length
-        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        self.keys, self.values = kbuf[:, :, :length], vbuf[:, :, :length]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self._kbuf is None:
-            self.set_state(key_states, value_states)
-            return self.keys, self.values
-        new = key_states.shape[-2]
-        if self._len + new > self._kbuf.shape[2]:
-            self.set_state(self.keys, self.values, headroom=max(self.HEADROOM, self._len, new))
-        end = self._len + new
-        self._kbuf[:, :, self._len:end] = key_states
-        self._vbuf[:, :, self._len:end] = value_states
-        self._len = end
-        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self._kbuf is not None:
-            self.set_state(self.keys[indices], self.values[indices])
-
-
-def _new_cache(config) -> DynamicCache:
-    cache = DynamicCache(config=config)
-    cache.layers = [_GrowingLayer() for _ in cache.layers]
-    return cache
 
 
 class _Batch:
@@ -245,7 +193,7 @@ class TransformersEngine(Engine):
         self.device = pick_device(self.settings.device)
         model = load_causal_lm(self.model_path, dtype=self.settings.dtype, device=self.device,
                                trust_remote_code=self.settings.trust_remote_code)
-        self.model = model.eval()
+        self.model = model.eval().requires_grad_(False)  # never trained here: frozen layers use packed weights
         gen_eos = getattr(model.generation_config, "eos_token_id", None)
         if gen_eos is not None:
             self._eos_ids |= {int(i) for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos])}
@@ -302,13 +250,15 @@ class TransformersEngine(Engine):
             self._peft.delete_adapter(name)
 
     def _forward(self, rows: list[_Seq], **kwargs):
-        """The model's forward for ``rows`` (one batch row each), each with its own adapter when any is loaded."""
-        if self._peft is None:
-            return self.model(**kwargs)
-        names = [row.request.adapter or self.BASE_ADAPTER for row in rows]
-        if len(set(names)) > 1:
-            self.mixed_adapter_steps += 1
-        return self._peft(**kwargs, adapter_names=names)
+        """The model's forward for ``rows`` (one batch row each), each with its own adapter when any is loaded;
+        frozen linear layers multiply by oneDNN-packed weights (verl/models/packed_linear.py)."""
+        with packed_weights():
+            if self._peft is None:
+                return self.model(**kwargs)
+            names = [row.request.adapter or self.BASE_ADAPTER for row in rows]
+            if len(set(names)) > 1:
+                self.mixed_adapter_steps += 1
+            return self._peft(**kwargs, adapter_names=names)
 
     def _run_control(self) -> None:
         while True:
@@ -480,7 +430,7 @@ class TransformersEngine(Engine):
             mask[i, width - len(prompt):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = _new_cache(self.model.config)
+        cache = new_growing_cache(self.model.config)
         out = self._forward(seqs, input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                             use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :].float().cpu()
@@ -629,12 +579,11 @@ class TransformersEngine(Engine):
         probs = scores.softmax(-1)
         shared = [j for j, i in enumerate(sampled) if seqs[i].generator is None]
         if shared:
-            drawn = torch.multinomial(probs[shared], 1, generator=self._sampler).squeeze(-1)
-            tokens[index[shared]] = drawn
+            tokens[index[shared]] = draw_categorical(probs[shared], self._sampler)
         for j, i in enumerate(sampled):
             generator = seqs[i].generator
             if generator is not None:
-                tokens[i] = torch.multinomial(probs[j], 1, generator=generator)[0]
+                tokens[i] = draw_categorical(probs[j : j + 1], generator)[0]
         return tokens
 
     def _deliver(self, deliveries: list[tuple[_Seq, EngineOutput | BaseException]]) -> None:

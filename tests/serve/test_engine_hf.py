@@ -140,7 +140,7 @@ def test_stop_checker_holds_back_partial_matches():
 def test_growing_cache_layer_matches_dynamic_layer_past_its_headroom():
     from transformers.cache_utils import DynamicLayer
 
-    from serve.engines.hf_engine import _GrowingLayer
+    from verl.models.kv_cache import GrowingLayer as _GrowingLayer
 
     gen = torch.Generator().manual_seed(0)
     ours, ref = _GrowingLayer(), DynamicLayer()

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from verl.errors import ModelError
 from verl.models.attention import use_gqa_sdpa
 from verl.models.gguf import PACKAGED_MODELS, convert_gguf, packaged_gguf_path
+from verl.models.packed_linear import use_packed_linear
 from verl.models.tiny import BUILTIN_SPECS, build_char_tokenizer, build_tiny_model
 from verl.utils.fs import atomic_dir
 
@@ -192,6 +193,9 @@ def load_causal_lm(
     # Grouped-query models on CPU: attention over the grouped K/V without per-head copies (identical forward,
     # gradients equal to float rounding); see verl/models/attention.py.
     use_gqa_sdpa(model)
+    # fp32 on CPU: linear layers multiply by oneDNN-packed weights whenever no gradient is needed (decode 1.6-4.5x
+    # per product at 16 rows); see verl/models/packed_linear.py.
+    use_packed_linear(model)
     return model
 
 

@@ -12,6 +12,7 @@ import contextlib
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from verl.models.packed_linear import packed_weights
 from verl.protocol import DataProto
 from verl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, pad_responses, register_rollout
 from verl.rollout.sampler import sample_with_shared_prefill, supports_shared_prefill
@@ -75,7 +76,7 @@ class HFRollout(RolloutEngine):
             else:
                 if params.greedy:
                     kwargs["num_return_sequences"] = 1  # greedy samples are identical; generate once, repeat
-                with self._sampling_rng(params.seed, device), self._autocast(device):
+                with self._sampling_rng(params.seed, device), self._autocast(device), packed_weights():
                     out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
                 responses = out[:, ids.shape[1] :]
                 if params.greedy and params.n > 1:

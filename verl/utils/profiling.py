@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from verl.utils.fs import atomic_write_text
 
 STAGE_PREFIX = "stage/"
-MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm"}
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"}
 
 
 def stage_range(stage: str) -> contextlib.AbstractContextManager:
@@ -72,7 +72,8 @@ def report(prof, step: int, stage_seconds: dict[str, float], top: int = 25) -> s
 
 
 def matmul_flops(op: str, shapes: list[list[int]]) -> int | None:
-    """FLOPs of one call from its input shapes (mm: (m,k)x(k,n); addmm: bias,(m,k),(k,n); bmm: (b,m,k)x(b,k,n))."""
+    """FLOPs of one call from its input shapes (mm: (m,k)x(k,n); addmm: bias,(m,k),(k,n); bmm: (b,m,k)x(b,k,n);
+    oneDNN's packed linear: (..., k) x (n, k))."""
     try:
         if op == "aten::mm":
             (m, k), (_, n) = shapes[0], shapes[1]
@@ -83,6 +84,12 @@ def matmul_flops(op: str, shapes: list[list[int]]) -> int | None:
         if op == "aten::bmm":
             (b, m, k), (_, _, n) = shapes[0], shapes[1]
             return 2 * b * m * k * n
+        if op == "mkldnn::_linear_pointwise":
+            rows = 1
+            for size in shapes[0][:-1]:
+                rows *= size
+            (n, k) = shapes[1]
+            return 2 * rows * k * n
     except (ValueError, IndexError, TypeError):
         return None
     return None

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl.models.packed_linear import remove_packed_linear
 from verl.protocol import DataProto
 
 
@@ -111,6 +112,7 @@ def apply_fsdp(model: torch.nn.Module, info: DistInfo, device: torch.device, off
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+    remove_packed_linear(model)  # sharded weights are gathered anew at every forward: nothing to keep packed
     mesh = init_device_mesh(device.type, (info.world_size,))
     kwargs = {"mesh": mesh}
     if offload:

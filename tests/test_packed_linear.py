@@ -1,0 +1,120 @@
+"""oneDNN-packed linear layers at inference (verl/models/packed_linear.py): equal to F.linear to rounding, never
+in the way of gradients, following the weights through optimizer steps and loads, copied models included."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verl.models.loader import load_causal_lm
+from verl.models.packed_linear import (
+    packed_linear_available,
+    packed_weights,
+    refresh_packed_linear,
+    remove_packed_linear,
+    use_packed_linear,
+)
+
+
+def test_this_torch_build_has_it():
+    assert packed_linear_available()  # every CPU build of torch ships oneDNN
+
+
+def packed_layer(inputs: int = 48, outputs: int = 80, bias: bool = True, frozen: bool = True) -> nn.Linear:
+    torch.manual_seed(0)
+    layer = nn.Linear(inputs, outputs, bias=bias).requires_grad_(not frozen)
+    assert use_packed_linear(layer) == 1
+    return layer
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(16, 48), (4, 1, 48), (2, 7, 48)])
+def test_no_grad_forward_equals_f_linear(shape, bias):
+    layer = packed_layer(bias=bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # outside packed_weights(): plain
+        assert layer._verl_packed.packed is None
+        with packed_weights():
+            out = layer(x)
+    assert layer._verl_packed.packed is not None  # the packed path ran
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_take_the_plain_path():
+    layer = packed_layer()  # frozen, but the input needs its gradient (a LoRA layer further down)
+    x = torch.randn(8, 48, requires_grad=True)
+    with packed_weights():
+        out = layer(x)
+    assert torch.equal(out, F.linear(x, layer.weight, layer.bias))  # bit-for-bit: F.linear itself
+    out.sum().backward()
+    assert x.grad is not None
+    assert layer._verl_packed.packed is None  # never packed on this path
+
+
+def test_trainable_weights_are_never_packed_even_after_a_fused_optimizer_step():
+    """The fused AdamW kernel does not bump the weight's version counter: a packed copy of a trainable weight
+    would silently keep the old weights (seen as a wrong validation accuracy), so trainable layers never pack."""
+    layer = packed_layer(frozen=False)
+    x = torch.randn(16, 48)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.5, fused=True)
+    with torch.no_grad(), packed_weights():
+        layer(x)
+    F.linear(torch.randn(4, 48), layer.weight, layer.bias).pow(2).sum().backward()
+    optimizer.step()
+    with torch.no_grad(), packed_weights():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert layer._verl_packed.packed is None
+
+
+def test_packed_copy_follows_in_place_changes_loads_and_refreshes():
+    layer = packed_layer()
+    x = torch.randn(16, 48)
+    with torch.no_grad(), packed_weights():
+        before = layer(x)
+        layer.weight.mul_(2.0)  # an ordinary in-place op: the version counter moves
+        after = layer(x)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    layer.load_state_dict({k: torch.zeros_like(v) for k, v in layer.state_dict().items()})
+    with torch.no_grad(), packed_weights():
+        assert torch.count_nonzero(layer(x)) == 0
+        layer.weight.data += 1.0  # behind autograd's back: invisible until refreshed
+        refresh_packed_linear(layer)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_a_deep_copy_packs_its_own_weights():
+    layer = packed_layer()
+    x = torch.randn(16, 48)
+    with torch.no_grad(), packed_weights():
+        layer(x)
+        twin = copy.deepcopy(layer)
+        twin.weight.mul_(2.0)
+        torch.testing.assert_close(twin(x), F.linear(x, twin.weight, twin.bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_loaded_models_use_it_and_it_can_be_turned_off(monkeypatch):
+    model = load_causal_lm("builtin:tiny-arith")
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    assert linears and all(hasattr(m, "_verl_packed") for m in linears)
+    remove_packed_linear(model)
+    assert not any(hasattr(m, "_verl_packed") or "forward" in vars(m) for m in linears)
+    monkeypatch.setenv("VERL_PACKED_LINEAR", "0")
+    assert not any(hasattr(m, "_verl_packed") for m in load_causal_lm("builtin:tiny-arith").modules())
+
+
+def test_model_logits_match_the_unpacked_model():
+    packed = load_causal_lm("builtin:tiny-arith").eval().requires_grad_(False)
+    plain = copy.deepcopy(packed)
+    remove_packed_linear(plain)
+    ids = torch.randint(3, packed.config.vocab_size, (4, 12))
+    with torch.no_grad():
+        assert torch.equal(packed(ids).logits, plain(ids).logits)  # outside generation: the very same kernels
+        with packed_weights():
+            torch.testing.assert_close(packed(ids).logits, plain(ids).logits, atol=1e-4, rtol=1e-4)
