@@ -71,8 +71,10 @@ def test_two_ray_workers_match_the_local_executor(tmp_path):
 
     w_local = load_file(read_pointer(local.run_dir) / "model.safetensors")
     w_ray = load_file(ray_ckpt / "model.safetensors")
+    # Gradients summed over two ranks differ from one process's in the last bits; Adam divides by sqrt(v), so an
+    # element whose gradient is ~0 turns that into a few percent of one lr-sized step (seen: 2e-6 at lr 1e-4).
     for name, tensor in w_local.items():
-        torch.testing.assert_close(w_ray[name], tensor, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(w_ray[name], tensor, atol=5e-6, rtol=1e-5)
 
 
 def test_one_step_off_policy_over_ray_matches_the_local_executor(tmp_path):
