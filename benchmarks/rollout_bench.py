@@ -64,7 +64,9 @@ def bench_model(path: str, args: argparse.Namespace) -> list[dict]:
     shapes = [parse_shape(s) for s in args.shapes]
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, args.dtype)
-    model.eval()
+    # Frozen, as a LoRA run's base weights are (configs/grpo_smollm2.yaml): the transformers engine then decodes
+    # through oneDNN-packed weights (verl/models/packed_linear.py). A full fine-tuning rollout decodes unpacked.
+    model.eval().requires_grad_(False)
     dataset = RLHFDataset(["builtin:arithmetic/val"], tokenizer)
     start = time.perf_counter()
     vllm_engine = VLLMRollout(path, tokenizer, max_model_len=64 + max(s[2] for s in shapes), seed=0,
