@@ -65,6 +65,7 @@ from verl.models.kv_cache import new_growing_cache
 from verl.models.loader import load_causal_lm, pick_device
 from verl.models.packed_linear import packed_weights
 from verl.rollout.sampler import draw_categorical
+from verl.utils.allocator import keep_freed_memory
 
 log = logging.getLogger("uvicorn.error.serve.engine")  # shows in the uvicorn server log
 FAILURES_BEFORE_DEAD = 8  # consecutive requests that fail alone before the engine declares itself dead
@@ -190,6 +191,7 @@ class TransformersEngine(Engine):
     def _load(self) -> None:
         hf_logging.disable_progress_bar()  # a server log wants one line per load, not a progress bar
         torch.set_num_threads(self.settings.torch_threads)
+        keep_freed_memory()  # recycle activation-sized blocks from the heap (verl/utils/allocator.py)
         self.device = pick_device(self.settings.device)
         model = load_causal_lm(self.model_path, dtype=self.settings.dtype, device=self.device,
                                trust_remote_code=self.settings.trust_remote_code)

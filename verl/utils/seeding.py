@@ -7,6 +7,8 @@ import random
 import numpy as np
 import torch
 
+from verl.utils.allocator import keep_freed_memory
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -30,6 +32,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def set_num_threads(num_threads: int) -> None:
-    """Pin torch's intra-op threads; 0 keeps torch's default. One thread is fastest on small shared CPUs."""
+    """Pin torch's intra-op threads; 0 keeps torch's default. One thread is fastest on small shared CPUs.
+
+    Every computing process (trainer, rollout process, Ray worker) calls this first, so it also keeps freed
+    tensor memory in the heap (``verl.utils.allocator``)."""
+    keep_freed_memory()
     if num_threads > 0:
         torch.set_num_threads(num_threads)
