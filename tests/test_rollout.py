@@ -120,3 +120,23 @@ def test_draw_categorical_samples_the_distribution_and_never_a_zero():
         draw_categorical(torch.tensor([[float("nan"), 1.0]]))
     with pytest.raises(ValueError, match="probability"):
         draw_categorical(torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=5),
+                                    SamplingParams(n=2, temperature=0.0, max_new_tokens=16)])
+def test_dropping_finished_rows_changes_no_token(parts, monkeypatch, params):
+    """Rows that reached eos leave the batch (and its KV cache); every row's draw is still taken, so the rollout is
+    the one the full batch gives, log-probs included."""
+    import verl.rollout.sampler as sampler
+
+    model, tokenizer, dataset = parts
+    prompts = dataset.collate(list(range(24)))
+    params = SamplingParams(**{**params.__dict__, "logprobs": True})
+    dropped = HFRollout(model, tokenizer).generate(prompts, params)
+    lengths = dropped.batch["response_mask"].sum(-1)
+    assert int(lengths.min()) < int(lengths.max())  # ragged: rows did leave early
+    monkeypatch.setattr(sampler, "DROP_FINISHED_ROWS", False)
+    kept = HFRollout(model, tokenizer).generate(prompts, params)
+    assert torch.equal(dropped.batch["responses"], kept.batch["responses"])
+    torch.testing.assert_close(dropped.batch["rollout_log_probs"], kept.batch["rollout_log_probs"], atol=1e-5,
+                               rtol=1e-5)

@@ -19,7 +19,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import DynamicLayer
 
-from verl.models.kv_cache import growing_cache_from
+from verl.models.kv_cache import GrowingLayer, growing_cache_from
 from verl.models.packed_linear import packed_weights
 from verl.rollout.base import SamplingParams
 
@@ -31,20 +31,25 @@ def supports_shared_prefill(model: torch.nn.Module) -> bool:
                 and hasattr(model, "prepare_inputs_for_generation"))
 
 
-def draw_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+DROP_FINISHED_ROWS = True  # tests turn it off to compare with the batch that keeps every row to the end
+
+
+def draw_categorical(probs: torch.Tensor, generator: torch.Generator | None = None,
+                     uniform: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of ``probs`` ``(rows, vocab)`` (non-negative, need not sum to one): ``(rows,)`` int64.
 
-    Inverse-CDF sampling: a float64 cumulative sum, one uniform draw per row from ``generator``, a binary search.
-    ``torch.multinomial`` draws one exponential variate per vocabulary entry instead (on CPU ~15 ms for 16 rows of
-    49,152, ~10% of a SmolLM2 decode step); this takes < 1 ms and samples the same distribution. A zero-probability
-    entry is never drawn. Rows that are not a distribution (NaN, inf, all zero) raise ``ValueError``, as
-    ``torch.multinomial`` does.
+    Inverse-CDF sampling: a float64 cumulative sum, one uniform draw per row (from ``generator``, or given as
+    ``uniform`` ``(rows, 1)`` float64), a binary search. ``torch.multinomial`` draws one exponential variate per
+    vocabulary entry instead (on CPU ~15 ms for 16 rows of 49,152, ~10% of a SmolLM2 decode step); this takes
+    < 1 ms and samples the same distribution. A zero-probability entry is never drawn. Rows that are not a
+    distribution (NaN, inf, all zero) raise ``ValueError``, as ``torch.multinomial`` does.
     """
     cdf = probs.to(torch.float64).cumsum(-1)
     total = cdf[:, -1:]
     if not bool(torch.isfinite(total).all()) or bool((total <= 0).any()) or bool((probs < 0).any()):
         raise ValueError("probability tensor contains either inf, nan or element < 0, or sums to zero")
-    uniform = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
+    if uniform is None:
+        uniform = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
     # Strictly below the total, so the search always lands on an entry with positive probability.
     target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)
@@ -129,25 +134,34 @@ def _sample(
             generators[-1].manual_seed((base * 1_000_003 + int(seed)) % 2**63 if prompt_seeds is not None else base)
     warpers = _warpers(params)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    # Rows still in the batch (original row ids): finished rows leave the KV cache once a quarter of the batch has
+    # finished, so later steps compute only what is still generating (vLLM drops them too). Every row's uniform
+    # draw is still taken at every step, so dropping rows never changes what the others sample.
+    alive = torch.arange(rows, device=device)
+    compactable = DROP_FINISHED_ROWS and bool(cache.layers) and all(isinstance(layer, GrowingLayer)
+                                                                     for layer in cache.layers)
     tokens: list[torch.Tensor] = []
     token_log_probs: list[torch.Tensor] = []
     temperature = 1.0 if params.greedy else params.temperature
     generated = torch.empty((rows, 0), dtype=torch.long, device=device)
     for step in range(params.max_new_tokens):
         if params.greedy:
-            token = logits.argmax(-1)
+            drawn = logits.argmax(-1)
         else:
-            scores = warpers(generated, logits) if warpers else logits
+            scores = warpers(generated[alive], logits) if warpers else logits
             probs = torch.softmax(scores, dim=-1)
-            if len(generators) == 1:
-                token = draw_categorical(probs, generators[0])
-            else:  # one generator per prompt: draw that prompt's n rows from it
-                token = torch.cat([draw_categorical(group_probs, gen)
-                                   for group_probs, gen in zip(probs.split(n), generators, strict=True)])
+            per_prompt = n if len(generators) > 1 else rows  # one generator per prompt draws that prompt's n rows
+            uniform = torch.cat([torch.rand(per_prompt, 1, generator=gen, dtype=torch.float64, device=device)
+                                 for gen in generators])
+            drawn = draw_categorical(probs, uniform=uniform[alive])
+        token = torch.full((rows,), pad_token_id, dtype=torch.long, device=device)
+        token[alive] = drawn
         token = token.masked_fill(finished, pad_token_id)
         if log_probs_out is not None:  # (rows,): one log_softmax over the vocabulary per step, as the actor scores it
             chosen = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
-            token_log_probs.append(chosen.gather(-1, token.unsqueeze(-1)).squeeze(-1).masked_fill(finished, 0.0))
+            step_log_probs = torch.zeros(rows, device=device)
+            step_log_probs[alive] = chosen.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
+            token_log_probs.append(step_log_probs.masked_fill(finished, 0.0))
         tokens.append(token)
         finished |= token == eos_token_id
         done = bool(finished.all())
@@ -157,10 +171,15 @@ def _sample(
             break
         if warpers:
             generated = torch.stack(tokens, dim=1)
-        attention_mask = torch.cat([attention_mask, torch.ones((rows, 1), dtype=attention_mask.dtype,
+        leaving = finished[alive]
+        if compactable and int(leaving.sum()) >= max(1, len(alive) // 4) and not bool(leaving.all()):
+            keep = (~leaving).nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            attention_mask, next_position, alive = attention_mask[keep], next_position[keep], alive[keep]
+        attention_mask = torch.cat([attention_mask, torch.ones((len(alive), 1), dtype=attention_mask.dtype,
                                                                device=device)], dim=1)
-        out = model(input_ids=token.unsqueeze(-1), attention_mask=attention_mask, position_ids=next_position,
-                    past_key_values=cache, use_cache=True)
+        out = model(input_ids=token[alive].unsqueeze(-1), attention_mask=attention_mask,
+                    position_ids=next_position, past_key_values=cache, use_cache=True)
         next_position = next_position + 1
         logits = out.logits[:, -1, :].float()
     if log_probs_out is not None:
