@@ -69,6 +69,7 @@ def _warpers(params: SamplingParams) -> LogitsProcessorList:
 
 
 @torch.no_grad()
+@packed_weights()  # frozen linear layers multiply by oneDNN-packed weights (verl/models/packed_linear.py)
 def sample_with_shared_prefill(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -92,22 +93,6 @@ def sample_with_shared_prefill(
     ``compute_log_prob`` scores (temperature only; top-k/top-p truncation is not part of it). One-step off-policy
     training uses them as ``old_log_probs``, so no extra forward pass is needed to correct for staleness.
     """
-    with packed_weights():  # frozen linear layers multiply by oneDNN-packed weights (verl/models/packed_linear.py)
-        return _sample(model, input_ids, attention_mask, params, eos_token_id, pad_token_id, prompt_seeds, stop_when,
-                       log_probs_out)
-
-
-def _sample(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    params: SamplingParams,
-    eos_token_id: int,
-    pad_token_id: int,
-    prompt_seeds: list[int] | None,
-    stop_when: Callable[[bool], bool] | None,
-    log_probs_out: list[torch.Tensor] | None,
-) -> torch.Tensor:
     n = params.n
     device = input_ids.device
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)

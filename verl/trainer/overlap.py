@@ -79,6 +79,26 @@ def split_cores(cores: list[int]) -> tuple[list[int], list[int]]:
     return cores[:half], cores[half:]
 
 
+class _OneInFlight:
+    """One rollout in flight at a time: the bookkeeping both workers share."""
+
+    _in_flight: tuple[DataProto, Any] | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._in_flight is not None
+
+    def _check_free(self) -> None:
+        if self._in_flight is not None:
+            raise RuntimeError("a rollout is already in flight; take its result first")
+
+    def _take(self) -> tuple[DataProto, Any]:
+        if self._in_flight is None:
+            raise RuntimeError("no rollout in flight")
+        taken, self._in_flight = self._in_flight, None
+        return taken
+
+
 # ---------------------------------------------------------------------------------------------- local: a process
 
 
@@ -108,7 +128,7 @@ def _rollout_process_main(conn: Any, config: dict, roles: list[str], cores: list
             conn.send(("error", detail, traceback.format_exc()))
 
 
-class LocalRolloutProcess:
+class LocalRolloutProcess(_OneInFlight):
     """The rollout in a spawned process on its own cores (see the module docstring)."""
 
     def __init__(self, config: Any, policy: torch.nn.Module, start_timeout_s: float = 600.0):
@@ -133,16 +153,10 @@ class LocalRolloutProcess:
         if trainer_cores and not self.single_core:
             os.sched_setaffinity(0, trainer_cores)
         self.cores = {"trainer": trainer_cores, "rollout": rollout_cores}
-        self._in_flight: tuple[DataProto, int] | None = None
         self._receive("ready", "start", timeout=start_timeout_s)
 
-    @property
-    def pending(self) -> bool:
-        return self._in_flight is not None
-
     def submit(self, prompts: DataProto, params: SamplingParams, weights_version: int) -> None:
-        if self._in_flight is not None:
-            raise RuntimeError("a rollout is already in flight; take its result first")
+        self._check_free()
         with torch.no_grad():  # the rollout process is idle now: nothing reads these tensors
             for name, p in self.policy.named_parameters():
                 if name in self.shared:
@@ -151,11 +165,8 @@ class LocalRolloutProcess:
         self._in_flight = (prompts, weights_version)
 
     def result(self) -> RolloutResult:
-        if self._in_flight is None:
-            raise RuntimeError("no rollout in flight")
-        prompts, _ = self._in_flight
+        prompts, _ = self._take()
         _, batch, version, seconds = self._receive("batch", "generate")
-        self._in_flight = None
         return RolloutResult(prompts, batch, version, seconds)
 
     def _send(self, message: tuple) -> None:
@@ -201,7 +212,7 @@ class LocalRolloutProcess:
 # ---------------------------------------------------------------------------------------------- Ray: one more actor
 
 
-class RayRolloutWorker:
+class RayRolloutWorker(_OneInFlight):
     """The rollout as one more Ray actor (a ``RoleWorker`` with the rollout's roles); the weights go from actor
     rank 0 to it through the object store."""
 
@@ -210,24 +221,15 @@ class RayRolloutWorker:
         self.actor_rank0 = actor_rank0
         self.computes_reference = "ref" in rollout_roles(config)
         self.group = group_factory("rollout", rollout_roles(config))
-        self._in_flight: tuple[DataProto, Any] | None = None
-
-    @property
-    def pending(self) -> bool:
-        return self._in_flight is not None
 
     def submit(self, prompts: DataProto, params: SamplingParams, weights_version: int) -> None:
-        if self._in_flight is not None:
-            raise RuntimeError("a rollout is already in flight; take its result first")
+        self._check_free()
         weights = self.actor_rank0.trainable_weights.remote()  # an ObjectRef: resolved in the rollout actor
         ref = self.group.workers[0].behaviour_rollout.remote(prompts, params, weights, weights_version)
         self._in_flight = (prompts, ref)
 
     def result(self) -> RolloutResult:
-        if self._in_flight is None:
-            raise RuntimeError("no rollout in flight")
-        prompts, ref = self._in_flight
-        self._in_flight = None
+        prompts, ref = self._take()
         batch, version, seconds = self.group.get([ref], "behaviour_rollout")[0]
         return RolloutResult(prompts, batch, version, seconds)
 
