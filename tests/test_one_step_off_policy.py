@@ -39,7 +39,6 @@ class RecordingWorker:
         self.submitted: list[tuple[int, dict[str, torch.Tensor], object]] = []  # (version, weights, prompts)
         self.results = []
 
-    computes_reference = property(lambda self: self.inner.computes_reference)
     pending = property(lambda self: self.inner.pending)
 
     def submit(self, prompts, params, weights_version):

@@ -55,8 +55,6 @@ class RolloutResult:
 class RolloutWorker(Protocol):
     """What the trainer asks of the overlapped rollout: one batch in flight at a time."""
 
-    computes_reference: bool  # the worker adds ``ref_log_prob`` (LoRA: the reference is its own module)
-
     def submit(self, prompts: DataProto, params: SamplingParams, weights_version: int) -> None: ...
     def result(self) -> RolloutResult: ...
     @property
@@ -134,7 +132,6 @@ class LocalRolloutProcess(_OneInFlight):
     def __init__(self, config: Any, policy: torch.nn.Module, start_timeout_s: float = 600.0):
         self.config = config
         self.policy = policy
-        self.computes_reference = "ref" in rollout_roles(config)
         # The parameters the update changes (LoRA: adapters only), in shared memory: written by the trainer while
         # the rollout process is idle (between a result and the next submit), read by it before generating.
         self.shared = {name: p.detach().to("cpu", copy=True).share_memory_()
@@ -219,7 +216,6 @@ class RayRolloutWorker(_OneInFlight):
     def __init__(self, ray: Any, config: Any, actor_rank0: Any, group_factory: Any):
         self.ray = ray
         self.actor_rank0 = actor_rank0
-        self.computes_reference = "ref" in rollout_roles(config)
         self.group = group_factory("rollout", rollout_roles(config))
 
     def submit(self, prompts: DataProto, params: SamplingParams, weights_version: int) -> None:
