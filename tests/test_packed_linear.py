@@ -4,6 +4,7 @@ in the way of gradients, following the weights through optimizer steps and loads
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -54,6 +55,86 @@ def test_gradients_take_the_plain_path():
     out.sum().backward()
     assert x.grad is not None
     assert layer._verl_packed.packed is None  # never packed on this path
+
+
+@pytest.mark.parametrize("shape", [(8, 48), (2, 7, 48)])
+def test_gradients_flow_through_the_packed_copies_when_asked(shape):
+    """LoRA training: the frozen base's products by packed weights, forward and input gradient (packed transpose)."""
+    layer = packed_layer()
+    x = torch.randn(*shape, requires_grad=True)
+    reference = x.detach().clone().requires_grad_(True)
+    with packed_weights(gradients=True):
+        out = layer(x)
+    with torch.no_grad(), packed_weights():
+        assert torch.equal(out, layer(x))  # the no-grad path's very numbers: an untrained LoRA policy = reference
+    expected = F.linear(reference, layer.weight, layer.bias)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert layer._verl_packed.packed_t is None  # built on the first backward only
+    upstream = torch.randn_like(out)
+    out.backward(upstream)
+    expected.backward(upstream)
+    torch.testing.assert_close(x.grad, reference.grad, atol=1e-5, rtol=1e-5)
+    assert layer._verl_packed.packed_t is not None
+    assert layer.weight.grad is None and layer.bias.grad is None  # frozen: no gradient computed or stored
+
+
+def test_the_packed_transpose_follows_the_weight():
+    layer = packed_layer()
+    x = torch.randn(8, 48, requires_grad=True)
+    with packed_weights(gradients=True):
+        layer(x).sum().backward()
+        with torch.no_grad():
+            layer.weight.mul_(-3.0)
+        x.grad = None
+        layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(8, -1), atol=1e-5, rtol=1e-5)
+
+
+def test_trainable_bias_or_autocast_keeps_the_plain_path():
+    layer = packed_layer()
+    layer.bias.requires_grad_(True)
+    x = torch.randn(8, 48, requires_grad=True)
+    with packed_weights(gradients=True):
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    layer.bias.requires_grad_(False)
+    with packed_weights(gradients=True), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16  # autocast's own F.linear, not a float32 packed product
+    assert layer._verl_packed.packed is None
+
+
+def test_lora_update_packs_the_frozen_base_and_matches_the_plain_update(tmp_path, monkeypatch):
+    """One GRPO step with LoRA and a KL loss: the update (forward and backward) and the reference run the frozen
+    base by packed weights; the untrained policy's KL to the reference is exactly zero (same kernels on both
+    sides), and loss, gradient norm and adapters equal the F.linear run's to rounding."""
+    from tests.test_trainer import tiny_config
+    from verl.trainer.local import LocalPPOTrainer
+
+    def run(name: str) -> LocalPPOTrainer:
+        config = tiny_config(tmp_path / name, model={"lora": {"rank": 4, "alpha": 8}},
+                             actor={"use_kl_loss": True, "kl_loss_coef": 0.1})
+        trainer = LocalPPOTrainer(config, quiet=True)
+        trainer.fit()
+        return trainer
+
+    packed = run("packed")
+    monkeypatch.setenv("VERL_PACKED_LINEAR", "0")
+    plain = run("plain")
+    base_layers = {name: m for name, m in packed.model.named_modules()
+                   if hasattr(m, "_verl_packed") and not m.weight.requires_grad}
+    assert base_layers and all(m._verl_packed.packed is not None for m in base_layers.values())
+    # Input gradients flow through every base layer after the first block (the first one's inputs are frozen
+    # embeddings: nothing to propagate to).
+    assert all(m._verl_packed.packed_t is not None for name, m in base_layers.items()
+               if "layers.0." not in name and "lm_head" not in name)
+    rows = [json.loads(line) for line in packed.config.log_path().read_text().splitlines()]
+    plain_rows = [json.loads(line) for line in plain.config.log_path().read_text().splitlines()]
+    ppo = next(r for r in rows if r["scope"] == "ppo" and r["step"] == 1)
+    plain_ppo = next(r for r in plain_rows if r["scope"] == "ppo" and r["step"] == 1)
+    assert ppo["kl_div"] == 0.0 and ppo["kl_loss"] == 0.0
+    for key in ("policy_loss", "grad_norm", "entropy"):
+        assert ppo[key] == pytest.approx(plain_ppo[key], rel=1e-4, abs=1e-6)
+    for (name, a), (_, b) in zip(packed.model.named_parameters(), plain.model.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_trainable_weights_are_never_packed_even_after_a_fused_optimizer_step():

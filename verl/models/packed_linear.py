@@ -37,13 +37,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("verl_packed_weights", default=False)
+# 0: plain F.linear; 1: packed where no gradient flows; 2: packed also where a gradient flows to the input.
+_ACTIVE: contextvars.ContextVar[int] = contextvars.ContextVar("verl_packed_weights", default=0)
 
 
 @contextlib.contextmanager
-def packed_weights() -> Iterator[None]:
-    """Let frozen linear layers use their packed weights in this block (this thread / task only)."""
-    token = _ACTIVE.set(True)
+def packed_weights(gradients: bool = False) -> Iterator[None]:
+    """Let frozen linear layers use their packed weights in this block (this thread / task only).
+
+    ``gradients=True`` also packs products whose input needs a gradient (LoRA training: the frozen base layers
+    between the adapters): forward by the packed weight, the input's gradient by a packed copy of its transpose.
+    """
+    token = _ACTIVE.set(2 if gradients else 1)
     try:
         yield
     finally:
@@ -58,11 +63,12 @@ def packed_linear_available() -> bool:
 class _PackedWeight:
     """The packed copy of one ``nn.Linear`` weight and what it was packed from (storage pointer, version)."""
 
-    __slots__ = ("key", "packed")
+    __slots__ = ("key", "packed", "packed_t")
 
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None
         self.packed: torch.Tensor | None = None
+        self.packed_t: torch.Tensor | None = None  # the transpose's, for input gradients (built on first need)
 
     def __deepcopy__(self, memo: dict) -> _PackedWeight:
         return _PackedWeight()  # a copied model packs its own (copied) weights on first use
@@ -71,26 +77,84 @@ class _PackedWeight:
         return None
 
     def __setstate__(self, state: None) -> None:
-        self.key = self.packed = None
+        self.key = self.packed = self.packed_t = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed ``(out, in)`` weight."""
+        self._check(weight)
+        if self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        return self.packed
+
+    def get_transposed(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed ``(in, out)`` transpose: ``grad_input = grad_output @ weight`` as a packed linear."""
+        self._check(weight)
+        if self.packed_t is None:
+            self.packed_t = torch.ops.mkldnn._reorder_linear_weight(weight.detach().t().contiguous(), None)
+        return self.packed_t
+
+    def _check(self, weight: torch.Tensor) -> None:
         key = (weight.data_ptr(), weight._version)
         if key != self.key:  # first use, an in-place update (optimizer step) or a new tensor (checkpoint load)
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self.packed = self.packed_t = None
             self.key = key
-        return self.packed
+
+
+def _pointwise(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(input.contiguous(), packed, bias, "none", [], "")
+
+
+def packed_cache(module: nn.Module, input: torch.Tensor, gradients: bool | None = None) -> _PackedWeight | None:
+    """The packed copies ``module`` multiplies ``input`` by here and now, or None where it uses ``F.linear``
+    (outside ``packed_weights()``, a trainable weight or bias, autocast, not fp32 CPU, or a gradient to flow to the
+    input outside ``packed_weights(gradients=True)``). ``gradients`` overrides whether one flows."""
+    cache = getattr(module, "_verl_packed", None)
+    mode = _ACTIVE.get()
+    if cache is None or mode == 0:
+        return None
+    weight, bias = module.weight, module.bias
+    if gradients is None:
+        gradients = torch.is_grad_enabled() and input.requires_grad
+    if weight.requires_grad or (bias is not None and bias.requires_grad) or (gradients and mode < 2) \
+            or torch.is_autocast_enabled("cpu") or input.dtype != torch.float32 or weight.dtype != torch.float32 \
+            or input.device.type != "cpu" or weight.device.type != "cpu":
+        return None
+    return cache
+
+
+def packed_product(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   cache: _PackedWeight) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` by the packed copy (no autograd: the caller handles gradients)."""
+    return _pointwise(input, cache.get(weight), bias.detach() if bias is not None else None)
+
+
+def packed_product_transposed(grad_output: torch.Tensor, weight: torch.Tensor, cache: _PackedWeight) -> torch.Tensor:
+    """``grad_output @ weight``, the input's gradient of ``F.linear``, by the packed transpose."""
+    return _pointwise(grad_output, cache.get_transposed(weight), None)
+
+
+class _PackedLinearFunction(torch.autograd.Function):
+    """``F.linear`` by a frozen weight's packed copies: the input's gradient only (the weight and bias get none)."""
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                cache: _PackedWeight) -> torch.Tensor:
+        ctx.weight, ctx.cache = weight, cache  # the weight itself, not saved for backward: it is frozen
+        return packed_product(input, weight, bias, cache)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return packed_product_transposed(grad_output, ctx.weight, ctx.cache), None, None, None
 
 
 def _packed_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` through the packed weight when no gradient can flow (see the module docstring)."""
-    weight = self.weight
-    plain = not _ACTIVE.get() or weight.requires_grad or (torch.is_grad_enabled() and input.requires_grad)
-    if plain or input.dtype != torch.float32 or weight.dtype != torch.float32 or input.device.type != "cpu" \
-            or weight.device.type != "cpu":
-        return F.linear(input, weight, self.bias)
-    packed = self._verl_packed.get(weight)
-    bias = self.bias.detach() if self.bias is not None else None
-    return torch.ops.mkldnn._linear_pointwise(input.contiguous(), packed, bias, "none", [], "")
+    """``nn.Linear.forward`` through the packed weight where ``packed_cache`` allows it (see the module docstring)."""
+    cache = packed_cache(self, input)
+    if cache is None:
+        return F.linear(input, self.weight, self.bias)
+    if torch.is_grad_enabled() and input.requires_grad:
+        return _PackedLinearFunction.apply(input, self.weight, self.bias, cache)
+    return packed_product(input, self.weight, self.bias, cache)
 
 
 def refresh_packed_linear(model: nn.Module) -> None:

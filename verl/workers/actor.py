@@ -21,6 +21,7 @@ from verl.algos.kl import kl_penalty
 from verl.algos.losses import agg_loss, get_policy_loss, global_agg_denominators
 from verl.algos.masked import masked_mean
 from verl.config import ActorConfig
+from verl.models.packed_linear import packed_weights
 from verl.protocol import DataProto
 from verl.workers.dist import DistInfo, all_reduce_gradients, all_reduce_sums, grad_norm_value, local_shard
 from verl.workers.forward import response_log_probs
@@ -65,6 +66,7 @@ class Actor:
         return 1  # the scheduler counts training steps (one scheduler.step per step), not optimizer steps
 
     @torch.no_grad()
+    @packed_weights(gradients=True)  # frozen layers (LoRA's base) by packed weights; trainable ones stay F.linear
     def compute_log_prob(self, data: DataProto, micro_batch_size: int | None = None) -> torch.Tensor:
         """Log-probs of the responses under the current policy, ``(batch, response_len)``."""
         self.model.eval()
@@ -77,6 +79,7 @@ class Actor:
         self.model.train()
         return torch.cat(parts)
 
+    @packed_weights(gradients=True)  # the frozen base's products forward and backward (packed_linear.py)
     def update_policy(self, data: DataProto, mini_batch_size: int) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches of ``mini_batch_size`` responses; returns mean metrics."""
         cfg = self.config

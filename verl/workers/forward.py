@@ -7,16 +7,29 @@ Two things are never computed:
   is run once per group, its KV cache is repeated ``n`` times, and only the response tokens are run per sample
   ("shared prefix"). Gradients flow through the repeated cache, so the update is exactly the plain one; for
   a prompt of ~20 tokens and responses of ~8 this does ~2.5x less work per forward and backward.
+
+and for the model families whose logits are exactly ``lm_head(last hidden state)`` (``FUSED_HEAD_MODEL_TYPES``),
+no ``(tokens, vocabulary)`` logits tensor is built either: the decoder's hidden states go to
+``verl.models.token_log_probs`` (LM head, log-softmax and entropy a block of rows at a time, in cache).
+``VERL_FUSED_LOG_PROBS=0`` turns that off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from verl.algos.losses import entropy_from_log_probs
+from verl.models.token_log_probs import token_log_probs
+
+# CausalLM classes whose forward computes ``logits = lm_head(hidden_states)`` and nothing more (no soft-capping,
+# no logit scale): the fused path gives their log-probs to rounding.
+FUSED_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None):
@@ -43,22 +56,17 @@ def response_log_probs(
     metric only, computed outside the autograd graph.
     """
     responses = batch["responses"]
-    width = responses.shape[1]
     device = responses.device
     # Activation checkpointing turns the KV cache off inside HF models; use the plain path there.
     group = 1 if getattr(model, "is_gradient_checkpointing", False) else shared_prefix_group_size(batch, group_size)
+    parts = _decoder_and_head(model) if autocast_dtype is None and not (with_entropy and entropy_grad) else None
+    if parts is not None:
+        decoder, head = parts
+        hidden = _response_states(model, batch, group, decoder)  # (batch, response_len, hidden)
+        log_probs, entropy = token_log_probs(hidden, head, responses, temperature)
+        return log_probs, entropy if with_entropy else None
     with autocast_context(device, autocast_dtype):
-        if group > 1:
-            logits = _shared_prefix_logits(model, batch, group)
-        else:
-            out = model(
-                input_ids=batch["input_ids"],
-                attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"],
-                logits_to_keep=width + 1,
-                use_cache=False,
-            )
-            logits = out.logits[:, -width - 1 : -1, :]
+        logits = _response_states(model, batch, group)
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -71,6 +79,38 @@ def response_log_probs(
         with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             entropy = entropy_from_log_probs(log_probs_all)
     return log_probs, entropy
+
+
+def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, nn.Linear] | None:
+    """The decoder (hidden states) and LM head of a model the fused log-prob path serves, else None."""
+    if os.environ.get("VERL_FUSED_LOG_PROBS", "1") == "0":
+        return None
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in FUSED_HEAD_MODEL_TYPES:
+        return None
+    get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+    if get_decoder is None or get_head is None:
+        return None
+    decoder, head = get_decoder(), get_head()
+    if decoder is None or type(head) is not nn.Linear:  # e.g. a LoRA-wrapped head: leave it to the model
+        return None
+    if isinstance(head.weight.data, DTensor):  # FSDP: only the root module's forward gathers the shards
+        return None
+    return decoder, head
+
+
+def _response_states(model: torch.nn.Module, batch: dict[str, torch.Tensor], group: int,
+                     decoder: torch.nn.Module | None = None) -> torch.Tensor:
+    """What predicts each response token: the logits ``(batch, response_len, vocab)``, or with ``decoder`` (the
+    model's decoder stack) its last hidden states ``(batch, response_len, hidden)``."""
+    width = batch["responses"].shape[1]
+    if group > 1:
+        return _shared_prefix_states(model, batch, group, decoder)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "position_ids": batch["position_ids"], "use_cache": False}
+    if decoder is not None:
+        return decoder(**inputs).last_hidden_state[:, -width - 1 : -1, :]
+    return model(**inputs, logits_to_keep=width + 1).logits[:, -width - 1 : -1, :]
 
 
 def shared_prefix_group_size(batch: dict[str, torch.Tensor], group_size: int) -> int:
@@ -89,34 +129,41 @@ def shared_prefix_group_size(batch: dict[str, torch.Tensor], group_size: int) ->
     return group_size
 
 
-def _shared_prefix_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], group: int) -> torch.Tensor:
-    """Response logits ``(batch, response_len, vocab)``: prompts once per group, responses per sample."""
+def _shared_prefix_states(model: torch.nn.Module, batch: dict[str, torch.Tensor], group: int,
+                          decoder: torch.nn.Module | None = None) -> torch.Tensor:
+    """``_response_states`` with prompts run once per group and responses per sample."""
     prompt_len = batch["prompts"].shape[1]
     width = batch["responses"].shape[1]
     mask, positions = batch["attention_mask"], batch["position_ids"]
-    prefix = model(
+    if decoder is not None:
+        call, last = decoder, (lambda out: out.last_hidden_state)
+        prefix_extra = {}
+    else:
+        call, last = model, (lambda out: out.logits)
+        # The last position as an index tensor, not ``1``: the slice ``[:, -1:]`` is a strided view that sends the
+        # LM head down a batched product with the weight broadcast per row (~6 GFLOP/s on CPU, ~70 ms at 49k
+        # vocabulary); the indexed copy is contiguous and takes one GEMM.
+        prefix_extra = {"logits_to_keep": torch.tensor([prompt_len - 1], device=mask.device)}
+    prefix = call(
         input_ids=batch["prompts"][::group],
         attention_mask=mask[::group, :prompt_len],
         position_ids=positions[::group, :prompt_len],
         use_cache=True,
-        # The last position as an index tensor, not ``1``: the slice ``[:, -1:]`` is a strided view that sends the
-        # LM head down a batched product with the weight broadcast per row (~6 GFLOP/s on CPU, ~70 ms at 49k
-        # vocabulary); the indexed copy is contiguous and takes one GEMM.
-        logits_to_keep=torch.tensor([prompt_len - 1], device=mask.device),
+        **prefix_extra,
     )
     cache = prefix.past_key_values
     cache.batch_repeat_interleave(group)  # differentiable: each sample's gradient flows into the shared prompt
-    first = prefix.logits[:, -1:, :].repeat_interleave(group, dim=0)  # predicts response token 0
+    first = last(prefix)[:, -1:, :].repeat_interleave(group, dim=0)  # predicts response token 0
     if width == 1:
         return first
-    rest = model(
+    rest = call(
         input_ids=batch["responses"][:, :-1],
         attention_mask=mask[:, : prompt_len + width - 1],
         position_ids=positions[:, prompt_len : prompt_len + width - 1],
         past_key_values=cache,
         use_cache=True,
     )
-    return torch.cat([first, rest.logits], dim=1)
+    return torch.cat([first, last(rest)], dim=1)
 
 
 def response_values(

@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 
+from verl.models.packed_linear import packed_weights
 from verl.protocol import DataProto
 from verl.workers.forward import response_log_probs
 
@@ -40,7 +41,11 @@ class Reference:
         was_training = self.model.training
         self.model.eval()
         parts = []
-        with self.weights():
+        # With LoRA the actor's frozen base multiplies by packed weights (Actor.update_policy) and the reference is
+        # that base, so it does too: an untrained policy's log-probs equal the reference's bit for bit. A separate
+        # reference model keeps F.linear, as a fully trained actor's trainable layers do.
+        packing = packed_weights() if self.adapters_disabled else contextlib.nullcontext()
+        with self.weights(), packing:
             for micro in data.split(self.micro_batch_size) if self.micro_batch_size else [data]:
                 batch = {k: micro.batch[k].to(device) for k in MODEL_KEYS}
                 log_probs, _ = response_log_probs(self.model, batch, self.temperature,
