@@ -37,3 +37,30 @@ def read_gbs(num_bytes: int, repeats: int = 10) -> float:
     """GB/s of reading ``num_bytes`` of fp32 once (a sum over a buffer that size)."""
     buffer = torch.randn(max(1, num_bytes // 4))
     return buffer.numel() * 4 / median_time(buffer.sum, repeats) / 1e9
+
+
+def linear_weight_count(model: torch.nn.Module) -> int:
+    """Parameters a token is multiplied by: every ``nn.Linear`` weight, the LM head included (an embedding lookup
+    costs no FLOPs). A decoded token costs ``2 x`` this many FLOPs."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def decode_limits(model: torch.nn.Module, rows: int, repeats: int = 100) -> dict[str, float]:
+    """The machine's limits for decoding ``rows`` sequences at once with ``model`` (fp32, this thread count):
+
+    - ``gemm_gflops``: a ``rows x hidden x intermediate`` GEMM, the compute reference;
+    - ``read_floor_tok_s``: tokens/s if every decode step only read the linear weights once at ``read_gbs``.
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    weights = linear_weight_count(model)
+    read = read_gbs(weights * 4)
+    return {"gemm_gflops": gemm_gflops(rows, config.hidden_size, config.intermediate_size, repeats),
+            "gemm_shape": f"{rows}x{config.hidden_size}x{config.intermediate_size}", "read_gbs": read,
+            "flop_per_token": 2.0 * weights, "read_floor_tok_s": rows / (weights * 4 / (read * 1e9))}
+
+
+def decode_efficiency(tok_s: float, limits: dict[str, float]) -> str:
+    """``"<GFLOP/s> (<% of the GEMM>, <% of the read floor>)"`` for a decode rate of ``tok_s``."""
+    gflops = tok_s * limits["flop_per_token"] / 1e9
+    return (f"{gflops:.1f} ({100 * gflops / limits['gemm_gflops']:.0f}% of GEMM, "
+            f"{100 * tok_s / limits['read_floor_tok_s']:.0f}% of read floor)")

@@ -13,6 +13,11 @@ both engines back to back (alternating which goes first) so load from other proc
 = generated tokens (``response_mask`` sum) / wall time of one ``generate`` call; medians over repeats.
 Engine start-up (vLLM: 15-60 s) is reported separately, not counted.
 
+How close to the machine's limit (timed in the same run, one thread): each engine's decode GFLOP/s (generated
+tokens/s x 2 x the linear weights; prefill not counted) as a % of a ``rows x hidden x intermediate`` fp32 GEMM
+(rows = prompts x samples, the decode batch), and tokens/s as a % of the read floor (every decode step reading the
+linear weights once at the measured one-thread read bandwidth).
+
 Run from the vLLM environment (scripts/vllm_env.sh builds it):
 
     .venv-vllm/bin/python benchmarks/rollout_bench.py                      # both sizes, three shapes
@@ -27,6 +32,8 @@ import os
 import statistics
 import time
 from pathlib import Path
+
+from probes import decode_efficiency, decode_limits
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = ["builtin:tiny-arith", "builtin:small-arith-base"]
@@ -97,7 +104,8 @@ def bench_model(path: str, args: argparse.Namespace) -> list[dict]:
                     time.sleep(1.5)
             result: dict = {"model": path, "params_m": _count_params(model) / 1e6, "dtype": args.dtype,
                             "shape": f"{n_prompts}x{n}x{max_new}", "vllm_start_s": start_s,
-                            "sync_s_median": statistics.median(sync_times)}
+                            "sync_s_median": statistics.median(sync_times),
+                            "limits": decode_limits(model, n_prompts * n)}
             for name in ("hf", "vllm"):
                 rates = [t / s for t, s in zip(tokens[name], times[name], strict=True)]
                 result[name] = {"tok_s_median": statistics.median(rates), "tok_s_min": min(rates),
@@ -117,8 +125,8 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
         "shape = prompts x samples x max new tokens",
         "",
         "| model | params | shape | transformers tok/s (min–max) | vLLM tok/s (min–max) | vLLM / transformers | "
-        "tokens per call (hf / vllm) | vLLM start | weight sync |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "tokens per call (hf / vllm) | vLLM start | weight sync | transformers decode GFLOP/s | vLLM decode GFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         hf, vl = r["hf"], r["vllm"]
@@ -126,8 +134,16 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
             f"| {r['model']} | {r['params_m']:.1f}M | {r['shape']} | {hf['tok_s_median']:,.0f} "
             f"({hf['tok_s_min']:,.0f}–{hf['tok_s_max']:,.0f}) | {vl['tok_s_median']:,.0f} ({vl['tok_s_min']:,.0f}–"
             f"{vl['tok_s_max']:,.0f}) | {r['ratio']:.2f}× | {hf['tokens_median']:.0f} / {vl['tokens_median']:.0f} | "
-            f"{r['vllm_start_s']:.0f} s | {r['sync_s_median']:.2f} s |"
+            f"{r['vllm_start_s']:.0f} s | {r['sync_s_median']:.2f} s | "
+            f"{decode_efficiency(hf['tok_s_median'], r['limits'])} | "
+            f"{decode_efficiency(vl['tok_s_median'], r['limits'])} |"
         )
+    if results:
+        limits = results[-1]["limits"]
+        lines += ["", f"Probes in this run (one thread): {limits['gemm_shape']} fp32 GEMM "
+                  f"{limits['gemm_gflops']:.1f} GFLOP/s; read bandwidth {limits['read_gbs']:.1f} GB/s, a read floor of "
+                  f"{limits['read_floor_tok_s']:,.0f} tok/s for the last row's model and shape (each row's own limits "
+                  "are in the JSON)."]
     return "\n".join(lines)
 
 

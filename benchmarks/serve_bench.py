@@ -23,6 +23,11 @@ previous answer arrives), non-streaming; latency is send -> complete response. A
 warmed up) first and stay up, but only one is measured at a time: every (server, clients) level runs ``--rounds``
 times (default 4), each round in a different order (distinct permutations in a seeded random order), so load
 from other jobs on a shared machine falls on all servers alike and no server always follows the same one.
+
+How close to the machine's limit (probes timed in this process before the servers start, one thread): each
+level's output tokens/s x 2 x the model's linear weights as GFLOP/s, against a fp32 GEMM of the level's decode
+batch (min(clients, --batch) rows x hidden x intermediate) and against the read floor (each decode step reading
+the linear weights once at the measured read bandwidth). Prefill work is not counted, so these understate.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import torch
+from probes import decode_efficiency, decode_limits
 
 from verl.utils.net import free_port
 
@@ -222,7 +229,7 @@ def main() -> None:
         names = [n for n in names if n not in ("ours-vllm", "vllm-server")]
     results: dict = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "model": model_dir,
                      "max_tokens": args.max_tokens, "batch": args.batch, "rounds": args.rounds, "chat": args.chat,
-                     "seed": args.seed, "servers": {}}
+                     "seed": args.seed, "servers": {}, "limits": machine_limits(model_dir, args)}
     # All servers stay up (idle ones use no CPU) and are measured one at a time, interleaved and in a rotating
     # order, so a neighbour's burst on this shared machine hits every server alike instead of one of them.
     targets: dict[str, Target] = {}
@@ -261,6 +268,17 @@ def main() -> None:
     print(table(results))
 
 
+def machine_limits(model_dir: str, args: argparse.Namespace) -> dict[str, dict]:
+    """Per client count: the GEMM and read-floor probes at that level's decode batch (one thread, this process)."""
+    from verl.models.loader import load_causal_lm
+
+    torch.set_num_threads(1)
+    model = load_causal_lm(model_dir)
+    limits = {str(c): decode_limits(model, min(c, args.batch)) for c in args.concurrency}
+    del model
+    return limits
+
+
 def summarise(rounds: list[dict]) -> list[dict]:
     """Per client count: median req/s over the rounds (and its range), latency percentiles over all requests."""
     levels = []
@@ -280,15 +298,18 @@ def summarise(rounds: list[dict]) -> list[dict]:
 
 def table(results: dict) -> str:
     servers = results["servers"]
+    limits = results.get("limits", {})
     lines = ["| server | clients | req/s (median) | req/s range | tok/s (median) | p50 s | p95 s | out tok/req | "
-             "requests | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "requests | errors | output GFLOP/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, data in servers.items():
         for lv in data["levels"]:
             low, high = lv["rps_range"]
+            level_limits = limits.get(str(lv["clients"]))
+            efficiency = decode_efficiency(lv["tokens_per_s"], level_limits) if level_limits else "-"
             lines.append(f"| {name} | {lv['clients']} | {lv['rps']:.2f} | {low:.2f}-{high:.2f} | "
                          f"{lv['tokens_per_s']:.1f} | {lv['p50_s']:.2f} | "
                          f"{lv['p95_s']:.2f} | {lv['mean_completion_tokens']:.1f} | {lv['requests']} | "
-                         f"{lv['errors']} |")
+                         f"{lv['errors']} | {efficiency} |")
 
     def at(name: str, clients: int) -> dict | None:
         for lv in servers.get(name, {}).get("levels", []):
@@ -311,6 +332,10 @@ def table(results: dict) -> str:
     if c and d:
         lines.append(f"(c)/(d) at {top} clients: {c['rps'] / d['rps']:.2f}x req/s, p95 {c['p95_s']:.2f}s vs "
                      f"{d['p95_s']:.2f}s (target >= 0.9x)")
+    for clients, level_limits in limits.items():
+        lines.append(f"Probes at {clients} clients (one thread): {level_limits['gemm_shape']} fp32 GEMM "
+                     f"{level_limits['gemm_gflops']:.1f} GFLOP/s; read floor {level_limits['read_floor_tok_s']:,.0f} "
+                     f"tok/s at {level_limits['read_gbs']:.1f} GB/s")
     return "\n".join(lines)
 
 
