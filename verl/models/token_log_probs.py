@@ -44,11 +44,10 @@ class _TokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: nn.Linear,
-                tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                tokens: torch.Tensor, temperature: float, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
         rows = hidden.shape[0]
         log_probs = hidden.new_empty(rows)
         entropy = hidden.new_empty(rows)
-        keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         blocks: list[torch.Tensor] = []  # per block: softmax at temperature (rows, vocab), kept for the backward
         for start in range(0, rows, BLOCK_ROWS):
             logits = _head_logits(hidden[start : start + BLOCK_ROWS], head)
@@ -101,7 +100,7 @@ class _TokenLogProbs(torch.autograd.Function):
             if grad_bias is not None:
                 grad_bias.add_(grad_logits.sum(0))
         ctx.blocks = None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def token_log_probs(hidden: torch.Tensor, head: nn.Linear, tokens: torch.Tensor, temperature: float = 1.0
@@ -113,6 +112,9 @@ def token_log_probs(hidden: torch.Tensor, head: nn.Linear, tokens: torch.Tensor,
     """
     shape = tokens.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    # Keep the softmax blocks only when a backward can come (``needs_input_grad`` ignores no_grad mode).
+    trainable = hidden.requires_grad or head.weight.requires_grad or (head.bias is not None and head.bias.requires_grad)
+    keep = torch.is_grad_enabled() and trainable
     log_probs, entropy = _TokenLogProbs.apply(flat_hidden, head.weight, head.bias, head, tokens.reshape(-1),
-                                              float(temperature))
+                                              float(temperature), keep)
     return log_probs.view(shape), entropy.view(shape)
