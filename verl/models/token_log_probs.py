@@ -22,21 +22,12 @@ its weight gradient (``grad_z^T @ hidden``) too.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from verl.models.packed_linear import packed_cache, packed_product, packed_product_transposed
+from verl.models.packed_linear import packed_cache, packed_product_transposed
 
 BLOCK_ROWS = 128  # LM-head rows per product: 128 x 49,152 fp32 = 25 MB, under glibc's 32 MB mmap threshold
 CACHE_ROWS = 8  # rows per log-softmax / softmax pass: 8 x 49,152 fp32 = 1.5 MB, inside a core's L2
-
-
-def _head_logits(hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
-    """``(rows, vocab)`` logits of ``hidden`` ``(rows, H)``: the packed product where the layer would use it."""
-    cache = packed_cache(head, hidden)
-    if cache is not None:
-        return packed_product(hidden, head.weight, head.bias, cache)
-    return F.linear(hidden, head.weight, head.bias)
 
 
 class _TokenLogProbs(torch.autograd.Function):
@@ -50,7 +41,8 @@ class _TokenLogProbs(torch.autograd.Function):
         entropy = hidden.new_empty(rows)
         blocks: list[torch.Tensor] = []  # per block: softmax at temperature (rows, vocab), kept for the backward
         for start in range(0, rows, BLOCK_ROWS):
-            logits = _head_logits(hidden[start : start + BLOCK_ROWS], head)
+            # The layer itself (grad mode is off in here): its packed product where it would use one.
+            logits = head(hidden[start : start + BLOCK_ROWS])
             for sub in range(0, logits.shape[0], CACHE_ROWS):
                 z = logits[sub : sub + CACHE_ROWS]
                 if temperature != 1.0:
