@@ -9,6 +9,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
 from verl.config import LoraConfig
+from verl.models.fused_lora import use_fused_lora
 
 
 def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
@@ -19,7 +20,11 @@ def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
         target_modules=config.target_modules,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, peft_config)
+    model = get_peft_model(model, peft_config)
+    # Each adapted layer as one autograd node, the adapter's term summed inside a GEMM (CPU fp32; peft's own
+    # forward elsewhere); see verl/models/fused_lora.py.
+    use_fused_lora(model)
+    return model
 
 
 def is_lora(model: torch.nn.Module) -> bool:
