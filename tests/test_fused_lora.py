@@ -140,3 +140,11 @@ def test_apply_lora_fuses_and_it_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("VERL_FUSED_LORA", "0")
     model = apply_lora(load_causal_lm("builtin:tiny-arith"), config)
     assert not any("forward" in m.__dict__ for m in model.modules() if type(m) is LoraLinear)
+
+
+def test_no_gradient_forward_equals_peft_by_the_packed_base():
+    plain, fused = adapted(fused=False), adapted(packed=True)
+    x = torch.randn(2, 5, 24)
+    with torch.no_grad(), packed_weights():
+        torch.testing.assert_close(fused(x), plain(x), atol=1e-5, rtol=1e-5)
+    assert fused.base_model.model.up.base_layer._verl_packed.packed is not None

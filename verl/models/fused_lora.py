@@ -20,6 +20,8 @@ one active adapter, adapters enabled and not merged, no dropout in effect (``p =
 CPU base layer of type ``nn.Linear``, no autocast, no per-row ``adapter_names``. Everything else runs peft's own
 forward. ``VERL_FUSED_LORA=0`` turns it off.
 
+Without a gradient (generation) the same arithmetic runs without an autograd node's cost.
+
     from verl.models.fused_lora import use_fused_lora
     use_fused_lora(peft_model)   # returns how many LoRA layers got the fused forward
 """
@@ -88,22 +90,42 @@ def _single_vanilla_adapter(layer: nn.Module) -> str | None:
     return name
 
 
-def _fused_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """peft's ``lora.Linear.forward`` as one autograd node where that computes the same (module docstring)."""
-    name = None if args or kwargs else _single_vanilla_adapter(self)
-    base = self.base_layer
+def _fusable_adapter(layer: nn.Module, x: torch.Tensor) -> str | None:
+    """The adapter whose term the fused path may compute for ``layer`` and input ``x``, else None: one vanilla
+    adapter (``_single_vanilla_adapter``) on a frozen fp32 CPU ``nn.Linear`` base, fp32 CPU input, no autocast."""
+    name = _single_vanilla_adapter(layer)
+    base = layer.base_layer
     if name is None or type(base) is not nn.Linear:
-        return type(self).forward(self, x, *args, **kwargs)  # peft's own
-    lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
-    weight = base.weight
+        return None
+    lora_a, lora_b, weight = layer.lora_A[name].weight, layer.lora_B[name].weight, base.weight
     if weight.requires_grad or (base.bias is not None and base.bias.requires_grad) \
             or torch.is_autocast_enabled("cpu") or x.device.type != "cpu" or weight.device.type != "cpu" \
             or not (x.dtype == weight.dtype == lora_a.dtype == lora_b.dtype == torch.float32) \
             or type(weight) not in (torch.Tensor, nn.Parameter):  # DTensor (FSDP) and other subclasses
-        return type(self).forward(self, x, *args, **kwargs)
+        return None
+    return name
+
+
+def _fused_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """peft's ``lora.Linear.forward`` as one autograd node where that computes the same (module docstring)."""
+    name = None if args or kwargs else _fusable_adapter(self, x)
+    if name is None:
+        return type(self).forward(self, x, *args, **kwargs)  # peft's own
+    base = self.base_layer
+    lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
     gradients = torch.is_grad_enabled() and (x.requires_grad or lora_a.requires_grad or lora_b.requires_grad)
-    cache = packed_cache(base, x, gradients=gradients and x.requires_grad)
-    return _LoraLinearFunction.apply(x, lora_a, lora_b, float(self.scaling[name]), base, cache)
+    if gradients:
+        cache = packed_cache(base, x, gradients=x.requires_grad)
+        return _LoraLinearFunction.apply(x, lora_a, lora_b, float(self.scaling[name]), base, cache)
+    # No gradient (generation): the same arithmetic without an autograd node's cost
+    rows = x.reshape(-1, x.shape[-1])
+    cache = packed_cache(base, x, gradients=False)
+    if cache is not None:
+        out = packed_product(rows, base.weight, base.bias, cache)
+    else:
+        out = F.linear(rows, base.weight, base.bias)
+    out.addmm_(torch.mm(rows, lora_a.t()), lora_b.t(), alpha=float(self.scaling[name]))
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def use_fused_lora(model: nn.Module) -> int:
