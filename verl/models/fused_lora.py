@@ -117,13 +117,10 @@ def _fused_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) 
     if gradients:
         cache = packed_cache(base, x, gradients=x.requires_grad)
         return _LoraLinearFunction.apply(x, lora_a, lora_b, float(self.scaling[name]), base, cache)
-    # No gradient (generation): the same arithmetic without an autograd node's cost
+    # No gradient (generation): the same arithmetic without an autograd node's cost. The base layer itself
+    # multiplies: its packed product where it would use one (verl/models/packed_linear.py).
     rows = x.reshape(-1, x.shape[-1])
-    cache = packed_cache(base, x, gradients=False)
-    if cache is not None:
-        out = packed_product(rows, base.weight, base.bias, cache)
-    else:
-        out = F.linear(rows, base.weight, base.bias)
+    out = base(rows)
     out.addmm_(torch.mm(rows, lora_a.t()), lora_b.t(), alpha=float(self.scaling[name]))
     return out.view(*x.shape[:-1], out.shape[-1])
 
