@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 
 from eval import plots
-from eval.evaluators import build_evaluator
 from eval.report import Doc, fmt, ordered_metrics, training_curves
 from eval.runner import (
     EvalSettings,
@@ -49,6 +48,7 @@ from eval.runner import (
 )
 from eval.stats import mcnemar, paired_resample, pearson, permutation_importance
 from verl.errors import CheckpointError, ConfigError, VerlError
+from verl.evaluators import build_evaluator
 from verl.trainer.checkpoint import list_checkpoints, read_pointer
 from verl.utils.fs import atomic_write_json, ensure_writable_dir
 

@@ -40,13 +40,13 @@ from pydantic import TypeAdapter, ValidationError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import verl.config as config_module
-from eval.evaluators import DEFAULT_EVALUATORS, build_evaluator, build_evaluators
-from eval.evaluators.kl import compute_kl_terms
 from eval.report import write_checkpoint_report, write_run_report
-from eval.stats import Metric
 from verl.config import DataConfig, RewardConfig, RolloutConfig, ValidationSampling, build_config, load_yaml
 from verl.data.dataset import RLHFDataset
 from verl.errors import CheckpointError, ConfigError, VerlError
+from verl.evaluators import EvalBatch, Metric, build_evaluator, build_evaluators, run_evaluators
+from verl.evaluators.kl_terms import compute_kl_terms
+from verl.evaluators.registry import BUILTIN_EVALUATORS, evaluator_needs, split_specs
 from verl.models.loader import (
     check_hub_id,
     load_causal_lm,
@@ -59,7 +59,6 @@ from verl.models.loader import (
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams, get_rollout_factory, pad_responses
 from verl.trainer.checkpoint import STEP_DIR, list_checkpoints
-from verl.trainer.evaluator_plugins import EvalBatch, scalar_metrics, split_specs
 from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
 from verl.utils.seeding import set_num_threads
 from verl.workers.reward import RewardManager, decode_responses
@@ -296,15 +295,18 @@ def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: s
 
 
 def _needs_reference(spec: str) -> bool:
-    return "ref_logprobs" in getattr(build_evaluator(spec), "needs", ())
+    return "ref_logprobs" in evaluator_needs(build_evaluator(spec))
 
 
 def _evaluator_specs(requested: str | list[str] | None, reference: str | None, notes: list[str]) -> list[str]:
-    if requested is None:
-        specs = list(DEFAULT_EVALUATORS)
-        if reference is None:
-            specs.remove("kl")
-            notes.append("kl skipped: no reference model (give --reference, or evaluate a checkpoint of a run)")
+    if requested is None:  # every built-in, except those that need a reference when there is none
+        specs = []
+        for cls in BUILTIN_EVALUATORS:
+            if reference is None and "ref_logprobs" in cls.needs:
+                notes.append(f"{cls.name} skipped: no reference model (give --reference, or evaluate a checkpoint "
+                             "of a run)")
+            else:
+                specs.append(cls.name)
     else:
         specs = [e.spec if hasattr(e, "spec") else s for e, s in
                  zip(build_evaluators(requested), _split(requested), strict=True)]
@@ -590,29 +592,6 @@ class Evaluation:
                 yield lambda k: progress.advance(task, k)
 
         return bar()
-
-
-def run_evaluators(evaluators: list[Any], batch: Any) -> tuple[dict[str, Metric], dict[str, np.ndarray], list[str]]:
-    """Every evaluator on one batch; metric and column names must not collide between evaluators."""
-    metrics: dict[str, Metric] = {}
-    columns: dict[str, np.ndarray] = {}
-    notes: list[str] = []
-    for evaluator in evaluators:
-        name = getattr(evaluator, "name", type(evaluator).__name__)
-        result = evaluator.evaluate(batch) if hasattr(evaluator, "evaluate") else evaluator(batch)
-        if hasattr(result, "metrics") and all(isinstance(m, Metric) for m in result.metrics.values()):
-            produced = result.metrics
-            columns.update({k: np.asarray(v, dtype=np.float64) for k, v in result.per_sample.items()})
-            notes.extend(getattr(result, "notes", []))
-        else:  # a plugin returning plain numbers: no error bars to report
-            nan = float("nan")
-            produced = {k: Metric(v, nan, nan, nan, len(batch), "none", evaluator=name)
-                        for k, v in scalar_metrics(result, name).items()}
-        clash = set(produced) & set(metrics)
-        if clash:
-            raise ConfigError(f"evaluator '{name}' reports {sorted(clash)}, already reported by another evaluator")
-        metrics.update(produced)
-    return metrics, columns, notes
 
 
 def summary_line(results: dict) -> str:

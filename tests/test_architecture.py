@@ -2,11 +2,14 @@
 
 Imports are read from the source with ``ast`` — every ``import`` statement anywhere in a file, so an import inside a
 function ("lazy") counts like one at the top. An import names the module it loads, not its parent packages.
+A string that names a project module (``"eval.cli"``, ``"pkg.module:Class"``: a plug-in table, an
+``importlib.import_module`` argument) is a deferred import: it must flow downwards like a real one.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -18,8 +21,10 @@ PACKAGES = ("verl", "eval", "serve", "loadtest")
 VERL_LEVELS = {
     "algos": 0, "protocol": 0, "utils": 0, "errors": 0,
     "models": 1, "data": 1, "rewards": 1, "tracking": 1,
-    "rollout": 2, "workers": 3, "trainer": 4, "cli": 5,
+    "rollout": 2, "evaluators": 2, "workers": 3, "trainer": 4, "cli": 5,
 }
+# "a.b.c" or "a.b.c:Name": how a plug-in table or import_module names a module.
+MODULE_STRING = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?::[\w.]+)?")
 
 
 def project_modules() -> dict[str, Path]:
@@ -57,10 +62,29 @@ def imports_of(name: str, file: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
+def modules_named_in_strings(name: str, file: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules that string constants in ``file`` name in full (``"eval.cli"``, ``"eval.x:Class"``)."""
+    found = set()
+    for node in ast.walk(ast.parse(file.read_text(), str(file))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_STRING.fullmatch(node.value):
+            module = node.value.partition(":")[0]
+            if module in modules and module != name:
+                found.add(module)
+    return found
+
+
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
+    """Import statements only: what can form a cycle at import time."""
     modules = project_modules()
     return {name: imports_of(name, file, modules) for name, file in modules.items()}
+
+
+@pytest.fixture(scope="module")
+def references(graph) -> dict[str, set[str]]:
+    """Imports and module-naming strings: what the layering rules hold to."""
+    modules = project_modules()
+    return {name: graph[name] | modules_named_in_strings(name, file, modules) for name, file in modules.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -94,15 +118,13 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_checker_sees_lazy_imports_and_cycles():
-    modules = {"a": Path("a.py"), "a.b": Path("a/b.py")}
-    source = "def f():\n    from a.b import thing\n"
-    tree_file = REPO / "tests" / "_probe_module.py"
-    try:
-        tree_file.write_text(source)
-        assert imports_of("a", tree_file, modules) == {"a.b"}
-    finally:
-        tree_file.unlink()
+def test_the_checker_sees_lazy_imports_string_tables_and_cycles(tmp_path):
+    modules = {"a": Path("a.py"), "a.b": Path("a/b.py"), "a.c": Path("a/c.py")}
+    probe = tmp_path / "probe.py"
+    probe.write_text('def f():\n    from a.b import thing\n\nPLUGINS = {"x": "a.c:Thing", "y": "not.a.module:Y"}\n'
+                     'MESSAGE = "see a.c for details"\nSCOPE = "a"\n')
+    assert imports_of("a", probe, modules) == {"a.b"}
+    assert modules_named_in_strings("a", probe, modules) == {"a.c"}
     assert cycles({"x": {"y"}, "y": {"z"}, "z": {"x"}, "w": {"x"}}) == [["x", "y", "z"]]
 
 
@@ -111,18 +133,18 @@ def test_no_import_cycles_anywhere(graph):
     assert cycles(graph) == []
 
 
-def test_verl_core_never_imports_eval_serve_or_loadtest(graph):
-    bad = {(m, i) for m, deps in graph.items() if m.startswith("verl.") and m != "verl.cli"
+def test_verl_core_never_imports_eval_serve_or_loadtest(references):
+    bad = {(m, i) for m, deps in references.items() if m.startswith("verl.") and m != "verl.cli"
            for i in deps if i.split(".")[0] in ("eval", "serve", "loadtest")}
     assert bad == set()
 
 
-def test_verl_layers_only_import_downwards(graph):
+def test_verl_layers_only_import_downwards(references):
     def level(module: str) -> int | None:
         parts = module.split(".")
         return VERL_LEVELS.get(parts[1]) if parts[0] == "verl" and len(parts) > 1 else None
 
-    upward = sorted((m, i) for m, deps in graph.items() for i in deps
+    upward = sorted((m, i) for m, deps in references.items() for i in deps
                     if level(m) is not None and level(i) is not None and level(i) > level(m))
     assert upward == []
 
@@ -131,12 +153,9 @@ def test_loading_a_model_never_trains_one(graph):
     assert not any(dep.startswith("verl.trainer") for dep in graph["verl.models.loader"])
 
 
-def test_builtin_evaluators_match_pyproject_and_resolve_without_entry_points(monkeypatch):
-    from verl.trainer import evaluator_plugins
-
-    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["verl.evaluators"]
-    assert declared == evaluator_plugins.BUILTIN_EVALUATORS
-    # A plain checkout on PYTHONPATH has no entry-point metadata: the default evaluators still resolve.
-    monkeypatch.setattr(evaluator_plugins, "_entry_points", dict)
-    for name in declared:
-        assert evaluator_plugins.build_evaluator(name) is not None
+def test_evaluators_have_one_home_and_pyproject_declares_no_builtins(graph):
+    """Built-in evaluators are listed once (``verl.evaluators.registry``); the trainer and eval import them."""
+    entry_points = tomllib.loads((REPO / "pyproject.toml").read_text())["project"].get("entry-points", {})
+    assert "verl.evaluators" not in entry_points
+    assert "verl.evaluators.registry" in graph["verl.trainer.validation"] | graph["verl.evaluators"]
+    assert not any(module.startswith("eval.evaluators") for module in graph)

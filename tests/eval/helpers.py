@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from verl.trainer.evaluator_plugins import EvalBatch
+from verl.evaluators import EvalBatch
 
 
 def make_batch(responses: list[str], ground_truth: list | None = None, n: int = 1, data_source: str = "arithmetic",

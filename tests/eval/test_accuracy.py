@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from eval.evaluators.accuracy import Accuracy, strict_answer
-from eval.stats import pass_at_k
 from tests.eval.helpers import make_batch
+from verl.evaluators.accuracy import Accuracy, strict_answer
+from verl.evaluators.stats import pass_at_k
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from eval.evaluators.diversity import Diversity, distinct_n, ngram_entropy, self_bleu_scores, seq_rep_n, tokenize
 from tests.eval.helpers import make_batch
+from verl.evaluators.diversity import Diversity, distinct_n, ngram_entropy, self_bleu_scores, seq_rep_n, tokenize
 
 VECTOR = ["the cat sat on the mat", "the cat sat on the hat", "a dog ran"]
 

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from eval.evaluators.kl import KL, compute_kl_terms, k1_k3, token_kl_terms
-from eval.evaluators.length import Length
-from eval.evaluators.reward import Reward
 from tests.eval.helpers import make_batch
+from verl.evaluators.kl import KL, k1_k3
+from verl.evaluators.kl_terms import compute_kl_terms, token_kl_terms
+from verl.evaluators.length import Length
+from verl.evaluators.reward import Reward
 
 
 def test_k1_k3_reference_vector():

@@ -1,18 +1,19 @@
-"""Evaluator specs and resolution: built-ins, entry points, file.py:Class, module:Class, plain-dict plugins."""
+"""Evaluator specs and resolution: built-ins, registration, entry points, file.py:Class, module:Class,
+plain-dict plugins, and validation during training."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from eval.evaluators import available_evaluators, build_evaluator, build_evaluators
 from tests.eval.helpers import make_batch
 from verl.errors import ConfigError
-from verl.trainer import evaluator_plugins
+from verl.evaluators import available_evaluators, build_evaluator, build_evaluators, registry
+from verl.trainer import validation
 
 USER_EVALUATOR = '''
 import numpy as np
-from eval.evaluators.base import EvalResult, Evaluator
+from verl.evaluators import EvalResult, Evaluator
 
 
 class ShortAnswers(Evaluator):
@@ -35,22 +36,43 @@ def plain(batch):
 
 
 def test_parse_and_split_specs():
-    assert evaluator_plugins.split_specs("accuracy, diversity(ngrams=1,2), length") == [
+    assert registry.split_specs("accuracy, diversity(ngrams=1,2), length") == [
         "accuracy", "diversity(ngrams=1,2)", "length"]
-    assert evaluator_plugins.parse_spec("diversity(ngrams=1;2;3, tokenize=chars)") == (
+    assert registry.parse_spec("diversity(ngrams=1;2;3, tokenize=chars)") == (
         "diversity", {"ngrams": [1, 2, 3], "tokenize": "chars"})
-    assert evaluator_plugins.parse_spec("diversity(ngrams=1,2, tokenize=chars)")[1]["ngrams"] == [1, 2]
-    assert evaluator_plugins.parse_spec("a/b.py:C(x=0.5)") == ("a/b.py:C", {"x": 0.5})
+    assert registry.parse_spec("diversity(ngrams=1,2, tokenize=chars)")[1]["ngrams"] == [1, 2]
+    assert registry.parse_spec("a/b.py:C(x=0.5)") == ("a/b.py:C", {"x": 0.5})
     with pytest.raises(ConfigError, match="not key=value"):
-        evaluator_plugins.parse_spec("diversity(ngrams)")
+        registry.parse_spec("diversity(ngrams)")
 
 
-def test_builtins_are_declared_as_entry_points():
-    names = evaluator_plugins.entry_point_names()
-    assert {"reward", "kl", "diversity", "accuracy", "length"} <= set(names)
-    evaluator = evaluator_plugins.build_evaluator("length(percentiles=50)")
-    assert type(evaluator).__module__ == "eval.evaluators.length" and evaluator.percentiles == [50.0]
-    assert set(available_evaluators()) >= set(names)
+def test_builtins_resolve_from_the_one_registry_without_entry_points(monkeypatch):
+    # A plain checkout on PYTHONPATH has no entry-point metadata: every built-in still resolves.
+    monkeypatch.setattr(registry, "_entry_points", dict)
+    names = registry.builtin_names()
+    assert names == ["reward", "kl", "diversity", "accuracy", "length"]
+    assert set(available_evaluators()) == set(names)
+    evaluator = build_evaluator("length(percentiles=50)")
+    assert type(evaluator).__module__ == "verl.evaluators.length" and evaluator.percentiles == [50.0]
+
+
+def test_a_registered_name_is_never_silently_replaced(monkeypatch):
+    class Mine:
+        name = "mine"
+
+        def evaluate(self, batch):
+            return {"mine": 1.0}
+
+    monkeypatch.setattr(registry, "EVALUATORS", dict(registry.EVALUATORS))
+    registry.register_evaluator("mine")(Mine)
+    assert type(build_evaluator("mine")) is Mine
+    with pytest.raises(ValueError, match="evaluator 'accuracy' is already registered"):
+        registry.register_evaluator("accuracy")(Mine)
+    # Another package declaring a built-in's name as an entry point is named, not preferred or ignored.
+    point = __import__("importlib.metadata").metadata.EntryPoint("accuracy", "their_pkg:Acc", "verl.evaluators")
+    monkeypatch.setattr(registry, "_entry_points", lambda: {"accuracy": point})
+    with pytest.raises(ConfigError, match="'accuracy' is registered here and also declared.*their_pkg:Acc"):
+        build_evaluator("accuracy")
 
 
 def test_user_file_and_module_forms(tmp_path):
@@ -61,8 +83,8 @@ def test_user_file_and_module_forms(tmp_path):
     assert result.metrics["short_ratio"].value == pytest.approx(1 / 3)
     assert evaluator.spec == "short(limit=1)"
     plain = build_evaluator(f"{path}:plain")
-    assert evaluator_plugins.scalar_metrics(plain(make_batch(["a", "b"])), "plain") == {"count": 2.0}
-    module_form = build_evaluator("eval.evaluators.reward:Reward")
+    assert registry.scalar_metrics(plain(make_batch(["a", "b"])), "plain") == {"count": 2.0}
+    module_form = build_evaluator("verl.evaluators.reward:Reward")
     assert module_form.name == "reward"
 
 
@@ -80,9 +102,7 @@ def test_resolution_errors_name_the_problem(tmp_path):
         build_evaluators("accuracy,accuracy")
 
 
-def test_validation_evaluators_run_through_entry_points():
-    from types import SimpleNamespace
-
+def test_validation_runs_the_named_evaluators_and_plain_functions():
     import torch
 
     from verl.config import VerlConfig
@@ -90,27 +110,30 @@ def test_validation_evaluators_run_through_entry_points():
 
     cfg = VerlConfig()
     cfg.trainer.evaluators = ["accuracy", "length"]
-    trainer = SimpleNamespace(config=cfg, evaluators=[lambda batch: {"custom": 1.0}])
+    evaluators = [*validation.build_validation_evaluators(cfg), lambda batch: {"custom": 1.0}]
     batch = DataProto.from_dict(
         {"response_mask": torch.ones((2, 3), dtype=torch.long)},
         {"index": [0, 1], "raw_prompt": ["p", "q"], "ground_truth": ["4", "5"], "data_source": ["arithmetic"] * 2},
     )
-    metrics = evaluator_plugins.run_validation_evaluators(
-        trainer, batch, [">> 4", "5"], np.array([1.0, 0.0]), {"acc": np.array([1.0, 0.0])})
+
+    def no_reference(data):
+        raise AssertionError("no evaluator here needs reference log-probs")
+
+    metrics = validation.run_validation_evaluators(cfg, evaluators, batch, [">> 4", "5"], np.array([1.0, 0.0]),
+                                                   {"acc": np.array([1.0, 0.0])}, kl_terms=no_reference)
     assert metrics["accuracy"] == 0.5 and metrics["accuracy_flexible"] == 1.0
     assert metrics["response_length_mean"] == 3.0 and metrics["custom"] == 1.0
-    # kl needs the reference: without one it is refused with the fix; with one the trainer computes the terms.
+    # kl needs the reference: without one it is refused with the fix; with one the roles compute the terms.
     cfg.trainer.evaluators = ["kl"]
     cfg.actor.use_kl_loss, cfg.algorithm.use_kl_in_reward = False, False
-    trainer = SimpleNamespace(config=cfg, evaluators=[])
     with pytest.raises(ConfigError, match="needs the reference model.*reference.enable=true"):
-        evaluator_plugins.run_validation_evaluators(trainer, batch, ["a", "b"], np.zeros(2), {})
+        validation.build_validation_evaluators(cfg)
     cfg.reference.enable = True
     terms = {"policy_log_probs": torch.tensor([[-1.0, -2.0, 0.0], [-1.0, 0.0, 0.0]]),
              "ref_log_probs": torch.tensor([[-1.5, -2.0, 0.0], [-0.5, 0.0, 0.0]]),
              "token_kl": torch.tensor([[0.25, 0.5, 0.0], [0.75, 0.0, 0.0]])}
-    trainer = SimpleNamespace(config=cfg, evaluators=[], roles=SimpleNamespace(compute_kl_terms=lambda data: terms))
-    metrics = evaluator_plugins.run_validation_evaluators(trainer, batch, ["a", "b"], np.zeros(2), {})
+    metrics = validation.run_validation_evaluators(cfg, validation.build_validation_evaluators(cfg), batch,
+                                                   ["a", "b"], np.zeros(2), {}, kl_terms=lambda data: terms)
     assert metrics["kl_exact"] == pytest.approx((0.75 + 0.75) / 2)
     assert metrics["kl_k1"] == pytest.approx((0.5 - 0.5) / 2)  # k1 = logp - ref, summed per response
 

@@ -7,27 +7,28 @@ import math
 import numpy as np
 import pytest
 
-from eval import stats
+from eval import stats as paired
+from verl.evaluators import stats
 
 
 def test_mcnemar_exact_matches_hand_binomial():
     # b = 1 (baseline right, candidate wrong), c = 7: two-sided exact p = 2 * P(X <= 1), X ~ Bin(8, 1/2).
     a = [1] + [0] * 7 + [1] * 5 + [0] * 3
     b = [0] + [1] * 7 + [1] * 5 + [0] * 3
-    result = stats.mcnemar(a, b)
+    result = paired.mcnemar(a, b)
     assert (result["n10"], result["n01"]) == (1, 7)
     assert result["p_exact"] == pytest.approx(2 * (1 + 8) / 256)
     assert result["statistic"] == pytest.approx((7 - 1) ** 2 / 8)
     assert result["p_chi2"] == pytest.approx(math.erfc(math.sqrt(4.5 / 2)))
     assert result["method"] == "exact"
-    assert stats.mcnemar([1, 0], [1, 0])["p_value"] == 1.0
+    assert paired.mcnemar([1, 0], [1, 0])["p_value"] == 1.0
 
 
 def test_pearson_by_hand():
     # x = 1, 2, 3; y = 2, 4, 7: deviations (-1, 0, 1) and (-7/3, -1/3, 8/3): r = 5 / sqrt(2 * 38/3).
-    assert stats.pearson(np.array([1.0, 2.0, 3.0]), np.array([2.0, 4.0, 7.0])) == pytest.approx(
+    assert paired.pearson(np.array([1.0, 2.0, 3.0]), np.array([2.0, 4.0, 7.0])) == pytest.approx(
         5 / math.sqrt(2 * 38 / 3))
-    assert math.isnan(stats.pearson(np.array([1.0, 1.0]), np.array([2.0, 3.0])))  # constant side
+    assert math.isnan(paired.pearson(np.array([1.0, 1.0]), np.array([2.0, 3.0])))  # constant side
 
 
 def test_clustered_se_reduces_to_textbook_and_to_per_prompt_se():
@@ -72,9 +73,9 @@ def test_jackknife_se_of_a_mean_equals_the_clt_se():
 def test_paired_bootstrap_detects_a_shift_and_not_its_absence():
     rng = np.random.default_rng(0)
     a = rng.normal(size=200)
-    shifted = stats.paired_bootstrap(a, a + 0.3 + 0.1 * rng.normal(size=200), n_boot=500, seed=1)
+    shifted = paired.paired_bootstrap(a, a + 0.3 + 0.1 * rng.normal(size=200), n_boot=500, seed=1)
     assert shifted["ci_low"] > 0 and shifted["p_value"] < 0.01
-    same = stats.paired_bootstrap(a, a.copy(), n_boot=200, seed=1)
+    same = paired.paired_bootstrap(a, a.copy(), n_boot=200, seed=1)
     assert same["diff"] == 0 and same["p_value"] == 1.0
 
 
@@ -95,7 +96,7 @@ def test_permutation_importance_ranks_the_informative_key_first():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(12, 2))
     y = 2.0 * x[:, 0] + 0.01 * rng.normal(size=12)
-    importance = stats.permutation_importance(x, y)
+    importance = paired.permutation_importance(x, y)
     assert importance[0] > 10 * abs(importance[1])
 
 

@@ -1,10 +1,14 @@
 """The PPO-family driver loop, written once for every executor (single controller, as in HybridFlow).
 
-One training step::
+One training step (``fit`` -> ``train_step``)::
 
     prompts -> rollout.generate (n per prompt) -> reward -> [old log-probs] -> [reference log-probs]
-      -> [critic values] -> advantages (registry) -> [critic update] -> actor update -> metrics -> callbacks
-      -> validation every test_freq -> checkpoint every save_freq
+      -> [critic values] -> advantages (registry) -> [critic update] -> actor update -> its metrics
+
+and around it, in ``fit``: metrics -> log (JSONL rows, trackers) -> callbacks (health rules, best checkpoint)
+-> validation every test_freq -> checkpoint every save_freq. The actor's loss is three calls down:
+``train_step`` -> ``roles.update_actor`` -> ``Actor.update_policy`` (``verl/workers/actor.py``), the same on
+every executor.
 
 What is *not* computed matters as much as what is: old log-probs only when the update is off-policy
 (several epochs or mini-batches) or a KL-in-reward needs them; reference log-probs only with a KL term;
@@ -43,17 +47,29 @@ from verl.trainer.checkpoint import (
     remove_stale_temp_dirs,
     write_checkpoint,
 )
-from verl.trainer.evaluator_plugins import resolve_validation_evaluators, run_validation_evaluators
 from verl.trainer.health import callbacks_from_config
 from verl.trainer.resume import check_resumable, saved_config
 from verl.trainer.step_metrics import rollout_metrics
-from verl.trainer.validation import generate_and_score, sample_rows, validation_metrics
+from verl.trainer.validation import (
+    build_validation_evaluators,
+    check_validation_needs,
+    generate_and_score,
+    run_validation_evaluators,
+    sample_rows,
+    validation_metrics,
+)
 from verl.utils import log
 from verl.utils.fs import atomic_write_text, ensure_writable_dir
 from verl.utils.profiling import profile_step
 from verl.utils.seeding import rng_state, seed_everything, set_num_threads, set_rng_state
 from verl.utils.system import SystemMonitor
 from verl.utils.timing import StageTimer
+
+PPO_METRICS = {  # ppo/<name> <- the actor's update metric of that name
+    "policy_loss": "policy_loss", "entropy": "entropy", "kl_div": "kl_div", "approx_kl": "ppo_kl",
+    "clip_ratio": "clipfrac", "clip_ratio_lower": "clipfrac_lower", "kl_loss": "kl_loss", "grad_norm": "grad_norm",
+    "lr": "lr", "nan_skipped": "nan_skipped",
+}
 
 
 class Roles(Protocol):
@@ -121,7 +137,12 @@ class PPOTrainer:
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
-        self.evaluators: list[Any] = []
+        self.evaluators: list[Any] = []  # register_evaluator() objects
+        self._configured_evaluators: list[Any] | None = None  # trainer.evaluators, built on first use
+        # Run outputs: opened by _open_run, closed by _end_run.
+        self.trackers: list[Any] = []
+        self.logger: log.RunLogger | None = None
+        self.monitor: SystemMonitor | None = None
         self.policy_version = 0  # actor updates applied so far: the version of the weights a rollout samples from
         # trainer.one_step_off_policy: a verl.trainer.overlap.RolloutWorker, started by this factory at the first step
         self.rollout_worker_factory = rollout_worker_factory
@@ -144,8 +165,17 @@ class PPOTrainer:
         self.callbacks.add(callback)
 
     def register_evaluator(self, evaluator: Any) -> None:
-        """Run ``evaluator`` at every validation (see ``eval.evaluators``)."""
+        """Run ``evaluator`` at every validation (see ``verl.evaluators``); refused at once if validation cannot
+        compute what it needs."""
+        label = getattr(evaluator, "name", type(evaluator).__name__)
+        check_validation_needs(evaluator, label, self.config.use_reference)
         self.evaluators.append(evaluator)
+
+    def validation_evaluators(self) -> list[Any]:
+        """``trainer.evaluators`` (built once) and the ``register_evaluator`` objects."""
+        if self._configured_evaluators is None:
+            self._configured_evaluators = build_validation_evaluators(self.config)
+        return [*self._configured_evaluators, *self.evaluators]
 
     def request_stop(self, reason: str) -> None:
         """Stop after the current step: a final checkpoint is written and ``fit`` returns normally."""
@@ -162,43 +192,42 @@ class PPOTrainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict[str, float]:
+        """Train to ``trainer.total_steps`` (or a requested stop); returns the last step's logged metrics."""
         cfg = self.config
-        if cfg.trainer.test_freq > 0:
-            # Resolve trainer.evaluators now: an unknown name or an input validation cannot compute fails before
-            # any step (and before the run dir is written), not at the first validation, steps into the run.
-
-            resolve_validation_evaluators(self)
+        validating = cfg.trainer.test_freq > 0
+        if validating:
+            self.validation_evaluators()  # an unknown evaluator fails now, before the run dir or any step
         self._start_run()
-        last_metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {}
         try:
             self.callbacks.on_train_start(self)
             if cfg.trainer.one_step_off_policy and self.global_step < cfg.trainer.total_steps:
                 # Start the rollout worker and its first batch now, so both overlap the first validation.
                 self.rollout_worker = self.rollout_worker_factory()
                 self._submit_rollout(self.global_step + 1)
-            if cfg.trainer.val_before_train and self.global_step == 0 and cfg.trainer.test_freq > 0:
+            if validating and cfg.trainer.val_before_train and self.global_step == 0:
                 self.validate()
             while self.global_step < cfg.trainer.total_steps and self.stop_reason is None:
                 self.global_step += 1
                 step = self.global_step
                 self.logger.set_step(step)
-                run_step = self._profiled_step if step in cfg.trainer.profile_steps else self.train_step
-                last_metrics = run_step(step)
-                last_metrics.update(self.logger.flush(step))
-                self.callbacks.on_log(last_metrics, step=step)
-                self.callbacks.on_step_end(self, step, last_metrics)
+                profiled = step in cfg.trainer.profile_steps
+                measured = self._profiled_step(step) if profiled else self.train_step(step)
+                metrics = self.logger.log_step(step, measured)  # JSONL rows + trackers, with log.info() fields
+                self.callbacks.on_log(metrics, step=step)
+                self.callbacks.on_step_end(self, step, metrics)  # health rules may request a stop here
                 final = step == cfg.trainer.total_steps or self.stop_reason is not None
-                if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or final):
-                    last_metrics.update(self.validate())
+                if validating and (step % cfg.trainer.test_freq == 0 or final):
+                    metrics.update(self.validate())
                 if final or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
-                    self._checkpoint(step, last_metrics)
+                    self._checkpoint(step, metrics)
             reason = self.stop_reason or "completed"
             self.logger.event("train", step=self.global_step, status="finished", reason=reason)
             self.callbacks.on_train_end(self, reason)
         finally:
             self._stop_rollout_worker()  # a batch generated ahead of a stop is dropped; resume regenerates it
             self._end_run()
-        return last_metrics
+        return metrics
 
     def _profiled_step(self, step: int) -> dict[str, float]:
         """``train_step`` under torch.profiler (trainer.profile_steps); files in <run dir>/profile/."""
@@ -212,6 +241,7 @@ class PPOTrainer:
         return metrics
 
     def train_step(self, step: int) -> dict[str, float]:
+        """One step (the module docstring's list); returns what it measured as ``scope/name`` metrics."""
         cfg = self.config
         n = cfg.rollout.n
         with self.timer("total"):
@@ -259,8 +289,8 @@ class PPOTrainer:
                     with self.timer("update_actor"):
                         actor_metrics = self.roles.update_actor(batch, cfg.actor.ppo_mini_batch_size * n)
                     self.policy_version += 1
-        self._log_step(step, batch, rollout, texts, actor_metrics, critic_metrics, kl_metrics)
-        return {}
+        self._log_samples(step, batch, texts)
+        return self._step_metrics(step, batch, rollout, actor_metrics, critic_metrics, kl_metrics)
 
     # ------------------------------------------------------------------ pieces of the step
 
@@ -342,39 +372,34 @@ class PPOTrainer:
         self.kl_ctrl.update(current_kl, n_steps=len(batch))
         return {"reward_kl_penalty": current_kl, "kl_coef": beta}
 
-    def _log_step(self, step: int, batch: DataProto, rollout: dict[str, float], texts: list[str],
-                  actor: dict[str, float], critic: dict[str, float], kl_metrics: dict[str, float]) -> None:
+    def _step_metrics(self, step: int, batch: DataProto, rollout: dict[str, float], actor: dict[str, float],
+                      critic: dict[str, float], kl_metrics: dict[str, float]) -> dict[str, float]:
+        """The step's ``scope/name`` metrics (DESIGN §5): rollout, ppo, critic, timing, throughput, train, system."""
         cfg = self.config
-        info = self.logger.info
-        scores = batch.batch["token_level_scores"].sum(-1)
-        rewards = batch.batch["token_level_rewards"].sum(-1)
-        mask = batch.batch["response_mask"]
-        lengths = mask.sum(-1).float()
-        info("rollout", **rollout)
-        ppo = {"policy_loss": actor.get("policy_loss"), "entropy": actor.get("entropy"),
-               "kl_div": actor.get("kl_div"), "approx_kl": actor.get("ppo_kl"), "clip_ratio": actor.get("clipfrac"),
-               "clip_ratio_lower": actor.get("clipfrac_lower"), "kl_loss": actor.get("kl_loss"),
-               "grad_norm": actor.get("grad_norm"), "lr": actor.get("lr"), "nan_skipped": actor.get("nan_skipped"),
-               "kl_coef": cfg.actor.kl_loss_coef if cfg.actor.use_kl_loss else self.kl_ctrl.value,
-               "value_loss": critic.get("value_loss"), "update_skipped": float(self.skip_update_reason is not None)}
+        lengths = batch.batch["response_mask"].sum(-1).float()
+        ppo = {name: actor.get(key) for name, key in PPO_METRICS.items()}
+        ppo.update(kl_coef=cfg.actor.kl_loss_coef if cfg.actor.use_kl_loss else self.kl_ctrl.value,
+                   value_loss=critic.get("value_loss"), update_skipped=float(self.skip_update_reason is not None))
         ppo.update(kl_metrics)
-        info("ppo", **{k: v for k, v in ppo.items() if v is not None})
-        if critic:
-            info("critic", **critic)
         timings = self.timer.pop()
         tokens = int(batch.batch["attention_mask"].sum())
-        info("timing", **timings)
-        info("throughput", tokens_per_second=tokens / max(timings.get("total", 1e-9), 1e-9),
-             response_tokens_per_second=float(lengths.sum()) / max(timings.get("gen", 1e-9), 1e-9))
-        info("train", epoch=self.sampler.epoch, progress=step / cfg.trainer.total_steps)
-        info("system", **self.monitor.sample())
+        throughput = {"tokens_per_second": tokens / max(timings.get("total", 1e-9), 1e-9),
+                      "response_tokens_per_second": float(lengths.sum()) / max(timings.get("gen", 1e-9), 1e-9)}
+        train = {"epoch": self.sampler.epoch, "progress": step / cfg.trainer.total_steps}
         self.logger.debug("timing", stages=timings, responses=len(batch), device=str(self.device))
-        for tracker in self.trackers:
-            tracker.log_histograms({"rollout/rewards": rewards.tolist(), "rollout/response_lengths": lengths.tolist(),
-                                    "rollout/advantages": batch.batch["advantages"][mask.bool()].tolist()}, step)
-        self._log_samples(step, batch, texts, scores)
+        scopes = {"rollout": rollout, "ppo": {k: v for k, v in ppo.items() if v is not None}, "critic": critic,
+                  "timing": timings, "throughput": throughput, "train": train, "system": self.monitor.sample()}
+        return {f"{scope}/{name}": value for scope, fields in scopes.items() for name, value in fields.items()}
 
-    def _log_samples(self, step: int, batch: DataProto, texts: list[str], scores: torch.Tensor) -> None:
+    def _log_samples(self, step: int, batch: DataProto, texts: list[str]) -> None:
+        """Sample rows (prompt, response, score) and the histograms of rewards, lengths and advantages."""
+        scores = batch.batch["token_level_scores"].sum(-1)
+        mask = batch.batch["response_mask"]
+        lengths = mask.sum(-1).float()
+        for tracker in self.trackers:
+            tracker.log_histograms({"rollout/rewards": batch.batch["token_level_rewards"].sum(-1).tolist(),
+                                    "rollout/response_lengths": lengths.tolist(),
+                                    "rollout/advantages": batch.batch["advantages"][mask.bool()].tolist()}, step)
         samples = []
         for row in sample_rows(batch, texts, scores, self.config.trainer.num_samples_to_log, self.config.rollout.n):
             self.logger.event("sample", step=step, split="train", **row)
@@ -394,21 +419,19 @@ class PPOTrainer:
             self.config.data.val_batch_size, self.config.data.val_max_samples,
         )
         metrics = validation_metrics(batch, scores, extras)
-        # trainer.evaluators (resolved through the verl.evaluators entry points) and register_evaluator() objects:
-        # the same evaluator code as `verl eval`, so eval/accuracy here equals its accuracy on this checkpoint.
-
-        metrics.update(run_validation_evaluators(self, batch, texts, scores, extras))
+        # The same evaluator code as `verl eval`, so eval/accuracy here equals its accuracy on this checkpoint.
+        metrics.update(run_validation_evaluators(self.config, self.validation_evaluators(), batch, texts, scores,
+                                                 extras, kl_terms=self.roles.compute_kl_terms))
         metrics["seconds"] = time.perf_counter() - start
         samples = sample_rows(batch, texts, scores, self.config.trainer.num_samples_to_log)
         for row in samples:
             self.logger.event("sample", step=step, split="val", **row)
         for tracker in self.trackers:
             tracker.log_samples([{**row, "split": "val"} for row in samples], step)
-        # Validation runs after the step's rows are flushed, so this flush writes the eval row alone.
-        self.logger.info("eval", **metrics)
-        flat = self.logger.flush(step)
-        self.callbacks.on_evaluate(self, step, flat)
-        return flat
+        # Validation runs after the step's rows are written, so this writes the eval row alone.
+        logged = self.logger.log_step(step, {f"eval/{name}": value for name, value in metrics.items()})
+        self.callbacks.on_evaluate(self, step, logged)
+        return logged
 
     def _checkpoint(self, step: int, metrics: dict[str, float]) -> None:
         with self.timer("save"):
@@ -492,9 +515,10 @@ class PPOTrainer:
                           threads=torch.get_num_threads(), reference=cfg.use_reference, critic=cfg.use_critic)
 
     def _end_run(self) -> None:
-        for tracker in getattr(self, "trackers", []):
+        """Close what ``_open_run`` opened (also after a start-up failure part-way through it)."""
+        for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
         log.set_active(None)
-        if hasattr(self, "logger"):
+        if self.logger is not None:
             self.logger.close()

@@ -1,16 +1,24 @@
-"""Validation: generate on the validation prompts (greedy by default) and score with the run's reward.
+"""Validation: generate on the validation prompts (greedy by default), score with the run's reward, and run
+the evaluators of ``trainer.evaluators`` on the same batch.
 
-The same function serves the PPO trainer and the SFT trainer, so ``eval/accuracy`` means the same thing in
-both: the strict-format accuracy (``acc`` of the reward function), with ``accuracy_flexible`` beside it.
+The same functions serve the PPO trainer and the SFT trainer, so ``eval/accuracy`` means the same thing in
+both: the strict-format accuracy (``acc`` of the reward function), with ``accuracy_flexible`` beside it. The
+evaluators are ``verl eval``'s (``verl.evaluators``), so a name means the same numbers in training and offline.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
+from verl.config import VerlConfig
 from verl.data.dataset import RLHFDataset
+from verl.errors import ConfigError
+from verl.evaluators import EvalBatch, build_evaluator, run_evaluators
+from verl.evaluators.registry import evaluator_label, evaluator_needs
 from verl.protocol import DataProto
 from verl.rollout.base import RolloutEngine, SamplingParams, pad_responses
 from verl.workers.reward import RewardManager
@@ -69,3 +77,58 @@ def sample_rows(batch: DataProto, texts: list[str], scores, limit: int, stride: 
             "score": float(scores[i]),
         })
     return rows
+
+
+# ---------------------------------------------------------------------------------------------- evaluators
+
+VALIDATION_NEEDS = frozenset({"generations", "ground_truth", "rewards", "ref_logprobs"})
+
+
+def check_validation_needs(evaluator: Any, label: str, has_reference: bool) -> None:
+    """Refuse, with the fix, an evaluator whose inputs validation during training cannot compute."""
+    needs = evaluator_needs(evaluator)
+    if "ref_logprobs" in needs and not has_reference:
+        raise ConfigError(
+            f"trainer.evaluators: '{label}' needs the reference model, which this run does not load "
+            "(actor.use_kl_loss and algorithm.use_kl_in_reward are off); set reference.enable=true, or run "
+            f"`verl eval --evaluators {label}` on the checkpoints"
+        )
+    missing = needs - VALIDATION_NEEDS
+    if missing:
+        raise ConfigError(
+            f"trainer.evaluators: '{label}' needs {sorted(missing)}, which validation during training does not "
+            f"compute; drop it there and run `verl eval --evaluators {label}` on the checkpoints"
+        )
+
+
+def build_validation_evaluators(config: VerlConfig) -> list[Any]:
+    """The evaluators ``trainer.evaluators`` names, each checked against what validation can compute."""
+    evaluators = []
+    for spec in config.trainer.evaluators:
+        evaluator = build_evaluator(spec)
+        check_validation_needs(evaluator, spec, config.use_reference)
+        evaluators.append(evaluator)
+    return evaluators
+
+
+def run_validation_evaluators(config: VerlConfig, evaluators: list[Any], batch: DataProto, texts: list[str],
+                              scores: np.ndarray, extras: dict[str, np.ndarray],
+                              kl_terms: Callable[[DataProto], dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Run ``evaluators`` on a validation batch; returns ``{metric: value}`` for the ``eval`` scope.
+
+    ``batch`` is the validation rollout (``(N, response_len)`` tensors), ``scores`` ``(N,)`` the reward scores,
+    ``extras`` the reward function's per-sample values, and ``kl_terms(batch)`` the roles' forward passes for an
+    evaluator that needs reference log-probs (called only then).
+    """
+    v = config.rollout.val_kwargs
+    sampling = {"n": v.n, "temperature": v.temperature, "top_p": v.top_p, "top_k": v.top_k,
+                "max_new_tokens": config.data.max_response_length, "seed": config.trainer.seed}
+    eval_batch = EvalBatch.from_rollout(batch, texts, scores, extras, n=v.n,
+                                        max_new_tokens=config.data.max_response_length, sampling=sampling,
+                                        n_bootstrap=0, seed=config.trainer.seed)
+    for evaluator in evaluators:
+        check_validation_needs(evaluator, evaluator_label(evaluator), config.use_reference)
+    if any("ref_logprobs" in evaluator_needs(e) for e in evaluators):
+        eval_batch.kl_terms = kl_terms(batch)
+    metrics, _, _ = run_evaluators(evaluators, eval_batch)
+    return {name: metric.value for name, metric in metrics.items()}

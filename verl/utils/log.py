@@ -97,6 +97,17 @@ class RunLogger:
         self._write(row)
         return row
 
+    def log_step(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+        """Write ``step``'s rows: ``metrics`` (``scope/name`` keys, what the step measured) merged into what ``info``
+        gathered during the step (a reward function's or a callback's fields), one row per scope. Returns every
+        number written, as ``scope/name``, after forwarding them to the trackers."""
+        for key, value in metrics.items():
+            scope, slash, name = key.partition("/")
+            if not slash:
+                raise ValueError(f"metric '{key}' has no scope: name it scope/name (e.g. rollout/{key})")
+            self._pending.setdefault(scope, {})[name] = value
+        return self.flush(step)
+
     def flush(self, step: int | None = None) -> dict[str, float]:
         """Write this step's rows; return and forward the numeric ``scope/name`` metrics."""
         step = self.step if step is None else step

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from verl.config import VerlConfig
+from verl.evaluators.kl_terms import compute_kl_terms
 from verl.models.loader import load_causal_lm, load_tokenizer, pick_device
 from verl.models.lora import apply_lora, is_lora
 from verl.models.weights import load_model_weights, read_model_weights
@@ -29,7 +30,6 @@ from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.actor import Actor
 from verl.workers.critic import Critic, load_critic_model
 from verl.workers.dist import DistInfo, all_ranks, apply_fsdp, full_state_dict, init_process_group
-from verl.workers.kl_terms import compute_kl_terms
 from verl.workers.reference import Reference
 from verl.workers.reward import RewardManager
 

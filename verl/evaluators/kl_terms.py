@@ -1,7 +1,8 @@
 """Exact per-token KL between a policy and a reference along given responses (the ``kl`` evaluator's inputs).
 
-Shared by ``verl eval`` and training validation (``trainer.evaluators=[kl]``), so both report the same number
-for the same checkpoint. Unlike the trainer's ``ppo/kl_div`` (a k1/k3 estimate on the sampled tokens, at the
+The forward passes that fill ``EvalBatch.kl_terms``: ``verl eval``'s runner and the trainer's roles (training
+validation with ``trainer.evaluators=[kl]``) both call ``compute_kl_terms``, so both report the same number for the
+same checkpoint. Unlike the trainer's ``ppo/kl_div`` (a k1/k3 estimate on the sampled tokens, at the
 rollout temperature), these terms use the full next-token distributions at temperature 1 by default.
 """
 

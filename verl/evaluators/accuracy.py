@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from eval.evaluators.base import EvalBatch, EvalResult, Evaluator
-from eval.stats import default_ks, majority_vote, pass_at_k
 from verl.errors import DataError
+from verl.evaluators.base import EvalBatch, EvalResult, Evaluator
+from verl.evaluators.stats import default_ks, majority_vote, pass_at_k
 from verl.rewards.extract import (
     ARITHMETIC_STRICT,
     GSM8K_STRICT,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from eval.evaluators.base import EvalBatch, EvalResult, Evaluator
 from verl.errors import VerlError
+from verl.evaluators.base import EvalBatch, EvalResult, Evaluator
 
 
 class Reward(Evaluator):

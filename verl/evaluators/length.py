@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from eval.evaluators.base import EvalBatch, EvalResult, Evaluator
-from eval.stats import weighted_percentile
+from verl.evaluators.base import EvalBatch, EvalResult, Evaluator
+from verl.evaluators.stats import weighted_percentile
 
 
 class Length(Evaluator):

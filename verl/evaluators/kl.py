@@ -20,11 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from eval.evaluators.base import EvalBatch, EvalResult, Evaluator
 from verl.errors import VerlError
-
-# The forward passes live in verl core: training validation computes the same terms (trainer.evaluators=[kl]).
-from verl.workers.kl_terms import compute_kl_terms, token_kl_terms  # noqa: F401  (re-exported)
+from verl.evaluators.base import EvalBatch, EvalResult, Evaluator
 
 
 def k1_k3(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

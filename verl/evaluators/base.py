@@ -1,4 +1,4 @@
-"""The evaluator interface.
+"""The evaluator interface: ``Evaluator`` (subclass it) and the ``EvalResult`` it returns.
 
 An evaluator has a ``name``, declares what it ``needs`` (``generations``, ``ground_truth``, ``rewards``,
 ``ref_logprobs``: the runner generates once and computes log-probs once for all evaluators) and implements
@@ -18,10 +18,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from eval.stats import Metric, bootstrap_metrics, jackknife_metrics, mean_metric
-from verl.trainer.evaluator_plugins import EvalBatch
-
-__all__ = ["EvalBatch", "EvalResult", "Evaluator", "Metric"]
+from verl.evaluators.batch import EvalBatch
+from verl.evaluators.stats import Metric, bootstrap_metrics, jackknife_metrics, mean_metric
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from eval.evaluators.base import EvalBatch, EvalResult, Evaluator
+from verl.evaluators.base import EvalBatch, EvalResult, Evaluator
 
 SMOOTHING_EPSILON = 0.1  # nltk SmoothingFunction().method1
 
