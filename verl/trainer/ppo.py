@@ -389,7 +389,7 @@ class PPOTrainer:
         self.logger.debug("timing", stages=timings, responses=len(batch), device=str(self.device))
         scopes = {"rollout": rollout, "ppo": {k: v for k, v in ppo.items() if v is not None}, "critic": critic,
                   "timing": timings, "throughput": throughput, "train": train, "system": self.monitor.sample()}
-        return {f"{scope}/{name}": value for scope, fields in scopes.items() for name, value in fields.items()}
+        return {key: value for scope, fields in scopes.items() for key, value in log.scoped(scope, fields).items()}
 
     def _log_samples(self, step: int, batch: DataProto, texts: list[str]) -> None:
         """Sample rows (prompt, response, score) and the histograms of rewards, lengths and advantages."""
@@ -429,7 +429,7 @@ class PPOTrainer:
         for tracker in self.trackers:
             tracker.log_samples([{**row, "split": "val"} for row in samples], step)
         # Validation runs after the step's rows are written, so this writes the eval row alone.
-        logged = self.logger.log_step(step, {f"eval/{name}": value for name, value in metrics.items()})
+        logged = self.logger.log_step(step, log.scoped("eval", metrics))
         self.callbacks.on_evaluate(self, step, logged)
         return logged
 

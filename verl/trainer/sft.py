@@ -132,8 +132,7 @@ class SFTTrainer:
                 task = progress.add_task("sft", total=cfg.total_steps)
                 if self.val_data is not None and cfg.test_freq > 0:
                     self.logger.set_step(0)
-                    self.logger.info("eval", **self.validate())
-                    self.logger.flush(0)
+                    self.logger.log_step(0, log.scoped("eval", self.validate()))
                 for step in range(1, cfg.total_steps + 1):
                     start = time.perf_counter()
                     if cursor + batch_size > len(order):
@@ -148,15 +147,16 @@ class SFTTrainer:
                     self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
                     self.logger.set_step(step)
-                    self.logger.info("train", loss=loss.item(), grad_norm=float(grad_norm),
-                                     lr=self.scheduler.get_last_lr()[0], step_time=time.perf_counter() - start)
+                    metrics = log.scoped("train", {"loss": loss.item(), "grad_norm": float(grad_norm),
+                                               "lr": self.scheduler.get_last_lr()[0],
+                                               "step_time": time.perf_counter() - start})
                     last = step == cfg.total_steps
                     if self.val_data is not None and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or last):
-                        self.logger.info("eval", **self.validate())
+                        metrics.update(log.scoped("eval", self.validate()))
                     if last or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
                         save_checkpoint(self.run_dir, step, self.model, self.tokenizer,
                                         {"step": step, "optimizer": self.optimizer.state_dict()})
-                    self.logger.flush(step)
+                    self.logger.log_step(step, metrics)
                     progress.advance(task)
         finally:
             log.set_active(None)

@@ -130,6 +130,11 @@ class RunLogger:
                 self._file.close()
 
 
+def scoped(scope: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """``{name: value}`` -> ``{"scope/name": value}``, the keys ``RunLogger.log_step`` and trackers take."""
+    return {f"{scope}/{name}": value for name, value in fields.items()}
+
+
 # ---------------------------------------------------------------- module-level API
 
 _ACTIVE: RunLogger | None = None
