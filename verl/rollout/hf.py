@@ -65,14 +65,15 @@ class HFRollout(RolloutEngine):
                           top_k=params.top_k or None)
         was_training = self.model.training
         self.model.eval()
-        log_probs: list[torch.Tensor] | None = [] if params.logprobs and self.shared_prefill else None
+        behaviour = None  # `generate` (the fallback) gives no log-probs: callers compute them with a forward pass
         try:
             if self.shared_prefill:
                 with self._autocast(device):
                     seeds = [int(i) for i in prompts.non_tensor["index"]] if "index" in prompts.non_tensor else None
-                    responses = sample_with_shared_prefill(self.model, ids, mask, params, self.eos_id, self.pad_id,
-                                                           prompt_seeds=seeds, stop_when=self.stop_when,
-                                                           log_probs_out=log_probs)
+                    sampled = sample_with_shared_prefill(self.model, ids, mask, params, self.eos_id, self.pad_id,
+                                                         prompt_seeds=seeds, stop_when=self.stop_when,
+                                                         with_log_probs=params.logprobs)
+                responses, behaviour = sampled.tokens, sampled.log_probs
             else:
                 if params.greedy:
                     kwargs["num_return_sequences"] = 1  # greedy samples are identical; generate once, repeat
@@ -83,11 +84,8 @@ class HFRollout(RolloutEngine):
                     responses = responses.repeat_interleave(params.n, dim=0)
         finally:
             self.model.train(was_training)
-        responses = responses.cpu()
-        # `generate` (the fallback) gives no log-probs: callers that need them compute them with a forward pass.
-        behaviour = log_probs[0].cpu() if log_probs else None
-        return assemble_rollout(prompts, ids.cpu(), mask.cpu(), responses, self.eos_id, self.pad_id, params.n,
-                                log_probs=behaviour)
+        return assemble_rollout(prompts, ids.cpu(), mask.cpu(), responses.cpu(), self.eos_id, self.pad_id, params.n,
+                                log_probs=None if behaviour is None else behaviour.cpu())
 
     def _autocast(self, device: torch.device):
         if self.autocast_dtype is None:

@@ -14,6 +14,8 @@ micro-batches gives exactly the same rollouts (and the global RNG is untouched).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -68,6 +70,31 @@ def _warpers(params: SamplingParams) -> LogitsProcessorList:
     return warpers
 
 
+@dataclass
+class Sampled:
+    """What the loop returns: ``tokens`` ``(batch * n, gen_len)`` (pad after a row's eos) and, when asked for,
+    ``log_probs`` ``(batch * n, gen_len)``: the behaviour policy's log-prob of each drawn token (0 after eos)."""
+
+    tokens: torch.Tensor
+    log_probs: torch.Tensor | None = None
+
+
+@dataclass
+class DecodeState:
+    """The rows still generating: their KV cache, attention mask ``(alive, seq)``, next position ``(alive, 1)``,
+    next-token logits ``(alive, vocab)``, and ``alive`` ``(alive,)``: their ids among all ``rows = batch * n``.
+
+    Finished rows leave the state (and the cache) once a quarter of those left have finished, so later steps
+    compute only what is still generating (vLLM drops them too)."""
+
+    cache: Any
+    attention_mask: torch.Tensor
+    next_position: torch.Tensor
+    logits: torch.Tensor
+    alive: torch.Tensor
+    rows: int
+
+
 @torch.no_grad()
 @packed_weights()  # frozen linear layers multiply by oneDNN-packed weights (verl/models/packed_linear.py)
 def sample_with_shared_prefill(
@@ -79,22 +106,53 @@ def sample_with_shared_prefill(
     pad_token_id: int,
     prompt_seeds: list[int] | None = None,
     stop_when: Callable[[bool], bool] | None = None,
-    log_probs_out: list[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Generate ``(batch * n, <= max_new_tokens)`` token ids for left-padded prompts ``(batch, prompt_len)``.
+    with_log_probs: bool = False,
+) -> Sampled:
+    """Generate up to ``max_new_tokens`` for left-padded prompts ``input_ids`` and ``attention_mask``, both
+    ``(batch, prompt_len)``: prefill once, then draw and decode one token per step for the rows still alive.
 
-    Rows ``i*n .. i*n+n-1`` are prompt ``i``'s samples. Tokens after a row's eos are ``pad_token_id``.
-    ``prompt_seeds`` (one per prompt) make each prompt's samples independent of the rest of the batch.
-    ``stop_when(all_local_rows_finished)`` decides early stopping; sharded (FSDP) models pass an all-reduce so
-    every rank runs the same number of forward passes.
+    Rows ``i*n .. i*n+n-1`` are prompt ``i``'s samples. ``prompt_seeds`` (one per prompt) make each prompt's samples
+    independent of the rest of the batch. ``stop_when(all_local_rows_finished)`` decides early stopping; sharded
+    (FSDP) models pass an all-reduce so every rank runs the same number of forward passes.
 
-    ``log_probs_out``: when given, the behaviour policy's log-prob of each drawn token is appended to it as one
-    ``(batch * n, gen_len)`` tensor: ``log_softmax(logits / temperature)`` at the token, the distribution the actor's
-    ``compute_log_prob`` scores (temperature only; top-k/top-p truncation is not part of it). One-step off-policy
-    training uses them as ``old_log_probs``, so no extra forward pass is needed to correct for staleness.
+    ``with_log_probs``: also return each drawn token's ``log_softmax(logits / temperature)``, the distribution the
+    actor's ``compute_log_prob`` scores (temperature only; top-k/top-p truncation is not part of it). One-step
+    off-policy training uses them as ``old_log_probs``, so no extra forward pass is needed to correct for staleness.
     """
-    n = params.n
-    device = input_ids.device
+    state = prefill(model, input_ids, attention_mask, params.n, params.max_new_tokens)
+    rows = state.rows
+    generators = sampling_generators(params, prompt_seeds, input_ids.device)
+    warpers = _warpers(params)
+    compactable = DROP_FINISHED_ROWS and bool(state.cache.layers) and all(
+        isinstance(layer, GrowingLayer) for layer in state.cache.layers)
+    finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+    tokens: list[torch.Tensor] = []
+    token_log_probs: list[torch.Tensor] = []
+    for step in range(params.max_new_tokens):
+        history = _history(tokens, state.alive) if warpers else None
+        drawn = draw_next(state, history, params, warpers, generators)
+        token = torch.full((rows,), pad_token_id, dtype=torch.long, device=finished.device)
+        token[state.alive] = drawn
+        token = token.masked_fill(finished, pad_token_id)
+        if with_log_probs:
+            token_log_probs.append(behaviour_log_probs(state, drawn, params).masked_fill(finished, 0.0))
+        tokens.append(token)
+        finished |= token == eos_token_id
+        done = stop_when(bool(finished.all())) if stop_when is not None else bool(finished.all())
+        if done or step == params.max_new_tokens - 1:
+            break
+        leaving = finished[state.alive]
+        if compactable and int(leaving.sum()) >= max(1, len(state.alive) // 4) and not bool(leaving.all()):
+            drop_rows(state, keep=(~leaving).nonzero().squeeze(-1))
+        decode_step(model, state, token[state.alive])
+    return Sampled(stack_columns(tokens, rows, torch.long, finished.device),
+                   stack_columns(token_log_probs, rows, torch.float32, finished.device) if with_log_probs else None)
+
+
+def prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int,
+            headroom: int) -> DecodeState:
+    """Run the prompts ``(batch, prompt_len)`` once and repeat their cache ``n`` times: state for ``batch * n``
+    rows, with ``headroom`` preallocated cache columns when the model's cache is a plain ``DynamicCache``."""
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
                 logits_to_keep=1)
@@ -107,67 +165,77 @@ def sample_with_shared_prefill(
         positions = positions.repeat_interleave(n, dim=0)
     if all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None])):
         # Decode into preallocated columns: DynamicLayer would copy the whole cache (torch.cat) at every step.
-        cache = growing_cache_from(cache, headroom=params.max_new_tokens)
+        cache = growing_cache_from(cache, headroom=headroom)
     rows = logits.shape[0]
-    next_position = positions[:, -1:] + 1
-    generators: list[torch.Generator] = []
-    if not params.greedy:
-        base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        seeds = prompt_seeds if prompt_seeds is not None else [base]
-        for seed in seeds:
-            generators.append(torch.Generator(device=device))
-            generators[-1].manual_seed((base * 1_000_003 + int(seed)) % 2**63 if prompt_seeds is not None else base)
-    warpers = _warpers(params)
-    finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    # Rows still in the batch (original row ids): finished rows leave the KV cache once a quarter of the batch has
-    # finished, so later steps compute only what is still generating (vLLM drops them too). Every row's uniform
-    # draw is still taken at every step, so dropping rows never changes what the others sample.
-    alive = torch.arange(rows, device=device)
-    compactable = DROP_FINISHED_ROWS and bool(cache.layers) and all(isinstance(layer, GrowingLayer)
-                                                                     for layer in cache.layers)
-    tokens: list[torch.Tensor] = []
-    token_log_probs: list[torch.Tensor] = []
+    return DecodeState(cache, attention_mask, positions[:, -1:] + 1, logits, torch.arange(rows, device=logits.device),
+                       rows)
+
+
+def sampling_generators(params: SamplingParams, prompt_seeds: list[int] | None,
+                        device: torch.device) -> list[torch.Generator]:
+    """Private generators: one per prompt (seeded from the call seed and the prompt's id) when ``prompt_seeds`` is
+    given, else one for the whole batch; none for greedy decoding."""
+    if params.greedy:
+        return []
+    base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+    generators = []
+    for seed in prompt_seeds if prompt_seeds is not None else [base]:
+        generator = torch.Generator(device=device)
+        generator.manual_seed((base * 1_000_003 + int(seed)) % 2**63 if prompt_seeds is not None else base)
+        generators.append(generator)
+    return generators
+
+
+def draw_next(state: DecodeState, history: torch.Tensor | None, params: SamplingParams,
+              warpers: LogitsProcessorList, generators: list[torch.Generator]) -> torch.Tensor:
+    """The next token of every alive row from its logits ``(alive, vocab)``: ``(alive,)``.
+
+    Every row's uniform is drawn at every step, alive or not, so dropping finished rows never changes what the
+    others sample. ``history`` ``(alive, step)`` (the tokens so far) feeds warpers that look at it.
+    """
+    if params.greedy:
+        return state.logits.argmax(-1)
+    scores = warpers(history, state.logits) if warpers else state.logits
+    rows_per_generator = params.n if len(generators) > 1 else state.rows  # a prompt's generator draws its n rows
+    uniform = torch.cat([torch.rand(rows_per_generator, 1, generator=gen, dtype=torch.float64,
+                                    device=state.logits.device) for gen in generators])
+    return draw_categorical(torch.softmax(scores, dim=-1), uniform=uniform[state.alive])
+
+
+def behaviour_log_probs(state: DecodeState, drawn: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``(rows,)``: the log-prob of each alive row's ``drawn`` token under ``log_softmax(logits / temperature)``
+    (one log-softmax over the vocabulary per step, as the actor scores it); 0 for rows no longer alive."""
     temperature = 1.0 if params.greedy else params.temperature
-    generated = torch.empty((rows, 0), dtype=torch.long, device=device)
-    for step in range(params.max_new_tokens):
-        if params.greedy:
-            drawn = logits.argmax(-1)
-        else:
-            scores = warpers(generated[alive], logits) if warpers else logits
-            probs = torch.softmax(scores, dim=-1)
-            per_prompt = n if len(generators) > 1 else rows  # one generator per prompt draws that prompt's n rows
-            uniform = torch.cat([torch.rand(per_prompt, 1, generator=gen, dtype=torch.float64, device=device)
-                                 for gen in generators])
-            drawn = draw_categorical(probs, uniform=uniform[alive])
-        token = torch.full((rows,), pad_token_id, dtype=torch.long, device=device)
-        token[alive] = drawn
-        token = token.masked_fill(finished, pad_token_id)
-        if log_probs_out is not None:  # (rows,): one log_softmax over the vocabulary per step, as the actor scores it
-            chosen = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
-            step_log_probs = torch.zeros(rows, device=device)
-            step_log_probs[alive] = chosen.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
-            token_log_probs.append(step_log_probs.masked_fill(finished, 0.0))
-        tokens.append(token)
-        finished |= token == eos_token_id
-        done = bool(finished.all())
-        if stop_when is not None:
-            done = stop_when(done)
-        if done or step == params.max_new_tokens - 1:
-            break
-        if warpers:
-            generated = torch.stack(tokens, dim=1)
-        leaving = finished[alive]
-        if compactable and int(leaving.sum()) >= max(1, len(alive) // 4) and not bool(leaving.all()):
-            keep = (~leaving).nonzero().squeeze(-1)
-            cache.batch_select_indices(keep)
-            attention_mask, next_position, alive = attention_mask[keep], next_position[keep], alive[keep]
-        attention_mask = torch.cat([attention_mask, torch.ones((len(alive), 1), dtype=attention_mask.dtype,
-                                                               device=device)], dim=1)
-        out = model(input_ids=token[alive].unsqueeze(-1), attention_mask=attention_mask,
-                    position_ids=next_position, past_key_values=cache, use_cache=True)
-        next_position = next_position + 1
-        logits = out.logits[:, -1, :].float()
-    if log_probs_out is not None:
-        log_probs_out.append(torch.stack(token_log_probs, dim=1) if token_log_probs
-                             else torch.empty((rows, 0), device=device))
-    return torch.stack(tokens, dim=1) if tokens else torch.empty((rows, 0), dtype=torch.long, device=device)
+    log_probs = torch.log_softmax(state.logits / temperature if temperature != 1.0 else state.logits, dim=-1)
+    out = torch.zeros(state.rows, device=state.logits.device)
+    out[state.alive] = log_probs.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
+    return out
+
+
+def drop_rows(state: DecodeState, keep: torch.Tensor) -> None:
+    """Keep only the alive rows at positions ``keep`` ``(kept,)``, in the cache and every per-row tensor."""
+    state.cache.batch_select_indices(keep)
+    state.attention_mask, state.next_position = state.attention_mask[keep], state.next_position[keep]
+    state.alive = state.alive[keep]
+
+
+def decode_step(model: torch.nn.Module, state: DecodeState, tokens: torch.Tensor) -> None:
+    """Feed each alive row its new token ``(alive,)``: one forward pass; the state moves one position on."""
+    ones = torch.ones((len(state.alive), 1), dtype=state.attention_mask.dtype, device=tokens.device)
+    state.attention_mask = torch.cat([state.attention_mask, ones], dim=1)
+    out = model(input_ids=tokens.unsqueeze(-1), attention_mask=state.attention_mask,
+                position_ids=state.next_position, past_key_values=state.cache, use_cache=True)
+    state.next_position = state.next_position + 1
+    state.logits = out.logits[:, -1, :].float()
+
+
+def _history(tokens: list[torch.Tensor], alive: torch.Tensor) -> torch.Tensor:
+    """The tokens drawn so far by the alive rows, ``(alive, step)`` (what history-aware warpers read)."""
+    if not tokens:
+        return torch.empty((len(alive), 0), dtype=torch.long, device=alive.device)
+    return torch.stack(tokens, dim=1)[alive]
+
+
+def stack_columns(columns: list[torch.Tensor], rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One ``(rows,)`` tensor per step -> ``(rows, steps)``; ``(rows, 0)`` when no step ran."""
+    return torch.stack(columns, dim=1) if columns else torch.empty((rows, 0), dtype=dtype, device=device)
