@@ -31,7 +31,7 @@ from verl.models.packed_linear import packed_weights
 from verl.utils.profiling import matmul_flops
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
     parser.add_argument("--rows", type=int, default=16)
@@ -44,33 +44,55 @@ def main() -> None:
     parser.add_argument("--packed", choices=["on", "off"], default="on", help="on: frozen linear layers multiply by "
                         "oneDNN-packed weights, as both engines decode (verl/models/packed_linear.py); off: F.linear")
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     model = load_causal_lm(resolve_model_path(args.model), dtype="float32", device=torch.device("cpu")).eval()
     model.requires_grad_(False)  # as the serving engine holds it
-    packing = packed_weights if args.packed == "on" else contextlib.nullcontext
     if args.attn == "engine":
         use_gqa_sdpa(model)
     else:
         model.set_attn_implementation(args.attn)
-    config = model.config
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    step = decode_step_at_fixed_length(model, args.rows, args.context, packed=args.packed == "on")
+    seconds = median_time(step, args.repeats)
+    table, gemms = profile_step_operators(step, args.profile_steps, args.top)
+    config = model.config
+    gemm = gemm_gflops(args.rows, config.hidden_size, config.intermediate_size, args.repeats * 20)
+    read = read_gbs(weight_bytes, max(5, args.repeats // 2))
+    achieved = 2 * params * args.rows / seconds / 1e9
+    summary = {"model": args.model, "params": params, "rows": args.rows, "context": args.context,
+               "step_ms": seconds * 1000, "tokens_per_s": args.rows / seconds, "achieved_gflops": achieved,
+               "gemm_gflops": gemm, "pct_of_gemm": 100 * achieved / gemm, "read_gbs": read,
+               "weight_read_floor_ms": weight_bytes / (read * 1e9) * 1000, "ops": table, "gemms": gemms}
+    print_summary(args, config, summary, weight_bytes)
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
 
+
+def decode_step_at_fixed_length(model: torch.nn.Module, rows: int, context: int, packed: bool):
+    """A function running one decode step of ``rows`` rows after ``context`` cached tokens in the engine's KV cache,
+    dropping the appended column afterwards so every call decodes at the same length."""
+    config = model.config
     vocab = min(1000, config.vocab_size)
-    ids = torch.randint(3, vocab, (args.rows, args.context))
+    ids = torch.randint(3, vocab, (rows, context))
     # Rows of different lengths, as in the engine's batch (right-aligned, padding on the left): row i is i tokens
     # shorter, so the attention mask is a real one (an all-ones mask lets transformers drop it).
-    mask = torch.ones(args.rows, args.context + 1, dtype=torch.long)
-    for row in range(args.rows):
-        mask[row, :min(row, args.context - 1)] = 0
-    token = torch.randint(3, vocab, (args.rows, 1))
+    mask = torch.ones(rows, context + 1, dtype=torch.long)
+    for row in range(rows):
+        mask[row, :min(row, context - 1)] = 0
+    token = torch.randint(3, vocab, (rows, 1))
     with torch.inference_mode():
         cache = new_growing_cache(config)
         prefill_positions = (mask[:, :-1].cumsum(-1) - 1).clamp(min=0)
         model(input_ids=ids, attention_mask=mask[:, :-1], position_ids=prefill_positions, past_key_values=cache,
               use_cache=True)
     positions = mask[:, :-1].sum(-1, keepdim=True)
+    packing = packed_weights if packed else contextlib.nullcontext
 
     def step() -> None:
         with torch.inference_mode(), packing():
@@ -80,17 +102,20 @@ def main() -> None:
                 layer._len -= 1
                 layer.keys, layer.values = layer._kbuf[:, :, :layer._len], layer._vbuf[:, :, :layer._len]
 
-    seconds = median_time(step, args.repeats)
+    return step
+
+
+def profile_step_operators(step, profile_steps: int, top: int) -> tuple[list[dict], list[dict]]:
+    """torch.profiler over ``profile_steps`` calls of ``step``: the ``top`` operators by CPU time (share of the
+    step), and the matrix products by shape (which GEMMs take the time, and at what rate)."""
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(args.profile_steps):
+        for _ in range(profile_steps):
             step()
     total_us = sum(e.self_cpu_time_total for e in prof.key_averages())
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    table = [{"op": e.key, "calls_per_step": e.count / args.profile_steps,
-              "ms_per_step": e.self_cpu_time_total / 1000 / args.profile_steps,
-              "share": e.self_cpu_time_total / total_us} for e in ops[:args.top]]
-
-    # The matrix products by shape: which GEMMs of the step take the time, and at what rate.
+    table = [{"op": e.key, "calls_per_step": e.count / profile_steps,
+              "ms_per_step": e.self_cpu_time_total / 1000 / profile_steps,
+              "share": e.self_cpu_time_total / total_us} for e in ops[:top]]
     gemms = []
     for e in prof.key_averages(group_by_input_shape=True):
         flops = matmul_flops(e.key, e.input_shapes or [])
@@ -98,34 +123,31 @@ def main() -> None:
             k = e.input_shapes[0][-1]
             m = flops // (2 * k * (e.input_shapes[1][0] if e.key.startswith("mkldnn") else e.input_shapes[1][-1]))
             n = flops // (2 * m * k)
-            ms = e.self_cpu_time_total / 1000 / args.profile_steps
-            gemms.append({"shape": f"{m}x{k}x{n}", "calls_per_step": e.count / args.profile_steps,
-                          "ms_per_step": ms, "gflops": flops * e.count / args.profile_steps / ms / 1e6})
+            ms = e.self_cpu_time_total / 1000 / profile_steps
+            gemms.append({"shape": f"{m}x{k}x{n}", "calls_per_step": e.count / profile_steps,
+                          "ms_per_step": ms, "gflops": flops * e.count / profile_steps / ms / 1e6})
     gemms.sort(key=lambda g: g["ms_per_step"], reverse=True)
-    gemm = gemm_gflops(args.rows, config.hidden_size, config.intermediate_size, args.repeats * 20)
-    read = read_gbs(weight_bytes, max(5, args.repeats // 2))
-    achieved = 2 * params * args.rows / seconds / 1e9
-    summary = {"model": args.model, "params": params, "rows": args.rows, "context": args.context,
-               "step_ms": seconds * 1000, "tokens_per_s": args.rows / seconds, "achieved_gflops": achieved,
-               "gemm_gflops": gemm, "pct_of_gemm": 100 * achieved / gemm, "read_gbs": read,
-               "weight_read_floor_ms": weight_bytes / (read * 1e9) * 1000, "ops": table, "gemms": gemms}
+    return table, gemms
+
+
+def print_summary(args: argparse.Namespace, config, summary: dict, weight_bytes: int) -> None:
+    seconds, gemm, read = summary["step_ms"] / 1000, summary["gemm_gflops"], summary["read_gbs"]
     print("=== summary")
-    print(f"{args.model} ({params / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32), batch {args.rows}, "
-          f"context {args.context}, one thread, attention {config._attn_implementation}, packed linear {args.packed}")
-    print(f"decode step {seconds * 1000:.1f} ms = {args.rows / seconds:.0f} tok/s; {achieved:.1f} GFLOP/s = "
-          f"{summary['pct_of_gemm']:.0f}% of a {args.rows}x{config.hidden_size}x{config.intermediate_size} GEMM "
-          f"({gemm:.1f} GFLOP/s); reading the weights once takes {summary['weight_read_floor_ms']:.1f} ms "
+    print(f"{args.model} ({summary['params'] / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32), batch "
+          f"{args.rows}, context {args.context}, one thread, attention {config._attn_implementation}, packed linear "
+          f"{args.packed}")
+    print(f"decode step {seconds * 1000:.1f} ms = {args.rows / seconds:.0f} tok/s; {summary['achieved_gflops']:.1f} "
+          f"GFLOP/s = {summary['pct_of_gemm']:.0f}% of a {args.rows}x{config.hidden_size}x{config.intermediate_size} "
+          f"GEMM ({gemm:.1f} GFLOP/s); reading the weights once takes {summary['weight_read_floor_ms']:.1f} ms "
           f"at {read:.1f} GB/s")
     print("| op | calls/step | ms/step | share of profiled time |")
     print("|---|---|---|---|")
-    for row in table:
+    for row in summary["ops"]:
         print(f"| {row['op']} | {row['calls_per_step']:.0f} | {row['ms_per_step']:.2f} | {row['share']:.1%} |")
     print("| matrix product (rows x in x out) | calls/step | ms/step | GFLOP/s |")
     print("|---|---|---|---|")
-    for g in gemms:
+    for g in summary["gemms"]:
         print(f"| {g['shape']} | {g['calls_per_step']:.0f} | {g['ms_per_step']:.2f} | {g['gflops']:.1f} |")
-    if args.out:
-        Path(args.out).write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

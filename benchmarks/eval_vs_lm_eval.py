@@ -99,21 +99,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    os.environ.setdefault("VERL_CACHE_DIR", str(REPO / ".cache"))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    work = Path(args.out or tempfile.mkdtemp(prefix="eval-vs-lm-eval-"))
-    work.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("HF_DATASETS_CACHE", str(work / "hf_datasets"))
-
-    import torch
-
-    torch.set_num_threads(1)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    work = prepare_environment(args)
     from eval.runner import EvalSettings, Evaluation, resolve_settings
     from verl.config import DataConfig
     from verl.data.dataset import RLHFDataset
@@ -121,31 +107,20 @@ def main() -> None:
 
     model_dir = resolve_model_path(args.ckpt)
     tokenizer = load_tokenizer(model_dir)
-
-    # ---- the prompts, written for lm-eval exactly as our dataset feeds them to the model
     task = args.data.removeprefix("builtin:").split("/")[0]
     if task not in STRICT_PATTERNS:
         raise SystemExit(f"--data {args.data}: use a built-in task ({', '.join(STRICT_PATTERNS)})")
     data_config = DataConfig(**({"max_prompt_length": args.max_prompt_length} if args.max_prompt_length else {}))
     dataset = RLHFDataset([args.data], tokenizer, data_config, "--data")
     count = min(args.prompts, len(dataset))
-    data_file = work / "prompts.jsonl"
-    with data_file.open("w") as fh:
-        for i in range(count):
-            fh.write(json.dumps({"text": dataset.rows[i]["__prompt_text__"],
-                                 "target": str(dataset.ground_truth(i))}) + "\n")
-    task_dir = work / "tasks"
-    task_dir.mkdir(exist_ok=True)
-    (task_dir / "verl_task.yaml").write_text(TASK_YAML.format(data=data_file, max_new_tokens=args.max_new_tokens,
-                                                              strict=STRICT_PATTERNS[task]))
+    task_dir = write_lm_eval_task(args, dataset, count, STRICT_PATTERNS[task], work)
 
     # ---- tool 1: verl eval, warm
     settings = EvalSettings(data=[args.data], evaluators="accuracy", n=1, temperature=0.0,
                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_samples=count,
                             num_threads=1, force=True, quiet=True, n_bootstrap=args.bootstrap,
                             max_prompt_length=args.max_prompt_length)
-    resolved = resolve_settings(settings, None, None)
-    evaluation = Evaluation(settings, resolved, None, None, model_dir)
+    evaluation = Evaluation(settings, resolve_settings(settings, None, None), None, None, model_dir)
 
     def run_verl(i: int) -> tuple[float, dict]:
         start = time.perf_counter()
@@ -157,8 +132,8 @@ def main() -> None:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    model = load_causal_lm(model_dir)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.batch_size, device="cpu", dtype="float32")
+    lm = HFLM(pretrained=load_causal_lm(model_dir), tokenizer=tokenizer, batch_size=args.batch_size, device="cpu",
+              dtype="float32")
     manager = TaskManager(include_path=str(task_dir))
     check_tokenization(lm, dataset, count)
 
@@ -168,31 +143,84 @@ def main() -> None:
                                       verbosity="ERROR")
         return time.perf_counter() - start, out
 
-    run_verl(-1)  # warm-up: first-call costs (kernels, dataset cache, matplotlib import) are not the steady state
+    verl_times, lm_times, verl_results, lm_results = alternate_warm_runs(run_verl, run_lm_eval, args.repeats)
+    ours, theirs = accuracies_and_agreement(verl_results, lm_results, work / f"verl_eval_{args.repeats - 1}", count)
+    verl_cmd, lm_cmd = command_lines(args, model_dir, count, task_dir, work)
+    cli = time_command_lines({"verl": verl_cmd, "lm_eval": lm_cmd}, args.cli_repeats)
+    report = summarise(args, count, verl_times, lm_times, cli, ours, theirs, verl_results, " ".join(verl_cmd),
+                       " ".join(lm_cmd))
+    (work / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"results: {work / 'results.json'}")
+    print_table(report)
+
+
+def prepare_environment(args: argparse.Namespace) -> Path:
+    """Offline, quiet, one torch thread; returns the work dir (``--out`` or a temp dir)."""
+    os.environ.setdefault("VERL_CACHE_DIR", str(REPO / ".cache"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    work = Path(args.out or tempfile.mkdtemp(prefix="eval-vs-lm-eval-"))
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_DATASETS_CACHE", str(work / "hf_datasets"))
+    import torch
+
+    torch.set_num_threads(1)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return work
+
+
+def write_lm_eval_task(args: argparse.Namespace, dataset, count: int, strict_pattern: str, work: Path) -> Path:
+    """The prompts written for lm-eval exactly as our dataset feeds them to the model, and its task YAML."""
+    data_file = work / "prompts.jsonl"
+    with data_file.open("w") as fh:
+        for i in range(count):
+            fh.write(json.dumps({"text": dataset.rows[i]["__prompt_text__"],
+                                 "target": str(dataset.ground_truth(i))}) + "\n")
+    task_dir = work / "tasks"
+    task_dir.mkdir(exist_ok=True)
+    (task_dir / "verl_task.yaml").write_text(TASK_YAML.format(data=data_file, max_new_tokens=args.max_new_tokens,
+                                                              strict=strict_pattern))
+    return task_dir
+
+
+def alternate_warm_runs(run_verl, run_lm_eval, repeats: int) -> tuple[list[float], list[float], dict, dict]:
+    """One warm-up each (first-call costs are not the steady state), then alternating repeats, so drifting load on
+    the shared machine hits both alike. Returns both tools' times and their last results."""
+    run_verl(-1)
     run_lm_eval(-1)
     verl_times, lm_times = [], []
-    for i in range(args.repeats):  # alternate, so drifting load on the shared machine hits both alike
+    for i in range(repeats):
         t, verl_results = run_verl(i)
         verl_times.append(t)
         t, lm_results = run_lm_eval(i)
         lm_times.append(t)
+    return verl_times, lm_times, verl_results, lm_results
 
+
+def accuracies_and_agreement(verl_results: dict, lm_results: dict, verl_dir: Path, count: int
+                             ) -> tuple[dict, dict]:
+    """Both tools' strict and flexible accuracy, and (stronger than equal accuracies) how many generated texts
+    are identical, prompt by prompt."""
     ours = {"strict": verl_results["metrics"]["eval/accuracy"]["value"],
             "flexible": verl_results["metrics"]["eval/accuracy_flexible"]["value"]}
     scores = lm_results["results"]["verl_task"]
     theirs = {"strict": scores["exact_match,strict-match"], "flexible": scores["exact_match,flexible-extract"]}
-    # Stronger than equal accuracies: the generated texts themselves, prompt by prompt.
-    our_texts = [json.loads(line)["response"] for line in
-                 (work / f"verl_eval_{args.repeats - 1}" / "samples.jsonl").read_text().splitlines()]
+    our_texts = [json.loads(line)["response"] for line in (verl_dir / "samples.jsonl").read_text().splitlines()]
     their_texts = {}
     for sample in lm_results["samples"]["verl_task"]:
         if sample.get("filter") == "strict-match":
             their_texts[sample["doc_id"]] = sample["resps"][0][0]
-    identical = sum(our_texts[i].strip() == their_texts.get(i, "").strip() for i in range(count))
-    ours["identical_responses"] = identical
+    ours["identical_responses"] = sum(our_texts[i].strip() == their_texts.get(i, "").strip() for i in range(count))
+    return ours, theirs
 
-    # ---- cold command lines
-    cli = {"verl": [], "lm_eval": []}
+
+def command_lines(args: argparse.Namespace, model_dir: str, count: int, task_dir: Path, work: Path
+                  ) -> tuple[list[str], list[str]]:
+    """The same evaluation as each tool's command line (cold: a new process, the model loaded from disk)."""
     verl_bin = Path(sys.executable).with_name("verl")
     lm_bin = Path(sys.executable).with_name("lm_eval")
     verl_cmd = [str(verl_bin), "eval", "--ckpt", model_dir, "--data", args.data, "--evaluators",
@@ -204,20 +232,21 @@ def main() -> None:
     lm_cmd = [str(lm_bin), "--model", "hf", "--model_args", f"pretrained={model_dir},dtype=float32",
               "--tasks", "verl_task", "--include_path", str(task_dir), "--batch_size", str(args.batch_size),
               "--device", "cpu", "--verbosity", "ERROR"]
+    return verl_cmd, lm_cmd
+
+
+def time_command_lines(commands: dict[str, list[str]], repeats: int) -> dict[str, list[float]]:
+    """Wall time of each command, alternating, ``repeats`` times, one thread each."""
+    times: dict[str, list[float]] = {name: [] for name in commands}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    for _ in range(args.cli_repeats):
-        for name, cmd in (("verl", verl_cmd), ("lm_eval", lm_cmd)):
+    for _ in range(repeats):
+        for name, cmd in commands.items():
             start = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
             if proc.returncode != 0:
                 raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-            cli[name].append(time.perf_counter() - start)
-
-    report = summarise(args, count, verl_times, lm_times, cli, ours, theirs, verl_results, " ".join(verl_cmd),
-                       " ".join(lm_cmd))
-    (work / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"results: {work / 'results.json'}")
-    print_table(report)
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def check_tokenization(lm, dataset, count: int) -> None:
