@@ -5,8 +5,11 @@
 Only torch, transformers and verl's pure algorithm functions (``verl.algos``): no trainer, no workers, no config
 system. It is the same algorithm ``verl train`` runs by default (configs/grpo_tiny.yaml): for each prompt sample a
 group of responses, score them with a verifiable reward, turn rewards into advantages by normalising within the
-group, and take one clipped policy-gradient step with a KL penalty to the frozen starting model.
-``tests/test_single_file_example.py`` checks that ``grpo_update`` below gives the trainer's first update exactly.
+group, and take a clipped policy-gradient step with a KL penalty to the frozen starting model. With
+``MINI_BATCHES = 2`` each batch takes two optimizer steps, and the second one shows why a PPO trainer keeps the
+sampling policy's log-probs ("old" log-probs): the ratio pi_theta / pi_old is no longer 1 there.
+``tests/test_single_file_example.py`` checks that ``grpo_update`` below gives the trainer's first update exactly,
+with one mini-batch and with two.
 
 Shapes: B prompts, n responses each, N = B * n rows; P prompt tokens (left-padded), R response tokens.
 """
@@ -30,6 +33,7 @@ MODEL_DIR = Path(__file__).resolve().parents[1] / "verl" / "models" / "assets" /
 STEPS, PROMPTS_PER_STEP, GROUP_SIZE = 30, 16, 8
 MAX_NEW_TOKENS, TEMPERATURE = 16, 1.0
 LR, CLIP, KL_COEF = 1e-4, 0.2, 0.04
+MINI_BATCHES = 1  # optimizer steps per batch (verl: train_batch_size / ppo_mini_batch_size); 1 = on-policy
 ANSWER = re.compile(r">> (-?[0-9]+)")  # the strict answer format the warm start was taught
 
 
@@ -92,14 +96,17 @@ def response_log_probs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def grpo_update(model, reference, optimizer, batch: dict[str, torch.Tensor], scores: torch.Tensor,
-                group_size: int = GROUP_SIZE, kl_coef: float = KL_COEF, clip: float = CLIP,
-                grad_clip: float = 1.0) -> dict[str, float]:
-    """One GRPO step on a rollout: ``scores`` ``(N,)`` are the sequence rewards, rows grouped by prompt.
+                group_size: int = GROUP_SIZE, kl_coef: float = KL_COEF, clip: float = CLIP, grad_clip: float = 1.0,
+                mini_batches: int = MINI_BATCHES, order: torch.Tensor | None = None) -> dict[str, float]:
+    """GRPO on one rollout: ``scores`` ``(N,)`` are the sequence rewards, rows grouped by prompt.
 
     1. Put each reward on the response's last token (``token_level_rewards``, ``(N, R)``).
     2. Advantages: (reward - group mean) / group std, the same for every token of a response.
-    3. Loss: PPO's clipped surrogate, token-mean over the batch, plus ``kl_coef`` x low-variance KL to the
-       reference. One pass over the batch is on-policy, so old log-probs are the current ones, detached.
+    3. For each of ``mini_batches`` slices of the rows (in ``order``, whole groups): PPO's clipped surrogate,
+       token-mean, plus ``kl_coef`` x low-variance KL to the reference, and one optimizer step. The ratio
+       compares the current policy with the one that *sampled* the batch, so its log-probs are computed once,
+       before the first step. With one step they equal the current ones, detached, and that pass is skipped.
+    Returns the mean of each metric over the steps.
     """
     mask = batch["response_mask"].float()
     last_token = mask.sum(-1).long().clamp(min=1) - 1
@@ -110,18 +117,32 @@ def grpo_update(model, reference, optimizer, batch: dict[str, torch.Tensor], sco
 
     with torch.no_grad():
         ref_log_prob = response_log_probs(reference, batch)
+        old_log_prob = response_log_probs(model.eval(), batch) if mini_batches > 1 else None
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    log_prob = response_log_probs(model, batch)
-    pg_loss, pg_metrics = clipped_policy_loss(log_prob=log_prob, old_log_prob=log_prob.detach(),
-                                              advantages=advantages, mask=mask, clip_low=clip, clip_high=clip)
-    kl_loss = agg_loss(kl_penalty(log_prob, ref_log_prob, "low_var_kl"), mask, "token-mean")
-    loss = pg_loss + kl_coef * kl_loss
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    return {"loss": loss.item(), "pg_loss": pg_loss.item(), "kl_loss": kl_loss.item(),
-            "grad_norm": float(grad_norm), "clipfrac": pg_metrics["clipfrac"].item()}
+    order = order if order is not None else torch.arange(len(scores))
+    size = len(scores) // mini_batches
+    steps = []
+    for rows in order.split(size):
+        mini = {k: v[rows] for k, v in batch.items()}
+        optimizer.zero_grad(set_to_none=True)
+        log_prob = response_log_probs(model, mini)
+        old = old_log_prob[rows] if old_log_prob is not None else log_prob.detach()
+        pg_loss, pg_metrics = clipped_policy_loss(log_prob=log_prob, old_log_prob=old, advantages=advantages[rows],
+                                                  mask=mask[rows], clip_low=clip, clip_high=clip)
+        kl_loss = agg_loss(kl_penalty(log_prob, ref_log_prob[rows], "low_var_kl"), mask[rows], "token-mean")
+        loss = pg_loss + kl_coef * kl_loss
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        steps.append({"loss": loss.item(), "pg_loss": pg_loss.item(), "kl_loss": kl_loss.item(),
+                      "grad_norm": float(grad_norm), "clipfrac": pg_metrics["clipfrac"].item(),
+                      "ratio_mean": masked_ratio_mean(log_prob.detach() - old, mask[rows])})
+    return {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
+
+
+def masked_ratio_mean(log_ratio: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of pi_theta / pi_old over response tokens: exactly 1 on-policy, not after a step on this batch."""
+    return float((log_ratio.exp() * mask).sum() / mask.sum())
 
 
 # ------------------------------------------------------------------------------------------------ the loop
@@ -155,7 +176,8 @@ def main() -> None:
         answers = [a for _, a in problems for _ in range(GROUP_SIZE)]
         scores = torch.tensor([reward(t, a) for t, a in zip(texts, answers, strict=True)])
         stats = grpo_update(model, reference, optimizer, batch, scores)
-        line = f"step {step}: reward {scores.mean():.3f}  loss {stats['loss']:.4f}  kl {stats['kl_loss']:.4f}"
+        line = (f"step {step}: reward {scores.mean():.3f}  loss {stats['loss']:.4f}  kl {stats['kl_loss']:.4f}  "
+                f"ratio {stats['ratio_mean']:.4f}")
         if step % 10 == 0:
             line += f"  held-out accuracy {accuracy(model, tokenizer, held_out):.3f}"
         print(line)

@@ -15,7 +15,6 @@ released only after its last request finished, so a change never fails or drops 
 
 from __future__ import annotations
 
-import logging
 import secrets
 
 from fastapi import APIRouter, Depends, Request
@@ -25,9 +24,7 @@ from pydantic import ValidationError
 from serve.schemas import _Strict
 from serve.service import ApiError, Service, service_of
 from serve.settings import ModelEntry, ServeSettings
-from verl.errors import VerlError
 
-log = logging.getLogger("uvicorn.error.serve")
 ADMIN_PREFIX = "/admin"
 
 _bearer = HTTPBearer(auto_error=False, description="The admin_api_key setting.")
@@ -68,22 +65,12 @@ def admin_router(service: Service) -> APIRouter:
 
     @router.put("/routes/{route}")
     async def put_route(route: str, body: RouteWeights) -> dict:
-        async with service._changes:
-            try:
-                service.registry.set_route(route, body.weights)
-            except ValueError as exc:
-                raise ApiError(400, str(exc), param="weights") from None
-        log.warning("verl serve: route %s -> %s", route, service.registry.routes[route])
-        service.save_state()
+        await service.put_route(route, body.weights)
         return state(service)
 
     @router.delete("/routes/{route}")
     async def delete_route(route: str) -> dict:
-        async with service._changes:
-            if route not in service.registry.routes:
-                raise ApiError(404, f"no route named '{route}'", type="not_found_error", param="route")
-            service.registry.delete_route(route)
-        service.save_state()
+        await service.delete_route(route)
         return state(service)
 
     @router.post("/models")
@@ -92,32 +79,12 @@ def admin_router(service: Service) -> APIRouter:
             entry = ModelEntry(**body)
         except ValidationError as exc:
             raise ApiError(400, f"invalid model entry: {exc.errors()[0]['msg']}", param="name") from None
-        async with service._changes:
-            if entry.name in service.registry.models or entry.name in service.registry.routes:
-                raise ApiError(409, f"the name '{entry.name}' is already in use; unload it first or pick another",
-                               param="name", code="name_in_use")
-            try:
-                if entry.path is not None:
-                    await service.load_model(entry.name, entry.path)
-                else:
-                    await service.load_adapter(entry.name, entry.adapter, entry.base or service.default_base())
-            except (VerlError, OSError, ValueError) as exc:
-                raise ApiError(400, f"cannot load '{entry.name}': {exc}", param="path") from None
-        service.save_state()
+        await service.add_model(entry)
         return state(service)
 
     @router.delete("/models/{name}")
     async def unload_model(name: str) -> dict:
-        async with service._changes:
-            if name not in service.registry.models:
-                raise ApiError(404, f"no model named '{name}'", type="not_found_error", param="name")
-            if len(service.registry.names()) == 1:
-                raise ApiError(409, f"'{name}' is the last model served; load another first", code="last_model")
-            try:
-                await service.unload(name)
-            except ValueError as exc:
-                raise ApiError(409, str(exc), param="name", code="in_use") from None
-        service.save_state()
+        await service.remove_model(name)
         return state(service)
 
     @router.get("/records")

@@ -36,7 +36,7 @@ from serve.schemas import (
     VerlExtension,
 )
 from serve.settings import ModelEntry, ServeSettings
-from verl.errors import ConfigError
+from verl.errors import ConfigError, VerlError
 from verl.utils.fs import atomic_write_json
 
 # A child of uvicorn's logger: our lines appear in the server log with its format and level.
@@ -266,6 +266,53 @@ class Service:
                 self.engine = fulls[0].engine if fulls else None
                 self.model_name = fulls[0].name if fulls else self.model_name
         log.info("verl serve: %s unloaded", name)
+
+    # ------------------------------------------------------------ admin changes: one at a time, each saved
+
+    async def put_route(self, route: str, weights: dict[str, float]) -> None:
+        """Create or change ``route``'s weights (400 for weights that name no model or do not sum to a share)."""
+        async with self._changes:
+            try:
+                self.registry.set_route(route, weights)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="weights") from None
+        log.warning("verl serve: route %s -> %s", route, self.registry.routes[route])
+        self.save_state()
+
+    async def delete_route(self, route: str) -> None:
+        async with self._changes:
+            if route not in self.registry.routes:
+                raise ApiError(404, f"no route named '{route}'", type="not_found_error", param="route")
+            self.registry.delete_route(route)
+        self.save_state()
+
+    async def add_model(self, entry: ModelEntry) -> None:
+        """Load a full model (``entry.path``) or an adapter over a served model; 409 when the name is taken."""
+        async with self._changes:
+            if entry.name in self.registry.models or entry.name in self.registry.routes:
+                raise ApiError(409, f"the name '{entry.name}' is already in use; unload it first or pick another",
+                               param="name", code="name_in_use")
+            try:
+                if entry.path is not None:
+                    await self.load_model(entry.name, entry.path)
+                else:
+                    await self.load_adapter(entry.name, entry.adapter, entry.base or self.default_base())
+            except (VerlError, OSError, ValueError) as exc:
+                raise ApiError(400, f"cannot load '{entry.name}': {exc}", param="path") from None
+        self.save_state()
+
+    async def remove_model(self, name: str) -> None:
+        """Stop routing to ``name``, let its requests finish, release it; the last model cannot go."""
+        async with self._changes:
+            if name not in self.registry.models:
+                raise ApiError(404, f"no model named '{name}'", type="not_found_error", param="name")
+            if len(self.registry.names()) == 1:
+                raise ApiError(409, f"'{name}' is the last model served; load another first", code="last_model")
+            try:
+                await self.unload(name)
+            except ValueError as exc:
+                raise ApiError(409, str(exc), param="name", code="in_use") from None
+        self.save_state()
 
     def save_state(self) -> None:
         """Write the served models and routes to ``state_path`` (atomically), after an admin change."""

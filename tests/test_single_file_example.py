@@ -1,5 +1,6 @@
 """examples/grpo_single_file.py is the trainer's algorithm: fed the trainer's first rollout, its ``grpo_update``
-gives the same loss and the same weights after the step as LocalPPOTrainer's first update (to 1e-6)."""
+gives the same loss and the same weights after the step as LocalPPOTrainer's first update (to 1e-6), with one
+mini-batch (on-policy) and with two (the second step's ratio uses the sampling policy's log-probs)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import copy
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 from verl.config import load_config
@@ -22,12 +24,14 @@ def load_example():
     return module
 
 
-def test_first_update_equals_the_trainers(tmp_path):
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_first_update_equals_the_trainers(tmp_path, mini_batches):
     example = load_example()
     # grpo_tiny's algorithm (GRPO, clip 0.2, low_var_kl 0.04, token-mean, lr 1e-4) on a small batch. Adam's eps is
     # raised so its first step is proportional to the gradient: with eps 1e-8 a gradient entry at float-noise level
     # becomes a full lr-sized step whose sign is noise, on either side.
-    cfg = load_config(None, ["trainer.total_steps=1", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+    cfg = load_config(None, ["trainer.total_steps=1", "data.train_batch_size=4",
+                             f"actor.ppo_mini_batch_size={4 // mini_batches}",
                              "rollout.n=4", "trainer.test_freq=0", "trainer.val_before_train=false",
                              "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path}", "trainer.num_threads=1",
                              "actor.optim.eps=1e-4"])
@@ -58,11 +62,18 @@ def test_first_update_equals_the_trainers(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.actor.optim.lr, eps=cfg.actor.optim.eps,
                                   weight_decay=cfg.actor.optim.weight_decay)
     scores = batch["token_level_scores"].sum(-1)
+    order = None
+    if mini_batches > 1:  # the trainer's mini-batch order: whole prompt groups, shuffled by its seeded generator
+        from verl.workers.actor import group_shuffle
+
+        order = group_shuffle(len(scores), cfg.rollout.n, torch.Generator().manual_seed(cfg.trainer.seed))
     stats = example.grpo_update(model, reference, optimizer, batch, scores, group_size=cfg.rollout.n,
                                 kl_coef=cfg.actor.kl_loss_coef, clip=cfg.actor.clip_ratio,
-                                grad_clip=cfg.actor.optim.grad_clip)
+                                grad_clip=cfg.actor.optim.grad_clip, mini_batches=mini_batches, order=order)
 
     assert scores.std() > 0  # the step had something to learn from
+    # On-policy the ratio is exactly 1; after a first step on this batch the second step's is not.
+    assert (stats["ratio_mean"] == 1.0) == (mini_batches == 1)
     assert abs(stats["pg_loss"] - seen["metrics"]["policy_loss"]) < 1e-6
     assert abs(stats["grad_norm"] - seen["metrics"]["grad_norm"]) < 1e-6 * max(1.0, stats["grad_norm"])
     ours, theirs = dict(model.named_parameters()), dict(trainer_model.named_parameters())

@@ -74,6 +74,23 @@ def _groups(index: Sequence) -> dict[object, list[int]]:
     return groups
 
 
+def per_group(index: Sequence, statistic: Callable[[list[int]], torch.Tensor | float],
+              fill: torch.Tensor) -> torch.Tensor:
+    """``(batch,)``: ``statistic(members)`` for the rows of every group of two or more (``members``: their row
+    numbers; a scalar for the whole group or one value per member), ``fill`` for rows alone in their group."""
+    out = fill.clone()
+    for members in _groups(index).values():
+        if len(members) > 1:
+            out[members] = statistic(members)
+    return out
+
+
+def outcome_advantages(scores: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence-level advantage ``(batch,)`` broadcast over each response's tokens, as advantages and returns."""
+    advantages = scores.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
 @register_adv_est("gae", needs_critic=True)
 def gae(
     token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
@@ -117,17 +134,11 @@ def grpo(
     """
     with torch.no_grad():
         scores = token_level_rewards.sum(-1)
-        mean = torch.zeros_like(scores)
-        std = torch.ones_like(scores)
-        for members in _groups(index).values():
-            if len(members) > 1:
-                group = scores[members]
-                mean[members] = group.mean()
-                std[members] = group.std()
+        mean = per_group(index, lambda m: scores[m].mean(), torch.zeros_like(scores))
         centred = scores - mean
-        normalised = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
-        advantages = normalised.unsqueeze(-1) * response_mask
-    return advantages, advantages
+        if norm_adv_by_std_in_grpo:
+            centred = centred / (per_group(index, lambda m: scores[m].std(), torch.ones_like(scores)) + epsilon)
+        return outcome_advantages(centred, response_mask)
 
 
 @register_adv_est("rloo", needs_groups=True)
@@ -137,14 +148,8 @@ def rloo(
     """REINFORCE leave-one-out (Ahmadian et al. 2024): score minus the mean of the group's *other* scores."""
     with torch.no_grad():
         scores = token_level_rewards.sum(-1)
-        baseline = torch.zeros_like(scores)
-        for members in _groups(index).values():
-            n = len(members)
-            if n > 1:
-                group = scores[members]
-                baseline[members] = (group.sum() - group) / (n - 1)
-        advantages = (scores - baseline).unsqueeze(-1) * response_mask
-    return advantages, advantages
+        baseline = per_group(index, lambda m: (scores[m].sum() - scores[m]) / (len(m) - 1), torch.zeros_like(scores))
+        return outcome_advantages(scores - baseline, response_mask)
 
 
 @register_adv_est("reinforce_plus_plus")
@@ -171,10 +176,7 @@ def reinforce_plus_plus_baseline(
     """REINFORCE++ with a group-mean baseline: (score - group mean), broadcast, then whitened over the batch."""
     with torch.no_grad():
         scores = token_level_rewards.sum(-1)
-        mean = torch.zeros_like(scores)
-        for members in _groups(index).values():
-            if len(members) > 1:
-                mean[members] = scores[members].mean()
+        mean = per_group(index, lambda m: scores[m].mean(), torch.zeros_like(scores))
         centred = (scores - mean).unsqueeze(-1) * response_mask
         advantages = masked_whiten(centred, response_mask) * response_mask
     return advantages, advantages
@@ -199,10 +201,6 @@ def opo(
     with torch.no_grad():
         scores = token_level_rewards.sum(-1)
         lengths = response_mask.sum(-1).to(scores.dtype)
-        baseline = torch.zeros_like(scores)
-        for members in _groups(index).values():
-            if len(members) > 1:
-                weights = lengths[members]
-                baseline[members] = (weights * scores[members]).sum() / weights.sum().clamp(min=1e-8)
-        advantages = (scores - baseline).unsqueeze(-1) * response_mask
-    return advantages, advantages
+        baseline = per_group(index, lambda m: (lengths[m] * scores[m]).sum() / lengths[m].sum().clamp(min=1e-8),
+                             torch.zeros_like(scores))
+        return outcome_advantages(scores - baseline, response_mask)

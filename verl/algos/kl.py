@@ -11,26 +11,58 @@ With samples drawn from the policy and ``log r = ref_logp - logp``:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-KL_ESTIMATORS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
+from verl.algos.registry import register
+
+KLEstimator = Callable[[torch.Tensor], torch.Tensor]  # per-token estimate from log r = ref_logp - logp
+KL_ESTIMATORS: dict[str, KLEstimator] = {}
+
+
+def register_kl_estimator(*names: str) -> Callable[[KLEstimator], KLEstimator]:
+    """Register ``fn(log_r) -> estimate`` (both ``(batch, response_len)``) under each of ``names`` (aliases)."""
+
+    def decorator(fn: KLEstimator) -> KLEstimator:
+        for name in names:
+            register(KL_ESTIMATORS, name, fn, "KL estimator")
+        return fn
+
+    return decorator
+
+
+@register_kl_estimator("k1", "kl")
+def k1(log_r: torch.Tensor) -> torch.Tensor:
+    return -log_r
+
+
+@register_kl_estimator("k2", "mse")
+def k2(log_r: torch.Tensor) -> torch.Tensor:
+    return 0.5 * log_r.square()
+
+
+@register_kl_estimator("k3")
+def k3(log_r: torch.Tensor) -> torch.Tensor:
+    return torch.exp(log_r) - 1.0 - log_r
+
+
+@register_kl_estimator("low_var_kl")
+def low_var_kl(log_r: torch.Tensor) -> torch.Tensor:
+    log_r = log_r.clamp(-20.0, 20.0)
+    return (torch.exp(log_r) - 1.0 - log_r).clamp(-10.0, 10.0)
+
+
+@register_kl_estimator("abs")
+def abs_kl(log_r: torch.Tensor) -> torch.Tensor:
+    return log_r.abs()
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str = "k1") -> torch.Tensor:
-    """Per-token KL estimate, ``(batch, response_len)``."""
-    log_r = ref_log_prob - log_prob
-    if kind in ("k1", "kl"):
-        return -log_r
-    if kind in ("k2", "mse"):
-        return 0.5 * log_r.square()
-    if kind == "k3":
-        return torch.exp(log_r) - 1.0 - log_r
-    if kind == "low_var_kl":
-        log_r = log_r.clamp(-20.0, 20.0)
-        return (torch.exp(log_r) - 1.0 - log_r).clamp(-10.0, 10.0)
-    if kind == "abs":
-        return log_r.abs()
-    raise ValueError(f"unknown KL estimator '{kind}'; use one of {KL_ESTIMATORS}")
+    """Per-token KL estimate ``kind`` from the policy's and the reference's log-probs, ``(batch, response_len)``."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator '{kind}'; use one of {', '.join(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[kind](ref_log_prob - log_prob)
 
 
 class FixedKLController:

@@ -58,12 +58,10 @@ class Actor:
         self.policy_loss_fn = get_policy_loss(config.policy_loss)
         self.autocast_dtype = torch.bfloat16 if config.autocast == "bf16" else None
         self.optimizer = build_optimizer(model.parameters(), config.optim)
-        self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps * self._updates_per_step_hint())
+        # The schedule counts training steps (one scheduler.step() per update_policy), not optimizer steps.
+        self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         self.device = next(model.parameters()).device
         self.nan_skipped = 0
-
-    def _updates_per_step_hint(self) -> int:
-        return 1  # the scheduler counts training steps (one scheduler.step per step), not optimizer steps
 
     @torch.no_grad()
     @packed_weights(gradients=True)  # frozen layers (LoRA's base) by packed weights; trainable ones stay F.linear
