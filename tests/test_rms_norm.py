@@ -75,3 +75,16 @@ def test_loaded_models_use_it_and_it_can_be_turned_off(monkeypatch):
     ref.square().mean().backward()
     for name, param in plain.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_a_float64_norm_stays_float64():
+    """Hugging Face's forward rounds through float32; model.dtype=float64 (numerical checks) must not."""
+    plain, fused = norms(trainable=True)
+    plain.double(), fused.double()
+    x = torch.randn(4, 32, dtype=torch.float64) * 3
+    exact = plain.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + plain.variance_epsilon))
+    out = fused(x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, exact, atol=1e-15, rtol=1e-14)
+    assert (plain(x) - exact).abs().max() > 1e-10  # what the float32 round trip costs
+    assert torch.autograd.gradcheck(lambda t: fused(t), (x.clone().requires_grad_(True),))

@@ -55,7 +55,8 @@ class ModelConfig(Section):
         description="HF model dir or hub id, or builtin:NAME (tiny-arith = the shipped SFT warm start).",
     )
     tokenizer_path: str | None = Field(None, description="Tokenizer location; defaults to model.path.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
+        "float32", description="Parameter dtype (float64: numerical checks on CPU, e.g. executor against executor).")
     trust_remote_code: bool = Field(False, description="Allow custom modelling code from the model dir.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     lora: LoraConfig = Field(default_factory=LoraConfig)

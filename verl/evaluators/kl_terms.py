@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from verl.models.precision import at_least_float32
+
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
@@ -25,8 +27,8 @@ def token_kl_terms(policy_logits: torch.Tensor, ref_logits: torch.Tensor, tokens
     Returns ``policy_log_probs``, ``ref_log_probs`` (of the generated tokens) and ``token_kl`` (exact
     ``KL(π || π_ref)`` at each position), each ``(B, L)``.
     """
-    logp = F.log_softmax(policy_logits.float(), dim=-1)
-    logq = F.log_softmax(ref_logits.float(), dim=-1)
+    logp = F.log_softmax(at_least_float32(policy_logits), dim=-1)
+    logq = F.log_softmax(at_least_float32(ref_logits), dim=-1)
     exact = (logp.exp() * (logp - logq)).sum(-1).clamp(min=0.0)  # rounding can give -1e-9
     index = tokens.unsqueeze(-1)
     return {"policy_log_probs": logp.gather(-1, index).squeeze(-1), "ref_log_probs": logq.gather(-1, index).squeeze(-1),
@@ -62,7 +64,7 @@ def compute_kl_terms(policy: torch.nn.Module, reference: torch.nn.Module, data: 
                     out = model(input_ids=rows["input_ids"].to(dev), attention_mask=rows["attention_mask"].to(dev),
                                 position_ids=rows["position_ids"].to(dev), logits_to_keep=width + 1,
                                 use_cache=False)
-                logits.append(out.logits[:, -width - 1 : -1, :].float().to(device) / temperature)
+                logits.append(at_least_float32(out.logits[:, -width - 1 : -1, :]).to(device) / temperature)
             terms = token_kl_terms(logits[0], logits[1], rows["responses"].to(device))
             for key, value in terms.items():
                 parts.setdefault(key, []).append(value.cpu())

@@ -13,8 +13,8 @@ with ``x, g, y (..., hidden)`` and ``w (hidden)``. The forward computes exactly 
 ops in the same order, so the same bits); the input's gradient equals autograd's to float rounding.
 
 Taken only for fp32 CPU tensors outside autocast with a plain (not sharded) weight; elsewhere the module's own
-forward runs (it upcasts half precision to fp32 first, which this function does not). ``VERL_FUSED_RMS_NORM=0``
-turns it off.
+forward runs (it upcasts half precision to fp32 first, which this function does not), except for float64 inputs,
+which it rounds through fp32 and which are normed in float64 here instead. ``VERL_FUSED_RMS_NORM=0`` turns it off.
 
     from verl.models.rms_norm import use_fused_rms_norm
     use_fused_rms_norm(model)   # returns how many norms got the fused forward
@@ -62,6 +62,11 @@ class _RMSNormFunction(torch.autograd.Function):
 def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """The norm through ``_RMSNormFunction`` where it computes the module's function (see the module docstring)."""
     weight = self.weight
+    if hidden_states.dtype == torch.float64:
+        # Hugging Face's forward rounds through float32; a float64 model (model.dtype=float64, numerical checks)
+        # means float64 throughout, so the same function in float64 (sharded weights included).
+        return weight * (hidden_states * torch.rsqrt(hidden_states.pow(2).mean(-1, keepdim=True)
+                                                     + self.variance_epsilon))
     if hidden_states.dtype != torch.float32 or weight.dtype != torch.float32 \
             or hidden_states.device.type != "cpu" or weight.device.type != "cpu" \
             or torch.is_autocast_enabled("cpu") or type(weight) not in (torch.Tensor, nn.Parameter):

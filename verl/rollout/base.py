@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from verl.errors import ConfigError
+from verl.models.precision import at_least_float32
 from verl.protocol import DataProto
 
 
@@ -100,7 +101,7 @@ def assemble_rollout(
     responses, response_mask = responses[:, :width], response_mask[:, :width]
     extra: dict[str, torch.Tensor] = {}
     if log_probs is not None:
-        extra["rollout_log_probs"] = log_probs[:, :width].float() * response_mask
+        extra["rollout_log_probs"] = at_least_float32(log_probs[:, :width]) * response_mask
     if n > 1:
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)

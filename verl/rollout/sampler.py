@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 
 from verl.models.kv_cache import GrowingLayer, growing_cache_from
 from verl.models.packed_linear import packed_weights
+from verl.models.precision import at_least_float32
 from verl.rollout.base import SamplingParams
 
 
@@ -157,7 +158,7 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: tor
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
                 logits_to_keep=1)
     cache = out.past_key_values
-    logits = out.logits[:, -1, :].float()
+    logits = at_least_float32(out.logits[:, -1, :])
     if n > 1:
         cache.batch_repeat_interleave(n)
         logits = logits.repeat_interleave(n, dim=0)
@@ -207,7 +208,7 @@ def behaviour_log_probs(state: DecodeState, drawn: torch.Tensor, params: Samplin
     (one log-softmax over the vocabulary per step, as the actor scores it); 0 for rows no longer alive."""
     temperature = 1.0 if params.greedy else params.temperature
     log_probs = torch.log_softmax(state.logits / temperature if temperature != 1.0 else state.logits, dim=-1)
-    out = torch.zeros(state.rows, device=state.logits.device)
+    out = torch.zeros(state.rows, dtype=log_probs.dtype, device=state.logits.device)
     out[state.alive] = log_probs.gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
     return out
 
@@ -226,7 +227,7 @@ def decode_step(model: torch.nn.Module, state: DecodeState, tokens: torch.Tensor
     out = model(input_ids=tokens.unsqueeze(-1), attention_mask=state.attention_mask,
                 position_ids=state.next_position, past_key_values=state.cache, use_cache=True)
     state.next_position = state.next_position + 1
-    state.logits = out.logits[:, -1, :].float()
+    state.logits = at_least_float32(out.logits[:, -1, :])
 
 
 def _history(tokens: list[torch.Tensor], alive: torch.Tensor) -> torch.Tensor:

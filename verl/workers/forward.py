@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from verl.algos.losses import entropy_from_log_probs
+from verl.models.precision import at_least_float32
 from verl.models.token_log_probs import token_log_probs
 
 # CausalLM classes whose forward computes ``logits = lm_head(hidden_states)`` and nothing more (no soft-capping,
@@ -67,7 +68,7 @@ def response_log_probs(
         return log_probs, entropy if with_entropy else None
     with autocast_context(device, autocast_dtype):
         logits = _response_states(model, batch, group)
-    logits = logits.float()
+    logits = at_least_float32(logits)
     if temperature != 1.0:
         logits = logits / temperature
     log_probs_all = F.log_softmax(logits, dim=-1)  # (batch, response_len, vocab)
@@ -178,4 +179,4 @@ def response_values(
             position_ids=batch["position_ids"],
             use_cache=False,
         )
-    return out.logits[:, -width - 1 : -1, 0].float()
+    return at_least_float32(out.logits[:, -width - 1 : -1, 0])
