@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 export VERL_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install install-dev install-real-model train test test-slow test-vllm test-all lint bench clean loadtest
+.PHONY: install install-dev install-real-model train test test-fast test-slow test-vllm test-all lint bench clean loadtest
 
 # What running needs (`make train`): CPU torch, then the package with the run extra (trackers, eval, serve, load test).
 $(STAMP): pyproject.toml
@@ -37,6 +37,10 @@ train: install
 
 test: install-dev
 	$(BIN)/python -m pytest -q --durations=15
+
+# The edit loop: the default run without the end-to-end tests (real processes, servers, clusters, trainer runs).
+test-fast: install-dev
+	$(BIN)/python -m pytest -q -m 'not slow and not vllm and not e2e' --durations=10
 
 test-slow: install-dev install-real-model
 	$(BIN)/python -m pytest -q -m slow --durations=15

@@ -20,6 +20,8 @@ from verl.trainer.health import HealthMonitor, MetricRule, build_health_rules
 from verl.trainer.step_metrics import ngram_repetition_rate
 from verl.utils.log import RunLogger, read_jsonl
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 TINY = {"data": {"train_batch_size": 4, "val_max_samples": 8}, "actor": {"ppo_mini_batch_size": 4},
         "rollout": {"n": 4}}
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["trainer.total_steps=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2",
         "trainer.save_freq=1", "trainer.test_freq=2", "data.val_max_samples=8", "trainer.logger=[jsonl]",

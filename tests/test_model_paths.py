@@ -11,6 +11,8 @@ from tests.trainer_utils import run_cli
 from verl.errors import ModelError
 from verl.models.loader import looks_local, resolve_model_path
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 
 def test_paths_that_look_local(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

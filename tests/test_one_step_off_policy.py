@@ -12,7 +12,7 @@ import torch
 from tests.test_trainer import log_rows, tiny_config
 from tests.trainer_utils import fit_and_shutdown
 from verl.config import build_config
-from verl.data.dataset import RLHFDataset
+from verl.data.dataset import PromptSampler, RLHFDataset
 from verl.errors import VerlError
 from verl.models.loader import load_causal_lm, load_tokenizer
 from verl.rollout.base import SamplingParams
@@ -21,6 +21,8 @@ from verl.trainer.checkpoint import list_checkpoints, load_trainer_state
 from verl.trainer.local import LocalPPOTrainer
 from verl.trainer.overlap import LocalRolloutProcess, split_cores
 from verl.workers.forward import response_log_probs
+
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "prompts")
 
@@ -166,17 +168,19 @@ def test_a_checkpoint_saves_the_sampler_from_before_the_batch_in_flight(tmp_path
     that draw, so a resume regenerates it (with the checkpoint's weights) instead of skipping its prompts."""
     full = LocalPPOTrainer(async_config(tmp_path, "full", total_steps=4, save_freq=2), quiet=True)
     fit_and_shutdown(full)
-    short = LocalPPOTrainer(async_config(tmp_path, "short", total_steps=2), quiet=True)
-    fit_and_shutdown(short)
     step2 = dict(list_checkpoints(full.run_dir))[2]
     saved = load_trainer_state(step2)
-    assert saved["sampler"] == short.sampler.state_dict()
+    cfg = full.config
+    two_draws = PromptSampler(len(full.train_dataset), cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
+    two_draws.next_batch(), two_draws.next_batch()
+    assert saved["sampler"] == two_draws.state_dict()  # step 3's draw, in flight at the save, is not in it
     assert saved["policy_version"] == 2
-    # Resume the short run to 4 steps: step 3 trains on the same prompts as the uninterrupted run's step 3.
-    resumed = LocalPPOTrainer(async_config(tmp_path, "short", total_steps=4), quiet=True)
+    # Resume from that checkpoint to 4 steps: steps 3 and 4 train on the uninterrupted run's prompts.
+    resumed = LocalPPOTrainer(async_config(tmp_path, "resumed", total_steps=4, resume=str(step2)), quiet=True)
     fit_and_shutdown(resumed)
     prompts = {r["step"]: r["prompt"] for r in log_rows(full, "sample") if r.get("split") == "train"}
     prompts_resumed = {r["step"]: r["prompt"] for r in log_rows(resumed, "sample") if r.get("split") == "train"}
+    assert sorted(prompts_resumed) == [3, 4]
     assert prompts_resumed[3] == prompts[3] and prompts_resumed[4] == prompts[4]
     staleness = {r["step"]: r["staleness"] for r in log_rows(resumed, "rollout")}
     assert staleness[3] == 0 and staleness[4] == 1  # regenerated with the checkpoint's weights, then one behind

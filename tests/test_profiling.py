@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.test_trainer import tiny_config
 from verl.config import build_config
 from verl.trainer.local import LocalPPOTrainer
 from verl.utils.profiling import matmul_flops
+
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
 
 
 def test_profiled_step_writes_trace_and_tables(tmp_path) -> None:

@@ -14,6 +14,8 @@ from tests.trainer_utils import TINY, VERL, rows, run_cli
 from verl.trainer.checkpoint import list_checkpoints, read_pointer
 from verl.trainer.local import LocalPPOTrainer
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 
 def _metrics_by_step(trainer, scope, key):
     return {r["step"]: r[key] for r in log_rows(trainer, scope)}

@@ -11,6 +11,8 @@ from verl.errors import ConfigError
 from verl.trainer.local import LocalPPOTrainer
 from verl.trainer.resume import load_train_config
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 # ppo_tiny.yaml shrunk to seconds: 4 prompts, one mini-batch, no validation.
 SMALL_PPO = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "trainer.test_freq=0",
              "trainer.val_before_train=false", "trainer.save_freq=1"]

@@ -9,6 +9,10 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 TESTS = Path(__file__).resolve().parent
 
 PROBE = '''

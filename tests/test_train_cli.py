@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.trainer_utils import TINY, rows, run_cli
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 
 @pytest.fixture(scope="module")
 def grpo_run(tmp_path_factory):

@@ -8,6 +8,8 @@ from tests.trainer_utils import rows, run_cli
 from verl.config import load_config
 from verl.errors import ConfigError
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 # verl's examples/grpo_trainer GSM8K launch line (Qwen2-7B), with only the model path and data files replaced.
 VERL_GRPO_GSM8K = [
     "algorithm.adv_estimator=grpo",

@@ -8,9 +8,9 @@ from runlogs import reward, write_steps
 from verl.dashboard.app import create_app
 from verl.dashboard.browser import find_chromium, headless_chromium, running_app, wait_for_points
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
     find_chromium() is None, reason="needs the system Chromium: apt-get install -y chromium chromium-driver"
-)
+)]
 
 RUN_COLORS = [(0x1F, 0x77, 0xB4), (0xD6, 0x27, 0x28)]  # the page's first two series colours
 

@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 
 from verl.utils.log import read_jsonl
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 TINY = ["trainer.total_steps=2", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2",
         "trainer.save_freq=1", "trainer.test_freq=1", "data.val_max_samples=16", "trainer.logger=[jsonl]",
         "trainer.num_threads=1"]

@@ -1,6 +1,6 @@
 """End to end: the real service (uvicorn subprocess, loopback) under real Locust (headless subprocess).
 
-1. A stepped run (1, 2, 4 users x 8 s, the default mixed user) -> the capacity report's numbers are checked against
+1. A stepped run (1, 2, 4 users x 5 s, the default mixed user) -> the capacity report's numbers are checked against
    Locust's CSVs, read here independently with the csv module.
 2. A streaming-only run (2 users, 8 s): the client's TTFT (Locust ``LLM ttft_ms``) against the service's own
    ``verl:time_to_first_token_seconds`` histogram over the same interval (two /metrics scrapes).
@@ -33,10 +33,10 @@ from loadtest.render import make_report
 from loadtest.report import SLO, parse_server_metrics
 from loadtest.run import LOCUST_CONF, LOCUSTFILE, LoadTestConfig, http_get, local_service, locust_command, run_locust
 
-pytestmark = pytest.mark.timeout(170)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(170)]
 
 HTTP_NAMES = {"/generate", "/v1/completions", "/v1/chat/completions [stream]"}
-LEVELS, STEP_S, SETTLE_S = (1, 2, 4), 8, 2
+LEVELS, STEP_S, SETTLE_S = (1, 2, 4), 5, 2
 
 
 @pytest.fixture(scope="module")

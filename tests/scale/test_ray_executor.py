@@ -13,6 +13,8 @@ from verl.errors import VerlError
 from verl.trainer.checkpoint import list_checkpoints, read_pointer
 from verl.trainer.local import LocalPPOTrainer
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 ray = pytest.importorskip("ray")
 
 

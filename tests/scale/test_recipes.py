@@ -8,6 +8,8 @@ import pytest
 
 from tests.trainer_utils import run_cli
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "configs" / "recipes").glob("*.yaml"))
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from tests.serve.helpers import metric_value, run_server, run_server_process, wait_healthy
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 LONG = {"prompt": "<|user|>What is 1+1?\n<|assistant|>", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
 # The 25M-parameter random model takes ~20 ms a token here: a 120-token request lasts seconds, so a client can
 # drop out (or a timeout fire) long before it would finish, however loaded the machine is.

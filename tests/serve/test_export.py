@@ -19,6 +19,8 @@ from verl.errors import CheckpointError, VerlError
 from verl.models.tiny import TinySpec, build_char_tokenizer, build_tiny_model
 from verl.trainer.checkpoint import save_checkpoint
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 # A few thousand parameters: every export here takes well under a second.
 SPEC = TinySpec(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                 intermediate_size=64, max_position_embeddings=64)

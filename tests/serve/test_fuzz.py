@@ -1,8 +1,8 @@
 """Schema fuzzing: schemathesis drives every operation of the app's own OpenAPI spec against the live server.
 
-Bounded (a fixed number of examples per operation, short generations) and checked for two properties: no
-response is a 5xx, whatever the body, and after every case a normal request is still answered. Valid and invalid
-inputs are both generated; invalid ones must be refused with a 4xx, never crash a handler.
+Bounded (8 examples per operation in the default run, 40 in the slow group; short generations) and checked for
+two properties: no response is a 5xx, whatever the body, and after every case a normal request is still answered.
+Valid and invalid inputs are both generated; invalid ones must be refused with a 4xx, never crash a handler.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from serve.api import create_app
 from serve.settings import load_settings
 from tests.serve.helpers import TEST_SETTINGS, run_server
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 # Short generations keep each fuzzed request cheap; the spec itself does not depend on the settings.
 FUZZ_SETTINGS = {**TEST_SETTINGS, "max_output_tokens": 8, "default_max_tokens": 4, "max_n": 2,
                  "max_prompts_per_request": 4}
@@ -29,14 +31,28 @@ def fuzz_server():
         yield srv
 
 
-@schema.parametrize()
-@hypothesis.settings(max_examples=25, deadline=None, derandomize=True, print_blob=True,
-                     suppress_health_check=list(hypothesis.HealthCheck),
-                     phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate])
-def test_no_server_errors(case, fuzz_server):
-    response = case.call(base_url=fuzz_server.url, timeout=60)
+FUZZ = dict(deadline=None, derandomize=True, print_blob=True, suppress_health_check=list(hypothesis.HealthCheck),
+            phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate])
+
+
+def check_case(case, server) -> None:
+    response = case.call(base_url=server.url, timeout=60)
     case.validate_response(response, checks=[not_a_server_error])
     assert response.status_code < 500, response.text
     # Whatever that case did, the service still answers a normal request (a crashed engine would give 503).
-    normal = httpx.post(fuzz_server.url + "/v1/completions", json={"prompt": "1+1=", "max_tokens": 2}, timeout=60)
+    normal = httpx.post(server.url + "/v1/completions", json={"prompt": "1+1=", "max_tokens": 2}, timeout=60)
     assert normal.status_code == 200, normal.text
+
+
+@schema.parametrize()
+@hypothesis.settings(max_examples=8, **FUZZ)
+def test_no_server_errors(case, fuzz_server):
+    """Every operation, 8 generated cases each (the edit loop); the slow group runs 40."""
+    check_case(case, fuzz_server)
+
+
+@pytest.mark.slow
+@schema.parametrize()
+@hypothesis.settings(max_examples=40, **FUZZ)
+def test_no_server_errors_thorough(case, fuzz_server):
+    check_case(case, fuzz_server)

@@ -14,6 +14,8 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from tests.serve.helpers import REPO  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 MODEL_DIR = REPO / "verl" / "models" / "assets" / "tiny-arith"  # builtin:tiny-arith, what the server serves
 TASK_YAML = """task: verl_arith_choice
 dataset_path: json

@@ -29,6 +29,8 @@ from tests.serve.helpers import REPO, TEST_SETTINGS, make_lora_adapters, run_ser
 from verl.errors import ConfigError
 from verl.models.loader import resolve_model_path
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 ADMIN_KEY = "admin-secret"
 PROMPTS = ["12+7=", "3*4=", "20-5=", "9+9="]
 

@@ -7,6 +7,8 @@ import pytest
 from serve.settings import load_settings
 from verl.errors import ConfigError
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 
 def test_defaults_bind_loopback_and_keep_cors_off(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)

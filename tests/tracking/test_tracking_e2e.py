@@ -17,6 +17,8 @@ import pytest
 from verl.tracking.follow import row_kind, row_metrics
 from verl.utils.log import read_jsonl
 
+pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+
 TRACKERS = "[console,jsonl,tensorboard,wandb,mlflow]"
 STEPS = 3
 

@@ -31,7 +31,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from verl.errors import CheckpointError
-from verl.models.weights import load_model_weights, read_model_weights  # noqa: F401  (re-exported)
 from verl.utils.fs import atomic_dir, atomic_write_json, atomic_write_text, sha256_file
 from verl.utils.log import say_once
 
