@@ -35,12 +35,16 @@ install-real-model: $(STAMP)
 train: install
 	$(BIN)/verl train
 
+# Two pytest workers, one per core (every test uses one torch thread); a module's tests share one worker, so its
+# module-scoped servers and runs are built once.
+XDIST := -n 2 --dist loadfile
+
 test: install-dev
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q $(XDIST) --durations=15
 
 # The edit loop: the default run without the end-to-end tests (real processes, servers, clusters, trainer runs).
 test-fast: install-dev
-	$(BIN)/python -m pytest -q -m 'not slow and not vllm and not e2e' --durations=10
+	$(BIN)/python -m pytest -q $(XDIST) -m 'not slow and not vllm and not e2e' --durations=10
 
 test-slow: install-dev install-real-model
 	$(BIN)/python -m pytest -q -m slow --durations=15

@@ -1,8 +1,10 @@
 """Schema fuzzing: schemathesis drives every operation of the app's own OpenAPI spec against the live server.
 
-Bounded (8 examples per operation in the default run, 40 in the slow group; short generations) and checked for
-two properties: no response is a 5xx, whatever the body, and after every case a normal request is still answered.
-Valid and invalid inputs are both generated; invalid ones must be refused with a 4xx, never crash a handler.
+Bounded (25 generated cases per operation in the default run; in the slow group 40, plus schemathesis's coverage
+phase: boundary and invalid values of every field, several hundred cases per completion endpoint; short generations)
+and checked for two properties: no response is a 5xx, whatever the body, and after every case a normal request is
+still answered. Valid and invalid inputs are both generated; invalid ones must be refused with a 4xx, never crash a
+handler.
 """
 
 from __future__ import annotations
@@ -22,7 +24,18 @@ pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: 
 # Short generations keep each fuzzed request cheap; the spec itself does not depend on the settings.
 FUZZ_SETTINGS = {**TEST_SETTINGS, "max_output_tokens": 8, "default_max_tokens": 4, "max_n": 2,
                  "max_prompts_per_request": 4}
-schema = schemathesis.openapi.from_dict(create_app(load_settings(**FUZZ_SETTINGS)).openapi())
+SPEC = create_app(load_settings(**FUZZ_SETTINGS)).openapi()
+
+
+def load_schema(coverage: bool):
+    """The app's spec; ``coverage``: also schemathesis's coverage phase (boundary values of every field, several
+    hundred cases for the completion endpoints, most of the run's time)."""
+    schema = schemathesis.openapi.from_dict(SPEC)
+    schema.config.phases.coverage.enabled = coverage
+    return schema
+
+
+quick, thorough = load_schema(coverage=False), load_schema(coverage=True)
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +57,16 @@ def check_case(case, server) -> None:
     assert normal.status_code == 200, normal.text
 
 
-@schema.parametrize()
-@hypothesis.settings(max_examples=8, **FUZZ)
+@quick.parametrize()
+@hypothesis.settings(max_examples=25, **FUZZ)
 def test_no_server_errors(case, fuzz_server):
-    """Every operation, 8 generated cases each (the edit loop); the slow group runs 40."""
+    """Every operation: its examples and 25 generated cases."""
     check_case(case, fuzz_server)
 
 
 @pytest.mark.slow
-@schema.parametrize()
+@thorough.parametrize()
 @hypothesis.settings(max_examples=40, **FUZZ)
 def test_no_server_errors_thorough(case, fuzz_server):
+    """Every operation: also the coverage phase (boundary and invalid values of every field) and 40 cases."""
     check_case(case, fuzz_server)
