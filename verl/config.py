@@ -450,7 +450,7 @@ class TrainerConfig(Section):
     )
     evaluators: list[str] = Field(
         ["accuracy"],
-        description="Validation evaluators (the verl.evaluators entry points: accuracy, length, diversity, reward; "
+        description="Validation evaluators by name from verl.evaluators (accuracy, length, diversity, reward, kl; "
         "options as name(key=value); your own as path/to/file.py:Class or module:Class). Same code as verl eval.",
     )
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Tracker settings.")
