@@ -61,7 +61,7 @@ from serve.engines.base import (
     TokenLogprob,
 )
 from serve.settings import ServeSettings
-from verl.models.kv_cache import new_growing_cache
+from verl.models.kv_cache import RowBatch, new_growing_cache
 from verl.models.loader import load_causal_lm, pick_device
 from verl.models.packed_linear import packed_weights
 from verl.rollout.sampler import draw_categorical
@@ -96,58 +96,6 @@ class _Seq:
         return self.request.sampling
 
 
-class _Batch:
-    """The running rows: a right-aligned KV cache, its attention mask, and each row's next input token."""
-
-    def __init__(self) -> None:
-        self.rows: list[_Seq] = []
-        self.cache: DynamicCache | None = None
-        self.mask = torch.zeros(0, 0, dtype=torch.long)
-        self.next_tokens = torch.zeros(0, dtype=torch.long)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def add(self, rows: list[_Seq], cache: DynamicCache, mask: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        if self.cache is None or not self.rows:
-            self.rows, self.cache, self.mask, self.next_tokens = list(rows), cache, mask, next_tokens
-            return
-        length = max(self.mask.shape[1], mask.shape[1])
-        for old, new in zip(self.cache.layers, cache.layers, strict=True):
-            old.set_state(torch.cat([_pad_left(old.keys, length), _pad_left(new.keys, length)], dim=0),
-                          torch.cat([_pad_left(old.values, length), _pad_left(new.values, length)], dim=0))
-        self.mask = torch.cat([_pad_left(self.mask, length, dim=1), _pad_left(mask, length, dim=1)], dim=0)
-        self.next_tokens = torch.cat([self.next_tokens, next_tokens])
-        self.rows.extend(rows)
-
-    def keep(self, keep: list[int]) -> None:
-        """Keep only rows ``keep`` and trim columns that are padding in every remaining row."""
-        if len(keep) == len(self.rows):
-            return
-        if not keep:
-            self.__init__()
-            return
-        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        self.rows = [self.rows[i] for i in keep]
-        self.mask = self.mask.index_select(0, index)
-        self.next_tokens = self.next_tokens.index_select(0, index)
-        used = self.mask.any(0).nonzero()
-        first = int(used[0]) if len(used) else self.mask.shape[1]
-        for layer in self.cache.layers:
-            layer.set_state(layer.keys.index_select(0, index)[:, :, first:],
-                            layer.values.index_select(0, index)[:, :, first:])
-        self.mask = self.mask[:, first:]
-
-
-def _pad_left(tensor: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
-    missing = length - tensor.shape[dim]
-    if missing <= 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
-
-
 @register_engine("transformers", "hf")
 class TransformersEngine(Engine):
     """Continuous batching over ``AutoModelForCausalLM`` (any model whose cache is a plain ``DynamicCache``)."""
@@ -164,7 +112,7 @@ class TransformersEngine(Engine):
         self.model: PreTrainedModel | None = None
         self.device = torch.device("cpu")
         self._waiting: collections.deque[_Seq] = collections.deque()
-        self._batch = _Batch()
+        self._batch = RowBatch()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -381,7 +329,7 @@ class TransformersEngine(Engine):
             self._waiting.clear()
             self._admitted = []
             self._prefilling = 0
-        self._batch = _Batch()
+        self._batch = RowBatch()
         for _, future in controls:
             future.set_exception(EngineError("the engine stopped"))
         self._deliver([(seq, EngineOutput("", [], len(seq.generated), finish_reason="abort")) for seq in pending
@@ -466,7 +414,7 @@ class TransformersEngine(Engine):
         except Exception as exc:
             log.exception("a decode step failed; its %d requests fail, the engine goes on", len(batch))
             self._fail(batch.rows, exc, deliveries)
-            self._batch = _Batch()
+            self._batch = RowBatch()
             return
         batch.mask = mask
         logits = out.logits[:, -1, :].float().cpu()

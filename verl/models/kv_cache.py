@@ -1,6 +1,9 @@
-"""A KV cache whose layers append in place (decoding without re-copying the cache at every step)."""
+"""A KV cache whose layers append in place (decoding without re-copying the cache at every step), and a batch of
+right-aligned rows that sequences join and leave between decode steps (continuous batching)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -73,3 +76,63 @@ def growing_cache_from(cache: DynamicCache, headroom: int) -> DynamicCache:
         growing.set_state(layer.keys, layer.values, headroom=max(1, headroom))
         grown.layers.append(growing)
     return grown
+
+
+def pad_left(tensor: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
+    """``tensor`` padded with zeros at the start of ``dim`` to ``length``."""
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+class RowBatch:
+    """Running sequences as rows of one batch: a right-aligned KV cache, its attention mask ``(rows, length)`` and
+    each row's next input token ``(rows,)``; ``rows`` holds the caller's object per row.
+
+    Row ``i`` occupies the last ``len_i`` cache columns; the columns before it are padding, masked out, and the
+    row's position ids count only its real tokens, so padding never shifts positions. Rows prefilled together
+    ``add`` themselves (left-padded to a common length and concatenated); ``keep`` drops finished ones and trims
+    columns that became padding for every row. The serving engine and the agent rollout both schedule on it.
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[Any] = []
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros(0, 0, dtype=torch.long)
+        self.next_tokens = torch.zeros(0, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, rows: list[Any], cache: DynamicCache, mask: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        if self.cache is None or not self.rows:
+            self.rows, self.cache, self.mask, self.next_tokens = list(rows), cache, mask, next_tokens
+            return
+        length = max(self.mask.shape[1], mask.shape[1])
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+            old.set_state(torch.cat([pad_left(old.keys, length), pad_left(new.keys, length)], dim=0),
+                          torch.cat([pad_left(old.values, length), pad_left(new.values, length)], dim=0))
+        self.mask = torch.cat([pad_left(self.mask, length, dim=1), pad_left(mask, length, dim=1)], dim=0)
+        self.next_tokens = torch.cat([self.next_tokens, next_tokens])
+        self.rows.extend(rows)
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` and trim columns that are padding in every remaining row."""
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.__init__()
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        self.rows = [self.rows[i] for i in keep]
+        self.mask = self.mask.index_select(0, index)
+        self.next_tokens = self.next_tokens.index_select(0, index)
+        used = self.mask.any(0).nonzero()
+        first = int(used[0]) if len(used) else self.mask.shape[1]
+        for layer in self.cache.layers:
+            layer.set_state(layer.keys.index_select(0, index)[:, :, first:],
+                            layer.values.index_select(0, index)[:, :, first:])
+        self.mask = self.mask[:, first:]
