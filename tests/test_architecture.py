@@ -20,7 +20,7 @@ PACKAGES = ("verl", "eval", "serve", "loadtest")
 # verl's internal order (DESIGN §2): a module may import its own level or a lower one, never a higher one.
 VERL_LEVELS = {
     "algos": 0, "protocol": 0, "utils": 0, "errors": 0,
-    "models": 1, "data": 1, "rewards": 1, "tracking": 1,
+    "models": 1, "data": 1, "rewards": 1, "tracking": 1, "tools": 1,
     "rollout": 2, "evaluators": 2, "workers": 3, "trainer": 4, "cli": 5,
 }
 # "a.b.c" or "a.b.c:Name": how a plug-in table or import_module names a module.

@@ -117,6 +117,24 @@ class ValidationSampling(Section):
     n: int = Field(1, ge=1, description="Samples per validation prompt.")
 
 
+class MultiTurnConfig(Section):
+    """Agent rollouts: the model calls tools, the tools' results come back as turns, until a final answer
+    (verl's ``actor_rollout_ref.rollout.multi_turn.*`` keys are read as these). See docs/agents.md."""
+
+    enable: bool = Field(False, description="Multi-turn rollouts with tool calls.")
+    max_assistant_turns: int = Field(4, ge=1, description="Assistant turns per trajectory, the final answer "
+                                     "included; a trajectory still calling tools after the last one ends there.")
+    tools: list[str] = Field(default_factory=list, description="Built-in tools by name (calculator).")
+    tool_config_path: str | None = Field(None, description="YAML file of tools as verl writes it (tools: [{function: "
+                                         "module:function or file.py:function, tool_schema: {...}}]).")
+    format: Literal["hermes"] = Field("hermes", description="How calls are written: <tool_call>{json}</tool_call>.")
+    chat_template: str | None = Field(None, description="A Jinja file that renders tools, or 'hermes' (the "
+                                      "project's); default: the tokenizer's own if it renders tools, else hermes.")
+    max_parallel_calls: int = Field(4, ge=1, description="Calls run per assistant turn; more get an error result.")
+    max_tool_response_length: int = Field(256, ge=16, description="Characters of a tool result the model sees.")
+    tool_processes: int = Field(2, ge=1, description="Processes for tools that are not pure functions.")
+
+
 class RolloutConfig(Section):
     name: Literal["hf", "vllm"] = Field("hf", description="Generation engine: hf (transformers) or vllm.")
     n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
@@ -127,6 +145,15 @@ class RolloutConfig(Section):
     val_kwargs: ValidationSampling = Field(default_factory=ValidationSampling)
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM only: GPU memory fraction.")
     enforce_eager: bool = Field(True, description="vLLM only: skip graph capture (faster start).")
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+
+    @model_validator(mode="after")
+    def _tools_when_multi_turn(self) -> RolloutConfig:
+        turns = self.multi_turn
+        if turns.enable and not turns.tools and not turns.tool_config_path:
+            raise ValueError("rollout.multi_turn.enable needs tools: rollout.multi_turn.tools=[calculator] or "
+                             "rollout.multi_turn.tool_config_path=FILE")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- actor / critic
@@ -517,6 +544,12 @@ class VerlConfig(Section):
         if self.trainer.one_step_off_policy and self.actor.strategy == "fsdp":
             raise ValueError("trainer.one_step_off_policy sends the actor's full weights to the rollout worker; it "
                              "does not work with actor.strategy=fsdp (use strategy=local)")
+        if self.rollout.multi_turn.enable and self.rollout.name != "hf":
+            raise ValueError(f"rollout.multi_turn runs on the transformers engine for now; rollout.name="
+                             f"{self.rollout.name} is not supported with it yet (use rollout.name=hf)")
+        if self.rollout.multi_turn.enable and self.actor.strategy == "fsdp":
+            raise ValueError("rollout.multi_turn decodes each trajectory on its own schedule (tools finish at "
+                             "different times), which sharded FSDP forwards cannot follow; use actor.strategy=local")
         if self.trainer.one_step_off_policy and self.rollout.name != "hf":
             raise ValueError(f"trainer.one_step_off_policy runs the transformers engine in the rollout worker; "
                              f"rollout.name={self.rollout.name} is not supported there yet (use rollout.name=hf)")
@@ -578,6 +611,9 @@ class SFTDataConfig(Section):
     val_files: list[str] = Field(["builtin:arithmetic/val"], description="Prompts for generation-based validation.")
     prompt_key: str = Field("prompt")
     response_key: str = Field("response")
+    messages_key: str = Field("messages", description="A column of whole conversations (OpenAI messages, or them "
+                              "as JSON text), tool calls and results included; used instead of prompt/response "
+                              "when the file has it. The loss covers the assistant turns only.")
     ground_truth_key: str = Field("reward_model.ground_truth")
     max_length: int = Field(64, ge=2, description="Prompt + response tokens; longer pairs are dropped.")
     batch_size: int = Field(64, ge=1, description="Sequences per optimizer step.")
@@ -602,11 +638,17 @@ class SFTTrainerConfig(Section):
     log_level: Literal["DEBUG", "INFO", "WARNING"] = Field("INFO")
 
 
+class SFTRolloutConfig(Section):
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Tools for conversations "
+                                        "with tool calls and for validating them as the RL rollout runs them.")
+
+
 class SFTConfig(Section):
     """Supervised fine-tuning (the warm start before RL)."""
 
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(path="builtin:tiny-arith-base"))
     data: SFTDataConfig = Field(default_factory=SFTDataConfig)
+    rollout: SFTRolloutConfig = Field(default_factory=SFTRolloutConfig)
     optim: OptimConfig = Field(
         default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=50, lr_scheduler="cosine", min_lr_ratio=0.1)
     )

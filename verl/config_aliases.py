@@ -51,6 +51,8 @@ RENAMES: dict[str, str] = {
     "trainer.critic_warmup": "critic.warmup_steps",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
     "trainer.log_val_generations": "trainer.num_samples_to_log",
+    "data.tool_config_path": "rollout.multi_turn.tool_config_path",
+    "rollout.multi_turn": "rollout.multi_turn.enable",  # older verl: multi_turn: True
 }
 
 # Keys with no effect here: GPU engine tuning, cluster shape, features of verl we do not have. Prefixes end in ".".
@@ -65,7 +67,10 @@ IGNORED: tuple[str, ...] = (
     "rollout.enable_chunked_prefill", "rollout.dtype", "rollout.layered_summon", "rollout.prompt_length",
     "rollout.response_length", "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu",
     "rollout.disable_log_stats", "rollout.do_sample", "rollout.val_kwargs.do_sample", "rollout.calculate_log_probs",
-    "rollout.multi_turn.", "rollout.engine_kwargs.", "rollout.agent.", "rollout.ignore_eos", "rollout.max_model_len",
+    "rollout.multi_turn.max_user_turns", "rollout.multi_turn.interaction_config_path",
+    "rollout.multi_turn.use_inference_chat_template", "rollout.multi_turn.tokenization_sanity_check_mode",
+    "rollout.multi_turn.tool_response_truncate_side", "rollout.engine_kwargs.", "rollout.agent.",
+    "rollout.ignore_eos", "rollout.max_model_len",
     "rollout.enable_prefix_caching", "rollout.trace.", "rollout.update_weights_bucket_megabytes",
     "reference.log_prob_micro_batch_size_per_gpu", "reference.log_prob_micro_batch_size", "reference.fsdp_config.",
     "reference.log_prob_use_dynamic_bsz", "reference.log_prob_max_token_len_per_gpu", "reference.ulysses_",

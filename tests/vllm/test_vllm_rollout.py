@@ -17,7 +17,7 @@ from verl.data.dataset import RLHFDataset  # noqa: E402
 from verl.models.loader import load_causal_lm, load_tokenizer  # noqa: E402
 from verl.rollout.base import SamplingParams, get_rollout_factory  # noqa: E402
 from verl.rollout.hf import HFRollout  # noqa: E402
-from verl.rollout.sampler import _warpers  # noqa: E402
+from verl.rollout.sampler import logits_warpers  # noqa: E402
 from verl.rollout.vllm_rollout import VLLMRollout  # noqa: E402
 
 from .helpers import MAX_MODEL_LEN, engine_processes, restored_weights  # noqa: E402
@@ -200,7 +200,7 @@ def test_first_token_distribution_matches_the_model(parts, temperature, top_k, t
         mask = prompts.batch["attention_mask"]
         logits = model(input_ids=prompts.batch["input_ids"], attention_mask=mask,
                        position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, -1, :].float()
-    expected = torch.softmax(_warpers(params)(prompts.batch["input_ids"], logits), -1)[0]
+    expected = torch.softmax(logits_warpers(params)(prompts.batch["input_ids"], logits), -1)[0]
     observed = torch.bincount(tokens, minlength=expected.numel()).double() / draws
     tv = 0.5 * (observed - expected.double()).abs().sum().item()
     support = int((expected > 0).sum())

@@ -4,7 +4,8 @@
 with a supervised ``response`` column) are written once per task spec into the cache
 directory (``$VERL_CACHE_DIR``, default ``~/.cache/verl-suite``) and reused; ``verl data arithmetic --out DIR``
 writes the same files where the user wants them. ``builtin:word_problems/train|val`` are the GSM8K-style stories
-for real pretrained models (``verl.data.tasks.word_problems``).
+for real pretrained models (``verl.data.tasks.word_problems``); ``builtin:tool_arithmetic/train|val|sft_train|
+sft_val`` the products a model solves with the calculator tool (``verl.data.tasks.tool_arithmetic``).
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from verl.data.tasks import word_problems
+from verl.data.tasks import tool_arithmetic, word_problems
 from verl.data.tasks.arithmetic import ArithmeticSpec, generate_splits, sft_response
 from verl.errors import DataError
 from verl.utils.fs import atomic_path
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_TASKS = ("arithmetic", "word_problems")
+BUILTIN_TASKS = ("arithmetic", "word_problems", "tool_arithmetic")
 BUILTIN_SPLITS = ("train", "val", "sft_train", "sft_val")
-TASK_SPLITS = {"arithmetic": BUILTIN_SPLITS, "word_problems": ("train", "val")}
+TASK_SPLITS = {"arithmetic": BUILTIN_SPLITS, "word_problems": ("train", "val"), "tool_arithmetic": BUILTIN_SPLITS}
 
 
 def cache_dir() -> Path:
@@ -63,11 +64,13 @@ def resolve_data_file(name: str, spec: ArithmeticSpec | None = None) -> Path:
         raise DataError(f"unknown built-in dataset '{name}'; available: {', '.join(BUILTIN_TASKS)}")
     if split not in TASK_SPLITS[task]:
         raise DataError(f"built-in dataset '{name}' has no split '{split}'; use one of {', '.join(TASK_SPLITS[task])}")
-    if task == "word_problems":
-        stories = word_problems.WordProblemSpec()
-        path = cache_dir() / "data" / f"{task}-{stories.key()}" / f"{split}.parquet"
+    generated = {"word_problems": word_problems.WordProblemSpec(),
+                 "tool_arithmetic": tool_arithmetic.ToolArithmeticSpec()}.get(task)
+    if generated is not None:
+        module = word_problems if task == "word_problems" else tool_arithmetic
+        path = cache_dir() / "data" / f"{task}-{generated.key()}" / f"{split}.parquet"
         if not path.exists():
-            for part, rows in word_problems.generate_splits(stories).items():
+            for part, rows in module.generate_splits(generated).items():
                 write_parquet(rows, path.parent / f"{part}.parquet")
         return path
     spec = spec or ArithmeticSpec()

@@ -22,6 +22,8 @@ from verl.data.builtin import resolve_data_file
 from verl.data.tasks.arithmetic import ArithmeticSpec
 from verl.errors import DataError
 from verl.protocol import DataProto
+from verl.tools.registry import tools_for_row
+from verl.tools.templates import ToolPrompting
 
 
 def arithmetic_spec(task: ArithmeticTaskConfig) -> ArithmeticSpec:
@@ -68,14 +70,19 @@ def get_nested(row: dict, dotted: str) -> Any:
     return node
 
 
-def prompt_text(prompt: Any, tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool, where: str) -> str:
-    """The exact text fed to the model for one prompt (chat template applied to message lists)."""
+def prompt_text(prompt: Any, tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool, where: str,
+                tools: list[dict] | None = None, template: str | None = None) -> str:
+    """The exact text fed to the model for one prompt (chat template applied to message lists); with ``tools``
+    (OpenAI schemas) rendered by the tool ``template``."""
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "content" in m for m in prompt):
         messages = [{"role": m.get("role", "user"), "content": m["content"]} for m in prompt]
     else:
         raise DataError(f"{where}: prompt must be a string or a list of {{role, content}} messages, got {prompt!r:.80}")
+    if tools is not None:
+        return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
+                                             add_generation_prompt=True, tokenize=False)
     if apply_chat_template and tokenizer.chat_template:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return "\n".join(m["content"] for m in messages)
@@ -108,9 +115,12 @@ class RLHFDataset:
         config: DataConfig | dict | None = None,
         config_key: str = "data.train_files",
         require_ground_truth: bool = True,
+        tools: ToolPrompting | None = None,
     ):
         """``require_ground_truth``: every row must hold ``data.ground_truth_key`` (rule rewards score a row
-        without one as 0, silently); the trainer turns it off for reward models and custom reward functions."""
+        without one as 0, silently); the trainer turns it off for reward models and custom reward functions.
+        ``tools`` (multi-turn rollouts): each prompt is rendered with its row's tools (``tools_for_row``), whose
+        names and hidden arguments travel with it (``tool_names``, ``tool_kwargs``)."""
         if isinstance(data_files, (str, Path)):
             data_files = [str(data_files)]
         self.config = config if isinstance(config, DataConfig) else DataConfig(**(config or {}))
@@ -123,11 +133,16 @@ class RLHFDataset:
         self.num_truncated = 0
         self.rows: list[dict] = []
         self.prompt_ids: list[list[int]] = []
-        texts = [
-            prompt_text(r[self.config.prompt_key], tokenizer, self.config.apply_chat_template,
-                        f"{r['__source_file__']} row {r['__row__']}")
-            for r in rows
-        ]
+        self.tools = tools
+        texts = []
+        for r in rows:
+            where = f"{r['__source_file__']} row {r['__row__']}"
+            schemas = None
+            if tools is not None:
+                r["__tool_names__"], r["__tool_kwargs__"] = tools_for_row(r, tools.tool_set, where)
+                schemas = tools.tool_set.schemas(r["__tool_names__"])
+            texts.append(prompt_text(r[self.config.prompt_key], tokenizer, self.config.apply_chat_template, where,
+                                     schemas, tools.template if tools is not None else None))
         encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         limit = self.config.max_prompt_length
         for row, text, ids in zip(rows, texts, encoded, strict=True):
@@ -197,6 +212,8 @@ class RLHFDataset:
                 "data_source": [r.get("data_source") or "unknown" for r in rows],
                 "extra_info": [r.get("extra_info") or {} for r in rows],
                 "index": np.asarray(indices, dtype=np.int64),
+                **({"tool_names": [r["__tool_names__"] for r in rows],
+                    "tool_kwargs": [r["__tool_kwargs__"] for r in rows]} if self.tools is not None else {}),
             },
             stage="dataset",
         )

@@ -30,7 +30,7 @@ from verl.models.attention import use_gqa_sdpa
 from verl.models.gguf import PACKAGED_MODELS, convert_gguf, packaged_gguf_path
 from verl.models.packed_linear import use_packed_linear
 from verl.models.rms_norm import use_fused_rms_norm
-from verl.models.tiny import BUILTIN_SPECS, build_char_tokenizer, build_tiny_model
+from verl.models.tiny import BUILTIN_SPECS, build_spec_tokenizer, build_tiny_model
 from verl.utils.fs import atomic_dir
 
 BUILTIN_PREFIX = "builtin:"
@@ -132,7 +132,7 @@ def resolve_model_path(path: str) -> str:
     if name in BUILTIN_SPECS:
         target = cache_dir() / "models" / name
         if not (target / "model.safetensors").is_file():
-            tokenizer = build_char_tokenizer()
+            tokenizer = build_spec_tokenizer(BUILTIN_SPECS[name])
             model = build_tiny_model(tokenizer, BUILTIN_SPECS[name], seed=0)
             with atomic_dir(target, overwrite=True) as tmp:
                 model.save_pretrained(tmp)

@@ -1,9 +1,15 @@
-"""The built-in tiny model: a character-level Llama that is a normal Hugging Face model in every respect.
+"""The built-in tiny models: character-level Llamas that are normal Hugging Face models in every respect.
 
 ``build_char_tokenizer()`` makes a ``PreTrainedTokenizerFast`` over printable ASCII plus bos/eos/pad/unk and
 chat-role tokens, with a chat template, so ``apply_chat_template``, ``save_pretrained`` and
 ``AutoTokenizer.from_pretrained`` all work as for any hub model. ``build_tiny_model()`` makes a randomly
 initialised ``LlamaForCausalLM`` sized by a ``TinySpec``.
+
+The agent models (``TinySpec(tools=True)``: ``builtin:tiny-agent-base`` and its warm start ``builtin:tiny-agent``)
+add a ``<|tool|>`` role and the Hermes tags (``<tool_call>``, ``</tool_call>``, ``<tool_response>``,
+``</tool_response>``) as whole tokens, a 512-character context, and a chat template that renders tools compactly
+(``tools: calculator(expression)``): a JSON schema of a few hundred characters would not leave a character-level
+model room for the conversation. Tool calls themselves are written in full Hermes form.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK, *ROLE_TOKENS]
+TOOL_ROLE_TOKENS = ["<|tool|>"]
+# Whole tokens, but not special: decoding with skip_special_tokens keeps them, so a turn's text still parses.
+TOOL_TAG_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 # Every printable ASCII character plus newline and tab: the task, the chat template and gsm8k-style
 # answers (`#### 42`, `>> 42`, `$1,234.`) must all be representable without <unk>.
 CHARACTERS = [c for c in string.printable if c not in "\r\x0b\x0c"]
@@ -33,6 +42,27 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
+# The agent models' template: tools as one compact line, calls in full Hermes form, tool results as `tool` turns.
+# A newline after a block tag is an expression (nl): Hugging Face renders with trim_blocks.
+AGENT_CHAT_TEMPLATE = (
+    "{% set nl = '\n' %}{{ bos_token }}"
+    "{% if tools %}<|system|>tools: {% for tool in tools %}"
+    "{% set f = tool['function'] if 'function' in tool else tool %}"
+    "{{ f['name'] }}({{ ((f.get('parameters') or {}).get('properties') or {}) | list | join(', ') }})"
+    "{% if not loop.last %}; {% endif %}{% endfor %}{{ nl }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set function = call['function'] if 'function' in call else call %}"
+    "<tool_call>{{ nl }}{\"name\": {{ function['name'] | tojson }}, \"arguments\": "
+    "{% if function['arguments'] is string %}{{ function['arguments'] }}{% else %}{{ function['arguments'] | tojson }}"
+    "{% endif %}}{{ nl }}</tool_call>{% endfor %}{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}<|tool|>{{ message['content'] }}{{ nl }}"
+    "{% else %}<|{{ message['role'] }}|>{{ message['content'] }}{{ nl }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
 
 @dataclass(frozen=True)
 class TinySpec:
@@ -45,6 +75,7 @@ class TinySpec:
     intermediate_size: int = 512
     max_position_embeddings: int = 256
     rope_theta: float = 10000.0
+    tools: bool = False  # the agent vocabulary and template (tool role, Hermes tags)
 
 
 # Named specs reachable as ``builtin:<name>``; the ``tiny-arith`` warm start is trained from ``tiny-arith-base``.
@@ -54,16 +85,23 @@ BUILTIN_SPECS: dict[str, TinySpec] = {
     "small-arith-base": TinySpec(
         hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1536
     ),
+    # The tool-using agent's initialisation: room for a call, its result and the answer (builtin:tiny-agent).
+    "tiny-agent-base": TinySpec(max_position_embeddings=512, tools=True),
 }
 
 
-def build_char_tokenizer(model_max_length: int = 256) -> PreTrainedTokenizerFast:
-    """A character-level fast tokenizer: one token per character, special tokens matched whole."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+def build_char_tokenizer(model_max_length: int = 256, tools: bool = False) -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer: one token per character, special tokens matched whole; with ``tools``
+    the agent vocabulary and template (see the module docstring)."""
+    special = SPECIAL_TOKENS + (TOOL_ROLE_TOKENS if tools else [])
+    tags = TOOL_TAG_TOKENS if tools else []
+    vocab = {tok: i for i, tok in enumerate(special + tags + CHARACTERS)}
     # BPE with no merges over a character vocabulary is exactly a character tokenizer, and it
     # serialises to a standard tokenizer.json that every HF-compatible runtime (vLLM included) reads.
     backend = Tokenizer(BPE(vocab=vocab, merges=[], unk_token=UNK))
-    backend.add_special_tokens(SPECIAL_TOKENS)
+    backend.add_special_tokens(special)
+    if tags:
+        backend.add_tokens(tags)
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -71,13 +109,18 @@ def build_char_tokenizer(model_max_length: int = 256) -> PreTrainedTokenizerFast
         eos_token=EOS,
         pad_token=PAD,
         unk_token=UNK,
-        additional_special_tokens=ROLE_TOKENS,
+        additional_special_tokens=ROLE_TOKENS + (TOOL_ROLE_TOKENS if tools else []),
         model_max_length=model_max_length,
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = AGENT_CHAT_TEMPLATE if tools else CHAT_TEMPLATE
     return tokenizer
+
+
+def build_spec_tokenizer(spec: TinySpec) -> PreTrainedTokenizerFast:
+    """The tokenizer a built-in spec's model is made with."""
+    return build_char_tokenizer(spec.max_position_embeddings, tools=spec.tools)
 
 
 def build_tiny_model(

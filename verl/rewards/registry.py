@@ -29,6 +29,7 @@ REWARD_FNS: dict[str, RewardFn] = {}
 # data_source -> reward name, for reward.name=auto
 DATA_SOURCE_REWARDS = {
     "arithmetic": "arithmetic",
+    "tool_arithmetic": "arithmetic",  # the same `>> N` answer, reached through the calculator tool
     "openai/gsm8k": "gsm8k",
     "gsm8k": "gsm8k",
     "lighteval/MATH": "math",

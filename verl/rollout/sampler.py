@@ -58,7 +58,8 @@ def draw_categorical(probs: torch.Tensor, generator: torch.Generator | None = No
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
-def _warpers(params: SamplingParams) -> LogitsProcessorList:
+def logits_warpers(params: SamplingParams) -> LogitsProcessorList:
+    """Temperature, top-k and top-p as transformers' warpers (none for greedy decoding)."""
     warpers = LogitsProcessorList()
     if params.greedy:
         return warpers
@@ -123,7 +124,7 @@ def sample_with_shared_prefill(
     state = prefill(model, input_ids, attention_mask, params.n, params.max_new_tokens)
     rows = state.rows
     generators = sampling_generators(params, prompt_seeds, input_ids.device)
-    warpers = _warpers(params)
+    warpers = logits_warpers(params)
     compactable = DROP_FINISHED_ROWS and bool(state.cache.layers) and all(
         isinstance(layer, GrowingLayer) for layer in state.cache.layers)
     finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)

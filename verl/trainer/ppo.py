@@ -38,6 +38,7 @@ from verl.data.dataset import PromptSampler, RLHFDataset
 from verl.models.loader import load_tokenizer
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams
+from verl.tools.templates import ToolPrompting
 from verl.tracking import check_trackers, create_trackers
 from verl.trainer.callbacks import CallbackList, TrainerCallback
 from verl.trainer.checkpoint import (
@@ -108,10 +109,11 @@ def prepare_inputs(config: VerlConfig, tokenizer: Any = None, train_dataset: RLH
     set_num_threads(cfg.trainer.num_threads)
     seed_everything(cfg.trainer.seed)
     tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, cfg.model.trust_remote_code)
+    tools = ToolPrompting.from_config(cfg.rollout.multi_turn, tokenizer)  # prompts rendered with their tools
     train = train_dataset or RLHFDataset(cfg.data.train_files, tokenizer, cfg.data, "data.train_files",
-                                         cfg.needs_ground_truth)
+                                         cfg.needs_ground_truth, tools)
     val = val_dataset or RLHFDataset(cfg.data.val_files, tokenizer, cfg.data, "data.val_files",
-                                     cfg.needs_ground_truth)
+                                     cfg.needs_ground_truth, tools)
     sampler = PromptSampler(len(train), cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
     cfg.resolve_total_steps(len(train))  # trainer.total_epochs, as verl counts them
     return TrainInputs(tokenizer, train, val, sampler)

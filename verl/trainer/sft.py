@@ -8,6 +8,7 @@ as the RL trainer does.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import time
@@ -19,10 +20,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from verl.config import DataConfig, RewardConfig, SFTConfig, build_config, dump_config
 from verl.data.dataset import RLHFDataset, get_nested, prompt_text, read_rows
-from verl.errors import DataError
+from verl.errors import ConfigError, DataError
 from verl.models.loader import load_causal_lm, load_tokenizer, pick_device
+from verl.rollout.agent_loop import AgentRollout
 from verl.rollout.base import SamplingParams
 from verl.rollout.hf import HFRollout
+from verl.tools.registry import tools_for_row
+from verl.tools.templates import ConversationTokens, ToolPrompting
 from verl.tracking import create_trackers
 from verl.trainer.checkpoint import save_checkpoint
 from verl.trainer.validation import generate_and_score, validation_metrics
@@ -34,47 +38,83 @@ from verl.workers.reward import RewardManager
 
 
 class SFTDataset:
-    """Prompt/response pairs tokenized as ``template(prompt) + response + eos`` with a response-only loss mask."""
+    """Supervised examples as token ids with a loss mask, from either
 
-    def __init__(self, files: list[str], tokenizer, config: SFTConfig):
+    - prompt/response pairs: ``template(prompt) + response + eos``, the loss on the response; or
+    - whole conversations (``data.messages_key``, tool calls and results included): built turn by turn exactly as
+      the multi-turn rollout builds a trajectory (``ConversationTokens.conversation``), the loss on the assistant
+      turns only, so the warm start and RL see the same tokens.
+    """
+
+    def __init__(self, files: list[str], tokenizer, config: SFTConfig, tools: ToolPrompting | None = None):
         data = config.data
         rows = read_rows(files, "data.train_files", data.arithmetic)
-        if data.response_key not in rows[0] or data.prompt_key not in rows[0]:
+        conversations = data.messages_key in rows[0]
+        if not conversations and (data.response_key not in rows[0] or data.prompt_key not in rows[0]):
             columns = [c for c in rows[0] if not c.startswith("__")]
             raise DataError(
                 f"{rows[0]['__source_file__']}: SFT needs columns '{data.prompt_key}' (data.prompt_key) and "
-                f"'{data.response_key}' (data.response_key); columns are {columns}"
+                f"'{data.response_key}' (data.response_key), or conversations in '{data.messages_key}' "
+                f"(data.messages_key); columns are {columns}"
             )
-        self.examples: list[tuple[list[int], int]] = []  # (token ids, prompt length)
+        self.examples: list[tuple[list[int], list[int]]] = []  # (token ids, loss mask)
         self.num_dropped = 0
-        eos = tokenizer.eos_token or ""
-        for i, row in enumerate(rows):
-            prompt = prompt_text(row[data.prompt_key], tokenizer, True, f"{row['__source_file__']} row {i}")
-            response = get_nested(row, data.response_key)
-            if not isinstance(response, str):
-                raise DataError(f"{row['__source_file__']} row {i}: '{data.response_key}' must be a string")
-            p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            r_ids = tokenizer(response + eos, add_special_tokens=False)["input_ids"]
-            if len(p_ids) + len(r_ids) > data.max_length:
+        for row in rows:
+            where = f"{row['__source_file__']} row {row['__row__']}"
+            ids, mask = (self._conversation(row, tokenizer, data.messages_key, tools, where) if conversations
+                         else self._pair(row, tokenizer, data, where))
+            if len(ids) > data.max_length:
                 self.num_dropped += 1
                 continue
-            self.examples.append((p_ids + r_ids, len(p_ids)))
+            self.examples.append((ids, mask))
         self.pad_id = tokenizer.pad_token_id
+
+    @staticmethod
+    def _pair(row: dict, tokenizer, data, where: str) -> tuple[list[int], list[int]]:
+        prompt = prompt_text(row[data.prompt_key], tokenizer, True, where)
+        response = get_nested(row, data.response_key)
+        if not isinstance(response, str):
+            raise DataError(f"{where}: '{data.response_key}' must be a string")
+        p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r_ids = tokenizer(response + (tokenizer.eos_token or ""), add_special_tokens=False)["input_ids"]
+        return p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids)
+
+    @staticmethod
+    def _conversation(row: dict, tokenizer, key: str, tools: ToolPrompting | None,
+                      where: str) -> tuple[list[int], list[int]]:
+        messages = row[key]
+        if isinstance(messages, str):
+            try:
+                messages = json.loads(messages)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: '{key}' is not JSON ({exc.msg})") from None
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise DataError(f"{where}: '{key}' must be a list of {{role, content}} messages")
+        if tools is None:
+            template, schemas = tokenizer.chat_template, None
+        else:
+            names, _ = tools_for_row(row, tools.tool_set, where)
+            template, schemas = tools.template, tools.tool_set.schemas(names)
+        try:
+            return ConversationTokens(tokenizer, template, schemas).conversation(messages)
+        except ConfigError as exc:
+            raise DataError(f"{where}: {exc}") from None
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 outside responses), (batch, len)."""
+        """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (-100 outside the loss mask), (batch, len)."""
         width = max(len(self.examples[i][0]) for i in indices)
         ids = torch.full((len(indices), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         labels = torch.full_like(ids, -100)
         for row, i in enumerate(indices):
-            tokens, prompt_len = self.examples[i]
+            tokens, loss_mask = self.examples[i]
             ids[row, : len(tokens)] = torch.as_tensor(tokens)
             mask[row, : len(tokens)] = 1
-            labels[row, prompt_len : len(tokens)] = torch.as_tensor(tokens[prompt_len:])
+            labels[row, : len(tokens)] = torch.where(torch.as_tensor(loss_mask, dtype=torch.bool),
+                                                      torch.as_tensor(tokens), -100)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -87,18 +127,21 @@ class SFTTrainer:
         self.device = pick_device(config.trainer.device)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
         self.model = load_causal_lm(config.model.path, config.model.dtype, self.device)
-        self.train_data = SFTDataset(config.data.train_files, self.tokenizer, config)
+        tools = ToolPrompting.from_config(config.rollout.multi_turn, self.tokenizer)
+        self.train_data = SFTDataset(config.data.train_files, self.tokenizer, config, tools)
         val_config = DataConfig(
             val_files=config.data.val_files, max_prompt_length=config.data.max_prompt_length,
             max_response_length=config.data.max_response_length, arithmetic=config.data.arithmetic,
             ground_truth_key=config.data.ground_truth_key, prompt_key=config.data.prompt_key,
         )
         self.val_data = (
-            RLHFDataset(config.data.val_files, self.tokenizer, val_config, "data.val_files")
+            RLHFDataset(config.data.val_files, self.tokenizer, val_config, "data.val_files", tools=tools)
             if config.data.val_files else None
         )
         self.reward = RewardManager(self.tokenizer, RewardConfig())
         self.engine = HFRollout(self.model, self.tokenizer)
+        if tools is not None:  # validate as the RL rollout runs: tools called, results fed back
+            self.engine = AgentRollout(self.engine, config.rollout.multi_turn, config.data.max_response_length)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.trainer.total_steps)
         self.run_dir = config.run_dir()
@@ -161,6 +204,7 @@ class SFTTrainer:
         finally:
             log.set_active(None)
             self.logger.close()
+            self.engine.shutdown()  # the tool runner's threads and processes, when there is one
         return self.run_dir / "checkpoints" / f"global_step_{cfg.total_steps}"
 
 

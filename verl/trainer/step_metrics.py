@@ -28,7 +28,28 @@ def rollout_metrics(batch: DataProto, extras: dict[str, np.ndarray], max_respons
     for key, value in extras.items():
         rollout[key] = float(np.nanmean(value))
     rollout["repetition_rate"] = ngram_repetition_rate(batch.batch["responses"], mask)  # loop collapse rule
+    rollout.update(tool_metrics(batch))
     return rollout
+
+
+def tool_metrics(batch: DataProto) -> dict[str, float]:
+    """Multi-turn rollouts (``agent_loop.py``): how often trajectories call tools, how many calls parse and fit a
+    configured tool's schema, how many fail, turns per trajectory and its length with the tool turns."""
+    non = batch.non_tensor
+    if "num_tool_calls" not in non:
+        return {}
+    calls = np.asarray(non["num_tool_calls"], dtype=np.float64)
+    width = batch.batch["responses"].shape[1]
+    metrics = {
+        "tool_call_rate": float((calls > 0).mean()),
+        "tool_calls_mean": float(calls.mean()),
+        "turns_mean": float(np.mean(np.asarray(non["num_turns"], dtype=np.float64))),
+        "trajectory_length_mean": float(batch.batch["attention_mask"][:, -width:].sum(-1).float().mean()),
+    }
+    if calls.sum() > 0:  # shares of calls: not defined for a batch that made none
+        metrics["valid_call_rate"] = float(np.sum(np.asarray(non["num_valid_calls"], dtype=np.float64)) / calls.sum())
+        metrics["tool_error_rate"] = float(np.sum(np.asarray(non["num_tool_errors"], dtype=np.float64)) / calls.sum())
+    return metrics
 
 
 def ngram_repetition_rate(responses: torch.Tensor, mask: torch.Tensor, n: int = 4) -> float:

@@ -21,19 +21,31 @@ from verl.protocol import DataProto
 from verl.rewards.registry import get_reward_fn, load_custom_reward, reward_for_data_source
 
 
+def response_lengths(batch: DataProto) -> torch.Tensor:
+    """Response ids per row, ``(batch,)``: generated and (multi-turn) tool-turn ids, the response part of
+    ``attention_mask`` (equal to ``response_mask``'s count for single-turn rollouts)."""
+    width = batch.batch["responses"].shape[1]
+    return batch.batch["attention_mask"][:, -width:].sum(-1) if width else batch.batch["response_mask"].sum(-1)
+
+
 def decode_responses(tokenizer: PreTrainedTokenizerBase, batch: DataProto) -> list[str]:
-    """Response texts: only the masked (generated) tokens, special tokens dropped."""
-    responses, mask = batch.batch["responses"], batch.batch["response_mask"]
-    lengths = mask.sum(-1).tolist()
+    """Response texts, special tokens dropped: everything after the prompt (a multi-turn trajectory's tool
+    results included: the reward scores the whole trajectory)."""
+    responses = batch.batch["responses"]
+    lengths = response_lengths(batch).tolist()
     return tokenizer.batch_decode(
         [row[:n].tolist() for row, n in zip(responses, lengths, strict=True)], skip_special_tokens=True
     )
 
 
 def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """``scores`` (batch,) -> (batch, response_len) with each score at the last valid response token."""
+    """``scores`` (batch,) -> (batch, response_len) with each score at the last token of ``response_mask`` (the
+    last generated token; a multi-turn trajectory's mask has gaps at its tool turns)."""
     token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = (response_mask.sum(-1) - 1).clamp(min=0).long()
+    if response_mask.shape[1] == 0:
+        return token_scores
+    positions = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+    last = ((response_mask > 0) * positions).argmax(-1)  # the last 1 (position 0 when there is none)
     token_scores[torch.arange(len(scores)), last] = scores.float()
     return token_scores
 

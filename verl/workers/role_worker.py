@@ -24,6 +24,7 @@ from verl.models.loader import load_causal_lm, load_tokenizer, pick_device
 from verl.models.lora import apply_lora, is_lora
 from verl.models.weights import load_model_weights, read_model_weights
 from verl.protocol import DataProto
+from verl.rollout.agent_loop import AgentRollout
 from verl.rollout.base import SamplingParams, get_rollout_factory
 from verl.utils.net import free_port
 from verl.utils.seeding import seed_everything, set_num_threads
@@ -105,6 +106,8 @@ class RoleWorker:
             stop_when = (lambda done: all_ranks(done, self.dist)) if self.dist.fsdp else None
             self.rollout = factory(model, self.tokenizer, cfg.rollout.micro_batch_size, autocast,
                                    stop_when=stop_when)
+            if cfg.rollout.multi_turn.enable:  # tool-calling trajectories over the same model (agent_loop.py)
+                self.rollout = AgentRollout(self.rollout, cfg.rollout.multi_turn, cfg.data.max_response_length)
         else:
             self.rollout = factory(model_path=cfg.model.path, tokenizer=self.tokenizer, config=cfg.rollout,
                                    max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,

@@ -1,0 +1,335 @@
+"""Multi-turn rollouts with tools, behind the rollout interface (``rollout.multi_turn.enable``; docs/agents.md).
+
+A trajectory alternates model turns and tool turns until the model answers without calling a tool, reaches
+``max_assistant_turns``, or fills the response budget (``data.max_response_length`` tokens in all)::
+
+    prompt -> generate until eos -> parse <tool_call> blocks -> run the tools -> the template's ids for the
+    tool turn -> generate until eos -> ... -> final answer
+
+**Token-in, token-out.** The trajectory's ids are the ids the model generated, then the ids the chat template adds
+for each tool turn (``ConversationTokens.turn_ids``), never a re-tokenization of decoded text. The loss mask
+(``response_mask``) is 1 on generated ids (eos included) and 0 on the tool turns; ``attention_mask`` covers both.
+The trainer's policy loss, KL and entropy read the mask, so tool output is context, not action; the reward scores
+the whole trajectory's text.
+
+**No batch-wide stall.** The transformers path decodes on a continuous batch (``RowBatch``, the serving engine's
+scheduler): a trajectory that calls a tool leaves the batch while its tools run on the ``ToolRunner``; the others
+keep decoding; when its results arrive its ids so far are prefilled again and it rejoins. (The re-prefill is what
+vLLM's prefix cache saves; on CPU it costs a fraction of the decode steps it does not hold up.) Sampling draws
+from one generator per trajectory, seeded from the call seed, the prompt id and the sample number, so a rollout
+does not depend on tool timing or on which trajectories share a step.
+
+Outputs (one row per trajectory, ``prompts x n``, a prompt's samples adjacent), beside the usual tensors
+(``assemble_trajectories``): ``num_turns``, ``num_tool_calls``, ``num_valid_calls``, ``num_tool_errors``,
+``finish_reason`` (``stop``, ``length``, ``turns``) and ``tool_trace`` (each call: turn, name, arguments, result,
+error) as non-tensor fields, which the trainer turns into ``rollout/tool_call_rate``, ``valid_call_rate``,
+``tool_error_rate`` and which ``verl eval`` reports per trajectory.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from verl.config import MultiTurnConfig
+from verl.models.kv_cache import RowBatch, new_growing_cache
+from verl.models.packed_linear import packed_weights
+from verl.models.precision import at_least_float32
+from verl.protocol import DataProto
+from verl.rollout.base import RolloutEngine, SamplingParams
+from verl.rollout.sampler import draw_categorical, logits_warpers
+from verl.tools.calls import ToolCall, parse_tool_calls
+from verl.tools.registry import ToolSet
+from verl.tools.runner import ToolResult, ToolRunner, failed
+from verl.tools.templates import ConversationTokens, ToolPrompting
+
+
+@dataclass(eq=False)
+class Trajectory:
+    """One rollout row in progress: the prompt's ids, then ``ids`` (generated and tool-turn ids) with ``mask``
+    (1 = generated) and each generated id's behaviour ``log_probs``."""
+
+    prompt_ids: list[int]
+    tools: list[str]
+    hidden_kwargs: dict[str, dict[str, Any]]
+    generator: torch.Generator | None
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    turn_start: int = 0
+    turns: int = 0
+    calls: int = 0
+    valid_calls: int = 0
+    tool_errors: int = 0
+    trace: list[dict[str, Any]] = field(default_factory=list)
+    finish: str | None = None
+    waiting: list[tuple[ToolCall, concurrent.futures.Future[ToolResult]]] = field(default_factory=list)
+
+    def append(self, token: int, generated: bool, log_prob: float = 0.0) -> None:
+        self.ids.append(token)
+        self.mask.append(int(generated))
+        self.log_probs.append(log_prob if generated else 0.0)
+
+
+class AgentLoop:
+    """Runs trajectories to the end on a transformers model: continuous batching, tools off the decode path."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, runner: ToolRunner, tool_set: ToolSet,
+                 config: MultiTurnConfig, max_response_length: int, template: str,
+                 autocast_dtype: torch.dtype | None = None):
+        self.model, self.tokenizer, self.runner, self.tool_set = model, tokenizer, runner, tool_set
+        self.config, self.budget, self.template = config, max_response_length, template
+        self.autocast_dtype = autocast_dtype
+        self.eos_id = tokenizer.eos_token_id
+        self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self._conversations: dict[tuple[str, ...], ConversationTokens] = {}
+
+    def conversation(self, tools: list[str]) -> ConversationTokens:
+        key = tuple(tools)
+        if key not in self._conversations:
+            self._conversations[key] = ConversationTokens(self.tokenizer, self.template, self.tool_set.schemas(tools))
+        return self._conversations[key]
+
+    @torch.no_grad()
+    @packed_weights()  # frozen linear layers multiply by oneDNN-packed weights, as in the single-turn sampler
+    def run(self, trajectories: list[Trajectory], params: SamplingParams) -> None:
+        """Decode every trajectory to its end (``Trajectory.finish`` set)."""
+        ready: collections.deque[Trajectory] = collections.deque(trajectories)
+        waiting: list[Trajectory] = []
+        batch = RowBatch()
+        warpers = logits_warpers(params)
+        device = next(self.model.parameters()).device
+        while ready or len(batch) or waiting:
+            self._collect_tool_results(waiting, ready, block=not ready and not len(batch))
+            if ready:
+                joining = list(ready)
+                ready.clear()
+                logits, cache, mask = self._prefill(joining, device)
+                keep, tokens = self._advance(joining, logits, params, warpers, waiting)
+                if keep:
+                    index = torch.tensor(keep, dtype=torch.long, device=device)
+                    for layer in cache.layers:
+                        layer.set_state(layer.keys.index_select(0, index), layer.values.index_select(0, index))
+                    batch.add([joining[i] for i in keep], cache, mask.index_select(0, index),
+                              tokens.to(device).index_select(0, index))
+            if len(batch):
+                mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], dim=1)
+                positions = batch.mask.sum(-1, keepdim=True)
+                with self._autocast(device):
+                    out = self.model(input_ids=batch.next_tokens.unsqueeze(-1), attention_mask=mask,
+                                     position_ids=positions, past_key_values=batch.cache, use_cache=True)
+                batch.mask = mask
+                keep, tokens = self._advance(batch.rows, at_least_float32(out.logits[:, -1, :]), params, warpers,
+                                             waiting)
+                batch.next_tokens = tokens.to(device)
+                batch.keep(keep)
+
+    # ---------------------------------------------------------------- decoding
+
+    def _prefill(self, rows: list[Trajectory], device: torch.device):
+        """One forward over each row's ids so far (left-padded): next-token logits ``(rows, vocab)``, the rows'
+        cache and attention mask ``(rows, longest)``."""
+        sequences = [row.prompt_ids + row.ids for row in rows]
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, sequence in enumerate(sequences):
+            ids[i, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
+            mask[i, width - len(sequence):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        cache = new_growing_cache(self.model.config)
+        with self._autocast(device):
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return at_least_float32(out.logits[:, -1, :]), cache, mask
+
+    def _advance(self, rows: list[Trajectory], logits: torch.Tensor, params: SamplingParams, warpers: Any,
+                 waiting: list[Trajectory]) -> tuple[list[int], torch.Tensor]:
+        """Sample each row's next id from ``logits`` ``(rows, vocab)``, append it, and end turns and trajectories;
+        returns the rows that keep decoding and every row's sampled id ``(rows,)``."""
+        temperature = 1.0 if params.greedy else params.temperature
+        if params.greedy:
+            tokens = logits.argmax(-1)
+        else:
+            scores = warpers(None, logits) if warpers else logits
+            uniform = torch.cat([torch.rand(1, 1, generator=row.generator, dtype=torch.float64,
+                                            device=logits.device) for row in rows])
+            tokens = draw_categorical(torch.softmax(scores, dim=-1), uniform=uniform)
+        behaviour = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+        chosen = behaviour.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
+        keep = []
+        for i, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+            row.append(token, generated=True, log_prob=chosen[i])
+            if token == self.eos_id:
+                self._end_turn(row, waiting)
+            elif len(row.ids) >= self.budget or len(row.prompt_ids) + len(row.ids) >= self.max_positions:
+                row.finish = "length"
+            else:
+                keep.append(i)
+        return keep, tokens
+
+    def _end_turn(self, row: Trajectory, waiting: list[Trajectory]) -> None:
+        """The model ended a turn with eos: a final answer, or calls to run (unless no turn or budget is left)."""
+        text = self.tokenizer.decode(row.ids[row.turn_start:-1], skip_special_tokens=True)
+        row.turns += 1
+        turn = parse_tool_calls(text)
+        if not turn.has_calls:
+            row.finish = "stop"
+            return
+        if row.turns >= self.config.max_assistant_turns:
+            row.finish = "turns"
+            return
+        if len(row.ids) >= self.budget:
+            row.finish = "length"
+            return
+        for index, call in enumerate(turn.calls):
+            row.calls += 1
+            row.valid_calls += int(call.valid and call.name in row.tools)
+            if index >= self.config.max_parallel_calls:
+                result: concurrent.futures.Future[ToolResult] = concurrent.futures.Future()
+                result.set_result(failed(f"at most {self.config.max_parallel_calls} calls per turn"))
+            else:
+                result = self.runner.submit(call, row.tools, row.hidden_kwargs.get(call.name))
+            row.waiting.append((call, result))
+        waiting.append(row)
+
+    def _collect_tool_results(self, waiting: list[Trajectory], ready: collections.deque[Trajectory],
+                              block: bool) -> None:
+        """Move trajectories whose tool results have all arrived to ``ready``, with their tool turn appended; with
+        ``block`` (nothing else to do), wait for the first one."""
+        if not waiting:
+            return
+        if block:
+            pending = [future for row in waiting for _, future in row.waiting if not future.done()]
+            if pending:
+                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        for row in [r for r in waiting if all(future.done() for _, future in r.waiting)]:
+            waiting.remove(row)
+            messages = []
+            for call, future in row.waiting:
+                result = future.result()
+                row.tool_errors += int(not result.ok)
+                row.trace.append({"turn": row.turns, "name": call.name, "arguments": call.arguments,
+                                  "result": result.content, "error": result.error})
+                messages.append({"role": "tool", "name": call.name, "tool_call_id": call.id,
+                                 "content": result.content})
+            row.waiting = []
+            turn = self.conversation(row.tools).turn_ids(messages)
+            room = self.budget - len(row.ids)
+            for token in turn[:room]:
+                row.append(token, generated=False)
+            if len(turn) >= room or len(row.prompt_ids) + len(row.ids) >= self.max_positions:
+                row.finish = "length"  # no room left to answer
+                continue
+            row.turn_start = len(row.ids)
+            ready.append(row)
+
+    def _autocast(self, device: torch.device):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
+
+
+class AgentRollout(RolloutEngine):
+    """The multi-turn rollout engine: the same interface as the single-turn ones, over the transformers model the
+    actor trains (``engine``: the ``HFRollout`` it replaces, whose model and tokenizer it decodes with)."""
+
+    name = "agent"
+
+    def __init__(self, engine: RolloutEngine, config: MultiTurnConfig, max_response_length: int):
+        self.engine = engine
+        self.config = config
+        prompting = ToolPrompting.from_config(config, engine.tokenizer)
+        self.tool_set = prompting.tool_set
+        self.runner = ToolRunner(self.tool_set, max_response_chars=config.max_tool_response_length,
+                                 processes=config.tool_processes)
+        self.loop = AgentLoop(engine.model, engine.tokenizer, self.runner, self.tool_set, config,
+                              max_response_length, prompting.template, getattr(engine, "autocast_dtype", None))
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        """``prompts`` as for any engine (left-padded ids; ``tool_names`` / ``tool_kwargs`` per row when the
+        dataset gives them, else every configured tool) -> one row per trajectory (see the module docstring)."""
+        model = self.engine.model
+        was_training = model.training
+        model.eval()
+        try:
+            trajectories = self._start(prompts, params)
+            self.loop.run(trajectories, params)
+        finally:
+            model.train(was_training)
+        return assemble_trajectories(prompts, trajectories, params.n, self.engine.tokenizer.pad_token_id)
+
+    def _start(self, prompts: DataProto, params: SamplingParams) -> list[Trajectory]:
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        non = prompts.non_tensor
+        base = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        trajectories = []
+        for i in range(len(prompts)):
+            prompt_ids = ids[i][mask[i].bool()].tolist()
+            tools = list(non["tool_names"][i]) if "tool_names" in non else self.tool_set.names()
+            hidden = dict(non["tool_kwargs"][i] or {}) if "tool_kwargs" in non else {}
+            prompt_id = int(non["index"][i]) if "index" in non else i
+            for sample in range(params.n):
+                generator = None
+                if not params.greedy:
+                    generator = torch.Generator(device=ids.device)
+                    generator.manual_seed(((base * 1_000_003 + prompt_id) * 1_000_003 + sample) % 2**63)
+                trajectories.append(Trajectory(prompt_ids, tools, hidden, generator))
+        return trajectories
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.engine.sync_weights(model)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+        self.engine.shutdown()
+
+
+def assemble_trajectories(prompts: DataProto, trajectories: list[Trajectory], n: int, pad_id: int) -> DataProto:
+    """The rollout output for finished trajectories (rows ``prompts x n``): as ``assemble_rollout``'s, except
+    that ``response_mask`` is the loss mask (0 on tool turns) and ``attention_mask`` covers every response id."""
+    rows = len(trajectories)
+    width = max(1, max(len(t.ids) for t in trajectories))
+    responses = torch.full((rows, width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((rows, width), dtype=torch.long)
+    present = torch.zeros((rows, width), dtype=torch.long)
+    log_probs = torch.zeros((rows, width), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        length = len(t.ids)
+        responses[i, :length] = torch.tensor(t.ids, dtype=torch.long)
+        loss_mask[i, :length] = torch.tensor(t.mask, dtype=torch.long)
+        present[i, :length] = 1
+        log_probs[i, :length] = torch.tensor(t.log_probs, dtype=torch.float32)
+    prompt_ids = prompts.batch["input_ids"].repeat_interleave(n, dim=0)
+    prompt_mask = prompts.batch["attention_mask"].repeat_interleave(n, dim=0)
+    attention_mask = torch.cat([prompt_mask, present], dim=1)
+    non_tensors = {k: v for k, v in (prompts.repeat(n).non_tensor if n > 1 else prompts.non_tensor).items()}
+    non_tensors.update(
+        num_turns=np.array([t.turns for t in trajectories], dtype=np.int64),
+        num_tool_calls=np.array([t.calls for t in trajectories], dtype=np.int64),
+        num_valid_calls=np.array([t.valid_calls for t in trajectories], dtype=np.int64),
+        num_tool_errors=np.array([t.tool_errors for t in trajectories], dtype=np.int64),
+        finish_reason=[t.finish or "length" for t in trajectories],
+        tool_trace=[list(t.trace) for t in trajectories],  # DataProto keeps each row's list as one object
+    )
+    return DataProto.from_dict(
+        tensors={"prompts": prompt_ids, "responses": responses, "response_mask": loss_mask,
+                 "input_ids": torch.cat([prompt_ids, responses], dim=1), "attention_mask": attention_mask,
+                 "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask,
+                 "rollout_log_probs": log_probs * loss_mask},
+        non_tensors=non_tensors, meta=dict(prompts.meta), stage="rollout",
+    )

@@ -1,0 +1,227 @@
+"""Run tool calls safely: validate, execute with a timeout, and turn every failure into a message for the model.
+
+``ToolRunner.submit(call, ...)`` returns a ``Future`` of a ``ToolResult`` at once, so the agent loop keeps decoding
+the other trajectories while a tool runs. A result always arrives: an unknown tool, a malformed call (invalid
+JSON), arguments that do not fit the tool's JSON schema, a timeout, an exception in the tool, or a tool process
+that died all become ``ToolResult(content="error: ...", error=...)``, returned to the model as the tool's answer
+and counted (``rollout/tool_error_rate``). Nothing a tool does can raise in the rollout.
+
+Pure tools (``Tool.pure``: the calculator) run on a thread of this process; the others in tool processes
+(``spawn``ed, so they share nothing with the trainer), one call at a time each. A process that overruns its
+call's timeout is killed and replaced; a thread cannot be killed, which is why only bounded pure tools run on one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import multiprocessing
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from verl.tools.calls import ToolCall
+from verl.tools.registry import Tool, ToolSet, load_function
+
+
+@dataclass
+class ToolResult:
+    """What the model sees (``content``) and, when the call failed, why (``error``, also inside ``content``)."""
+
+    content: str
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def failed(message: str) -> ToolResult:
+    return ToolResult(f"error: {message}", message)
+
+
+def as_text(value: Any) -> str:
+    """A tool's return value as the text of its answer (JSON for structured values)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except TypeError:
+        return str(value)
+
+
+class ToolRunner:
+    """Validates and runs calls against a ``ToolSet``; results are truncated to ``max_response_chars``."""
+
+    def __init__(self, tool_set: ToolSet, max_response_chars: int = 1024, processes: int = 2,
+                 threads: int = 8):
+        self.tool_set = tool_set
+        self.max_response_chars = max_response_chars
+        self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="verl-tool")
+        self._processes = ToolProcessPool(processes)
+        self._functions: dict[str, Any] = {}
+
+    def submit(self, call: ToolCall, allowed: list[str] | None = None,
+               hidden_kwargs: dict[str, Any] | None = None) -> concurrent.futures.Future[ToolResult]:
+        """Start ``call``; ``allowed`` limits the tools (a row's), ``hidden_kwargs`` are added to its arguments."""
+        checked = self._check(call, allowed)
+        if isinstance(checked, ToolResult):
+            done: concurrent.futures.Future[ToolResult] = concurrent.futures.Future()
+            done.set_result(checked)
+            return done
+        tool = checked
+        kwargs = {**(call.arguments or {}), **(hidden_kwargs or {})}
+        if tool.pure:
+            return self._submit_inline(tool, kwargs)
+        return self._threads.submit(self._run_in_process, tool, kwargs)
+
+    def run(self, call: ToolCall, allowed: list[str] | None = None,
+            hidden_kwargs: dict[str, Any] | None = None) -> ToolResult:
+        return self.submit(call, allowed, hidden_kwargs).result()
+
+    def shutdown(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._processes.shutdown()
+
+    # ---------------------------------------------------------------- pieces
+
+    def _check(self, call: ToolCall, allowed: list[str] | None) -> Tool | ToolResult:
+        if call.error is not None:
+            return failed(call.error)
+        names = allowed if allowed is not None else self.tool_set.names()
+        tool = self.tool_set.tools.get(call.name)
+        if tool is None or call.name not in names:
+            return failed(f"unknown tool '{call.name}'; available: {', '.join(names) or 'none'}")
+        from jsonschema import Draft202012Validator  # noqa: PLC0415  (only when tools run)
+
+        problems = sorted(Draft202012Validator(tool.parameters).iter_errors(call.arguments), key=lambda e: e.path)
+        if problems:
+            where = "/".join(str(p) for p in problems[0].path) or "arguments"
+            return failed(f"arguments of '{tool.name}' do not fit its schema ({where}: {problems[0].message})")
+        return tool
+
+    def _submit_inline(self, tool: Tool, kwargs: dict[str, Any]) -> concurrent.futures.Future[ToolResult]:
+        """A pure tool on a pool thread; its result, or a timeout error when it overruns (the call itself cannot be
+        stopped, which is why only bounded pure tools run here)."""
+        function = self._functions.get(tool.target)
+        if function is None:
+            function = self._functions[tool.target] = load_function(tool.target)
+        result: concurrent.futures.Future[ToolResult] = concurrent.futures.Future()
+
+        def settle(value: ToolResult) -> None:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # the timeout or the answer came first
+                result.set_result(value)
+
+        def finished(call: concurrent.futures.Future) -> None:
+            timer.cancel()
+            error = call.exception()
+            settle(failed(f"'{tool.name}' failed: {error}") if error is not None else self._answer(call.result()))
+
+        timer = threading.Timer(tool.timeout_s, settle,
+                                args=(failed(f"'{tool.name}' did not answer within {tool.timeout_s:g} s"),))
+        timer.daemon = True
+        timer.start()
+        self._threads.submit(function, **kwargs).add_done_callback(finished)
+        return result
+
+    def _run_in_process(self, tool: Tool, kwargs: dict[str, Any]) -> ToolResult:
+        status, value = self._processes.call(tool.target, kwargs, tool.timeout_s)
+        if status == "ok":
+            return self._answer(value)
+        if status == "timeout":
+            return failed(f"'{tool.name}' did not answer within {tool.timeout_s:g} s")
+        return failed(f"'{tool.name}' failed: {value}")
+
+    def _answer(self, value: Any) -> ToolResult:
+        text = as_text(value)
+        if len(text) > self.max_response_chars:
+            text = text[: self.max_response_chars] + "...(truncated)"
+        return ToolResult(text)
+
+
+# ---------------------------------------------------------------------------------------------- tool processes
+
+
+def _tool_process_main(conn) -> None:
+    """A tool process: receive (target, kwargs), answer ("ok", value) or ("error", message), until told to stop."""
+    functions: dict[str, Any] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        target, kwargs = message
+        try:
+            function = functions.get(target) or functions.setdefault(target, load_function(target))
+            value = function(**kwargs)
+            try:
+                conn.send(("ok", value))
+            except Exception:  # a value that does not pickle goes back as text
+                conn.send(("ok", as_text(value)))
+        except BaseException as exc:  # noqa: BLE001
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class ToolProcessPool:
+    """Up to ``size`` spawned tool processes, started on first use; one call at a time per process."""
+
+    def __init__(self, size: int):
+        self._context = multiprocessing.get_context("spawn")
+        self._idle: list[tuple[Any, Any]] = []  # (process, connection)
+        self._slots = threading.BoundedSemaphore(max(1, size))
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def call(self, target: str, kwargs: dict[str, Any], timeout: float) -> tuple[str, Any]:
+        with self._slots:
+            process, conn = self._take()
+            try:
+                conn.send((target, kwargs))
+                if not conn.poll(timeout):
+                    self._kill(process)
+                    return "timeout", None
+                status, value = conn.recv()
+            except (EOFError, OSError, BrokenPipeError) as exc:
+                self._kill(process)
+                return "error", f"the tool process died ({exc!r})"
+            self._give_back(process, conn)
+            return status, value
+
+    def _take(self) -> tuple[Any, Any]:
+        with self._lock:
+            while self._idle:
+                process, conn = self._idle.pop()
+                if process.is_alive():
+                    return process, conn
+        parent, child = self._context.Pipe()
+        process = self._context.Process(target=_tool_process_main, args=(child,), daemon=True,
+                                        name="verl-tool-process")
+        process.start()
+        child.close()
+        return process, parent
+
+    def _give_back(self, process: Any, conn: Any) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append((process, conn))
+                return
+        self._kill(process)
+
+    @staticmethod
+    def _kill(process: Any) -> None:
+        process.kill()
+        process.join(5)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for process, conn in idle:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+            process.join(2)
+            if process.is_alive():
+                self._kill(process)
