@@ -190,7 +190,7 @@ class AgentLoop:
             return
         for index, call in enumerate(turn.calls):
             row.calls += 1
-            row.valid_calls += int(call.valid and call.name in row.tools)
+            row.valid_calls += int(self.runner.check(call, row.tools) is None)  # parses, fits a tool's schema
             if index >= self.config.max_parallel_calls:
                 result: concurrent.futures.Future[ToolResult] = concurrent.futures.Future()
                 result.set_result(failed(f"at most {self.config.max_parallel_calls} calls per turn"))

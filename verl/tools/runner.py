@@ -65,12 +65,12 @@ class ToolRunner:
     def submit(self, call: ToolCall, allowed: list[str] | None = None,
                hidden_kwargs: dict[str, Any] | None = None) -> concurrent.futures.Future[ToolResult]:
         """Start ``call``; ``allowed`` limits the tools (a row's), ``hidden_kwargs`` are added to its arguments."""
-        checked = self._check(call, allowed)
-        if isinstance(checked, ToolResult):
+        problem = self.check(call, allowed)
+        if problem is not None:
             done: concurrent.futures.Future[ToolResult] = concurrent.futures.Future()
-            done.set_result(checked)
+            done.set_result(failed(problem))
             return done
-        tool = checked
+        tool = self.tool_set.tools[call.name]
         kwargs = {**(call.arguments or {}), **(hidden_kwargs or {})}
         if tool.pure:
             return self._submit_inline(tool, kwargs)
@@ -86,20 +86,22 @@ class ToolRunner:
 
     # ---------------------------------------------------------------- pieces
 
-    def _check(self, call: ToolCall, allowed: list[str] | None) -> Tool | ToolResult:
+    def check(self, call: ToolCall, allowed: list[str] | None = None) -> str | None:
+        """Why ``call`` cannot run (malformed, an unknown or not allowed tool, arguments outside the tool's JSON
+        schema), or None for a valid call."""
         if call.error is not None:
-            return failed(call.error)
+            return call.error
         names = allowed if allowed is not None else self.tool_set.names()
         tool = self.tool_set.tools.get(call.name)
         if tool is None or call.name not in names:
-            return failed(f"unknown tool '{call.name}'; available: {', '.join(names) or 'none'}")
+            return f"unknown tool '{call.name}'; available: {', '.join(names) or 'none'}"
         from jsonschema import Draft202012Validator  # noqa: PLC0415  (only when tools run)
 
         problems = sorted(Draft202012Validator(tool.parameters).iter_errors(call.arguments), key=lambda e: e.path)
         if problems:
             where = "/".join(str(p) for p in problems[0].path) or "arguments"
-            return failed(f"arguments of '{tool.name}' do not fit its schema ({where}: {problems[0].message})")
-        return tool
+            return f"arguments of '{tool.name}' do not fit its schema ({where}: {problems[0].message})"
+        return None
 
     def _submit_inline(self, tool: Tool, kwargs: dict[str, Any]) -> concurrent.futures.Future[ToolResult]:
         """A pure tool on a pool thread; its result, or a timeout error when it overruns (the call itself cannot be

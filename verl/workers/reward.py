@@ -25,7 +25,9 @@ def response_lengths(batch: DataProto) -> torch.Tensor:
     """Response ids per row, ``(batch,)``: generated and (multi-turn) tool-turn ids, the response part of
     ``attention_mask`` (equal to ``response_mask``'s count for single-turn rollouts)."""
     width = batch.batch["responses"].shape[1]
-    return batch.batch["attention_mask"][:, -width:].sum(-1) if width else batch.batch["response_mask"].sum(-1)
+    if width and "attention_mask" in batch.batch:
+        return batch.batch["attention_mask"][:, -width:].sum(-1)
+    return batch.batch["response_mask"].sum(-1)  # no attention mask: a single-turn batch, the masks agree
 
 
 def decode_responses(tokenizer: PreTrainedTokenizerBase, batch: DataProto) -> list[str]:
