@@ -19,7 +19,7 @@ def register(app: typer.Typer, run_guarded) -> None:
         data: Annotated[list[str] | None, typer.Option("--data", help="Parquet prompt file(s) or builtin:TASK/SPLIT; "
                                                                       "default: the run's validation files.")] = None,
         evaluators: Annotated[str | None, typer.Option(
-            "--evaluators", "-e", help="Comma-separated specs: reward,kl,diversity,accuracy,length; options in "
+            "--evaluators", "-e", help="Comma-separated specs: reward,kl,diversity,accuracy,length,tools; options in "
                                        "parentheses, e.g. diversity(ngrams=1;2;3, tokenize=chars); your own as "
                                        "file.py:Class or module:Class. Default: all built-ins.")] = None,
         n: Annotated[int | None, typer.Option("--n", help="Samples per prompt (pass@k / maj@k when > 1).")] = None,
@@ -39,6 +39,14 @@ def register(app: typer.Typer, run_guarded) -> None:
                                ] = None,
         reference: Annotated[str | None, typer.Option("--reference", help="Reference model for kl (default: the "
                                                                           "run's model.path).")] = None,
+        tools: Annotated[str | None, typer.Option(
+            "--tools", help="Multi-turn (agent) rollouts with these built-in tools, comma-separated (calculator); "
+                            "default: as the run did (rollout.multi_turn).")] = None,
+        tool_config: Annotated[str | None, typer.Option(
+            "--tool-config", help="Multi-turn rollouts with the tools of this YAML file (verl's tool config).")
+                               ] = None,
+        max_turns: Annotated[int | None, typer.Option(
+            "--max-turns", help="Assistant turns per trajectory (default: the run's max_assistant_turns).")] = None,
         out: Annotated[Path | None, typer.Option("--out", help="Output dir (default: <run>/eval/<checkpoint>).")
                        ] = None,
         select: Annotated[str, typer.Option("--select", help="Best checkpoint of a run dir by METRIC:max|min.")
@@ -68,6 +76,8 @@ def register(app: typer.Typer, run_guarded) -> None:
                                     top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed,
                                     batch_size=batch_size, max_samples=max_samples, reference=reference,
                                     max_prompt_length=max_prompt_length,
+                                    tools=[t.strip() for t in tools.split(",") if t.strip()] if tools else None,
+                                    tool_config=tool_config, max_turns=max_turns,
                                     engine=engine, device=device, num_threads=threads, n_bootstrap=bootstrap,
                                     select=select, force=force, quiet=quiet)
             run_eval(ckpt, settings, out, Console(stderr=True))

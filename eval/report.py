@@ -7,6 +7,7 @@ A report is a list of blocks (heading, paragraph, table, image, list) rendered t
 from __future__ import annotations
 
 import html
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ class Doc:
     def table(self, headers: list[str], rows: list[list[Any]]) -> None:
         self.blocks.append(("table", headers, rows))
 
+    def pre(self, text: str) -> None:
+        """Preformatted text (a trajectory, a log excerpt), shown as written."""
+        self.blocks.append(("pre", text))
+
     def img(self, path: Path | None, alt: str) -> None:
         if path is not None:
             self.blocks.append(("img", Path(path).name, alt))
@@ -66,6 +71,8 @@ class Doc:
                 for row in rows:
                     out.append("| " + " | ".join(_md_cell(c) for c in row) + " |")
                 out.append("")
+            elif kind == "pre":
+                out += ["```text", block[1].replace("```", "ʼʼʼ"), "```", ""]
             elif kind == "img":
                 out += [f"![{block[2]}]({block[1]})", ""]
         return "\n".join(out)
@@ -86,6 +93,8 @@ class Doc:
                 body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(c))}</td>" for c in row) + "</tr>"
                                for row in block[2])
                 parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+            elif kind == "pre":
+                parts.append(f"<pre>{html.escape(block[1])}</pre>")
             elif kind == "img":
                 parts.append(f"<figure><img src='{html.escape(block[1])}' alt='{html.escape(block[2])}'>"
                              f"<figcaption>{html.escape(block[2])}</figcaption></figure>")
@@ -193,8 +202,26 @@ def write_checkpoint_report(out_dir: Path, results: dict, samples: list[dict]) -
     rows = [[r["prompt"][-60:], r["response"][:80], r["ground_truth"], *[fmt(r.get(c)) for c in columns]]
             for r in samples[:10]]
     doc.table(["prompt (end)", "response", "ground truth", *columns], rows)
+    if samples and "tool_trace" in samples[0]:
+        trajectories_section(doc, samples)
     doc.p("Every response with every per-sample value: `samples.jsonl`; all numbers: `results.json`.")
     doc.write(out_dir)
+
+
+def trajectories_section(doc: Doc, samples: list[dict], limit: int = 6) -> None:
+    """Whole agent trajectories, readable: the question, the text of every turn (tool results included), then each
+    call with its arguments and result; those with tool calls first."""
+    doc.h("Trajectories")
+    ranked = sorted(samples, key=lambda r: (not r["tool_trace"], -(r.get("reward") or 0.0)))
+    for row in ranked[:limit]:
+        lines = [f"prompt (end): {row['prompt'][-80:]}", f"trajectory: {row['response']}", ""]
+        for number, call in enumerate(row["tool_trace"], start=1):
+            arguments = json.dumps(call.get("arguments"), ensure_ascii=False)
+            lines.append(f"call {number} (turn {call.get('turn')}): {call.get('name') or '?'}({arguments}) -> "
+                         f"{call['result'] if call.get('result') is not None else call.get('error')}")
+        lines.append(f"turns {row['turns']}, finish {row['finish_reason']}, reward {fmt(row.get('reward'))}, "
+                     f"ground truth {row['ground_truth']}")
+        doc.pre("\n".join(lines))
 
 
 # ---------------------------------------------------------------------------------------------- a run dir

@@ -57,7 +57,9 @@ from verl.models.loader import (
     resolve_model_path,
 )
 from verl.protocol import DataProto
+from verl.rollout.agent_loop import AgentRollout
 from verl.rollout.base import SamplingParams, get_rollout_factory, pad_responses
+from verl.tools.templates import ToolPrompting
 from verl.trainer.checkpoint import STEP_DIR, list_checkpoints
 from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
 from verl.utils.seeding import set_num_threads
@@ -94,6 +96,10 @@ class EvalSettings:
     n_bootstrap: int = 1000
     kl_micro_batch_size: int = 32
     select: str = "eval/accuracy:max"
+    # Multi-turn (agent) rollouts: None = as the run did (rollout.multi_turn); tools or a tool config turn them on.
+    tools: list[str] | None = None
+    tool_config: str | None = None
+    max_turns: int | None = None
     force: bool = False
     quiet: bool = False
 
@@ -150,6 +156,7 @@ class Resolved:
     reference: str | None
     engine: str
     max_prompt_length: int = 64
+    multi_turn: dict[str, Any] | None = None  # rollout.multi_turn's fields when the rollouts are agent loops
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -160,13 +167,14 @@ class Resolved:
 
     @property
     def fingerprint(self) -> str:
-        payload = {k: v for k, v in asdict(self).items() if k != "notes"}
+        # A single-turn evaluation hashes as it did before multi-turn existed, so its cached results stay valid.
+        payload = {k: v for k, v in asdict(self).items() if k != "notes" and not (k == "multi_turn" and v is None)}
         return hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     @property
     def results_settings(self) -> dict[str, Any]:
         """What decides the numbers (data and sampling): results under other values are never mixed with these."""
-        return {k: getattr(self, k) for k in RESULT_SETTINGS}
+        return {k: getattr(self, k) for k in RESULT_SETTINGS if not (k == "multi_turn" and self.multi_turn is None)}
 
     @property
     def settings_tag(self) -> str:
@@ -179,7 +187,7 @@ class Resolved:
 # The settings that change an evaluation's numbers. Results under different values live in different directories,
 # and selecting the best checkpoint only compares results made under one of them.
 RESULT_SETTINGS = ("data_files", "n", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "max_samples",
-                   "engine", "max_prompt_length")
+                   "engine", "max_prompt_length", "multi_turn")
 
 
 def results_root(run_dir: Path, resolved: Resolved, run_cfg: Any) -> Path:
@@ -274,7 +282,8 @@ def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: s
     if temperature < 0:
         raise ConfigError(f"--temperature must be >= 0, got {temperature}")
     reference = explicit_reference or (run_cfg.model.path if run_cfg is not None else None)
-    specs = _evaluator_specs(settings.evaluators, reference, notes)
+    multi_turn = _multi_turn(settings, run_cfg)
+    specs = _evaluator_specs(settings.evaluators, reference, notes, multi_turn is not None)
     seed = settings.seed if settings.seed is not None else (run_cfg.trainer.seed if run_cfg is not None else 0)
     return Resolved(
         data_files=list(settings.data) if settings.data else list(data.val_files),
@@ -290,18 +299,53 @@ def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: s
         reference=reference if any(_needs_reference(s) for s in specs) else None,
         engine=settings.engine,
         max_prompt_length=settings.max_prompt_length or data.max_prompt_length,
+        multi_turn=multi_turn,
         notes=notes,
     )
+
+
+def _multi_turn(settings: EvalSettings, run_cfg: Any) -> dict[str, Any] | None:
+    """The agent-loop settings: the run's ``rollout.multi_turn`` with ``--tools`` / ``--tool-config`` /
+    ``--max-turns`` on top (either of the first two turns multi-turn on); None for single-turn rollouts."""
+    base = run_cfg.rollout.multi_turn if run_cfg is not None else config_module.MultiTurnConfig()
+    update: dict[str, Any] = {}
+    if settings.tools is not None:
+        update["tools"] = list(settings.tools)
+    if settings.tool_config is not None:
+        update["tool_config_path"] = settings.tool_config
+    if update:
+        update["enable"] = True
+    if settings.max_turns is not None:
+        update["max_assistant_turns"] = settings.max_turns
+    try:
+        merged = config_module.MultiTurnConfig.model_validate({**base.model_dump(), **update})
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        raise ConfigError(f"--max-turns {settings.max_turns!r}: {problem['msg'].lower()}") from None
+    if not merged.enable:
+        if settings.max_turns is not None:
+            raise ConfigError("--max-turns applies to multi-turn rollouts: give --tools calculator (or "
+                              "--tool-config FILE), or evaluate a run trained with rollout.multi_turn")
+        return None
+    if not merged.tools and not merged.tool_config_path:
+        raise ConfigError("multi-turn evaluation needs tools: --tools calculator or --tool-config FILE")
+    if settings.engine != "hf":
+        raise ConfigError(f"multi-turn evaluation runs on the transformers engine for now; drop --engine "
+                          f"{settings.engine} (or --tools)")
+    return merged.model_dump(mode="json")
 
 
 def _needs_reference(spec: str) -> bool:
     return "ref_logprobs" in evaluator_needs(build_evaluator(spec))
 
 
-def _evaluator_specs(requested: str | list[str] | None, reference: str | None, notes: list[str]) -> list[str]:
+def _evaluator_specs(requested: str | list[str] | None, reference: str | None, notes: list[str],
+                     multi_turn: bool) -> list[str]:
     if requested is None:  # every built-in, except those that need a reference when there is none
         specs = []
         for cls in BUILTIN_EVALUATORS:
+            if "tool_calls" in cls.needs and not multi_turn:
+                continue  # single-turn rollouts make no tool calls; nothing to say
             if reference is None and "ref_logprobs" in cls.needs:
                 notes.append(f"{cls.name} skipped: no reference model (give --reference, or evaluate a checkpoint "
                              "of a run)")
@@ -310,6 +354,9 @@ def _evaluator_specs(requested: str | list[str] | None, reference: str | None, n
     else:
         specs = [e.spec if hasattr(e, "spec") else s for e, s in
                  zip(build_evaluators(requested), _split(requested), strict=True)]
+        if not multi_turn and any("tool_calls" in evaluator_needs(build_evaluator(s)) for s in specs):
+            raise ConfigError("the tools evaluator measures multi-turn rollouts: give --tools calculator (or "
+                              "--tool-config FILE), or evaluate a run trained with rollout.multi_turn.enable")
         if reference is None and any(_needs_reference(s) for s in specs):
             raise ConfigError("the kl evaluator needs a reference model: pass --reference PATH (the model the run "
                               "started from), or evaluate a checkpoint inside a run dir whose config names model.path")
@@ -399,7 +446,8 @@ class Evaluation:
     @property
     def dataset(self) -> Any:
         if self._dataset is None:
-            self._dataset = RLHFDataset(self.resolved.data_files, self.tokenizer, self.data_cfg, "--data")
+            self._dataset = RLHFDataset(self.resolved.data_files, self.tokenizer, self.data_cfg, "--data",
+                                        tools=self._tool_prompting())
             self.prompt_ids = _prompt_ids(self._dataset, self.data_cfg.prompt_key)
             dropped, cut = self._dataset.num_filtered, getattr(self._dataset, "num_truncated", 0)
             if dropped or cut:  # said in results.json and the report: a comparison pairs fewer prompts because of it
@@ -409,6 +457,15 @@ class Evaluation:
                     f"the chat template (data.truncation={self.data_cfg.truncation}); --max-prompt-length N keeps "
                     "them")
         return self._dataset
+
+    def _multi_turn_config(self) -> config_module.MultiTurnConfig | None:
+        turns = self.resolved.multi_turn
+        return None if turns is None else config_module.MultiTurnConfig.model_validate(turns)
+
+    def _tool_prompting(self) -> ToolPrompting | None:
+        """The tools' rendering for prompts (multi-turn only): the same template the run trained with."""
+        turns = self._multi_turn_config()
+        return None if turns is None else ToolPrompting.from_config(turns, self.tokenizer)
 
     def reference(self) -> Any:
         if self._reference is None:
@@ -472,7 +529,9 @@ class Evaluation:
             # The run's generation chunking and autocast, so samples match the trainer's validation exactly.
             micro = self.run_cfg.rollout.micro_batch_size if self.run_cfg is not None else None
             bf16 = self.run_cfg is not None and self.run_cfg.actor.autocast == "bf16"
-            return factory(policy, self.tokenizer, micro, self._torch.bfloat16 if bf16 else None)
+            engine = factory(policy, self.tokenizer, micro, self._torch.bfloat16 if bf16 else None)
+            turns = self._multi_turn_config()
+            return engine if turns is None else AgentRollout(engine, turns, self.resolved.max_new_tokens)
 
         rollout_cfg = self.run_cfg.rollout if self.run_cfg is not None else RolloutConfig()
         return factory(model_path=model_path, tokenizer=self.tokenizer, config=rollout_cfg,
@@ -508,6 +567,7 @@ class Evaluation:
                      "num_samples": num_samples, "max_samples": self.resolved.max_samples,
                      "prompt_key": self.data_cfg.prompt_key, "ground_truth_key": self.data_cfg.ground_truth_key},
             "evaluators": [getattr(e, "spec", getattr(e, "name", type(e).__name__)) for e in self.evaluators],
+            **({"multi_turn": self.resolved.multi_turn} if self.resolved.multi_turn else {}),
             "reference": self.resolved.reference,
             # builtin:NAME references can change under the same name; the hash says which weights were used.
             "reference_hash": model_hash(self.resolved.reference) if self.resolved.reference else None,
@@ -563,6 +623,10 @@ class Evaluation:
                    "data_source": str(batch.non_tensor["data_source"][i]), "response_length": int(lengths[i])}
             if scores is not None:
                 row["reward"] = float(scores[i])
+            if "tool_trace" in batch.non_tensor:  # an agent trajectory: its turns and calls, structured
+                row["turns"] = int(batch.non_tensor["num_turns"][i])
+                row["finish_reason"] = str(batch.non_tensor["finish_reason"][i])
+                row["tool_trace"] = _jsonable(list(batch.non_tensor["tool_trace"][i]))
             for name, column in columns.items():
                 if name in row:  # e.g. response_length: the base field already holds it (as an int)
                     continue
@@ -596,7 +660,8 @@ class Evaluation:
 
 def summary_line(results: dict) -> str:
     parts = []
-    for key in ("eval/accuracy", "eval/reward_mean", "eval/kl_exact", "eval/response_length_mean", "eval/distinct_1"):
+    for key in ("eval/accuracy", "eval/reward_mean", "eval/kl_exact", "eval/response_length_mean", "eval/distinct_1",
+                "eval/tool_call_rate", "eval/valid_call_rate"):
         metric = results["metrics"].get(key)
         if metric and metric.get("value") is not None:
             se = metric.get("se")

@@ -115,6 +115,53 @@ def check_completion(body: bytes | str | None) -> Completion:
     return Completion(text, prompt, completion)
 
 
+@dataclass
+class ChatTurn:
+    """One validated chat response of an agent session: the assistant message and its usage."""
+
+    message: dict[str, Any]
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def check_chat_turn(body: bytes | str | None) -> ChatTurn:
+    """``/v1/chat/completions`` (not streamed) with tools: one choice whose message has text, or tool calls
+    (each with an id, a function name and arguments that are a JSON object) and ``finish_reason: tool_calls``."""
+    data = _parse(body)
+    if data.get("object") != "chat.completion":
+        raise BadResponse(f"'object' must be 'chat.completion'; got {data.get('object')!r}")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise BadResponse(f"'choices' must hold exactly one choice; got {str(choices)[:120]}")
+    message, finish = choices[0].get("message"), choices[0].get("finish_reason")
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        raise BadResponse(f"'choices[0].message' must be an assistant message; got {str(message)[:120]}")
+    calls = message.get("tool_calls") or []
+    if calls:
+        if finish not in ("tool_calls", "length"):  # length: the budget ended after (or in) the last call
+            raise BadResponse(f"a message with tool_calls must finish with 'tool_calls' (or 'length'); got "
+                              f"{finish!r}")
+        for i, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not call.get("id") or not function.get("name"):
+                raise BadResponse(f"tool_calls[{i}] needs an id and a function name; got {str(call)[:120]}")
+            try:
+                arguments = json.loads(function.get("arguments", ""))
+            except (TypeError, ValueError):
+                raise BadResponse(f"tool_calls[{i}].function.arguments is not JSON: "
+                                  f"{str(function.get('arguments'))[:80]!r}") from None
+            if not isinstance(arguments, dict):
+                raise BadResponse(f"tool_calls[{i}].function.arguments must be a JSON object")
+    else:
+        _text(message.get("content"), "choices[0].message.content")
+        if finish not in ("stop", "length"):
+            raise BadResponse(f"'choices[0].finish_reason' must be stop or length; got {finish!r}")
+    prompt, completion = _usage(data.get("usage"))
+    return ChatTurn(message, calls, finish, prompt, completion)
+
+
 class SSEReader:
     """Splits a byte stream into server-sent-event ``data:`` payloads (events end with a blank line).
 

@@ -16,6 +16,8 @@ SLO_HELP = "p95 latency SLO in ms (end-to-end, successful requests of every endp
 # The SLO options both commands take (a run judges its own report; loadtest-report judges saved CSVs).
 SloP95 = Annotated[float, typer.Option("--slo-p95-ms", help=SLO_HELP)]
 SloTtftP95 = Annotated[float | None, typer.Option("--slo-ttft-p95-ms", help="Also require TTFT p95 <= this (ms).")]
+SloSessionP95 = Annotated[float | None, typer.Option(
+    "--slo-session-p95-ms", help="Agent runs (AgentUser): also require whole-session p95 <= this (ms).")]
 MaxFailureRate = Annotated[float, typer.Option("--max-failure-rate", help="Largest failure fraction a level may have.")]
 Headroom = Annotated[float, typer.Option("--headroom", help="Spare share at the planning point.")]
 
@@ -33,14 +35,16 @@ def register(app: typer.Typer, run_guarded) -> None:
         step_time: Annotated[float, typer.Option("--step-time", help="Seconds each level is held.")] = 20.0,
         step_settle: Annotated[float, typer.Option(
             "--step-settle", help="Seconds at the start of a level left out of its percentiles.")] = 5.0,
-        user_mix: Annotated[str, typer.Option("--user-mix", help="mixed (each user sends all three requests) or "
-                                                                 "classes (one user class per endpoint).")] = "mixed",
+        user_mix: Annotated[str, typer.Option("--user-mix", help="mixed (each user sends all three requests), "
+                                                                 "classes (one user class per endpoint) or agent "
+                                                                 "(tool-calling sessions, AgentUser).")] = "mixed",
         users: Annotated[list[str] | None, typer.Option(
             "--user", help="Run only these user classes (repeatable): GenerateUser, CompletionUser, "
                            "ChatStreamUser, MixedUser.")] = None,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="max_tokens per request.")] = 32,
         slo_p95_ms: SloP95 = 1000.0,
         slo_ttft_p95_ms: SloTtftP95 = None,
+        slo_session_p95_ms: SloSessionP95 = None,
         max_failure_rate: MaxFailureRate = 0.01,
         headroom: Headroom = 0.2,
         locust_arg: Annotated[list[str] | None, typer.Option(
@@ -57,14 +61,14 @@ def register(app: typer.Typer, run_guarded) -> None:
             from loadtest.run import LoadTestConfig, run_loadtest
             from verl.errors import ConfigError
 
-            if user_mix not in ("mixed", "classes"):
-                raise ConfigError(f"--user-mix must be mixed or classes (got {user_mix!r})")
+            if user_mix not in ("mixed", "classes", "agent"):
+                raise ConfigError(f"--user-mix must be mixed, classes or agent (got {user_mix!r})")
             console = Console(stderr=True, highlight=False)
             config = LoadTestConfig(
                 out_dir=out, model=model, engine=engine, max_users=max_users, step_users=step_users,
                 step_time_s=step_time, step_settle_s=step_settle, user_mix=user_mix, user_classes=users or [],
                 max_tokens=max_tokens, extra_locust_args=locust_arg or [],
-                slo=SLO(slo_p95_ms, max_failure_rate, slo_ttft_p95_ms, headroom),
+                slo=SLO(slo_p95_ms, max_failure_rate, slo_ttft_p95_ms, headroom, slo_session_p95_ms),
             )
             try:
                 config.plan()
@@ -83,6 +87,7 @@ def register(app: typer.Typer, run_guarded) -> None:
         out: Annotated[Path | None, typer.Option("--out", help="Report dir (default: beside the CSVs).")] = None,
         slo_p95_ms: SloP95 = 1000.0,
         slo_ttft_p95_ms: SloTtftP95 = None,
+        slo_session_p95_ms: SloSessionP95 = None,
         max_failure_rate: MaxFailureRate = 0.01,
         headroom: Headroom = 0.2,
         server_metrics: Annotated[Path | None, typer.Option(
@@ -99,7 +104,8 @@ def register(app: typer.Typer, run_guarded) -> None:
 
             prefix = resolve_prefix(csv_prefix)
             report, paths = make_report(prefix, out or prefix.parent, SLO(slo_p95_ms, max_failure_rate,
-                                                                          slo_ttft_p95_ms, headroom),
+                                                                          slo_ttft_p95_ms, headroom,
+                                                                          slo_session_p95_ms),
                                         plots=not no_plots, server_metrics=server_metrics)
             console = Console(stderr=True, highlight=False)
             console.print(summary_text(report), soft_wrap=True)

@@ -13,6 +13,13 @@ Users (``--user-mix``, or name classes: ``locust -f loadtest/ ChatStreamUser``; 
   ROUTE``, default ``default``), each request as one of ``--route-user-pool`` end users (the ``user`` field keeps
   each on one variant); every entry is named after the variant that answered (``/v1/completions @b``,
   ``e2e_latency_ms @b``), so the tables and the capacity report show latency and request share per variant.
+- ``AgentUser`` (``--user-mix agent``): agent sessions. Each task is one conversation: ``POST
+  /v1/chat/completions`` with ``tools`` (``--agent-tools``, run here, client-side, as an agent framework does),
+  the calls the model makes executed and their results sent back as ``tool`` messages, until the model answers
+  or ``--max-turns``. Each turn is an HTTP entry (``/v1/chat/completions [agent turn]``) with the usual LLM
+  entries; each finished session adds ``session_latency_ms``, ``session_turns``, ``session_output_tokens`` and
+  ``session_tool_calls``, and the capacity report gains sessions/s within ``--slo-session-p95-ms``. Use a prompt
+  file whose questions need the tool: ``--prompt-file builtin:tool_arithmetic/val``.
 
 Every response is checked (status, JSON shape, non-empty text, usage counts; see ``checks.py``). Besides the HTTP
 entries, LLM numbers go into Locust's statistics as custom entries of type ``LLM`` (in the web UI, the console
@@ -52,8 +59,10 @@ from loadtest.checks import (
     ABORT_EXIT_CODE,
     ABORT_MARKER,
     BadResponse,
+    ChatTurn,
     SSEReader,
     check_chat_stream,
+    check_chat_turn,
     check_completion,
     check_generate,
     error_message,
@@ -69,6 +78,7 @@ log = logging.getLogger("loadtest")
 LLM = "LLM"  # request_type of the custom entries
 DEFAULT_HOST = "http://127.0.0.1:8000"  # `uvicorn serve.api:app` / `verl serve` defaults
 STREAM_NAME = "/v1/chat/completions [stream]"  # the HTTP entry of streamed chats
+AGENT_TURN_NAME = "/v1/chat/completions [agent turn]"  # the HTTP entry of each turn of an agent session
 USER_WEIGHTS = {"GenerateUser": "generate_weight", "CompletionUser": "completion_weight",
                 "ChatStreamUser": "chat_weight"}
 
@@ -102,10 +112,14 @@ def add_arguments(parser: Any) -> None:
            help="Always generate max-tokens tokens (vLLM extension; OpenAI endpoints only), like vllm bench.")
     option("model", default="", help="Model name for the OpenAI endpoints (default: the first of /v1/models).")
     option("api-key", default="", is_secret=True, help="Bearer key when the server sets VERL_SERVE_API_KEY.")
-    option("user-mix", choices=["mixed", "classes", "route"], default="mixed",
+    option("user-mix", choices=["mixed", "classes", "route", "agent"], default="mixed",
            help="mixed: every user sends all three requests by weight (MixedUser); classes: one user class per "
                 "endpoint, weighted (GenerateUser, CompletionUser, ChatStreamUser); route: RouteUser, a route's "
-                "traffic split per variant. Naming classes overrides this.")
+                "traffic split per variant; agent: AgentUser, multi-turn tool-calling sessions. Naming classes "
+                "overrides this.")
+    option("agent-tools", default="calculator",
+           help="AgentUser: built-in tools (comma-separated) offered to the model and run client-side.")
+    option("max-turns", type=int, default=4, help="AgentUser: assistant turns per session at most.")
     option("route-user-pool", type=int, default=100_000,
            help="RouteUser: requests come from this many distinct end users (the `user` field), uniformly.")
     option("reward", default="",
@@ -146,6 +160,8 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
         raise SystemExit(f"loadtest: {exc}") from None
     if options.max_tokens < 1:  # 0 would make every request a 400: a run of 100% failures that measures nothing
         raise SystemExit(f"loadtest: --max-tokens must be >= 1 (got {options.max_tokens})")
+    if options.max_turns < 1:
+        raise SystemExit(f"loadtest: --max-turns must be >= 1 (got {options.max_turns})")
     if options.num_prompts < 1:
         raise SystemExit(f"loadtest: --num-prompts must be >= 1 (got {options.num_prompts})")
     if options.wait_min < 0 or options.wait_max < options.wait_min:
@@ -173,6 +189,8 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
             user_class.weight = weights[user_class.__name__] if named or options.user_mix == "classes" else 0
         elif user_class is RouteUser:
             user_class.weight = 1 if named or options.user_mix == "route" else 0
+        elif user_class is AgentUser:
+            user_class.weight = 1 if named or options.user_mix == "agent" else 0
     if not any(getattr(c, "weight", 1) > 0 for c in environment.user_classes):
         raise SystemExit("loadtest: no user class left to run (weights 0); check --user-mix and the --*-weight "
                          "options")
@@ -417,6 +435,71 @@ class LLMUser(FastHttpUser):
         self.fire("ttft_ms", result.ttft_s * 1000)
         if result.mean_itl_s is not None:
             self.fire("itl_ms", result.mean_itl_s * 1000)
+
+
+class AgentUser(LLMUser):
+    """Multi-turn tool-calling sessions (see the module docstring): the client runs the tools, as agents do."""
+
+    def __init__(self, environment: Environment) -> None:
+        super().__init__(environment)
+        from verl.tools.registry import build_tool_set, load_function  # noqa: PLC0415  (agent runs only)
+
+        names = [n.strip() for n in self.options.agent_tools.split(",") if n.strip()]
+        tool_set = build_tool_set(names, None)
+        self.tools = tool_set.schemas()
+        self.functions = {name: load_function(tool.target) for name, tool in tool_set.tools.items()}
+
+    @locust.task
+    def session(self) -> None:
+        """One conversation: turns until the model answers without a call, a turn fails, or --max-turns."""
+        messages = list(self.prompt().messages)
+        start = time.perf_counter()
+        tokens = calls = turns = 0
+        while turns < self.options.max_turns:
+            result = self.post_turn(self.openai_body(messages=messages, tools=self.tools))
+            if result is None:
+                return  # the turn failed (recorded as its HTTP entry's failure): no session entries
+            turns += 1
+            tokens += result.completion_tokens
+            if not result.tool_calls:
+                break
+            calls += len(result.tool_calls)
+            messages.append({k: v for k, v in result.message.items() if v is not None})
+            messages.extend({"role": "tool", "tool_call_id": call["id"], "content": self.run_tool(call)}
+                            for call in result.tool_calls)
+        seconds = time.perf_counter() - start
+        self.fire("session_latency_ms", seconds * 1000)
+        self.fire("session_turns", turns)
+        self.fire("session_output_tokens", tokens)
+        self.fire("session_tool_calls", calls)
+
+    def post_turn(self, body: dict[str, Any]) -> ChatTurn | None:
+        start = time.perf_counter()
+        with self.client.post("/v1/chat/completions", json=body, catch_response=True, name=AGENT_TURN_NAME
+                              ) as response:
+            latency = time.perf_counter() - start
+            if response.status_code != 200:
+                response.failure(error_message(response.status_code, response.content))
+                return None
+            try:
+                result = check_chat_turn(response.content)
+            except BadResponse as exc:
+                response.failure(str(exc))
+                return None
+            response.success()
+        self.record(latency, result.completion_tokens)
+        return result
+
+    def run_tool(self, call: dict[str, Any]) -> str:
+        """The tool's result, or an error message for the model (an unknown tool, bad arguments, an exception)."""
+        function = call["function"]
+        run = self.functions.get(function["name"])
+        if run is None:
+            return f"error: unknown tool '{function['name']}'"
+        try:
+            return str(run(**json.loads(function["arguments"])))
+        except Exception as exc:  # noqa: BLE001 - the tool's failure is the model's tool result, as in training
+            return f"error: {type(exc).__name__}: {exc}"
 
 
 class GenerateUser(LLMUser):

@@ -36,14 +36,18 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
     rule = f"p95 latency <= {slo['p95_ms']:g} ms and failure rate <= {slo['max_failure_rate']:.1%}"
     if slo["ttft_p95_ms"] is not None:
         rule += f" and TTFT p95 <= {slo['ttft_p95_ms']:g} ms"
+    if slo.get("session_p95_ms") is not None:
+        rule += f" and agent-session p95 <= {slo['session_p95_ms']:g} ms"
     lines = [f"SLO: {rule} (latency = {slo['latency_metric']}, over each step's last {report['window_s']} s)."]
     if cap["max_users_within_slo"] is None:
         first = report["steps"][0]["why_not"] if report["steps"] else ["no steps"]
         lines.append(f"**No tested level meets the SLO** (lowest level: {'; '.join(first)}).")
     else:
         share = 1 - cap["headroom"]
+        sessions = cap.get("sessions_per_s_at_max")
         lines.append(f"**Capacity: {cap['max_users_within_slo']} users** within the SLO "
-                     f"({_fmt(cap['rps_at_max'])} requests/s).")
+                     f"({_fmt(cap['rps_at_max'])} requests/s"
+                     + (f", {_fmt(sessions)} agent sessions/s" if sessions is not None else "") + ").")
         planning = cap["planning_users"]
         lines.append(f"**Plan for {planning} users** per replica ({share:.0%} of capacity, {cap['headroom']:.0%} "
                      f"headroom; about {_fmt(cap['planning_rps'])} requests/s)"
@@ -64,6 +68,18 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
 
 STEP_HEADERS = ["users", "requests", "requests/s", "failure rate", "p50 ms", "p95 ms", "p99 ms", "TTFT p50 ms",
                 "TTFT p95 ms", "output tokens/s", "meets SLO"]
+
+
+SESSION_HEADERS = ["sessions/s", "session p50 ms", "session p95 ms"]
+
+
+def _has_sessions(report: dict[str, Any]) -> bool:
+    return any(step.get("sessions_per_s") is not None for step in report["steps"])
+
+
+def _session_cells(step: dict) -> list[str]:
+    return [_fmt(step.get("sessions_per_s")), _fmt(step.get("session_latency_p50_ms")),
+            _fmt(step.get("session_latency_p95_ms"))]
 
 
 def _step_row(step: dict) -> list[str]:
@@ -87,7 +103,11 @@ def _blocks(report: dict[str, Any], plots: dict[str, Path]) -> list[tuple]:
     blocks.append(("h", "Steps"))
     blocks.append(("p", f"Counts cover the whole step; rates and percentiles its last {report['window_s']} s "
                         "(after the users settled)."))
-    blocks.append(("table", STEP_HEADERS, [_step_row(s) for s in report["steps"]]))
+    if _has_sessions(report):  # agent runs: the session columns before the verdict
+        blocks.append(("table", [*STEP_HEADERS[:-1], *SESSION_HEADERS, STEP_HEADERS[-1]],
+                       [[*_step_row(s)[:-1], *_session_cells(s), _step_row(s)[-1]] for s in report["steps"]]))
+    else:
+        blocks.append(("table", STEP_HEADERS, [_step_row(s) for s in report["steps"]]))
     for key, title in (("latency", "Latency vs users"), ("throughput", "Throughput vs users")):
         if key in plots:
             blocks.append(("img", plots[key].name, title))

@@ -36,6 +36,7 @@ from verl.errors import DataError, MissingDependencyError
 
 LLM = "LLM"  # request type of the locustfile's custom entries
 LATENCY_ENTRY, TTFT_ENTRY, TOKENS_ENTRY = "e2e_latency_ms", "ttft_ms", "output_tokens"
+SESSION_ENTRY, SESSION_TURNS_ENTRY = "session_latency_ms", "session_turns"  # AgentUser: one per finished session
 VARIANT_MARK = " @"  # RouteUser names entries "<endpoint> @<model>": requests a route's variant answered
 STATS_COLUMNS = ("Type", "Name", "Request Count", "Failure Count", "Median Response Time", "Average Response Time",
                  "Min Response Time", "Max Response Time", "Requests/s", "50%", "95%", "99%")
@@ -54,6 +55,7 @@ class SLO:
     max_failure_rate: float = 0.01
     ttft_p95_ms: float | None = None
     headroom: float = 0.2
+    session_p95_ms: float | None = None  # agent runs: also require this p95 on whole sessions
 
     def __post_init__(self) -> None:
         if self.p95_ms <= 0:
@@ -62,6 +64,8 @@ class SLO:
             raise DataError(f"the failure-rate limit must be within 0..1 (got {self.max_failure_rate})")
         if self.ttft_p95_ms is not None and self.ttft_p95_ms <= 0:
             raise DataError(f"the TTFT p95 SLO must be > 0 ms (got {self.ttft_p95_ms})")
+        if self.session_p95_ms is not None and self.session_p95_ms <= 0:
+            raise DataError(f"the session p95 SLO must be > 0 ms (got {self.session_p95_ms})")
         if not 0 <= self.headroom < 1:
             raise DataError(f"headroom must be within 0..1 (got {self.headroom}); 0.2 keeps 20% spare")
 
@@ -305,6 +309,9 @@ def step_metrics(steps: list[list[Snapshot]], snapshots: list[Snapshot], window_
         latency_row = end.llm(LATENCY_ENTRY) if has_llm else end.aggregated()
         p50, p95, p99 = _pct(latency_row)
         ttft50, ttft95, _ = _pct(end.llm(TTFT_ENTRY))
+        session50, session95, _ = _pct(end.llm(SESSION_ENTRY))
+        sessions_end = end.llm(SESSION_ENTRY).total_requests if end.llm(SESSION_ENTRY) else 0
+        sessions_base = base.llm(SESSION_ENTRY).total_requests if base and base.llm(SESSION_ENTRY) else 0
         out.append({
             "index": index,
             "users": end.users,
@@ -322,6 +329,10 @@ def step_metrics(steps: list[list[Snapshot]], snapshots: list[Snapshot], window_
             "ttft_p95_ms": ttft95,
             "output_tokens_per_s": (_rate(end.llm_sum(TOKENS_ENTRY) - base_tokens, seconds)
                                     if end.llm(TOKENS_ENTRY) else None),
+            # Agent sessions (AgentUser): finished sessions per second and their latency over the window.
+            "sessions_per_s": _rate(sessions_end - sessions_base, seconds) if end.llm(SESSION_ENTRY) else None,
+            "session_latency_p50_ms": session50,
+            "session_latency_p95_ms": session95,
         })
         previous = end
     return out
@@ -340,6 +351,12 @@ def judge_step(step: dict, slo: SLO) -> list[str]:
     rate = step["failure_rate"]
     if rate is not None and rate > slo.max_failure_rate:
         reasons.append(f"failure rate {rate:.2%} > {slo.max_failure_rate:.2%}")
+    if slo.session_p95_ms is not None:
+        session = step["session_latency_p95_ms"]
+        if session is None:
+            reasons.append("no session latency p95 (no agent session finished in the window)")
+        elif session > slo.session_p95_ms:
+            reasons.append(f"session p95 {session:g} ms > {slo.session_p95_ms:g} ms")
     if slo.ttft_p95_ms is not None:
         ttft = step["ttft_p95_ms"]
         if ttft is None:
@@ -364,10 +381,15 @@ def capacity(steps: list[dict], slo: SLO) -> dict[str, Any]:
     result: dict[str, Any] = {"max_users_within_slo": max_users, "first_failing_users": first_failing,
                               "headroom": slo.headroom, "all_levels_within_slo": first_failing is None and bool(steps)}
     if max_users is None:
-        result.update(planning_users=0, rps_at_max=None, planning_rps=None)
+        result.update(planning_users=0, rps_at_max=None, planning_rps=None, sessions_per_s_at_max=None,
+                      planning_sessions_per_s=None)
         return result
     rates = [s["requests_per_s"] for s in by_level[max_users] if s["requests_per_s"] is not None]
     rps = sum(rates) / len(rates) if rates else None
+    session_rates = [s["sessions_per_s"] for s in by_level[max_users] if s.get("sessions_per_s") is not None]
+    sessions = sum(session_rates) / len(session_rates) if session_rates else None
+    result.update(sessions_per_s_at_max=sessions,
+                  planning_sessions_per_s=sessions * fraction if sessions is not None else None)
     # The small epsilon keeps 5 * 0.8 = 4.000000000000001 -> 4 and 10 * 0.8 = 8 exact after float rounding.
     result.update(planning_users=math.floor(max_users * fraction + 1e-9), rps_at_max=rps,
                   planning_rps=rps * fraction if rps is not None else None)
@@ -432,6 +454,7 @@ def build_report(prefix: str | Path, slo: SLO | None = None,
     return {
         "source": {"prefix": str(run.prefix), "run": run.info},
         "slo": {"p95_ms": slo.p95_ms, "max_failure_rate": slo.max_failure_rate, "ttft_p95_ms": slo.ttft_p95_ms,
+                "session_p95_ms": slo.session_p95_ms,
                 "latency_metric": f"{LLM} {LATENCY_ENTRY}" if has_llm else "Aggregated"},
         "window_s": window_s,
         "totals": totals,

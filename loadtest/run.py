@@ -43,6 +43,10 @@ class LoadTestError(VerlError):
     """The service or Locust did not start or finish as expected (the message points at the log)."""
 
 
+# Agent runs (--user-mix agent) without a model or prompt file: the shipped tool-using model on the task it learnt.
+AGENT_MODEL, AGENT_PROMPTS = "builtin:tiny-agent", "builtin:tool_arithmetic/val"
+
+
 @dataclass
 class LoadTestConfig:
     """A capacity run; the defaults match ``loadtest/locust.conf``."""
@@ -63,6 +67,8 @@ class LoadTestConfig:
     server_env: dict[str, str] = field(default_factory=dict)  # more VERL_SERVE_* settings
 
     def __post_init__(self) -> None:
+        if self.user_mix == "agent" and self.model is None:
+            self.model = AGENT_MODEL  # the default model's template renders no tools
         # 0 would make every request a 400: minutes of 100% failures that measure nothing (the plan's own values
         # are checked by plan(); the SLO's by SLO).
         if self.max_tokens < 1:
@@ -146,6 +152,8 @@ def locust_command(url: str, csv_prefix: Path, plan: StepPlan, config: LoadTestC
         "--user-mix", config.user_mix, "--max-tokens", str(config.max_tokens),
         *config.extra_locust_args, *config.user_classes,
     ]
+    if config.user_mix == "agent" and not any(a.startswith("--prompt-file") for a in config.extra_locust_args):
+        command += ["--prompt-file", AGENT_PROMPTS]  # questions that need the tool (products for a calculator)
     return command
 
 

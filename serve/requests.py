@@ -14,6 +14,9 @@ from serve.schemas import (
     CompletionRequest,
 )
 from serve.service import SEED_MODULUS, ApiError, SequenceSpec, Service
+from serve.tool_calling import ToolPlan, template_messages, uses_tools
+from verl.errors import ConfigError
+from verl.tools.templates import tool_chat_template
 
 
 def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -24,11 +27,6 @@ def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
     else:
         if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        problems.update(
-            tools=bool(body.tools),
-            response_format=body.response_format not in (None, {"type": "text"}),
-            tool_choice=body.tool_choice not in (None, "none", "auto"),
-        )
     for name, bad in problems.items():
         if bad:
             raise ApiError(400, f"'{name}' is not supported by this server; leave it unset", param=name,
@@ -79,15 +77,28 @@ def echo_texts(engine: Engine, prompt: Any, prompts: list[list[int]]) -> list[st
     return [engine.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 
-def chat_prompt(engine: Engine, messages: list, add_generation_prompt: bool) -> list[int]:
+def chat_prompt(engine: Engine, messages: list, add_generation_prompt: bool, plan: ToolPlan | None = None
+                ) -> list[int]:
+    """The prompt's ids; with tools (or calls in the history) through a template that renders them: the model's
+    own when it does, else the project's Hermes template for a ChatML vocabulary (``verl.tools.templates``)."""
     tokenizer = engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions with a plain prompt",
                        param="messages")
-    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    plan = plan or ToolPlan()
+    conversation = template_messages(messages)
+    extra: dict[str, Any] = {}
+    if uses_tools(messages, plan):
+        try:
+            extra["chat_template"] = tool_chat_template(tokenizer)
+        except ConfigError:
+            raise ApiError(400, "this model's chat template renders no tools or tool messages (and the model has "
+                           "no ChatML tokens for the Hermes tool template); serve a tool-aware model such as "
+                           "builtin:tiny-agent", param="tools" if plan.tools else "messages") from None
+        extra["tools"] = plan.tools or None
     try:
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False)
+                                             tokenize=False, **extra)
     except Exception as exc:  # jinja TemplateError / raise_exception in the template: the messages are at fault
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
     # The template already contains the special tokens (bos, role markers); do not add them twice.
@@ -140,7 +151,8 @@ def logit_bias_ids(engine: Engine, given: dict[str, float] | None) -> dict[int, 
     return out
 
 
-def sampling_options(body: Any, max_tokens: int, seed: int | None, logit_bias: dict[int, float]) -> SamplingOptions:
+def sampling_options(body: Any, max_tokens: int, seed: int | None, logit_bias: dict[int, float],
+                     grammar: str | None = None) -> SamplingOptions:
     temperature = body.temperature if body.temperature > 1e-5 else 0.0
     if isinstance(body, CompletionRequest):
         logprobs = body.logprobs
@@ -154,16 +166,18 @@ def sampling_options(body: Any, max_tokens: int, seed: int | None, logit_bias: d
                            stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
                            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                            repetition_penalty=body.repetition_penalty, logit_bias=logit_bias, logprobs=logprobs,
-                           prompt_logprobs=prompt_logprobs)
+                           prompt_logprobs=prompt_logprobs, grammar=grammar)
 
 
-def sequence_specs(engine: Engine, prompts: list[list[int]], body: Any, max_tokens: int) -> list[SequenceSpec]:
+def sequence_specs(engine: Engine, prompts: list[list[int]], body: Any, max_tokens: int,
+                   grammar: str | None = None) -> list[SequenceSpec]:
     specs = []
     logit_bias = logit_bias_ids(engine, body.logit_bias)
     for p, ids in enumerate(prompts):
         for j in range(body.n):
             seed = None if body.seed is None else (body.seed + j) % SEED_MODULUS
-            specs.append(SequenceSpec(p * body.n + j, p, ids, sampling_options(body, max_tokens, seed, logit_bias)))
+            options = sampling_options(body, max_tokens, seed, logit_bias, grammar)
+            specs.append(SequenceSpec(p * body.n + j, p, ids, options))
     return specs
 
 

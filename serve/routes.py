@@ -44,6 +44,7 @@ from serve.schemas import (
 )
 from serve.service import ERROR_RESPONSES, SSE_DOC, ApiError, SequenceSpec, Service, Target, require_api_key
 from serve.streaming import run_to_completion, stream_response, usage_block, usage_chunk
+from serve.tool_calling import ToolCallStream, plan_request, response_message
 
 
 def add_routes(app: FastAPI, service: Service) -> None:
@@ -260,11 +261,15 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
     engine = target.model.engine
     if body.n > service.settings.max_n:
         raise ApiError(400, f"'n' is {body.n}; this server allows at most {service.settings.max_n}", param="n")
-    prompt = await asyncio.to_thread(chat_prompt, engine, body.messages, body.add_generation_prompt)
+    plan = plan_request(body)
+    if plan.grammar is not None and engine.grammar_problem:
+        raise ApiError(400, engine.grammar_problem,
+                       param="response_format" if body.response_format is not None else "tool_choice")
+    prompt = await asyncio.to_thread(chat_prompt, engine, body.messages, body.add_generation_prompt, plan)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = plan_tokens(service, engine, [prompt], requested, param, "messages")
-    specs = sequence_specs(engine, [prompt], body, max_tokens)
+    specs = sequence_specs(engine, [prompt], body, max_tokens, plan.grammar)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     text_of = token_texts(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
@@ -272,13 +277,25 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
     if body.stream:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": target.name}
 
+        splitters = {s.index: ToolCallStream(plan) for s in specs} if plan.parses_calls else {}
+
         def chunk(index: int, text: str, out: EngineOutput | None) -> dict | None:
             block = chat_logprobs(out.logprobs, text_of) if out is not None and out.logprobs else None
-            if not text and block is None and not (out and out.finished):
-                return None
             finished = out is not None and out.finished
-            choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": block,
-                      "finish_reason": out.finish_reason if finished else None}
+            splitter = splitters.get(index)
+            deltas = splitter.feed(text, final=finished) if splitter else ([{"content": text}] if text else [])
+            if not deltas and block is None and not finished:
+                return None
+            delta: dict = {}
+            for part in deltas:  # content first, then the calls that finished in this piece of text
+                if "content" in part:
+                    delta["content"] = delta.get("content", "") + part["content"]
+                else:
+                    delta.setdefault("tool_calls", []).extend(part["tool_calls"])
+            finish = out.finish_reason if finished else None
+            if finish == "stop" and splitter is not None and splitter.calls:
+                finish = "tool_calls"
+            choice = {"index": index, "delta": delta, "logprobs": block, "finish_reason": finish}
             if finished:
                 choice["stop_reason"] = out.stop_reason
             return {**base, "choices": [choice]}
@@ -289,9 +306,12 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
         include = bool(body.stream_options and body.stream_options.include_usage)
         return stream_response(service, request_id, specs, len(prompt), chunk, preamble, include, make_usage, target)
     results = await run_to_completion(service, request, request_id, specs, target)
-    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(r.text), "refusal": None},
-                "logprobs": chat_logprobs(r.logprobs, text_of) if body.logprobs else None,
-                "finish_reason": r.finish_reason, "stop_reason": r.stop_reason} for i, r in enumerate(results)]
+    choices = []
+    for i, r in enumerate(results):
+        message, finish = response_message("".join(r.text), r.finish_reason, plan)
+        choices.append({"index": i, "message": message,
+                        "logprobs": chat_logprobs(r.logprobs, text_of) if body.logprobs else None,
+                        "finish_reason": finish, "stop_reason": r.stop_reason})
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,
                          "model": target.name, "choices": choices,
                          "usage": usage_block(len(prompt), results)}, headers=target.headers())

@@ -113,7 +113,8 @@ class _SamplingFields(_Strict):
     store: StrictBool | None = Field(None, description="Ignored: this server stores no completions.")
     metadata: dict[str, str] | None = Field(None, description="Ignored: tags for OpenAI's stored completions.")
     service_tier: str | None = Field(None, description="Ignored: one tier here.")
-    parallel_tool_calls: StrictBool | None = Field(None, description="Ignored: tools are not implemented.")
+    parallel_tool_calls: StrictBool | None = Field(None, description="Chat with tools: allow several calls in one "
+                                                   "turn (default true). Ignored by /v1/completions.")
     reasoning_effort: str | None = Field(None, description="Ignored: for reasoning models; ours answer directly.")
     prompt_cache_key: str | None = Field(None, description="Ignored: prefix caching needs no key here.")
     safety_identifier: str | None = Field(None, description="Ignored: an opaque end-user id, like `user`.")
@@ -185,10 +186,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON string (OpenAI's transport).")
+
+
+class MessageToolCall(_Strict):
+    """A call in an assistant message of the history (what an earlier response returned)."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(None, description="Assistant messages: the calls it made.")
+    tool_call_id: str | None = Field(None, description="Tool messages: the call this is the result of.")
 
     def text(self) -> str:
         if self.content is None:
@@ -196,6 +212,50 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="a-z, A-Z, 0-9, _ and -, at most 64.")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments object.")
+    strict: StrictBool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -207,15 +267,26 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = Field(False, description="Return the log-prob of each generated token.")
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="With `logprobs`: also the k most likely "
                                            "alternatives at each position.")
-    response_format: dict | None = Field(None, description="Not implemented: only null or {'type': 'text'}.")
-    tools: list[dict] | None = Field(None, description="Not implemented: only null/[] is accepted.")
-    tool_choice: str | dict | None = Field(None, description="Not implemented: only null/'none' is accepted.")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema: the "
+                                                   "JSON ones are guaranteed by constrained decoding.")
+    tools: list[ToolDefinition] | None = Field(None, max_length=128, description="Functions the model may call "
+                                               "(the client runs them).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (default with tools), required (at least one call, guaranteed), or "
+        "{type: function, function: {name}} (that call, guaranteed).")
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None  # required by OpenAI's schema (null: this server never refuses)
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -237,7 +308,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
     stop_reason: str | int | None = None
 
 

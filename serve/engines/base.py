@@ -51,6 +51,9 @@ class SamplingOptions:
     logprobs: int | None = None
     # The same for the prompt's tokens (the first has none), sent with the first output.
     prompt_logprobs: int | None = None
+    # Constrained decoding: a Lark grammar (llguidance's dialect, JSON schemas embedded) every sampled token must
+    # keep satisfiable; the sequence ends when the grammar is complete (serve/constrained.py).
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -116,6 +119,8 @@ class Engine(abc.ABC):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.model_path = model_path
+        # Why this engine cannot decode under a grammar (tool_choice required/named, response_format), or None.
+        self.grammar_problem: str | None = None
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -48,6 +48,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
+from serve.constrained import GrammarMatcher, GrammarTokenizer
 from serve.engines import register_engine
 from serve.engines.base import (
     Engine,
@@ -90,6 +91,7 @@ class _Seq:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # non-streamed sequences that asked for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # computed at admission when asked for
     failure: BaseException | None = None  # this sequence alone could not be computed (see _sample)
+    matcher: GrammarMatcher | None = None  # constrained decoding: the tokens its grammar allows next
 
     @property
     def sampling(self) -> SamplingOptions:
@@ -124,6 +126,8 @@ class TransformersEngine(Engine):
         self._prefilling = 0
         self._admitted: list[_Seq] = []  # taken from the queue for the prefill in progress
         self._eos_ids = self.eos_token_ids()
+        self._grammar_lock = threading.Lock()
+        self._grammar_tokenizer: GrammarTokenizer | None = None  # built by the first constrained request
         self._peft: PeftModel | None = None  # set once an adapter is loaded; wraps self.model
         self.mixed_adapter_steps = 0  # forwards whose rows used more than one adapter (or adapter and base)
         self._control: collections.deque[tuple[Callable[[], None], concurrent.futures.Future]] = collections.deque()
@@ -257,6 +261,8 @@ class TransformersEngine(Engine):
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self._eos_ids)
         seq = _Seq(request=request, queue=asyncio.Queue(), generator=generator, stop_ids=stop_ids,
                    stop=StopChecker(self._decode, sampling.stop))
+        if sampling.grammar is not None:
+            seq.matcher = await asyncio.to_thread(self._grammar_matcher, sampling.grammar)
         with self._cv:
             self._waiting.append(seq)
             self._cv.notify()
@@ -271,6 +277,16 @@ class TransformersEngine(Engine):
         finally:
             if not seq.finished:
                 self._abort(seq)
+
+    def _grammar_matcher(self, grammar: str) -> GrammarMatcher:
+        """A fresh matcher for ``grammar``; llguidance's tokenizer view is built on first use (off the loop)."""
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, sorted(self._eos_ids))
+        try:
+            return self._grammar_tokenizer.matcher(grammar)
+        except ValueError as exc:
+            raise RequestFailedError(f"the output grammar does not compile: {exc}") from None
 
     def _abort(self, seq: _Seq) -> None:
         """Called when the consumer stopped listening: free the slot at the next step (or the queue place now)."""
@@ -456,6 +472,8 @@ class TransformersEngine(Engine):
         seq.generated.append(token)
         sampling = seq.sampling
         finish, stop_reason = None, None
+        if seq.matcher is not None:
+            seq.matcher.advance(token)
         if token in seq.stop_ids:
             finish, stop_reason = "stop", token
         elif len(seq.generated) >= sampling.max_tokens or (
@@ -517,6 +535,11 @@ class TransformersEngine(Engine):
             # Extreme penalties (repetition_penalty=1e-300 divides a logit into inf) must not become NaN
             # probabilities: +inf -> the largest float, NaN -> never chosen.
             logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+        constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if constrained:
+            logits = logits.clone() if not penalized else logits
+            for i in constrained:
+                seqs[i].matcher.mask_logits(logits[i])
         tokens = logits.argmax(-1)
         sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
         if not sampled:

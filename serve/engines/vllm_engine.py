@@ -73,9 +73,25 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.settings.vllm_kv_cache_gib:g}")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        self.grammar_problem = await asyncio.to_thread(self._guidance_problem)
         self.llm = await asyncio.to_thread(self._build)
 
+    def _guidance_problem(self) -> str | None:
+        """vLLM's guidance backend reads the tokenizer through llguidance's Hugging Face reader, which knows
+        byte-level BPE and SentencePiece decoders but not every one (the built-in character models' ``Fuse``)."""
+        try:
+            import llguidance.hf
+        except ImportError:
+            return "llguidance is not installed in vLLM's environment"
+        try:
+            llguidance.hf.from_tokenizer(self.tokenizer, len(self.tokenizer))
+        except ValueError as exc:
+            return (f"vLLM's constrained decoding cannot read this model's tokenizer ({exc}); serve it with the "
+                    "transformers engine (VERL_SERVE_ENGINE=transformers), which reads any tokenizer")
+        return None
+
     def _build(self) -> Any:
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -95,12 +111,15 @@ class VLLMEngine(Engine):
             enable_lora=self.lora_enabled,
             max_loras=self.settings.vllm_max_loras,
             max_lora_rank=self.settings.vllm_max_lora_rank,
+            # llguidance, as the transformers engine uses: the API's grammars (Lark with embedded JSON schemas,
+            # serve/constrained.py) mean the same on both engines.
+            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
         )
         return AsyncLLM.from_engine_args(args)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         if self.llm is None or not self._accepting:
             raise EngineError("the vLLM engine is not accepting requests (loading or shutting down)")
@@ -116,6 +135,7 @@ class VLLMEngine(Engine):
             logit_bias=dict(s.logit_bias) or None,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
+            structured_outputs=StructuredOutputsParams(grammar=s.grammar) if s.grammar is not None else None,
         )
         rid = request.request_id
         self._waiting.add(rid)

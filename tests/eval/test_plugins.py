@@ -50,7 +50,7 @@ def test_builtins_resolve_from_the_one_registry_without_entry_points(monkeypatch
     # A plain checkout on PYTHONPATH has no entry-point metadata: every built-in still resolves.
     monkeypatch.setattr(registry, "_entry_points", dict)
     names = registry.builtin_names()
-    assert names == ["reward", "kl", "diversity", "accuracy", "length"]
+    assert names == ["reward", "kl", "diversity", "accuracy", "length", "tools"]
     assert set(available_evaluators()) == set(names)
     evaluator = build_evaluator("length(percentiles=50)")
     assert type(evaluator).__module__ == "verl.evaluators.length" and evaluator.percentiles == [50.0]

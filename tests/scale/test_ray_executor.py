@@ -199,3 +199,24 @@ def test_fsdp_over_two_ray_workers_matches_the_local_executor(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     assert sum(p.numel() for p in model.parameters()) > 1_000_000
+
+
+def test_agent_trajectories_on_two_ray_workers_match_the_local_executor(tmp_path):
+    """Multi-turn rollouts (tools run in each worker's own runner) give the same trajectories, tool use and first
+    update on two Ray workers as in one process."""
+    from tests.tools.test_agent_loop import agent_config
+    from verl.trainer.ray import RayPPOTrainer
+
+    local = LocalPPOTrainer(agent_config(tmp_path / "local", trainer={"test_freq": 0}), quiet=True)
+    run(local)
+    cfg = agent_config(tmp_path / "ray", trainer={"test_freq": 0})
+    cfg["trainer"].update({"executor": "ray", "n_workers": 2})
+    remote = RayPPOTrainer(build_config(cfg), quiet=True)
+    run(remote)
+    a, b = rows_by_step(local.run_dir, "rollout")[1], rows_by_step(remote.run_dir, "rollout")[1]
+    assert {"tool_call_rate", "turns_mean", "trajectory_length_mean"} <= set(a)
+    for key in ("tool_call_rate", "valid_call_rate", "turns_mean", "trajectory_length_mean", "reward_mean"):
+        if key in a:  # valid_call_rate only when some trajectory made a call
+            assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    assert rows_by_step(remote.run_dir, "ppo")[1]["policy_loss"] == pytest.approx(
+        rows_by_step(local.run_dir, "ppo")[1]["policy_loss"], abs=1e-5, rel=1e-4)

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-NEEDS = frozenset({"generations", "ground_truth", "rewards", "ref_logprobs"})
+# "tool_calls": the rollout's per-trajectory tool counts (multi-turn rollouts only, verl/rollout/agent_loop.py).
+NEEDS = frozenset({"generations", "ground_truth", "rewards", "ref_logprobs", "tool_calls"})
 
 
 @dataclass

@@ -42,10 +42,12 @@ from verl.evaluators.kl import KL
 from verl.evaluators.length import Length
 from verl.evaluators.reward import Reward
 from verl.evaluators.stats import Metric
+from verl.evaluators.tools import Tools
 
 ENTRY_POINT_GROUP = "verl.evaluators"
-# The built-ins, in the order `verl eval` runs them when no --evaluators is given. Their names are their classes'.
-BUILTIN_EVALUATORS: tuple[type[Evaluator], ...] = (Reward, KL, Diversity, Accuracy, Length)
+# The built-ins, in the order `verl eval` runs them when no --evaluators is given (KL only with a reference, tools
+# only on multi-turn rollouts). Their names are their classes'.
+BUILTIN_EVALUATORS: tuple[type[Evaluator], ...] = (Reward, KL, Diversity, Accuracy, Length, Tools)
 EVALUATORS: dict[str, Any] = {}
 
 

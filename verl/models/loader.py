@@ -35,7 +35,7 @@ from verl.utils.fs import atomic_dir
 
 BUILTIN_PREFIX = "builtin:"
 ASSETS_DIR = Path(__file__).parent / "assets"
-SHIPPED_MODELS = ("tiny-arith",)
+SHIPPED_MODELS = ("tiny-arith", "tiny-agent")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 

@@ -170,6 +170,7 @@ class AgentLoop:
                 self._end_turn(row, waiting)
             elif len(row.ids) >= self.budget or len(row.prompt_ids) + len(row.ids) >= self.max_positions:
                 row.finish = "length"
+                row.turns += 1  # the turn the budget cut is still an assistant turn
             else:
                 keep.append(i)
         return keep, tokens
@@ -182,15 +183,16 @@ class AgentLoop:
         if not turn.has_calls:
             row.finish = "stop"
             return
-        if row.turns >= self.config.max_assistant_turns:
-            row.finish = "turns"
-            return
-        if len(row.ids) >= self.budget:
-            row.finish = "length"
-            return
-        for index, call in enumerate(turn.calls):
+        for call in turn.calls:
             row.calls += 1
             row.valid_calls += int(self.runner.check(call, row.tools) is None)  # parses, fits a tool's schema
+        # Calls in a turn with nothing after it are counted (the model made them) but not run.
+        if row.turns >= self.config.max_assistant_turns or len(row.ids) >= self.budget:
+            row.finish = "turns" if row.turns >= self.config.max_assistant_turns else "length"
+            row.trace.extend({"turn": row.turns, "name": call.name, "arguments": call.arguments, "result": None,
+                              "error": f"not run: the trajectory ended ({row.finish} limit)"} for call in turn.calls)
+            return
+        for index, call in enumerate(turn.calls):
             if index >= self.config.max_parallel_calls:
                 result: concurrent.futures.Future[ToolResult] = concurrent.futures.Future()
                 result.set_result(failed(f"at most {self.config.max_parallel_calls} calls per turn"))

@@ -170,7 +170,7 @@ class PPOTrainer:
         """Run ``evaluator`` at every validation (see ``verl.evaluators``); refused at once if validation cannot
         compute what it needs."""
         label = getattr(evaluator, "name", type(evaluator).__name__)
-        check_validation_needs(evaluator, label, self.config.use_reference)
+        check_validation_needs(evaluator, label, self.config)
         self.evaluators.append(evaluator)
 
     def validation_evaluators(self) -> list[Any]:

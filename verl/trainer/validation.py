@@ -81,13 +81,18 @@ def sample_rows(batch: DataProto, texts: list[str], scores, limit: int, stride: 
 
 # ---------------------------------------------------------------------------------------------- evaluators
 
-VALIDATION_NEEDS = frozenset({"generations", "ground_truth", "rewards", "ref_logprobs"})
+VALIDATION_NEEDS = frozenset({"generations", "ground_truth", "rewards", "ref_logprobs", "tool_calls"})
 
 
-def check_validation_needs(evaluator: Any, label: str, has_reference: bool) -> None:
+def check_validation_needs(evaluator: Any, label: str, config: VerlConfig) -> None:
     """Refuse, with the fix, an evaluator whose inputs validation during training cannot compute."""
     needs = evaluator_needs(evaluator)
-    if "ref_logprobs" in needs and not has_reference:
+    if "tool_calls" in needs and not config.rollout.multi_turn.enable:
+        raise ConfigError(
+            f"trainer.evaluators: '{label}' measures tool calls, which only multi-turn rollouts make; set "
+            "rollout.multi_turn.enable=true (with rollout.multi_turn.tools) or drop it"
+        )
+    if "ref_logprobs" in needs and not config.use_reference:
         raise ConfigError(
             f"trainer.evaluators: '{label}' needs the reference model, which this run does not load "
             "(actor.use_kl_loss and algorithm.use_kl_in_reward are off); set reference.enable=true, or run "
@@ -106,7 +111,7 @@ def build_validation_evaluators(config: VerlConfig) -> list[Any]:
     evaluators = []
     for spec in config.trainer.evaluators:
         evaluator = build_evaluator(spec)
-        check_validation_needs(evaluator, spec, config.use_reference)
+        check_validation_needs(evaluator, spec, config)
         evaluators.append(evaluator)
     return evaluators
 
@@ -127,7 +132,7 @@ def run_validation_evaluators(config: VerlConfig, evaluators: list[Any], batch: 
                                         max_new_tokens=config.data.max_response_length, sampling=sampling,
                                         n_bootstrap=0, seed=config.trainer.seed)
     for evaluator in evaluators:
-        check_validation_needs(evaluator, evaluator_label(evaluator), config.use_reference)
+        check_validation_needs(evaluator, evaluator_label(evaluator), config)
     if any("ref_logprobs" in evaluator_needs(e) for e in evaluators):
         eval_batch.kl_terms = kl_terms(batch)
     metrics, _, _ = run_evaluators(evaluators, eval_batch)

@@ -1,0 +1,201 @@
+"""OpenAI tool calling and structured output over real HTTP (uvicorn), driven by the official ``openai`` client.
+
+The served model is ``builtin:tiny-agent``, the shipped tool-using warm start. What constrained decoding
+guarantees (``tool_choice`` required / named, ``response_format``) is checked on sampled outputs (temperature 1,
+many seeds), on tools the model never saw, where only the grammar can make the output valid.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from jsonschema import Draft202012Validator
+from openai import OpenAI
+
+from tests.serve.helpers import run_server
+from tests.serve.test_openai_schemas import sse_chunks, validate
+from verl.tools.calculator import calculator
+
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+# Never seen in training: the model can fill it in validly only because decoding is constrained.
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima", "Oslo"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+QUESTION = [{"role": "user", "content": "What is 37*412?"}]
+
+
+@pytest.fixture(scope="module")
+def agent():
+    with run_server(model="builtin:tiny-agent", max_output_tokens=256, max_n=16, max_batch_size=16) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(agent):
+    return OpenAI(base_url=agent.url + "/v1", api_key="unused", max_retries=0)
+
+
+def arguments_fit(call, tools: list[dict]) -> dict:
+    """The call's arguments, parsed, after checking they fit the named tool's schema."""
+    schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
+    arguments = json.loads(call.function.arguments)
+    errors = list(Draft202012Validator(schema).iter_errors(arguments))
+    assert not errors, f"{call.function.arguments}: {errors[0].message}"
+    return arguments
+
+
+def test_required_gives_valid_calls_on_every_sample(client):
+    tools = [CALCULATOR, WEATHER]
+    response = client.chat.completions.create(model="tiny-agent", messages=QUESTION, tools=tools,
+                                              tool_choice="required", n=8, temperature=1.0, seed=7, max_tokens=96)
+    for choice in response.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.tool_calls, choice
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            arguments_fit(call, tools)
+    validate(response.model_dump(exclude_unset=True), "CreateChatCompletionResponse")
+
+
+def test_a_named_function_is_called_exactly_once_with_schema_valid_arguments(client):
+    for seed in range(6):
+        response = client.chat.completions.create(
+            model="tiny-agent", messages=[{"role": "user", "content": "Weather?"}], tools=[CALCULATOR, WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=1.0, seed=seed,
+            max_tokens=96)
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        arguments = arguments_fit(call, [WEATHER])
+        assert arguments["city"] in ("Paris", "Lima", "Oslo") and 1 <= arguments["days"] <= 7
+
+
+def test_parallel_tool_calls_false_means_one_call(client):
+    response = client.chat.completions.create(model="tiny-agent", messages=QUESTION, tools=[CALCULATOR],
+                                              tool_choice="required", parallel_tool_calls=False, n=6,
+                                              temperature=1.0, seed=3, max_tokens=96)
+    assert [len(c.message.tool_calls) for c in response.choices] == [1] * 6
+
+
+def test_auto_lets_the_model_choose_and_none_never_parses_calls(client):
+    auto = client.chat.completions.create(model="tiny-agent", messages=QUESTION, tools=[CALCULATOR], n=16,
+                                          temperature=1.0, seed=11, max_tokens=96)
+    called = [c for c in auto.choices if c.message.tool_calls]
+    answered = [c for c in auto.choices if not c.message.tool_calls]
+    assert called and answered  # the warm start calls the tool sometimes: both paths show up
+    assert all(c.finish_reason == "tool_calls" and c.message.content is None for c in called)
+    assert all(c.finish_reason in ("stop", "length") and c.message.content for c in answered)
+    none = client.chat.completions.create(model="tiny-agent", messages=QUESTION, tools=[CALCULATOR], n=16,
+                                          tool_choice="none", temperature=1.0, seed=11, max_tokens=96)
+    assert all(c.message.tool_calls is None and c.finish_reason != "tool_calls" for c in none.choices)
+    # Same seed, same samples: what auto returned as calls, none returns as the text the model wrote.
+    for a, n in zip(auto.choices, none.choices, strict=True):
+        if a.message.tool_calls:
+            assert "<tool_call>" in n.message.content and a.message.tool_calls[0].function.name in n.message.content
+
+
+def test_the_openai_client_tool_loop(client):
+    """The client runs the tool the model calls and sends the result back; the model answers with it."""
+    messages = list(QUESTION)
+    first = client.chat.completions.create(model="tiny-agent", messages=messages, tools=[CALCULATOR],
+                                           tool_choice="required", temperature=0, max_tokens=96)
+    call = first.choices[0].message.tool_calls[0]
+    result = calculator(**json.loads(call.function.arguments))  # the client runs the tool, not the service
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": result}]
+    second = client.chat.completions.create(model="tiny-agent", messages=messages, tools=[CALCULATOR],
+                                            temperature=0, max_tokens=32)
+    assert second.choices[0].finish_reason == "stop"
+    assert second.choices[0].message.tool_calls is None
+    assert result in second.choices[0].message.content  # the warm start copies the tool's result into its answer
+
+
+def test_streamed_calls_equal_the_non_streamed_ones(agent, client):
+    body = {"model": "tiny-agent", "messages": QUESTION, "tools": [CALCULATOR, WEATHER], "tool_choice": "required",
+            "temperature": 1.0, "seed": 5, "max_tokens": 96}
+    whole = client.chat.completions.create(**body)
+    with httpx.Client(base_url=agent.url, timeout=60) as http:
+        chunks = sse_chunks(http, "/v1/chat/completions", {**body, "stream": True})
+    for chunk in chunks:
+        validate(chunk, "CreateChatCompletionStreamResponse")
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    streamed = [call for d in deltas for call in d.get("tool_calls", [])]
+    expected = whole.choices[0].message.tool_calls
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in streamed] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(expected)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+        "type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"enum": ["kg", "m"]}},
+        "required": ["answer", "unit"], "additionalProperties": False}}},
+])
+def test_response_format_gives_json_that_parses_and_fits(client, response_format):
+    response = client.chat.completions.create(model="tiny-agent", messages=QUESTION, n=6, temperature=1.0, seed=2,
+                                              max_tokens=200, response_format=response_format)
+    for choice in response.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        value = json.loads(choice.message.content)
+        assert isinstance(value, dict)
+        if response_format["type"] == "json_schema":
+            Draft202012Validator(response_format["json_schema"]["schema"]).validate(value)
+
+
+HISTORY = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "37*412"}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "15244"}]
+
+
+@pytest.mark.parametrize(("change", "param", "message"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "wrong"}}}]},
+     "tools[0].function.parameters", "not a valid JSON Schema"),
+    ({"tools": [CALCULATOR, CALCULATOR]}, "tools[1].function.name", "names must be unique"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, None, "name"),
+    ({"tools": [CALCULATOR], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "only allowed when 'tools'"),
+    ({"tools": [CALCULATOR], "tool_choice": "sometimes"}, None, "tool_choice"),
+    ({"messages": [*QUESTION, {"role": "tool", "tool_call_id": "call_9", "content": "1"}]},
+     "messages[1].tool_call_id", "answers no tool call"),
+    ({"messages": [*QUESTION, {"role": "tool", "content": "1"}]}, "messages[1].tool_call_id", "without"),
+    ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "calculator", "arguments": "{not json"}}]}]}, "messages[1].tool_calls[0].function.arguments",
+     "not valid JSON"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format.json_schema.schema", "not a valid JSON Schema"),
+    ({"response_format": {"type": "yaml"}}, None, "response_format"),
+])
+def test_bad_tool_requests_are_400_in_openai_shape(agent, change, param, message):
+    body = {"model": "tiny-agent", "messages": QUESTION, "max_tokens": 8, **change}
+    response = httpx.post(agent.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    validate(response.json(), "ErrorResponse")
+    error = response.json()["error"]
+    assert message in error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_a_history_with_calls_renders_through_the_tool_template(agent):
+    tokens = httpx.post(agent.url + "/tokenize", json={"messages": HISTORY}, timeout=30).json()["tokens"]
+    text = httpx.post(agent.url + "/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
+    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*412"}}\n</tool_call>' in text
+    assert text.endswith("<|tool|>15244\n<|assistant|>")
+
+
+def test_a_model_whose_template_renders_no_tools_says_so(server):
+    """The arithmetic warm start's template has no tools and its vocabulary no ChatML: 400, naming what to do."""
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "messages": QUESTION, "tools": [CALCULATOR], "max_tokens": 4})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "tools"
+    assert "renders no tools" in response.json()["error"]["message"]

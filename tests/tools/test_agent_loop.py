@@ -1,0 +1,217 @@
+"""The multi-turn rollout (``verl/rollout/agent_loop.py``) on the shipped tool-using warm start, a real model.
+
+Sampled at temperature 1 the warm start calls the calculator in some trajectories and answers at once in others,
+so every check below sees both kinds. What is checked, per trajectory:
+
+- the layout: generated ids (loss mask 1) alternate with tool turns (mask 0, attention 1), each tool turn exactly
+  the ids the chat template adds for that tool message, each assistant turn but a cut last one ending in eos;
+- token-in, token-out: a fresh forward pass over the recorded ids gives the recorded behaviour log-probs at every
+  generated position (the ids the model saw are the ids the trainer trains on: nothing was re-tokenized);
+- the limits: ``max_assistant_turns`` and the response budget, with the matching ``finish_reason``;
+- determinism: the same seed gives the same trajectories, whatever the tools' timing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from verl.config import DataConfig, MultiTurnConfig
+from verl.data.dataset import RLHFDataset
+from verl.models.loader import load_causal_lm, load_tokenizer
+from verl.rollout.agent_loop import AgentRollout
+from verl.rollout.base import SamplingParams
+from verl.rollout.hf import HFRollout
+from verl.tools.templates import ConversationTokens, ToolPrompting
+from verl.workers.reward import RewardManager
+
+MODEL = "builtin:tiny-agent"
+TOOLS = MultiTurnConfig(enable=True, tools=["calculator"], max_assistant_turns=3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(MODEL)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return load_causal_lm(MODEL).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    dataset = RLHFDataset(["builtin:tool_arithmetic/val"], tokenizer, DataConfig(max_prompt_length=64), "val",
+                          tools=ToolPrompting.from_config(TOOLS, tokenizer))
+    return dataset.collate(list(range(12)))
+
+
+def rollout(model, tokenizer, prompts, config=TOOLS, budget=128, n=4, seed=1, temperature=1.0):
+    engine = AgentRollout(HFRollout(model, tokenizer), config, max_response_length=budget)
+    try:
+        return engine.generate(prompts, SamplingParams(n=n, temperature=temperature, max_new_tokens=budget,
+                                                       seed=seed))
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def batch(model, tokenizer, prompts):
+    return rollout(model, tokenizer, prompts)
+
+
+def segments(mask: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of equal mask values: (value, start, end)."""
+    runs, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            runs.append((mask[start], start, i))
+            start = i
+    return runs
+
+
+def test_trajectories_alternate_generated_turns_and_template_tool_turns(batch, tokenizer):
+    prompting = ToolPrompting.from_config(TOOLS, tokenizer)
+    tokens = ConversationTokens(tokenizer, prompting.template, prompting.tool_set.schemas())
+    non = batch.non_tensor
+    width = batch.batch["responses"].shape[1]
+    assert int(np.sum(non["num_tool_calls"] > 0)) >= 4 and int(np.sum(non["num_tool_calls"] == 0)) >= 4
+    for i in range(len(batch)):
+        length = int(batch.batch["attention_mask"][i, -width:].sum())
+        ids = batch.batch["responses"][i, :length].tolist()
+        mask = batch.batch["response_mask"][i, :length].tolist()
+        assert batch.batch["response_mask"][i, length:].sum() == 0
+        runs = segments(mask)
+        assert runs[0][0] == 1  # the model speaks first
+        tool_runs = [r for r in runs if r[0] == 0]
+        ran = [call for call in non["tool_trace"][i] if call["result"] is not None]
+        results = [call["result"] for call in ran]
+        # One tool turn per assistant turn whose calls ran; it holds every result of that turn, in order.
+        turns_with_calls = sorted({call["turn"] for call in ran})
+        assert len(tool_runs) == len(turns_with_calls)
+        for (_, start, end), turn in zip(tool_runs, turns_with_calls, strict=True):
+            messages = [{"role": "tool", "content": c["result"], "name": c["name"]} for c in ran if c["turn"] == turn]
+            expected = tokens.turn_ids(messages)  # the template's ids, not re-tokenized text
+            if end == length and non["finish_reason"][i] == "length":
+                expected = expected[: end - start]  # the budget cut the tool turn: no room left to answer
+            assert ids[start:end] == expected
+            assert ids[start - 1] == tokenizer.eos_token_id  # the assistant turn before it ended with eos
+        if non["finish_reason"][i] != "length":
+            assert all(r in tokenizer.decode(ids) for r in results)
+        generated_turns = [r for r in runs if r[0] == 1]
+        assert len(generated_turns) == non["num_turns"][i] <= TOOLS.max_assistant_turns
+        finish = non["finish_reason"][i]
+        assert finish in ("stop", "length", "turns")
+        if finish == "stop":
+            assert ids[-1] == tokenizer.eos_token_id and mask[-1] == 1
+
+
+def test_the_recorded_log_probs_are_the_models_on_the_recorded_ids(batch, model):
+    """Token-in, token-out: one forward pass over prompt + trajectory reproduces every generated token's
+    behaviour log-prob; tool-turn positions carry none."""
+    ids, attention = batch.batch["input_ids"], batch.batch["attention_mask"]
+    width = batch.batch["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention,
+                       position_ids=batch.batch["position_ids"]).logits.float()
+    log_probs = torch.log_softmax(logits[:, -width - 1:-1], dim=-1)
+    chosen = log_probs.gather(-1, batch.batch["responses"].unsqueeze(-1)).squeeze(-1)
+    mask = batch.batch["response_mask"].bool()
+    recorded = batch.batch["rollout_log_probs"]
+    assert torch.allclose(chosen[mask], recorded[mask], atol=2e-4), (chosen[mask] - recorded[mask]).abs().max()
+    assert torch.all(recorded[~mask] == 0)
+
+
+def test_the_reward_scores_the_whole_trajectory_at_its_last_generated_token(batch, tokenizer):
+    token_scores, extras, texts = RewardManager(tokenizer).compute(batch)
+    mask = batch.batch["response_mask"]
+    for i in range(len(batch)):
+        last = int(torch.nonzero(mask[i]).max())
+        assert torch.count_nonzero(token_scores[i]) <= 1 and token_scores[i, last] == token_scores[i].sum()
+        for call in batch.non_tensor["tool_trace"][i]:
+            if batch.non_tensor["finish_reason"][i] != "length" and call["result"] is not None:
+                assert call["result"] in texts[i]  # the text the reward reads includes the tool results
+    # Trajectories that called the tool and answered with its result are the correct ones.
+    correct = extras["acc"] > 0
+    assert np.all(batch.non_tensor["num_tool_calls"][correct] > 0)
+
+
+def test_max_assistant_turns_and_the_budget_end_trajectories(model, tokenizer, prompts):
+    one_turn = rollout(model, tokenizer, prompts, MultiTurnConfig(enable=True, tools=["calculator"],
+                                                                  max_assistant_turns=1))
+    assert np.all(one_turn.non_tensor["num_turns"] == 1)
+    # A call in the last allowed turn ends the trajectory there: counted, but nothing runs, no tool turn follows.
+    ended = one_turn.non_tensor["finish_reason"] == "turns"
+    assert ended.any() and np.all(one_turn.non_tensor["num_tool_calls"][ended] >= 1)
+    assert all(call["result"] is None and call["error"].startswith("not run")
+               for trace in one_turn.non_tensor["tool_trace"] for call in trace)
+    texts = tokenizer.batch_decode(one_turn.batch["responses"], skip_special_tokens=True)
+    assert all("<tool_call>" in texts[i] for i in np.flatnonzero(ended))
+    assert torch.all(one_turn.batch["response_mask"] == one_turn.batch["attention_mask"][:, -one_turn.batch[
+        "responses"].shape[1]:])  # no tool turn was appended
+    short = rollout(model, tokenizer, prompts, budget=24)
+    width = short.batch["responses"].shape[1]
+    lengths = short.batch["attention_mask"][:, -width:].sum(-1)
+    assert width <= 24 and torch.all(lengths <= 24)
+    cut = lengths == 24
+    assert cut.any() and set(short.non_tensor["finish_reason"][cut.numpy()]) == {"length"}
+
+
+def test_the_same_seed_gives_the_same_trajectories(model, tokenizer, prompts, batch):
+    again = rollout(model, tokenizer, prompts)
+    assert torch.equal(again.batch["responses"], batch.batch["responses"])
+    assert list(again.non_tensor["finish_reason"]) == list(batch.non_tensor["finish_reason"])
+    other = rollout(model, tokenizer, prompts, seed=2)
+    assert not torch.equal(other.batch["responses"][:, :8], batch.batch["responses"][:, :8])
+
+
+AGENT = {
+    "model": {"path": MODEL},
+    "data": {"train_files": ["builtin:tool_arithmetic/train"], "val_files": ["builtin:tool_arithmetic/val"],
+             "max_prompt_length": 64, "max_response_length": 96, "train_batch_size": 4, "val_max_samples": 8},
+    "rollout": {"n": 4, "multi_turn": {"enable": True, "tools": ["calculator"], "max_assistant_turns": 3}},
+    "actor": {"ppo_mini_batch_size": 4},
+    "trainer": {"total_steps": 1, "test_freq": 1, "val_before_train": False, "save_freq": 0, "logger": ["jsonl"],
+                "num_samples_to_log": 1, "evaluators": ["accuracy", "tools"]},
+}
+
+
+def agent_config(tmp_path, **sections) -> dict:
+    import copy
+
+    cfg = copy.deepcopy(AGENT)
+    cfg["trainer"].update(output_dir=str(tmp_path), experiment_name="agent")
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+def logged(trainer, scope: str) -> list[dict]:
+    import json
+
+    return [r for r in map(json.loads, trainer.config.log_path().read_text().splitlines()) if r["scope"] == scope]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("name", "sections"), [
+    ("grpo", {}),
+    ("rloo", {"algorithm": {"adv_estimator": "rloo"}}),
+    ("reinforce++", {"algorithm": {"adv_estimator": "reinforce_plus_plus"}}),
+    ("gae", {"algorithm": {"adv_estimator": "gae"}}),
+    ("lora", {"model": {"path": MODEL, "lora": {"rank": 8}}}),
+    ("one-step-off-policy", {"trainer": {"one_step_off_policy": True, "total_steps": 2}}),
+])
+def test_a_training_step_on_agent_trajectories(tmp_path, name, sections):
+    from verl.trainer.local import LocalPPOTrainer
+
+    cfg = agent_config(tmp_path, **sections)
+    trainer = LocalPPOTrainer(cfg, quiet=True)
+    trainer.fit()
+    rollout_row = logged(trainer, "rollout")[-1]
+    assert 0 <= rollout_row["tool_call_rate"] <= 1 and rollout_row["turns_mean"] >= 1
+    ppo = logged(trainer, "ppo")[-1]
+    assert np.isfinite(ppo["policy_loss"]) and np.isfinite(ppo["entropy"])
+    evaluation = logged(trainer, "eval")[-1]
+    assert {"accuracy", "tool_call_rate", "turns_mean"} <= set(evaluation)
