@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -44,7 +45,9 @@ from serve.schemas import (
 )
 from serve.service import ERROR_RESPONSES, SSE_DOC, ApiError, SequenceSpec, Service, Target, require_api_key
 from serve.streaming import run_to_completion, stream_response, usage_block, usage_chunk
-from serve.tool_calling import ToolCallStream, plan_request, response_message
+from serve.tool_calling import ToolCallStream, plan_request, response_message, uses_tools
+from verl.errors import ConfigError
+from verl.tools.templates import tool_chat_template
 
 
 def add_routes(app: FastAPI, service: Service) -> None:
@@ -258,10 +261,12 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
     """OpenAI-compatible chat completion (the model's chat template is applied)."""
     check_unsupported(body)
     target = pick_target(service, body, request)
+    plan = plan_request(body)
+    if body.model is None and uses_tools(body.messages, plan) and not renders_tools(target.model.engine.tokenizer):
+        target = tool_model_target(service, body, request) or target
     engine = target.model.engine
     if body.n > service.settings.max_n:
         raise ApiError(400, f"'n' is {body.n}; this server allows at most {service.settings.max_n}", param="n")
-    plan = plan_request(body)
     if plan.grammar is not None and engine.grammar_problem:
         raise ApiError(400, engine.grammar_problem,
                        param="response_format" if body.response_format is not None else "tool_choice")
@@ -318,6 +323,25 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
 
 
 USER_HEADER = "X-Verl-User"
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether chats with tools can be rendered for this tokenizer (its own template, or the Hermes one)."""
+    try:
+        tool_chat_template(tokenizer)
+    except ConfigError:
+        return False
+    return True
+
+
+def tool_model_target(service: Service, body: ChatCompletionRequest, request: Request) -> Target | None:
+    """For a tool-calling request that names no model while the default model cannot render tools: the first
+    served model that can (the default service serves builtin:tiny-agent for this), else None."""
+    for name in service.registry.names():
+        model = service.registry.models[name]
+        if model.kind == "model" and renders_tools(model.engine.tokenizer):
+            return service.target(name, body.user or request.headers.get(USER_HEADER), body.verl)
+    return None
 
 
 def pick_target(service: Service, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Target:

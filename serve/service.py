@@ -185,8 +185,9 @@ class Service:
             log.warning("verl serve: serving %d models: %s", len(self.entries),
                         ", ".join(f"{e.name} ({e.path or 'adapter ' + str(e.adapter)})" for e in self.entries))
         elif source == "default":
-            log.warning("verl serve: no model configured; serving the built-in %s (set VERL_SERVE_MODEL=<export dir> "
-                        "or model: in serve.yaml to serve yours)", self.settings.model)
+            log.warning("verl serve: no model configured; serving the built-in %s, and %s for tool-calling requests "
+                        "(set VERL_SERVE_MODEL=<export dir> or model: in serve.yaml to serve yours)",
+                        self.settings.model, ", ".join(e.name for e in self.entries[1:]))
         else:
             log.warning("verl serve: serving %s (from %s) as '%s'", self.settings.model, source, self.model_name)
 

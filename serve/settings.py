@@ -58,6 +58,10 @@ class ModelEntry(BaseModel):
         return self
 
 
+# Served beside the default model when no model is configured: its chat template renders tools (issue 25).
+DEFAULT_TOOL_MODEL = "builtin:tiny-agent"
+
+
 class ServeSettings(BaseSettings):
     """Everything the inference service can be told. Env var = ``VERL_SERVE_`` + field name in upper case."""
 
@@ -215,8 +219,15 @@ class ServeSettings(BaseSettings):
         return tuple(sources)
 
     def model_entries(self) -> list[ModelEntry]:
-        """The models to serve: ``models``, or one entry made of ``model`` / ``served_model_name``."""
-        return list(self.models) or [ModelEntry(name=self.model_name(), path=self.model)]
+        """The models to serve: ``models``, or one entry made of ``model`` / ``served_model_name``. With nothing
+        configured, the built-in tool-using model is served beside the default one, so the default service
+        answers tool-calling requests too (``DEFAULT_TOOL_MODEL``)."""
+        if self.models:
+            return list(self.models)
+        entries = [ModelEntry(name=self.model_name(), path=self.model)]
+        if self.model_source == "default" and not self.served_model_name:
+            entries.append(ModelEntry(name=DEFAULT_TOOL_MODEL.split(":", 1)[1], path=DEFAULT_TOOL_MODEL))
+        return entries
 
     def model_name(self) -> str:
         """The id clients see in /v1/models and send back in `model`."""

@@ -185,3 +185,13 @@ def test_unknown_kl_estimator_is_a_config_error():
 
     with pytest.raises(ConfigError, match=r"unknown KL estimator .k4.*actor.kl_loss_type"):
         load_config(None, ["actor.kl_loss_type=k4"])
+
+
+def test_the_agent_warm_start_recipe_is_the_shipped_config():
+    """`verl sft --build-warm-start --warm-start tiny-agent` trains what configs/sft_agent_tiny.yaml says."""
+    from verl.trainer.sft import AGENT_WARM_START
+
+    shipped = load_config(REPO / "configs" / "sft_agent_tiny.yaml", schema=SFTConfig)
+    recipe = build_config(AGENT_WARM_START, schema=SFTConfig)
+    recipe.trainer.experiment_name = shipped.trainer.experiment_name  # named after the file and the time
+    assert recipe == shipped

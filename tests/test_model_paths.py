@@ -64,5 +64,5 @@ def test_a_missing_warm_start_is_a_command_to_run_never_a_training_run(tmp_path,
     monkeypatch.setattr(loader, "ASSETS_DIR", tmp_path / "assets")
     monkeypatch.setenv("VERL_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(ModelError, match=r"builtin:tiny-arith: the shipped weights are missing .* "
-                                         r"`verl sft --build-warm-start`"):
+                                         r"`verl sft --build-warm-start --warm-start tiny-arith`"):
         loader.resolve_model_path("builtin:tiny-arith")

@@ -127,8 +127,10 @@ def sft(
     config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: tiny SFT).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
     build_warm_start: Annotated[bool, typer.Option(
-        "--build-warm-start", help="Rebuild builtin:tiny-arith (the shipped warm start) into the cache, for a "
-                                   "checkout whose verl/models/assets copy is missing.")] = False,
+        "--build-warm-start", help="Rebuild a shipped warm start (--warm-start) into the cache, for a checkout "
+                                   "whose verl/models/assets copy is missing.")] = False,
+    warm_start: Annotated[str, typer.Option(
+        "--warm-start", help="Which one --build-warm-start rebuilds: tiny-arith or tiny-agent.")] = "tiny-arith",
 ) -> None:
     """Supervised fine-tuning (the warm start before RL). Extra args are key=value overrides."""
 
@@ -141,9 +143,9 @@ def sft(
             from verl.models.loader import warm_start_cache_dir
             from verl.trainer.sft import train_builtin_warm_start
 
-            target = warm_start_cache_dir("tiny-arith")
-            train_builtin_warm_start(target)
-            err.print(f"builtin:tiny-arith rebuilt in {target}")
+            target = warm_start_cache_dir(warm_start)
+            train_builtin_warm_start(target, warm_start)
+            err.print(f"builtin:{warm_start} rebuilt in {target}")
             return
         cfg = load_config(config, _split_overrides(list(ctx.args)), schema=SFTConfig, default_name="sft_tiny")
         path = SFTTrainer(cfg, quiet=quiet).fit()

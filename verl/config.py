@@ -133,6 +133,8 @@ class MultiTurnConfig(Section):
     max_parallel_calls: int = Field(4, ge=1, description="Calls run per assistant turn; more get an error result.")
     max_tool_response_length: int = Field(256, ge=16, description="Characters of a tool result the model sees.")
     tool_processes: int = Field(2, ge=1, description="Processes for tools that are not pure functions.")
+    tool_threads: int = Field(64, ge=1, description="Threads for pure tools: calls in flight at once (a tool that "
+                              "waits on I/O holds a thread, not the decode loop).")
 
 
 class RolloutConfig(Section):

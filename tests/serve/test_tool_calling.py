@@ -133,21 +133,32 @@ def test_streamed_calls_equal_the_non_streamed_ones(agent, client):
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-@pytest.mark.parametrize("response_format", [
-    {"type": "json_object"},
-    {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
-        "type": "object", "properties": {"answer": {"type": "integer"}, "unit": {"enum": ["kg", "m"]}},
-        "required": ["answer", "unit"], "additionalProperties": False}}},
-])
-def test_response_format_gives_json_that_parses_and_fits(client, response_format):
-    response = client.chat.completions.create(model="tiny-agent", messages=QUESTION, n=6, temperature=1.0, seed=2,
-                                              max_tokens=200, response_format=response_format)
+BOUNDED = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 999999},
+                                     "unit": {"enum": ["kg", "m"]}},
+    "required": ["answer", "unit"], "additionalProperties": False}}}
+
+
+def test_a_json_schema_response_format_gives_json_that_fits(client):
+    """Every sample (temperature 1) is a JSON object of exactly that shape: the grammar leaves no other path."""
+    response = client.chat.completions.create(model="tiny-agent", messages=QUESTION, n=8, temperature=1.0, seed=2,
+                                              max_tokens=64, response_format=BOUNDED)
     for choice in response.choices:
         assert choice.finish_reason == "stop", choice.message.content
-        value = json.loads(choice.message.content)
-        assert isinstance(value, dict)
-        if response_format["type"] == "json_schema":
-            Draft202012Validator(response_format["json_schema"]["schema"]).validate(value)
+        Draft202012Validator(BOUNDED["json_schema"]["schema"]).validate(json.loads(choice.message.content))
+
+
+def test_json_object_output_is_json_whenever_it_ends(client):
+    """`json_object` bounds nothing (a 1M-parameter model may write digits until max_tokens), but what ends is an
+    object, and what is cut is a prefix of one (it starts with '{' and never breaks the grammar before the cut)."""
+    response = client.chat.completions.create(model="tiny-agent", messages=QUESTION, n=8, temperature=1.0, seed=2,
+                                              max_tokens=64, response_format={"type": "json_object"})
+    finished = [c for c in response.choices if c.finish_reason == "stop"]
+    assert finished
+    for choice in finished:
+        assert isinstance(json.loads(choice.message.content), dict)
+    for choice in response.choices:
+        assert choice.message.content.startswith("{")
 
 
 HISTORY = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
@@ -199,3 +210,41 @@ def test_a_model_whose_template_renders_no_tools_says_so(server):
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "tools"
     assert "renders no tools" in response.json()["error"]["message"]
+
+
+def test_the_default_service_answers_tool_calls_with_the_tool_model(monkeypatch):
+    """`uvicorn serve.api:app` with nothing configured serves tiny-arith and, beside it, tiny-agent: a chat with
+    tools that names no model is answered by the model whose template renders them."""
+    from serve.api import create_app
+    from serve.settings import load_settings
+
+    monkeypatch.delenv("VERL_SERVE_MODEL", raising=False)
+    settings = load_settings(max_output_tokens=128)
+    assert settings.model_source == "default"
+    assert [e.name for e in settings.model_entries()] == ["tiny-arith", "tiny-agent"]
+    import threading
+
+    import uvicorn
+
+    from tests.serve.helpers import wait_healthy
+    from verl.utils.net import free_port
+
+    app, port = create_app(settings), free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url)
+        models = [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
+        assert models == ["tiny-arith", "tiny-agent"]
+        reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": QUESTION, "tools": [CALCULATOR], "tool_choice": "required", "max_tokens": 96})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == "tiny-agent" and reply.json()["choices"][0]["message"]["tool_calls"]
+        plain = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "12+30"}], "max_tokens": 8})
+        assert plain.json()["model"] == "tiny-arith"  # everything else stays with the default model
+    finally:
+        server.should_exit = True
+        thread.join(30)

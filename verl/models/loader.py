@@ -3,7 +3,9 @@
 Built-in models are ordinary HF model directories:
 
 - ``builtin:tiny-arith``: the shipped SFT warm start for the arithmetic task (``verl/models/assets``), produced
-  by ``verl sft --config configs/sft_tiny.yaml``. If the asset is missing it is trained on first use and cached.
+  by ``verl sft --config configs/sft_tiny.yaml``; ``builtin:tiny-agent``: the tool-using warm start (products
+  with a calculator), produced by ``verl sft --config configs/sft_agent_tiny.yaml``. A missing asset is rebuilt
+  by ``verl sft --build-warm-start --warm-start NAME`` into the cache.
 - ``builtin:tiny-arith-base`` / ``builtin:small-arith-base``: randomly initialised models (seeded), written to
   the cache on first use.
 
@@ -160,8 +162,8 @@ def _build_warm_start(name: str) -> Path:
     if (target / "model.safetensors").is_file():
         return target
     raise ModelError(f"builtin:{name}: the shipped weights are missing ({ASSETS_DIR / name}) and no rebuilt copy "
-                     f"is in {target}; rebuild them with `verl sft --build-warm-start` (about 10 minutes on 2 CPU "
-                     "cores), or restore the file from a fresh clone")
+                     f"is in {target}; rebuild them with `verl sft --build-warm-start --warm-start {name}` "
+                     "(10-30 minutes on one CPU core), or restore the file from a fresh clone")
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

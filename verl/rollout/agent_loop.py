@@ -14,8 +14,9 @@ the whole trajectory's text.
 
 **No batch-wide stall.** The transformers path decodes on a continuous batch (``RowBatch``, the serving engine's
 scheduler): a trajectory that calls a tool leaves the batch while its tools run on the ``ToolRunner``; the others
-keep decoding; when its results arrive its ids so far are prefilled again and it rejoins. (The re-prefill is what
-vLLM's prefix cache saves; on CPU it costs a fraction of the decode steps it does not hold up.) Sampling draws
+keep decoding; its KV cache is kept aside, and when its results arrive one forward over the ids it has not fed yet
+(the turn's eos and the tool turn) extends it, and it rejoins (what vLLM's prefix cache does for a re-sent
+conversation). Sampling draws
 from one generator per trajectory, seeded from the call seed, the prompt id and the sample number, so a rollout
 does not depend on tool timing or on which trajectories share a step.
 
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from verl.config import MultiTurnConfig
-from verl.models.kv_cache import RowBatch, new_growing_cache
+from verl.models.kv_cache import RowBatch, new_growing_cache, pad_left
 from verl.models.packed_linear import packed_weights
 from verl.models.precision import at_least_float32
 from verl.protocol import DataProto
@@ -70,6 +71,11 @@ class Trajectory:
     trace: list[dict[str, Any]] = field(default_factory=list)
     finish: str | None = None
     waiting: list[tuple[ToolCall, concurrent.futures.Future[ToolResult]]] = field(default_factory=list)
+    # While its tools run: the row's KV cache (per layer, (1, heads, length, head_dim)) and attention mask, and how
+    # many of its ids the cache holds, so it rejoins by feeding only the ids after them (no re-prefill).
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    kv_mask: torch.Tensor | None = None
+    cached: int = 0
 
     def append(self, token: int, generated: bool, log_prob: float = 0.0) -> None:
         self.ids.append(token)
@@ -110,14 +116,13 @@ class AgentLoop:
             if ready:
                 joining = list(ready)
                 ready.clear()
-                logits, cache, mask = self._prefill(joining, device)
-                keep, tokens = self._advance(joining, logits, params, warpers, waiting)
-                if keep:
-                    index = torch.tensor(keep, dtype=torch.long, device=device)
-                    for layer in cache.layers:
-                        layer.set_state(layer.keys.index_select(0, index), layer.values.index_select(0, index))
-                    batch.add([joining[i] for i in keep], cache, mask.index_select(0, index),
-                              tokens.to(device).index_select(0, index))
+                rejoining = [row for row in joining if row.kv is not None]
+                fresh = [row for row in joining if row.kv is None]
+                for rows, forward in ((fresh, self._prefill), (rejoining, self._extend)):
+                    if rows:
+                        logits, cache, mask = forward(rows, device)
+                        keep, tokens = self._advance(rows, logits, params, warpers, waiting)
+                        self._join(batch, rows, keep, tokens, cache, mask, device)
             if len(batch):
                 mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], dim=1)
                 positions = batch.mask.sum(-1, keepdim=True)
@@ -127,19 +132,73 @@ class AgentLoop:
                 batch.mask = mask
                 keep, tokens = self._advance(batch.rows, at_least_float32(out.logits[:, -1, :]), params, warpers,
                                              waiting)
+                self._park(batch, keep)
                 batch.next_tokens = tokens.to(device)
                 batch.keep(keep)
 
     # ---------------------------------------------------------------- decoding
 
+    def _join(self, batch: RowBatch, rows: list[Trajectory], keep: list[int], tokens: torch.Tensor,
+              cache: Any, mask: torch.Tensor, device: torch.device) -> None:
+        """Add the rows ``keep`` of a prefill or extension (its ``cache`` and ``mask``) to the running batch."""
+        if not keep:
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=device)
+        for layer in cache.layers:
+            layer.set_state(layer.keys.index_select(0, index), layer.values.index_select(0, index))
+        batch.add([rows[i] for i in keep], cache, mask.index_select(0, index), tokens.to(device).index_select(0, index))
+
+    @staticmethod
+    def _park(batch: RowBatch, keep: list[int]) -> None:
+        """Before rows leave the batch to wait for their tools, keep each one's KV cache (its real columns only)."""
+        kept = set(keep)
+        for i, row in enumerate(batch.rows):
+            if i in kept or row.finish is not None:
+                continue
+            columns = batch.mask[i].nonzero()
+            first = int(columns[0]) if len(columns) else batch.mask.shape[1]
+            row.kv = [(layer.keys[i:i + 1, :, first:].clone(), layer.values[i:i + 1, :, first:].clone())
+                      for layer in batch.cache.layers]
+            row.kv_mask = batch.mask[i, first:].clone()
+            row.cached = len(row.prompt_ids) + len(row.ids) - 1  # the eos just sampled is not in the cache yet
+
+    def _extend(self, rows: list[Trajectory], device: torch.device):
+        """Rows back from their tools: their kept caches (left-padded to one length) and one forward over the ids
+        each has not fed yet (the turn's eos, then the tool turn), left-padded within the new block. Returns what
+        ``_prefill`` returns; the padding between a row's old and new ids is masked out and position ids count
+        real tokens only, so the result is the row's full forward."""
+        pending = [(row.prompt_ids + row.ids)[row.cached:] for row in rows]
+        old = max(row.kv_mask.shape[0] for row in rows)
+        new = max(len(ids) for ids in pending)
+        ids = torch.full((len(rows), new), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(rows), old + new), dtype=torch.long)
+        for i, (row, fresh) in enumerate(zip(rows, pending, strict=True)):
+            ids[i, new - len(fresh):] = torch.tensor(fresh, dtype=torch.long)
+            mask[i, old - row.kv_mask.shape[0]:old] = row.kv_mask.cpu()
+            mask[i, old + new - len(fresh):] = 1
+        cache = new_growing_cache(self.model.config)
+        for number, layer in enumerate(cache.layers):
+            layer.set_state(torch.cat([pad_left(row.kv[number][0], old) for row in rows]),
+                            torch.cat([pad_left(row.kv[number][1], old) for row in rows]))
+        for row in rows:
+            row.kv, row.kv_mask = None, None
+        ids, mask = ids.to(device), mask.to(device)
+        positions = ((mask.cumsum(-1) - 1).clamp(min=0))[:, old:]
+        with self._autocast(device):
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+        return at_least_float32(out.logits[:, -1, :]), cache, mask
+
     def _prefill(self, rows: list[Trajectory], device: torch.device):
         """One forward over each row's ids so far (left-padded): next-token logits ``(rows, vocab)``, the rows'
-        cache and attention mask ``(rows, longest)``."""
-        sequences = [row.prompt_ids + row.ids for row in rows]
-        width = max(len(s) for s in sequences)
-        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, sequence in enumerate(sequences):
+        cache and attention mask ``(rows, longest)``. Rows with the same ids (a prompt's ``n`` samples at the
+        start) are computed once and their cache copied, as the single-turn sampler shares a prompt's prefill."""
+        sequences = [tuple(row.prompt_ids + row.ids) for row in rows]
+        unique = list(dict.fromkeys(sequences))
+        width = max(len(s) for s in unique)
+        ids = torch.full((len(unique), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        mask = torch.zeros((len(unique), width), dtype=torch.long)
+        for i, sequence in enumerate(unique):
             ids[i, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
             mask[i, width - len(sequence):] = 1
         ids, mask = ids.to(device), mask.to(device)
@@ -147,7 +206,14 @@ class AgentLoop:
         with self._autocast(device):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return at_least_float32(out.logits[:, -1, :]), cache, mask
+        logits = at_least_float32(out.logits[:, -1, :])
+        if len(unique) < len(rows):
+            position = {sequence: i for i, sequence in enumerate(unique)}
+            index = torch.tensor([position[s] for s in sequences], dtype=torch.long, device=device)
+            for layer in cache.layers:
+                layer.set_state(layer.keys.index_select(0, index), layer.values.index_select(0, index))
+            logits, mask = logits.index_select(0, index), mask.index_select(0, index)
+        return logits, cache, mask
 
     def _advance(self, rows: list[Trajectory], logits: torch.Tensor, params: SamplingParams, warpers: Any,
                  waiting: list[Trajectory]) -> tuple[list[int], torch.Tensor]:
@@ -228,6 +294,7 @@ class AgentLoop:
                 row.append(token, generated=False)
             if len(turn) >= room or len(row.prompt_ids) + len(row.ids) >= self.max_positions:
                 row.finish = "length"  # no room left to answer
+                row.kv, row.kv_mask = None, None
                 continue
             row.turn_start = len(row.ids)
             ready.append(row)
@@ -250,7 +317,7 @@ class AgentRollout(RolloutEngine):
         prompting = ToolPrompting.from_config(config, engine.tokenizer)
         self.tool_set = prompting.tool_set
         self.runner = ToolRunner(self.tool_set, max_response_chars=config.max_tool_response_length,
-                                 processes=config.tool_processes)
+                                 processes=config.tool_processes, threads=config.tool_threads)
         self.loop = AgentLoop(engine.model, engine.tokenizer, self.runner, self.tool_set, config,
                               max_response_length, prompting.template, getattr(engine, "autocast_dtype", None))
 

@@ -8,6 +8,7 @@ as the RL trainer does.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import tempfile
@@ -208,11 +209,30 @@ class SFTTrainer:
         return self.run_dir / "checkpoints" / f"global_step_{cfg.total_steps}"
 
 
-def train_builtin_warm_start(target: Path) -> None:
-    """Reproduce ``builtin:tiny-arith`` (the SFT warm start) into ``target`` with the default SFT config."""
+# The SFT settings that rebuild the shipped warm starts: tiny-arith is the SFT defaults (configs/sft_tiny.yaml);
+# tiny-agent is configs/sft_agent_tiny.yaml, restated here so a package without configs/ can rebuild it (a test
+# keeps the two equal).
+AGENT_WARM_START: dict = {
+    "model": {"path": "builtin:tiny-agent-base"},
+    "data": {"train_files": ["builtin:tool_arithmetic/sft_train"], "val_files": ["builtin:tool_arithmetic/val"],
+             "batch_size": 64, "max_length": 192, "max_prompt_length": 64, "max_response_length": 128,
+             "val_max_samples": 128},
+    "rollout": {"multi_turn": {"enable": True, "tools": ["calculator"]}},
+    "optim": {"lr": 1.0e-3, "warmup_steps": 50, "lr_scheduler": "cosine", "min_lr_ratio": 0.1},
+    "trainer": {"project_name": "verl-sft", "total_steps": 1600, "test_freq": 400, "seed": 0, "num_threads": 1},
+}
+WARM_STARTS: dict[str, dict] = {"tiny-arith": {}, "tiny-agent": AGENT_WARM_START}
+
+
+def train_builtin_warm_start(target: Path, name: str = "tiny-arith") -> None:
+    """Reproduce the shipped warm start ``builtin:<name>`` (``WARM_STARTS``) into ``target``."""
+    if name not in WARM_STARTS:
+        raise ConfigError(f"no shipped warm start named '{name}'; rebuildable: {', '.join(WARM_STARTS)}")
     with tempfile.TemporaryDirectory() as tmp:
-        config = build_config({"trainer": {"output_dir": tmp, "experiment_name": "warm-start",
-                                           "logger": ["jsonl"], "test_freq": -1}}, schema=SFTConfig)
+        settings = copy.deepcopy(WARM_STARTS[name])
+        settings.setdefault("trainer", {}).update(output_dir=tmp, experiment_name="warm-start", logger=["jsonl"],
+                                                  test_freq=-1)
+        config = build_config(settings, schema=SFTConfig)
         checkpoint = SFTTrainer(config, quiet=False).fit()
         with atomic_dir(target, overwrite=True) as out:
             for item in checkpoint.iterdir():
