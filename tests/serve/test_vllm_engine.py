@@ -146,3 +146,16 @@ def test_non_streamed_requests_are_timed_from_vllm_stats(vllm_url):
     assert delta("verl:inter_token_latency_seconds_count") == 15
     assert delta("verl:request_queue_time_seconds_count") == 1
     assert delta("verl:generation_tokens_total") == 16
+
+
+def test_constrained_output_on_a_tokenizer_vllm_cannot_read_is_a_clear_400(vllm_url):
+    """vLLM's guidance backend reads byte-level BPE and SentencePiece tokenizers, not the built-in character
+    model's: a response_format request says so and names the engine that can (instead of failing in vLLM)."""
+    reply = httpx.post(vllm_url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "12+30"}], "max_tokens": 8,
+        "response_format": {"type": "json_object"}})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "response_format" and "VERL_SERVE_ENGINE=transformers" in error["message"]
+    assert httpx.post(vllm_url + "/v1/completions", timeout=60, json={"prompt": "1+1=", "max_tokens": 2}
+                      ).status_code == 200  # the engine is fine

@@ -68,3 +68,35 @@ def test_vllm_streams_the_real_model(smollm2_url):
     pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
     whole = _chat(smollm2_url, QUESTIONS[1]).choices[0].message.content
     assert len([p for p in pieces if p]) > 1 and whole.startswith("".join(pieces))
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima", "Oslo"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+
+
+def test_vllm_tool_calling_is_guaranteed_by_its_guidance_backend(smollm2_url):
+    """SmolLM2 has no tool template: the service renders the project's Hermes one; `tool_choice` naming a
+    function is enforced by vLLM's guidance backend with the same grammar the transformers engine uses."""
+    import json
+
+    from jsonschema import Draft202012Validator
+
+    client = openai.OpenAI(base_url=smollm2_url + "/v1", api_key="unused", max_retries=0)
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Weather in Paris this week?"}],
+            tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            temperature=1.0, seed=seed, max_tokens=64)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        Draft202012Validator(WEATHER["function"]["parameters"]).validate(json.loads(call.function.arguments))
+    structured = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Give me a city."}], max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": {
+            "type": "object", "properties": {"city": {"enum": ["Paris", "Lima"]}}, "required": ["city"],
+            "additionalProperties": False}}})
+    assert json.loads(structured.choices[0].message.content)["city"] in ("Paris", "Lima")
