@@ -116,3 +116,25 @@ def test_unknown_verl_keys_get_a_hint_that_fits():
     message = str(info.value)
     assert "actor_rollout_ref" in message and "actor, rollout, ref, model" in message
     assert "did you mean 'rollout'" not in message
+
+
+def test_verls_multi_turn_keys(tmp_path, capsys):
+    """verl's multi-turn (sglang/AgentLoop) lines: actor_rollout_ref.rollout.multi_turn.* and data.tool_config_path
+    map onto rollout.multi_turn; sglang's tuning keys are named as ignored."""
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: verl.tools.calculator:calculator\n    config: {type: native}\n"
+                     "    tool_schema:\n      type: function\n      function:\n        name: calc\n"
+                     "        parameters: {type: object, properties: {expression: {type: string}}}\n")
+    cfg = load_config(None, ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5",
+                             "actor_rollout_ref.rollout.multi_turn.format=hermes",
+                             "actor_rollout_ref.rollout.multi_turn.max_user_turns=5",
+                             f"data.tool_config_path={tools}"])
+    turns = cfg.rollout.multi_turn
+    assert (turns.enable, turns.max_assistant_turns, turns.format, turns.tool_config_path) == (
+        True, 5, "hermes", str(tools))
+    notes = capsys.readouterr().err
+    assert "data.tool_config_path -> rollout.multi_turn.tool_config_path" in notes
+    assert "max_user_turns" in notes  # ignored, and said so
+    with pytest.raises(ConfigError, match="needs tools"):
+        load_config(None, ["actor_rollout_ref.rollout.multi_turn.enable=true"])

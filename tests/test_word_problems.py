@@ -31,3 +31,37 @@ def test_builtin_files_and_the_gsm8k_reward(tmp_path, monkeypatch):
     truth = rows[0]["reward_model"]["ground_truth"]
     assert score("gsm8k", f"Some working.\n#### {truth}", truth)["score"] == 1.0
     assert score("gsm8k", f"The answer is {truth}.", truth)["score"] == 0.0  # strict: only #### N counts
+
+
+def test_tool_word_problems_hold_out_wordings_and_their_expressions_give_the_answers(tmp_path, monkeypatch):
+    """Stories of six kinds; validation uses wordings no training story uses; each row's calculator expression
+    gives its ground truth; the SFT conversations call the calculator with it and answer with its result."""
+    import json
+    import re
+
+    from verl.data.tasks import tool_word_problems as task
+    from verl.tools.calculator import calculator
+
+    splits = task.generate_splits(task.ToolWordProblemSpec(num_train=120, num_val=36, num_sft=12))
+    assert splits == task.generate_splits(task.ToolWordProblemSpec(num_train=120, num_val=36, num_sft=12))
+
+    def wording(text: str) -> str:  # the template: numbers, names and items blanked out
+        text = re.sub(r"\d+", "#", text)
+        for word in (*task.NAMES, *task.ITEMS):
+            text = text.replace(word, "_")
+        return text
+
+    train = {wording(r["prompt"][0]["content"]) for r in splits["train"]}
+    val = {wording(r["prompt"][0]["content"]) for r in splits["val"]}
+    assert len(val) == len(task.VAL_TEMPLATES) and not train & val
+    assert {r["extra_info"]["kind"] for r in splits["val"]} == set(task.KINDS)
+    for row in splits["train"] + splits["val"]:
+        assert calculator(row["extra_info"]["expression"]) == row["reward_model"]["ground_truth"]
+        assert json.loads(row["tools"])[0]["function"]["name"] == "calculator"
+    messages = json.loads(splits["sft_train"][0]["messages"])
+    call = messages[1]["tool_calls"][0]["function"]
+    assert calculator(**call["arguments"]) == messages[2]["content"]
+    assert messages[3]["content"] == f"#### {messages[2]['content']}"
+    monkeypatch.setenv("VERL_CACHE_DIR", str(tmp_path))
+    rows = pq.read_table(resolve_data_file("builtin:tool_word_problems/val")).to_pylist()
+    assert len(rows) == task.ToolWordProblemSpec().num_val and rows[0]["data_source"] == "gsm8k"

@@ -52,7 +52,7 @@ def test_sessions_turns_and_tool_calls_add_up(agent_run):
     # still running when the users stop has turns but no session entry, hence <=).
     assert int(stats["e2e_latency_ms"]["Request Count"]) == turns
     mean_turns = float(stats["session_turns"]["Average Response Time"])
-    assert sessions * mean_turns <= turns
+    assert round(sessions * mean_turns) <= turns  # (the CSV's mean times the count, up to float rounding)
     calls = float(stats["session_tool_calls"]["Average Response Time"])
     assert calls > 0 and mean_turns > 1  # some sessions called the tool and came back for the answer
     assert mean_turns <= 4  # --max-turns' default

@@ -5,7 +5,9 @@ with a supervised ``response`` column) are written once per task spec into the c
 directory (``$VERL_CACHE_DIR``, default ``~/.cache/verl-suite``) and reused; ``verl data arithmetic --out DIR``
 writes the same files where the user wants them. ``builtin:word_problems/train|val`` are the GSM8K-style stories
 for real pretrained models (``verl.data.tasks.word_problems``); ``builtin:tool_arithmetic/train|val|sft_train|
-sft_val`` the products a model solves with the calculator tool (``verl.data.tasks.tool_arithmetic``).
+sft_val`` the products a model solves with the calculator tool (``verl.data.tasks.tool_arithmetic``);
+``builtin:tool_word_problems/...`` stories of several kinds with a calculator, for real models
+(``verl.data.tasks.tool_word_problems``).
 """
 
 from __future__ import annotations
@@ -17,15 +19,20 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from verl.data.tasks import tool_arithmetic, word_problems
+from verl.data.tasks import tool_arithmetic, tool_word_problems, word_problems
 from verl.data.tasks.arithmetic import ArithmeticSpec, generate_splits, sft_response
 from verl.errors import DataError
 from verl.utils.fs import atomic_path
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_TASKS = ("arithmetic", "word_problems", "tool_arithmetic")
+BUILTIN_TASKS = ("arithmetic", "word_problems", "tool_arithmetic", "tool_word_problems")
 BUILTIN_SPLITS = ("train", "val", "sft_train", "sft_val")
-TASK_SPLITS = {"arithmetic": BUILTIN_SPLITS, "word_problems": ("train", "val"), "tool_arithmetic": BUILTIN_SPLITS}
+TASK_SPLITS = {"arithmetic": BUILTIN_SPLITS, "word_problems": ("train", "val"), "tool_arithmetic": BUILTIN_SPLITS,
+               "tool_word_problems": BUILTIN_SPLITS}
+# Generated tasks: task -> (module with generate_splits, its default spec).
+GENERATED = {"word_problems": (word_problems, word_problems.WordProblemSpec()),
+             "tool_arithmetic": (tool_arithmetic, tool_arithmetic.ToolArithmeticSpec()),
+             "tool_word_problems": (tool_word_problems, tool_word_problems.ToolWordProblemSpec())}
 
 
 def cache_dir() -> Path:
@@ -64,10 +71,8 @@ def resolve_data_file(name: str, spec: ArithmeticSpec | None = None) -> Path:
         raise DataError(f"unknown built-in dataset '{name}'; available: {', '.join(BUILTIN_TASKS)}")
     if split not in TASK_SPLITS[task]:
         raise DataError(f"built-in dataset '{name}' has no split '{split}'; use one of {', '.join(TASK_SPLITS[task])}")
-    generated = {"word_problems": word_problems.WordProblemSpec(),
-                 "tool_arithmetic": tool_arithmetic.ToolArithmeticSpec()}.get(task)
-    if generated is not None:
-        module = word_problems if task == "word_problems" else tool_arithmetic
+    if task in GENERATED:
+        module, generated = GENERATED[task]
         path = cache_dir() / "data" / f"{task}-{generated.key()}" / f"{split}.parquet"
         if not path.exists():
             for part, rows in module.generate_splits(generated).items():
