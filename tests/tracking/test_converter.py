@@ -80,7 +80,7 @@ def start_converter(run_dir: Path, tb_dir: Path) -> subprocess.Popen:
 
 def stop_converter(proc: subprocess.Popen) -> str:
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=180)  # a loaded 2-core box: the last pass may still be writing events
     assert proc.returncode == 0, err  # Ctrl-C is a clean stop, not an error
     return err
 
