@@ -62,7 +62,7 @@ from serve.engines.base import (
     TokenLogprob,
 )
 from serve.settings import ServeSettings
-from verl.models.kv_cache import RowBatch, new_growing_cache
+from verl.models.kv_cache import RowBatch, left_padded, new_growing_cache
 from verl.models.loader import load_causal_lm, pick_device
 from verl.models.packed_linear import packed_weights
 from verl.rollout.sampler import draw_categorical
@@ -387,13 +387,7 @@ class TransformersEngine(Engine):
         now = time.perf_counter()
         for seq in seqs:
             seq.scheduled_time = now
-        prompts = [seq.request.prompt_token_ids for seq in seqs]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(seqs), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[i, width - len(prompt):] = 1
+        ids, mask = left_padded([seq.request.prompt_token_ids for seq in seqs], self.tokenizer.pad_token_id or 0)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = new_growing_cache(self.model.config)

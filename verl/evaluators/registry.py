@@ -22,9 +22,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
-import importlib.util
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +41,7 @@ from verl.evaluators.length import Length
 from verl.evaluators.reward import Reward
 from verl.evaluators.stats import Metric
 from verl.evaluators.tools import Tools
+from verl.utils.imports import import_file
 
 ENTRY_POINT_GROUP = "verl.evaluators"
 # The built-ins, in the order `verl eval` runs them when no --evaluators is given (KL only with a reference, tools
@@ -158,20 +157,10 @@ def _load_from_file(path: str, attr: str, spec: str) -> Any:
     file = Path(path).expanduser()
     if not file.is_file():
         raise ConfigError(f"evaluator '{spec}': file '{path}' does not exist")
-    module_name = f"verl_user_evaluator_{file.stem}_{abs(hash(str(file.resolve())))}"
-    if module_name in sys.modules:
-        module = sys.modules[module_name]
-    else:
-        mod_spec = importlib.util.spec_from_file_location(module_name, file)
-        if mod_spec is None or mod_spec.loader is None:
-            raise ConfigError(f"evaluator '{spec}': cannot import '{path}' as a Python file")
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[module_name] = module
-        try:
-            mod_spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[module_name]
-            raise ConfigError(f"evaluator '{spec}': importing '{path}' failed: {type(exc).__name__}: {exc}") from exc
+    try:
+        module = import_file(file, "verl_user_evaluator")
+    except Exception as exc:
+        raise ConfigError(f"evaluator '{spec}': importing '{path}' failed: {type(exc).__name__}: {exc}") from exc
     if not hasattr(module, attr):
         found = [n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n), type)]
         raise ConfigError(f"evaluator '{spec}': '{path}' defines no '{attr}' (classes there: {found})")

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from verl.config import MultiTurnConfig
-from verl.models.kv_cache import RowBatch, new_growing_cache, pad_left
+from verl.models.kv_cache import RowBatch, left_padded, new_growing_cache, pad_left
 from verl.models.packed_linear import packed_weights
 from verl.models.precision import at_least_float32
 from verl.protocol import DataProto
@@ -195,12 +195,7 @@ class AgentLoop:
         start) are computed once and their cache copied, as the single-turn sampler shares a prompt's prefill."""
         sequences = [tuple(row.prompt_ids + row.ids) for row in rows]
         unique = list(dict.fromkeys(sequences))
-        width = max(len(s) for s in unique)
-        ids = torch.full((len(unique), width), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-        mask = torch.zeros((len(unique), width), dtype=torch.long)
-        for i, sequence in enumerate(unique):
-            ids[i, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
-            mask[i, width - len(sequence):] = 1
+        ids, mask = left_padded(unique, self.tokenizer.pad_token_id or 0)
         ids, mask = ids.to(device), mask.to(device)
         cache = new_growing_cache(self.model.config)
         with self._autocast(device):

@@ -24,9 +24,7 @@ verl's rows, or a ``tools`` column of OpenAI function schemas (a list, or that l
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +34,7 @@ import yaml
 
 from verl.errors import ConfigError, DataError
 from verl.tools.calculator import SCHEMA as CALCULATOR_SCHEMA
+from verl.utils.imports import import_file
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -84,17 +83,10 @@ def load_function(target: str) -> Callable[..., Any]:
         file = Path(where).expanduser()
         if not file.is_file():
             raise ConfigError(f"tool function '{target}': file '{where}' does not exist")
-        name = f"verl_user_tool_{file.stem}_{abs(hash(str(file.resolve())))}"
-        module = sys.modules.get(name)
-        if module is None:
-            spec = importlib.util.spec_from_file_location(name, file)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            try:
-                spec.loader.exec_module(module)
-            except Exception as exc:
-                del sys.modules[name]
-                raise ConfigError(f"tool function '{target}': importing '{where}' failed: {exc!r}") from exc
+        try:
+            module = import_file(file, "verl_user_tool")
+        except Exception as exc:
+            raise ConfigError(f"tool function '{target}': importing '{where}' failed: {exc!r}") from exc
     else:
         try:
             module = importlib.import_module(where)
