@@ -150,9 +150,12 @@ def follow(log_path: str | Path, tb_dir: str | Path, interval: float = 30.0, onc
     converter = TensorBoardConverter(log_path, tb_dir)
     stop = threading.Event()
     previous = None
+    previous_int = None
     if threading.current_thread() is threading.main_thread():
-        # SIGTERM (e.g. from a process manager) stops as cleanly as Ctrl-C does.
+        # SIGTERM (e.g. from a process manager) and Ctrl-C only set the stop flag: a KeyboardInterrupt raised in
+        # the middle of an event-file write could leave the writer's lock held and hang the final close.
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        previous_int = signal.signal(signal.SIGINT, lambda *_: stop.set())
     waiting_reported = False
     try:
         while True:
@@ -174,4 +177,6 @@ def follow(log_path: str | Path, tb_dir: str | Path, interval: float = 30.0, onc
             converter.close()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+            if previous_int is not None:
+                signal.signal(signal.SIGINT, previous_int)
     return converter
