@@ -100,17 +100,23 @@ def check_generate(body: bytes | str | None) -> Completion:
                       _count(data.get("completion_tokens"), "completion_tokens", 1))
 
 
-def check_completion(body: bytes | str | None) -> Completion:
-    """``/v1/completions`` (not streamed): one choice with text and a finish reason, and usage counts."""
-    data = _parse(body)
-    if data.get("object") != "text_completion":
-        raise BadResponse(f"'object' must be 'text_completion'; got {data.get('object')!r}")
+def _single_choice(data: dict, obj: str) -> dict:
+    """The one choice of a non-streamed response whose ``object`` must be ``obj``."""
+    if data.get("object") != obj:
+        raise BadResponse(f"'object' must be '{obj}'; got {data.get('object')!r}")
     choices = data.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         raise BadResponse(f"'choices' must hold exactly one choice; got {str(choices)[:120]}")
-    text = _text(choices[0].get("text"), "choices[0].text")
-    if choices[0].get("finish_reason") not in ("stop", "length"):
-        raise BadResponse(f"'choices[0].finish_reason' must be stop or length; got {choices[0].get('finish_reason')!r}")
+    return choices[0]
+
+
+def check_completion(body: bytes | str | None) -> Completion:
+    """``/v1/completions`` (not streamed): one choice with text and a finish reason, and usage counts."""
+    data = _parse(body)
+    choice = _single_choice(data, "text_completion")
+    text = _text(choice.get("text"), "choices[0].text")
+    if choice.get("finish_reason") not in ("stop", "length"):
+        raise BadResponse(f"'choices[0].finish_reason' must be stop or length; got {choice.get('finish_reason')!r}")
     prompt, completion = _usage(data.get("usage"))
     return Completion(text, prompt, completion)
 
@@ -130,12 +136,8 @@ def check_chat_turn(body: bytes | str | None) -> ChatTurn:
     """``/v1/chat/completions`` (not streamed) with tools: one choice whose message has text, or tool calls
     (each with an id, a function name and arguments that are a JSON object) and ``finish_reason: tool_calls``."""
     data = _parse(body)
-    if data.get("object") != "chat.completion":
-        raise BadResponse(f"'object' must be 'chat.completion'; got {data.get('object')!r}")
-    choices = data.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise BadResponse(f"'choices' must hold exactly one choice; got {str(choices)[:120]}")
-    message, finish = choices[0].get("message"), choices[0].get("finish_reason")
+    choice = _single_choice(data, "chat.completion")
+    message, finish = choice.get("message"), choice.get("finish_reason")
     if not isinstance(message, dict) or message.get("role") != "assistant":
         raise BadResponse(f"'choices[0].message' must be an assistant message; got {str(message)[:120]}")
     calls = message.get("tool_calls") or []
