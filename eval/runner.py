@@ -329,9 +329,6 @@ def _multi_turn(settings: EvalSettings, run_cfg: Any) -> dict[str, Any] | None:
         return None
     if not merged.tools and not merged.tool_config_path:
         raise ConfigError("multi-turn evaluation needs tools: --tools calculator or --tool-config FILE")
-    if settings.engine != "hf":
-        raise ConfigError(f"multi-turn evaluation runs on the transformers engine for now; drop --engine "
-                          f"{settings.engine} (or --tools)")
     return merged.model_dump(mode="json")
 
 
@@ -530,13 +527,13 @@ class Evaluation:
             micro = self.run_cfg.rollout.micro_batch_size if self.run_cfg is not None else None
             bf16 = self.run_cfg is not None and self.run_cfg.actor.autocast == "bf16"
             engine = factory(policy, self.tokenizer, micro, self._torch.bfloat16 if bf16 else None)
-            turns = self._multi_turn_config()
-            return engine if turns is None else AgentRollout(engine, turns, self.resolved.max_new_tokens)
-
-        rollout_cfg = self.run_cfg.rollout if self.run_cfg is not None else RolloutConfig()
-        return factory(model_path=model_path, tokenizer=self.tokenizer, config=rollout_cfg,
-                       max_model_len=self.data_cfg.max_prompt_length + self.resolved.max_new_tokens,
-                       seed=self.resolved.seed, actor_model=policy)
+        else:
+            rollout_cfg = self.run_cfg.rollout if self.run_cfg is not None else RolloutConfig()
+            engine = factory(model_path=model_path, tokenizer=self.tokenizer, config=rollout_cfg,
+                             max_model_len=self.data_cfg.max_prompt_length + self.resolved.max_new_tokens,
+                             seed=self.resolved.seed, actor_model=policy)
+        turns = self._multi_turn_config()
+        return engine if turns is None else AgentRollout(engine, turns, self.resolved.max_new_tokens)
 
     def _kl_terms(self, policy: Any, batch: Any, label: str) -> dict[str, Any]:
         """Exact per-token KL of ``policy`` from the reference along the generated responses."""

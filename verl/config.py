@@ -546,9 +546,6 @@ class VerlConfig(Section):
         if self.trainer.one_step_off_policy and self.actor.strategy == "fsdp":
             raise ValueError("trainer.one_step_off_policy sends the actor's full weights to the rollout worker; it "
                              "does not work with actor.strategy=fsdp (use strategy=local)")
-        if self.rollout.multi_turn.enable and self.rollout.name != "hf":
-            raise ValueError(f"rollout.multi_turn runs on the transformers engine for now; rollout.name="
-                             f"{self.rollout.name} is not supported with it yet (use rollout.name=hf)")
         if self.rollout.multi_turn.enable and self.actor.strategy == "fsdp":
             raise ValueError("rollout.multi_turn decodes each trajectory on its own schedule (tools finish at "
                              "different times), which sharded FSDP forwards cannot follow; use actor.strategy=local")

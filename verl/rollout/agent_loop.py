@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from verl.config import MultiTurnConfig
-from verl.models.kv_cache import RowBatch, left_padded, new_growing_cache, pad_left
+from verl.models.kv_cache import Joining, RowBatch, left_padded, new_growing_cache, pad_left
 from verl.models.packed_linear import packed_weights
 from verl.models.precision import at_least_float32
 from verl.protocol import DataProto
@@ -77,23 +77,35 @@ class Trajectory:
     kv_mask: torch.Tensor | None = None
     cached: int = 0
 
+    _uniforms: list[float] = field(default_factory=list)
+
+    def next_uniform(self) -> float:
+        """The next draw of this trajectory's own stream (drawn 64 at a time: one call per row per step was ~2% of
+        a rollout)."""
+        if not self._uniforms:
+            draws = torch.rand(64, generator=self.generator, dtype=torch.float64, device=self.generator.device)
+            self._uniforms = draws.tolist()[::-1]
+        return self._uniforms.pop()
+
     def append(self, token: int, generated: bool, log_prob: float = 0.0) -> None:
         self.ids.append(token)
         self.mask.append(int(generated))
         self.log_probs.append(log_prob if generated else 0.0)
 
 
-class AgentLoop:
-    """Runs trajectories to the end on a transformers model: continuous batching, tools off the decode path."""
+class ToolTurns:
+    """What every engine's agent loop shares: the turn logic (parse calls, submit them to the ``ToolRunner``, append
+    the tool turn's template ids) around an engine-specific ``run``, which decodes the ready trajectories and calls
+    ``_end_turn`` when one ends a turn with eos."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, runner: ToolRunner, tool_set: ToolSet,
-                 config: MultiTurnConfig, max_response_length: int, template: str,
-                 autocast_dtype: torch.dtype | None = None):
-        self.model, self.tokenizer, self.runner, self.tool_set = model, tokenizer, runner, tool_set
+    gives_log_probs = True  # whether ``run`` records each generated id's behaviour log-prob
+
+    def __init__(self, tokenizer: Any, runner: ToolRunner, tool_set: ToolSet, config: MultiTurnConfig,
+                 max_response_length: int, template: str, max_positions: int):
+        self.tokenizer, self.runner, self.tool_set = tokenizer, runner, tool_set
         self.config, self.budget, self.template = config, max_response_length, template
-        self.autocast_dtype = autocast_dtype
         self.eos_id = tokenizer.eos_token_id
-        self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self.max_positions = max_positions
         self._conversations: dict[tuple[str, ...], ConversationTokens] = {}
 
     def conversation(self, tools: list[str]) -> ConversationTokens:
@@ -102,6 +114,80 @@ class AgentLoop:
             self._conversations[key] = ConversationTokens(self.tokenizer, self.template, self.tool_set.schemas(tools))
         return self._conversations[key]
 
+    def run(self, trajectories: list[Trajectory], params: SamplingParams) -> None:
+        """Decode every trajectory to its end (``Trajectory.finish`` set)."""
+        raise NotImplementedError
+
+    def _end_turn(self, row: Trajectory, waiting: list[Trajectory]) -> None:
+        """The model ended a turn with eos: a final answer, or calls to run (unless no turn or budget is left)."""
+        text = self.tokenizer.decode(row.ids[row.turn_start:-1], skip_special_tokens=True)
+        row.turns += 1
+        turn = parse_tool_calls(text)
+        if not turn.has_calls:
+            row.finish = "stop"
+            return
+        for call in turn.calls:
+            row.calls += 1
+            row.valid_calls += int(self.runner.check(call, row.tools) is None)  # parses, fits a tool's schema
+        # Calls in a turn with nothing after it are counted (the model made them) but not run.
+        if row.turns >= self.config.max_assistant_turns or len(row.ids) >= self.budget:
+            row.finish = "turns" if row.turns >= self.config.max_assistant_turns else "length"
+            row.trace.extend({"turn": row.turns, "name": call.name, "arguments": call.arguments, "result": None,
+                              "error": f"not run: the trajectory ended ({row.finish} limit)"} for call in turn.calls)
+            return
+        for index, call in enumerate(turn.calls):
+            if index >= self.config.max_parallel_calls:
+                result: concurrent.futures.Future[ToolResult] = concurrent.futures.Future()
+                result.set_result(failed(f"at most {self.config.max_parallel_calls} calls per turn"))
+            else:
+                result = self.runner.submit(call, row.tools, row.hidden_kwargs.get(call.name))
+            row.waiting.append((call, result))
+        waiting.append(row)
+
+    def _collect_tool_results(self, waiting: list[Trajectory], ready: collections.deque[Trajectory],
+                              block: bool) -> None:
+        """Move trajectories whose tool results have all arrived to ``ready``, with their tool turn appended; with
+        ``block`` (nothing else to do), wait for the first one."""
+        if not waiting:
+            return
+        if block:
+            pending = [future for row in waiting for _, future in row.waiting if not future.done()]
+            if pending:
+                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        for row in [r for r in waiting if all(future.done() for _, future in r.waiting)]:
+            waiting.remove(row)
+            messages = []
+            for call, future in row.waiting:
+                result = future.result()
+                row.tool_errors += int(not result.ok)
+                row.trace.append({"turn": row.turns, "name": call.name, "arguments": call.arguments,
+                                  "result": result.content, "error": result.error})
+                messages.append({"role": "tool", "name": call.name, "tool_call_id": call.id,
+                                 "content": result.content})
+            row.waiting = []
+            turn = self.conversation(row.tools).turn_ids(messages)
+            room = self.budget - len(row.ids)
+            for token in turn[:room]:
+                row.append(token, generated=False)
+            if len(turn) >= room or len(row.prompt_ids) + len(row.ids) >= self.max_positions:
+                row.finish = "length"  # no room left to answer
+                row.kv, row.kv_mask = None, None
+                continue
+            row.turn_start = len(row.ids)
+            ready.append(row)
+
+
+class AgentLoop(ToolTurns):
+    """Runs trajectories to the end on a transformers model: continuous batching, tools off the decode path."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, runner: ToolRunner, tool_set: ToolSet,
+                 config: MultiTurnConfig, max_response_length: int, template: str,
+                 autocast_dtype: torch.dtype | None = None):
+        max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        super().__init__(tokenizer, runner, tool_set, config, max_response_length, template, max_positions)
+        self.model = model
+        self.autocast_dtype = autocast_dtype
+
     @torch.no_grad()
     @packed_weights()  # frozen linear layers multiply by oneDNN-packed weights, as in the single-turn sampler
     def run(self, trajectories: list[Trajectory], params: SamplingParams) -> None:
@@ -109,20 +195,25 @@ class AgentLoop:
         ready: collections.deque[Trajectory] = collections.deque(trajectories)
         waiting: list[Trajectory] = []
         batch = RowBatch()
+        leaving_keep: list[int] | None = None  # rows to keep after the last decode step (the others left)
         warpers = logits_warpers(params)
         device = next(self.model.parameters()).device
         while ready or len(batch) or waiting:
             self._collect_tool_results(waiting, ready, block=not ready and not len(batch))
+            joining = []
             if ready:
-                joining = list(ready)
+                rows_in = list(ready)
                 ready.clear()
-                rejoining = [row for row in joining if row.kv is not None]
-                fresh = [row for row in joining if row.kv is None]
+                rejoining = [row for row in rows_in if row.kv is not None]
+                fresh = [row for row in rows_in if row.kv is None]
                 for rows, forward in ((fresh, self._prefill), (rejoining, self._extend)):
                     if rows:
                         logits, cache, mask = forward(rows, device)
                         keep, tokens = self._advance(rows, logits, params, warpers, waiting)
-                        self._join(batch, rows, keep, tokens, cache, mask, device)
+                        joining.append(Joining([rows[i] for i in keep], cache, mask, tokens.to(device), keep))
+            # The last step's leavers go and the new rows join in one pass over the cache.
+            batch.rebuild(leaving_keep, joining)
+            leaving_keep = None
             if len(batch):
                 mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], dim=1)
                 positions = batch.mask.sum(-1, keepdim=True)
@@ -134,19 +225,9 @@ class AgentLoop:
                                              waiting)
                 self._park(batch, keep)
                 batch.next_tokens = tokens.to(device)
-                batch.keep(keep)
+                leaving_keep = keep
 
     # ---------------------------------------------------------------- decoding
-
-    def _join(self, batch: RowBatch, rows: list[Trajectory], keep: list[int], tokens: torch.Tensor,
-              cache: Any, mask: torch.Tensor, device: torch.device) -> None:
-        """Add the rows ``keep`` of a prefill or extension (its ``cache`` and ``mask``) to the running batch."""
-        if not keep:
-            return
-        index = torch.tensor(keep, dtype=torch.long, device=device)
-        for layer in cache.layers:
-            layer.set_state(layer.keys.index_select(0, index), layer.values.index_select(0, index))
-        batch.add([rows[i] for i in keep], cache, mask.index_select(0, index), tokens.to(device).index_select(0, index))
 
     @staticmethod
     def _park(batch: RowBatch, keep: list[int]) -> None:
@@ -219,8 +300,8 @@ class AgentLoop:
             tokens = logits.argmax(-1)
         else:
             scores = warpers(None, logits) if warpers else logits
-            uniform = torch.cat([torch.rand(1, 1, generator=row.generator, dtype=torch.float64,
-                                            device=logits.device) for row in rows])
+            uniform = torch.tensor([[row.next_uniform()] for row in rows], dtype=torch.float64,
+                                   device=logits.device)
             tokens = draw_categorical(torch.softmax(scores, dim=-1), uniform=uniform)
         behaviour = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
         chosen = behaviour.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
@@ -236,64 +317,6 @@ class AgentLoop:
                 keep.append(i)
         return keep, tokens
 
-    def _end_turn(self, row: Trajectory, waiting: list[Trajectory]) -> None:
-        """The model ended a turn with eos: a final answer, or calls to run (unless no turn or budget is left)."""
-        text = self.tokenizer.decode(row.ids[row.turn_start:-1], skip_special_tokens=True)
-        row.turns += 1
-        turn = parse_tool_calls(text)
-        if not turn.has_calls:
-            row.finish = "stop"
-            return
-        for call in turn.calls:
-            row.calls += 1
-            row.valid_calls += int(self.runner.check(call, row.tools) is None)  # parses, fits a tool's schema
-        # Calls in a turn with nothing after it are counted (the model made them) but not run.
-        if row.turns >= self.config.max_assistant_turns or len(row.ids) >= self.budget:
-            row.finish = "turns" if row.turns >= self.config.max_assistant_turns else "length"
-            row.trace.extend({"turn": row.turns, "name": call.name, "arguments": call.arguments, "result": None,
-                              "error": f"not run: the trajectory ended ({row.finish} limit)"} for call in turn.calls)
-            return
-        for index, call in enumerate(turn.calls):
-            if index >= self.config.max_parallel_calls:
-                result: concurrent.futures.Future[ToolResult] = concurrent.futures.Future()
-                result.set_result(failed(f"at most {self.config.max_parallel_calls} calls per turn"))
-            else:
-                result = self.runner.submit(call, row.tools, row.hidden_kwargs.get(call.name))
-            row.waiting.append((call, result))
-        waiting.append(row)
-
-    def _collect_tool_results(self, waiting: list[Trajectory], ready: collections.deque[Trajectory],
-                              block: bool) -> None:
-        """Move trajectories whose tool results have all arrived to ``ready``, with their tool turn appended; with
-        ``block`` (nothing else to do), wait for the first one."""
-        if not waiting:
-            return
-        if block:
-            pending = [future for row in waiting for _, future in row.waiting if not future.done()]
-            if pending:
-                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-        for row in [r for r in waiting if all(future.done() for _, future in r.waiting)]:
-            waiting.remove(row)
-            messages = []
-            for call, future in row.waiting:
-                result = future.result()
-                row.tool_errors += int(not result.ok)
-                row.trace.append({"turn": row.turns, "name": call.name, "arguments": call.arguments,
-                                  "result": result.content, "error": result.error})
-                messages.append({"role": "tool", "name": call.name, "tool_call_id": call.id,
-                                 "content": result.content})
-            row.waiting = []
-            turn = self.conversation(row.tools).turn_ids(messages)
-            room = self.budget - len(row.ids)
-            for token in turn[:room]:
-                row.append(token, generated=False)
-            if len(turn) >= room or len(row.prompt_ids) + len(row.ids) >= self.max_positions:
-                row.finish = "length"  # no room left to answer
-                row.kv, row.kv_mask = None, None
-                continue
-            row.turn_start = len(row.ids)
-            ready.append(row)
-
     def _autocast(self, device: torch.device):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
@@ -301,8 +324,9 @@ class AgentLoop:
 
 
 class AgentRollout(RolloutEngine):
-    """The multi-turn rollout engine: the same interface as the single-turn ones, over the transformers model the
-    actor trains (``engine``: the ``HFRollout`` it replaces, whose model and tokenizer it decodes with)."""
+    """The multi-turn rollout engine: the same interface as the single-turn ones, over the engine it wraps
+    (``engine``: an ``HFRollout`` decoding the actor's own model, or a ``VLLMRollout``), whose ``agent_loop``
+    gives the engine's way of decoding turns; the turn logic and the tools are the same for both."""
 
     name = "agent"
 
@@ -313,12 +337,7 @@ class AgentRollout(RolloutEngine):
         self.tool_set = prompting.tool_set
         self.runner = ToolRunner(self.tool_set, max_response_chars=config.max_tool_response_length,
                                  processes=config.tool_processes, threads=config.tool_threads)
-        self.loop = AgentLoop(engine.model, engine.tokenizer, self.runner, self.tool_set, config,
-                              max_response_length, prompting.template, getattr(engine, "autocast_dtype", None))
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.engine.model
+        self.loop = engine.agent_loop(self.runner, self.tool_set, config, max_response_length, prompting.template)
 
     @property
     def tokenizer(self) -> Any:
@@ -327,15 +346,18 @@ class AgentRollout(RolloutEngine):
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         """``prompts`` as for any engine (left-padded ids; ``tool_names`` / ``tool_kwargs`` per row when the
         dataset gives them, else every configured tool) -> one row per trajectory (see the module docstring)."""
-        model = self.engine.model
-        was_training = model.training
-        model.eval()
+        model = getattr(self.engine, "model", None)  # the transformers engine decodes the actor's module itself
+        was_training = model is not None and model.training
+        if model is not None:
+            model.eval()
         try:
             trajectories = self._start(prompts, params)
             self.loop.run(trajectories, params)
         finally:
-            model.train(was_training)
-        return assemble_trajectories(prompts, trajectories, params.n, self.engine.tokenizer.pad_token_id)
+            if model is not None:
+                model.train(was_training)
+        return assemble_trajectories(prompts, trajectories, params.n, self.engine.tokenizer.pad_token_id,
+                                     log_probs=self.loop.gives_log_probs)
 
     def _start(self, prompts: DataProto, params: SamplingParams) -> list[Trajectory]:
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
@@ -363,21 +385,24 @@ class AgentRollout(RolloutEngine):
         self.engine.shutdown()
 
 
-def assemble_trajectories(prompts: DataProto, trajectories: list[Trajectory], n: int, pad_id: int) -> DataProto:
+def assemble_trajectories(prompts: DataProto, trajectories: list[Trajectory], n: int, pad_id: int,
+                          log_probs: bool = True) -> DataProto:
     """The rollout output for finished trajectories (rows ``prompts x n``): as ``assemble_rollout``'s, except
-    that ``response_mask`` is the loss mask (0 on tool turns) and ``attention_mask`` covers every response id."""
+    that ``response_mask`` is the loss mask (0 on tool turns) and ``attention_mask`` covers every response id.
+    ``log_probs``: whether the trajectories carry behaviour log-probs (``rollout_log_probs``); without them the
+    trainer recomputes the old log-probs in one forward, as for the single-turn vLLM engine."""
     rows = len(trajectories)
     width = max(1, max(len(t.ids) for t in trajectories))
     responses = torch.full((rows, width), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((rows, width), dtype=torch.long)
     present = torch.zeros((rows, width), dtype=torch.long)
-    log_probs = torch.zeros((rows, width), dtype=torch.float32)
+    behaviour = torch.zeros((rows, width), dtype=torch.float32)
     for i, t in enumerate(trajectories):
         length = len(t.ids)
         responses[i, :length] = torch.tensor(t.ids, dtype=torch.long)
         loss_mask[i, :length] = torch.tensor(t.mask, dtype=torch.long)
         present[i, :length] = 1
-        log_probs[i, :length] = torch.tensor(t.log_probs, dtype=torch.float32)
+        behaviour[i, :length] = torch.tensor(t.log_probs, dtype=torch.float32)
     prompt_ids = prompts.batch["input_ids"].repeat_interleave(n, dim=0)
     prompt_mask = prompts.batch["attention_mask"].repeat_interleave(n, dim=0)
     attention_mask = torch.cat([prompt_mask, present], dim=1)
@@ -390,10 +415,12 @@ def assemble_trajectories(prompts: DataProto, trajectories: list[Trajectory], n:
         finish_reason=[t.finish or "length" for t in trajectories],
         tool_trace=[list(t.trace) for t in trajectories],  # DataProto keeps each row's list as one object
     )
+    tensors = {"prompts": prompt_ids, "responses": responses, "response_mask": loss_mask,
+               "input_ids": torch.cat([prompt_ids, responses], dim=1), "attention_mask": attention_mask,
+               "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask}
+    if log_probs:
+        tensors["rollout_log_probs"] = behaviour * loss_mask
     return DataProto.from_dict(
-        tensors={"prompts": prompt_ids, "responses": responses, "response_mask": loss_mask,
-                 "input_ids": torch.cat([prompt_ids, responses], dim=1), "attention_mask": attention_mask,
-                 "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask,
-                 "rollout_log_probs": log_probs * loss_mask},
+        tensors=tensors,
         non_tensors=non_tensors, meta=dict(prompts.meta), stage="rollout",
     )

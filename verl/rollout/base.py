@@ -22,12 +22,18 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from verl.errors import ConfigError
 from verl.models.precision import at_least_float32
 from verl.protocol import DataProto
+
+if TYPE_CHECKING:  # annotations only
+    from verl.config import MultiTurnConfig
+    from verl.tools.registry import ToolSet
+    from verl.tools.runner import ToolRunner
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,12 @@ class RolloutEngine:
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Load the actor's weights. In-process engines that share the module need nothing."""
+
+    def agent_loop(self, runner: ToolRunner, tool_set: ToolSet, config: MultiTurnConfig, max_response_length: int,
+                   template: str) -> Any:
+        """This engine's multi-turn decoding, a ``ToolTurns`` (``rollout.multi_turn``; the agent loop module imports
+        this one, so the type is not named here)."""
+        raise ConfigError(f"rollout engine '{self.name}' has no multi-turn loop; use rollout.name=hf or vllm")
 
     def shutdown(self) -> None:
         """Release engine resources."""

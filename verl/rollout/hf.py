@@ -12,10 +12,14 @@ import contextlib
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from verl.config import MultiTurnConfig
 from verl.models.packed_linear import packed_weights
 from verl.protocol import DataProto
+from verl.rollout.agent_loop import AgentLoop
 from verl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, pad_responses, register_rollout
 from verl.rollout.sampler import sample_with_shared_prefill, supports_shared_prefill
+from verl.tools.registry import ToolSet
+from verl.tools.runner import ToolRunner
 
 
 @register_rollout("hf")
@@ -86,6 +90,12 @@ class HFRollout(RolloutEngine):
             self.model.train(was_training)
         return assemble_rollout(prompts, ids.cpu(), mask.cpu(), responses.cpu(), self.eos_id, self.pad_id, params.n,
                                 log_probs=None if behaviour is None else behaviour.cpu())
+
+    def agent_loop(self, runner: ToolRunner, tool_set: ToolSet, config: MultiTurnConfig, max_response_length: int,
+                   template: str) -> AgentLoop:
+        """Multi-turn decoding on this engine's model: a continuous batch that keeps each waiting row's KV cache."""
+        return AgentLoop(self.model, self.tokenizer, runner, tool_set, config, max_response_length, template,
+                         self.autocast_dtype)
 
     def _autocast(self, device: torch.device):
         if self.autocast_dtype is None:

@@ -41,12 +41,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from verl.config import RolloutConfig
+from verl.config import MultiTurnConfig, RolloutConfig
 from verl.errors import ConfigError, MissingDependencyError, ModelError
 from verl.models.loader import resolve_model_path
 from verl.models.lora import merged_copy
 from verl.protocol import DataProto
 from verl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, register_rollout
+from verl.rollout.vllm_agent_loop import VLLMAgentLoop
+from verl.tools.registry import ToolSet
+from verl.tools.runner import ToolRunner
 
 try:
     import vllm
@@ -269,6 +272,12 @@ class VLLMRollout(RolloutEngine):
             if row:
                 out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         return out
+
+    def agent_loop(self, runner: ToolRunner, tool_set: ToolSet, config: MultiTurnConfig, max_response_length: int,
+                   template: str) -> VLLMAgentLoop:
+        """Multi-turn decoding on this engine: one request per assistant turn, re-sent ids served from vLLM's
+        prefix cache (``verl.rollout.vllm_agent_loop``)."""
+        return VLLMAgentLoop(self.llm, self.tokenizer, runner, tool_set, config, max_response_length, template)
 
     # ------------------------------------------------------------------ weights and lifetime
 

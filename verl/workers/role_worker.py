@@ -106,12 +106,12 @@ class RoleWorker:
             stop_when = (lambda done: all_ranks(done, self.dist)) if self.dist.fsdp else None
             self.rollout = factory(model, self.tokenizer, cfg.rollout.micro_batch_size, autocast,
                                    stop_when=stop_when)
-            if cfg.rollout.multi_turn.enable:  # tool-calling trajectories over the same model (agent_loop.py)
-                self.rollout = AgentRollout(self.rollout, cfg.rollout.multi_turn, cfg.data.max_response_length)
         else:
             self.rollout = factory(model_path=cfg.model.path, tokenizer=self.tokenizer, config=cfg.rollout,
                                    max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                                    seed=cfg.trainer.seed, actor_model=model)
+        if cfg.rollout.multi_turn.enable:  # tool-calling trajectories on the same engine (agent_loop.py)
+            self.rollout = AgentRollout(self.rollout, cfg.rollout.multi_turn, cfg.data.max_response_length)
 
     def _build_reference(self) -> None:
         cfg = self.config
