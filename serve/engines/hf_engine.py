@@ -62,7 +62,7 @@ from serve.engines.base import (
     TokenLogprob,
 )
 from serve.settings import ServeSettings
-from verl.models.kv_cache import RowBatch, left_padded, new_growing_cache
+from verl.models.kv_cache import Joining, RowBatch, left_padded, new_growing_cache
 from verl.models.loader import load_causal_lm, pick_device
 from verl.models.packed_linear import packed_weights
 from verl.rollout.sampler import draw_categorical
@@ -405,12 +405,8 @@ class TransformersEngine(Engine):
         self._prefilling = 0
         keep = self._after_sampling(seqs, tokens, deliveries, _token_logprobs(logits, tokens, seqs))
         if keep:
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            if len(keep) < len(seqs):
-                for layer in cache.layers:
-                    layer.set_state(layer.keys.index_select(0, index), layer.values.index_select(0, index))
-            self._batch.add([seqs[i] for i in keep], cache, mask.index_select(0, index),
-                            tokens.to(self.device).index_select(0, index))
+            self._batch.rebuild(None, [Joining([seqs[i] for i in keep], cache, mask, tokens.to(self.device),
+                                               None if len(keep) == len(seqs) else keep)])
 
     def _decode_step(self, deliveries: list) -> None:
         """One token for every running row. A row whose sampling fails fails alone; a failed forward fails the

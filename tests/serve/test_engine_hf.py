@@ -227,3 +227,47 @@ def test_penalized_greedy_decoding_equals_a_reference_loop(engine_and_loop):
     assert result["tokens"] == tokens
     [plain] = _run_all(engine, loop, [prompt], [SamplingOptions(max_tokens=10, temperature=0.0, ignore_eos=True)])
     assert plain["tokens"] != tokens
+
+
+def test_row_batch_rebuild_drops_and_joins_rows_in_one_pass():
+    """``RowBatch.rebuild`` = keep some rows, then add new ones (a subset of a prefill), right-aligned, trimmed:
+    each row's real columns land at the right end with their mask, padding is zero (finite) and masked."""
+    from transformers import LlamaConfig
+
+    from verl.models.kv_cache import Joining, RowBatch, new_growing_cache
+
+    gen = torch.Generator().manual_seed(0)
+
+    def cache_of(rows: int, width: int):
+        cache = new_growing_cache(LlamaConfig(num_hidden_layers=2))
+        for layer in cache.layers:
+            keys, values = (torch.randn(rows, 2, width, 4, generator=gen) for _ in range(2))
+            layer.set_state(keys, values)
+        return cache
+
+    batch = RowBatch()
+    first, first_mask = cache_of(3, 6), torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6, [0, 0, 0, 0, 1, 1]])
+    batch.add(["a", "b", "c"], first, first_mask, torch.tensor([7, 8, 9]))
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in batch.cache.layers]
+    joining, joining_mask = cache_of(3, 8), torch.tensor([[1] * 8, [0, 0, 0, 1, 1, 1, 1, 1], [0] * 7 + [1]])
+    new_keys = [layer.keys.clone() for layer in joining.layers]
+    # Row "b" (the longest) leaves, so two columns become padding for every kept row and are trimmed; of the
+    # prefill's three rows, only rows 1 and 2 join.
+    batch.rebuild([0, 2], [Joining(["y", "z"], joining, joining_mask, torch.tensor([4, 5, 6]), [1, 2])])
+    assert batch.rows == ["a", "c", "y", "z"] and batch.next_tokens.tolist() == [7, 9, 5, 6]
+    assert batch.mask.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1],
+                                   [0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 1]]
+    for number, layer in enumerate(batch.cache.layers):
+        assert layer.keys.shape == (4, 2, 8, 4)
+        assert torch.equal(layer.keys[0, :, 4:], before[number][0][0, :, 2:])  # its 4 real columns, right-aligned
+        assert torch.equal(layer.values[1, :, 4:], before[number][1][2, :, 2:])
+        assert torch.equal(layer.keys[2:], new_keys[number][1:])
+        assert torch.count_nonzero(layer.keys[:2, :, :2]) == 0  # the new padding columns are zeros, not garbage
+    # Decoding appends in place after a rebuild (headroom), and keeping every row changes nothing.
+    for layer in batch.cache.layers:
+        layer.update(torch.ones(4, 2, 1, 4), torch.ones(4, 2, 1, 4))
+        assert layer.keys.shape[2] == 9 and torch.equal(layer.keys[:, :, -1], torch.ones(4, 2, 4))
+    batch.keep([0, 1, 2, 3])
+    assert batch.rows == ["a", "c", "y", "z"]
+    batch.keep([])
+    assert len(batch) == 0 and batch.cache is None
