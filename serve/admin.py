@@ -11,11 +11,21 @@ every call needs ``Authorization: Bearer <admin_api_key>`` (the service's own ``
 
 A change is applied in one step on the event loop: each request sees the old routing or the new, and a model is
 released only after its last request finished, so a change never fails or drops a request.
+
+One process, one control plane. Models and routes live in the process that serves them. Under
+``uvicorn serve.api:app --workers N`` (or gunicorn's ``-w N``, or ``WEB_CONCURRENCY=N``) each worker holds its own
+copy, and a change would reach only the worker that happened to answer the admin call: a promote that half the
+traffic never sees. So with more than one worker every change is refused (409 ``multiple_workers``) with the
+reason, and ``GET /admin/state`` says which worker answered; reads still work. Run admin-managed services as one
+worker per process.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
+import sys
+from collections.abc import Mapping, Sequence
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -47,33 +57,70 @@ async def require_admin_key(request: Request,
     check_admin_key(service_of(request).settings, credentials.credentials if credentials is not None else "")
 
 
+def serving_processes(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """How many server processes run this app, as its launch says: ``--workers N`` / ``--workers=N`` / ``-w N`` on
+    the command line (uvicorn's and gunicorn's workers are spawned with the parent's ``sys.argv``), else
+    ``WEB_CONCURRENCY`` (both servers read it), else 1."""
+    argv = list(sys.argv if argv is None else argv)
+    environ = os.environ if environ is None else environ
+    for i, arg in enumerate(argv):
+        value = None
+        if arg in ("--workers", "-w") and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--workers="):
+            value = arg.split("=", 1)[1]
+        if value is not None and value.isdigit():
+            return max(1, int(value))
+    concurrency = environ.get("WEB_CONCURRENCY", "")
+    return max(1, int(concurrency)) if concurrency.isdigit() else 1
+
+
+def multiple_workers_problem(workers: int) -> str | None:
+    """The one line that refuses admin changes when ``workers`` processes each hold their own routes."""
+    if workers <= 1:
+        return None
+    return (f"admin changes are refused: this service runs as {workers} worker processes (uvicorn/gunicorn --workers "
+            f"or WEB_CONCURRENCY), each with its own models and routes, so a change would reach only the worker "
+            f"that answered; run the admin-managed service as one worker (drop --workers)")
+
+
 def state(service: Service) -> dict:
     registry = service.registry
+    workers = serving_processes()
     return {
+        "process": {"pid": os.getpid(), "workers": workers, "changes": multiple_workers_problem(workers) or "allowed"},
         "models": [{"name": m.name, "kind": m.kind, "base": m.base, "source": m.source, "in_flight": m.in_flight,
                     "retiring": m.retiring, "engine": m.engine.name} for m in registry.models.values()],
         "routes": {route: dict(weights) for route, weights in registry.routes.items()},
     }
 
 
+async def require_one_process() -> None:
+    """Refuse a change that would reach one worker of several (409, one line that says why)."""
+    problem = multiple_workers_problem(serving_processes())
+    if problem is not None:
+        raise ApiError(409, problem, code="multiple_workers")
+
+
 def admin_router(service: Service) -> APIRouter:
     router = APIRouter(prefix=ADMIN_PREFIX, tags=["admin"], dependencies=[Depends(require_admin_key)])
+    one_process = [Depends(require_one_process)]
 
     @router.get("/state")
     async def get_state() -> dict:
         return state(service)
 
-    @router.put("/routes/{route}")
+    @router.put("/routes/{route}", dependencies=one_process)
     async def put_route(route: str, body: RouteWeights) -> dict:
         await service.put_route(route, body.weights)
         return state(service)
 
-    @router.delete("/routes/{route}")
+    @router.delete("/routes/{route}", dependencies=one_process)
     async def delete_route(route: str) -> dict:
         await service.delete_route(route)
         return state(service)
 
-    @router.post("/models")
+    @router.post("/models", dependencies=one_process)
     async def load_model(body: dict) -> dict:
         try:
             entry = ModelEntry(**body)
@@ -82,7 +129,7 @@ def admin_router(service: Service) -> APIRouter:
         await service.add_model(entry)
         return state(service)
 
-    @router.delete("/models/{name}")
+    @router.delete("/models/{name}", dependencies=one_process)
     async def unload_model(name: str) -> dict:
         await service.remove_model(name)
         return state(service)

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve import __version__
-from serve.admin import ADMIN_PREFIX, admin_router, check_admin_key
+from serve.admin import ADMIN_PREFIX, admin_router, check_admin_key, multiple_workers_problem, serving_processes
 from serve.metrics import ServeMetrics
 from serve.routes import add_routes
 from serve.service import ApiError, Service, check_bearer, error_body, error_response
@@ -198,6 +198,9 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
     add_routes(app, service)
     if settings.admin_api_key is not None:
         app.include_router(admin_router(service))
+        problem = multiple_workers_problem(serving_processes())
+        if problem is not None:
+            log.warning("verl serve: %s", problem)
     return app
 
 

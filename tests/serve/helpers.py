@@ -82,13 +82,14 @@ def run_server(wait: bool = True, as_verl_serve: bool = False, **overrides) -> I
 
 
 @contextlib.contextmanager
-def run_server_process(env: dict[str, str], python: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+def run_server_process(env: dict[str, str], python: str | None = None,
+                       uvicorn_args: tuple[str, ...] = ()) -> Iterator[tuple[str, subprocess.Popen]]:
     """``python -m uvicorn serve.api:app`` in a subprocess (real signals, real startup), configured by env."""
     port = free_port()
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **env}
     proc = subprocess.Popen(
         [python or sys.executable, "-m", "uvicorn", "serve.api:app", "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "warning", "--timeout-graceful-shutdown", "30"],
+         "--log-level", "warning", "--timeout-graceful-shutdown", "30", *uvicorn_args],
         cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

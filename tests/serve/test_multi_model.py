@@ -294,6 +294,45 @@ def test_promote_load_and_unload_under_load_drop_nothing(adapters) -> None:
         assert r.returncode == 1 and "401" in r.stderr
 
 
+def test_serving_processes_reads_the_launch_line() -> None:
+    from serve.admin import multiple_workers_problem, serving_processes
+
+    assert serving_processes(["uvicorn", "serve.api:app"], {}) == 1
+    assert serving_processes(["uvicorn", "serve.api:app", "--workers", "2"], {}) == 2
+    assert serving_processes(["uvicorn", "serve.api:app", "--workers=3"], {}) == 3
+    assert serving_processes(["gunicorn", "-w", "4", "serve.api:app"], {}) == 4
+    assert serving_processes(["uvicorn", "serve.api:app"], {"WEB_CONCURRENCY": "2"}) == 2
+    assert multiple_workers_problem(1) is None and "2 worker processes" in multiple_workers_problem(2)
+
+
+def test_two_uvicorn_workers_refuse_admin_changes_instead_of_splitting_the_fleet() -> None:
+    """The scenario from the field: ``uvicorn --workers 2`` with an admin key, then ``verl promote``. Each worker
+    holds its own routes, so a change would reach one of them; both refuse it with the reason, every state read
+    shows the same routes, and the service keeps answering."""
+    from tests.serve.helpers import run_server_process, wait_healthy
+
+    env = {"VERL_SERVE_MODEL": "builtin:tiny-arith", "VERL_SERVE_ADMIN_API_KEY": ADMIN_KEY, "HF_HUB_OFFLINE": "1"}
+    with run_server_process(env, uvicorn_args=("--workers", "2")) as (url, _proc):
+        wait_healthy(url, timeout=180)
+        r = _verl("promote", "--service", url, "--model", "b", "--path", "builtin:tiny-arith", "--weight", "1.0",
+                  VERL_SERVE_ADMIN_API_KEY=ADMIN_KEY)
+        assert r.returncode == 1, r.stdout
+        assert "admin changes are refused: this service runs as 2 worker processes" in r.stderr, r.stderr
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        states, pids = [], set()
+        for _ in range(10):  # a fresh connection each time, so both workers answer
+            with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+                put = client.put("/admin/routes/default", json={"weights": {"tiny-arith": 1.0}})
+                assert put.status_code == 409 and put.json()["error"]["code"] == "multiple_workers", put.text
+                state = client.get("/admin/state").json()
+            states.append(state["routes"])
+            pids.add(state["process"]["pid"])
+            assert state["process"]["workers"] == 2 and state["process"]["changes"].startswith("admin changes are")
+        assert all(routes == states[0] for routes in states) and len(pids) <= 2
+        answer = httpx.post(url + "/v1/completions", json={"prompt": "12+7=", "max_tokens": 4}, timeout=60)
+        assert answer.status_code == 200
+
+
 # ---------------------------------------------------------------- the online A/B report
 
 
