@@ -8,9 +8,10 @@ response budget, four ways on one torch thread:
 - ``multi-turn 200 ms``: the same calculator sleeping 200 ms per call (a slow API), run on the tool threads;
 - (computed) ``tool wait``: calls x 200 ms, the time a loop that stopped decoding for every call would add.
 
-tokens/s = generated tokens (``response_mask`` sum: the model's tokens, not the tool turns) / wall time of one
-``generate``; medians over repeats, the modes' order rotating between repeats. The claim checked: with a 200 ms
-tool, multi-turn tokens/s stays >= 80% of single-turn tokens/s (the other trajectories keep decoding while one
+Both engines return the behaviour log-probs, as the trainer asks for them (``logprobs=True``: they become the
+old log-probs). tokens/s = generated tokens (``response_mask`` sum: the model's tokens, not the tool turns) / wall
+time of one ``generate``; medians over repeats, the modes' order rotating between repeats. The claim checked: with a
+200 ms tool, multi-turn tokens/s stays >= 80% of single-turn tokens/s (the other trajectories keep decoding while one
 waits). Decode GFLOP/s is reported as a % of a plain GEMM of the decode shape timed in the same run.
 
 Serving: one uvicorn server (transformers engine) on the same model; requests one at a time (and 8 at a time)
@@ -89,7 +90,7 @@ def rollout_modes(model_path: str, prompts: int, n: int, budget: int, repeats: i
             for name in order:
                 engine, delay = modes[name]
                 os.environ[DELAY_ENV] = str(delay)
-                params = SamplingParams(n=n, temperature=1.0, max_new_tokens=budget, seed=repeat)
+                params = SamplingParams(n=n, temperature=1.0, max_new_tokens=budget, seed=repeat, logprobs=True)
                 start = time.perf_counter()
                 out = engine.generate(batch, params)
                 seconds = time.perf_counter() - start
@@ -179,10 +180,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=8, help="Serving: requests per client.")
+    parser.add_argument("--rollout-only", action="store_true", help="Skip the serving half.")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rollout = rollout_modes(args.model, args.prompts, args.n, args.max_new_tokens, args.repeats)
-    serving = serve_latency(args.model, args.requests)
+    serving = None if args.rollout_only else serve_latency(args.model, args.requests)
 
     print("=== summary")
     print(f"model {args.model}; {args.prompts} prompts x n={args.n}, budget {args.max_new_tokens} tokens, "
@@ -198,10 +200,16 @@ def main() -> None:
         print(f"{name:<20} {tok_s:>9.0f} {tok_s / base:>8.0%} {statistics.median(r['seconds']):>8.2f} "
               f"{statistics.median(r['tokens']):>7.0f} {calls:>6.0f} {wait:>11.1f}  "
               f"{decode_efficiency(tok_s, limits)}")
-    slow = statistics.median(results["multi-turn 200 ms"]["tok_s"])
-    print(f"multi-turn with a 200 ms tool at {slow / base:.0%} of single-turn tokens/s "
-          f"({'meets' if slow >= 0.8 * base else 'misses'} the 80% target); GEMM {limits['gemm_shape']} "
-          f"{limits['gemm_gflops']:.1f} GFLOP/s")
+    # The ratio per repeat (the modes of one repeat run back to back), then the median: drift on a shared box moves
+    # both sides of one repeat alike.
+    ratios = [slow / single for slow, single in zip(results["multi-turn 200 ms"]["tok_s"],
+                                                   results["single-turn"]["tok_s"], strict=True)]
+    ratio = statistics.median(ratios)
+    print(f"multi-turn with a 200 ms tool at {ratio:.0%} of single-turn tokens/s (median of per-repeat ratios "
+          f"{', '.join(f'{r:.0%}' for r in ratios)}; {'meets' if ratio >= 0.8 else 'misses'} the 80% target); "
+          f"GEMM {limits['gemm_shape']} {limits['gemm_gflops']:.1f} GFLOP/s")
+    if serving is None:
+        return
     print(f"{'serving':<34} {'p50 ms':>8} {'ms/token':>9} {'tokens':>7} {'req/s':>7}")
     for name, r in serving.items():
         print(f"{name:<34} {r['latency_ms']:>8.0f} {r['ms_per_token']:>9.2f} {r['tokens_mean']:>7.1f} "

@@ -53,7 +53,7 @@ def rollout(model, tokenizer, prompts, config=TOOLS, budget=128, n=4, seed=1, te
     engine = AgentRollout(HFRollout(model, tokenizer), config, max_response_length=budget)
     try:
         return engine.generate(prompts, SamplingParams(n=n, temperature=temperature, max_new_tokens=budget,
-                                                       seed=seed))
+                                                       seed=seed, logprobs=True))
     finally:
         engine.shutdown()
 

@@ -303,8 +303,10 @@ class AgentLoop(ToolTurns):
             uniform = torch.tensor([[row.next_uniform()] for row in rows], dtype=torch.float64,
                                    device=logits.device)
             tokens = draw_categorical(torch.softmax(scores, dim=-1), uniform=uniform)
-        behaviour = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
-        chosen = behaviour.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
+        chosen = [0.0] * len(rows)
+        if params.logprobs:  # the trainer asks (they become the old log-probs); evaluation does not
+            behaviour = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+            chosen = behaviour.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
         keep = []
         for i, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
             row.append(token, generated=True, log_prob=chosen[i])
@@ -357,7 +359,7 @@ class AgentRollout(RolloutEngine):
             if model is not None:
                 model.train(was_training)
         return assemble_trajectories(prompts, trajectories, params.n, self.engine.tokenizer.pad_token_id,
-                                     log_probs=self.loop.gives_log_probs)
+                                     log_probs=self.loop.gives_log_probs and params.logprobs)
 
     def _start(self, prompts: DataProto, params: SamplingParams) -> list[Trajectory]:
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]

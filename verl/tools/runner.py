@@ -61,6 +61,7 @@ class ToolRunner:
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="verl-tool")
         self._processes = ToolProcessPool(processes)
         self._functions: dict[str, Any] = {}
+        self._validators: dict[str, Any] = {}  # tool name -> its compiled schema validator (building one costs ~1 ms)
 
     def submit(self, call: ToolCall, allowed: list[str] | None = None,
                hidden_kwargs: dict[str, Any] | None = None) -> concurrent.futures.Future[ToolResult]:
@@ -95,9 +96,12 @@ class ToolRunner:
         tool = self.tool_set.tools.get(call.name)
         if tool is None or call.name not in names:
             return f"unknown tool '{call.name}'; available: {', '.join(names) or 'none'}"
-        from jsonschema import Draft202012Validator  # noqa: PLC0415  (only when tools run)
+        validator = self._validators.get(tool.name)
+        if validator is None:
+            from jsonschema import Draft202012Validator  # noqa: PLC0415  (only when tools run)
 
-        problems = sorted(Draft202012Validator(tool.parameters).iter_errors(call.arguments), key=lambda e: e.path)
+            validator = self._validators[tool.name] = Draft202012Validator(tool.parameters)
+        problems = sorted(validator.iter_errors(call.arguments), key=lambda e: e.path)
         if problems:
             where = "/".join(str(p) for p in problems[0].path) or "arguments"
             return f"arguments of '{tool.name}' do not fit its schema ({where}: {problems[0].message})"
