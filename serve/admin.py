@@ -86,17 +86,24 @@ def multiple_workers_problem(workers: int) -> str | None:
 
 def state(service: Service) -> dict:
     registry = service.registry
-    workers = serving_processes()
+    workers = 1 if service.fleet is not None else serving_processes()
+    process = {"pid": os.getpid(), "workers": workers, "changes": multiple_workers_problem(workers) or "allowed"}
+    if service.fleet is not None:
+        process.update(replica=service.fleet.replica, replicas_live=service.fleet.live)
     return {
-        "process": {"pid": os.getpid(), "workers": workers, "changes": multiple_workers_problem(workers) or "allowed"},
+        "version": service.config_version,
+        "process": process,
         "models": [{"name": m.name, "kind": m.kind, "base": m.base, "source": m.source, "in_flight": m.in_flight,
                     "retiring": m.retiring, "engine": m.engine.name} for m in registry.models.values()],
         "routes": {route: dict(weights) for route, weights in registry.routes.items()},
     }
 
 
-async def require_one_process() -> None:
-    """Refuse a change that would reach one worker of several (409, one line that says why)."""
+async def require_one_process(request: Request) -> None:
+    """Refuse a change that would reach one worker of several (409, one line that says why); replicas of
+    ``verl serve --replicas`` share a control plane instead."""
+    if service_of(request).fleet is not None:
+        return
     problem = multiple_workers_problem(serving_processes())
     if problem is not None:
         raise ApiError(409, problem, code="multiple_workers")

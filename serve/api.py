@@ -158,23 +158,51 @@ def _install_drain_hook(service: Service) -> Callable[[], None]:
     return uninstall
 
 
-def create_app(settings: ServeSettings | None = None) -> FastAPI:
-    """Build the FastAPI app for ``settings`` (default: env + serve.yaml). The model loads at startup."""
+class ConfigVersionHeader:
+    """Every response names the models-and-routes version it was served at (``X-Verl-Config-Version``), so a client
+    or a test sees when a change reached the replica that answered."""
+
+    def __init__(self, app: ASGIApp, service: Service):
+        self.app, self.service = app, service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        version = str(self.service.config_version).encode()  # the version when the request came in
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-verl-config-version", version)]
+            await send(message)
+
+        await self.app(scope, receive, send_wrapper)
+
+
+def create_app(settings: ServeSettings | None = None, fleet: Any = None) -> FastAPI:
+    """Build the FastAPI app for ``settings`` (default: env + serve.yaml). The model loads at startup. ``fleet``: a
+    ``serve.fleet.FleetLink`` when this app is one replica of ``verl serve --replicas`` (serve/fleet.py)."""
     settings = settings or load_settings()
-    service = Service(settings)
+    service = Service(settings, fleet=fleet)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         uninstall = _install_drain_hook(service)
+        if fleet is not None:
+            await fleet.join(service)  # the control plane's models and routes, at its version
         loader = asyncio.create_task(service.load())
         if not settings.load_in_background:
             await loader  # a load failure stops startup with its error
         else:
             loader.add_done_callback(lambda t: t.cancelled() or t.exception())  # reported via /health + log
+        if fleet is not None:
+            fleet.start(service)
         try:
             yield
         finally:
             loader.cancel()
+            if fleet is not None:
+                await fleet.stop()
             await service.shutdown()
             uninstall()
 
@@ -192,6 +220,7 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(EdgeGuard, settings=settings)
+    app.add_middleware(ConfigVersionHeader, service=service)
     app.add_middleware(HTTPMetricsMiddleware, metrics=service.metrics,
                        paths=lambda: {route.path for route in app.routes})
     _add_error_handlers(app)
@@ -199,7 +228,7 @@ def create_app(settings: ServeSettings | None = None) -> FastAPI:
     if settings.admin_api_key is not None:
         app.include_router(admin_router(service))
         problem = multiple_workers_problem(serving_processes())
-        if problem is not None:
+        if problem is not None and fleet is None:
             log.warning("verl serve: %s", problem)
     return app
 

@@ -67,8 +67,11 @@ def ops_router(service: Service) -> APIRouter:
         """200 when serving; 503 while loading, draining or when the engine died (no API key needed)."""
         status, detail = service.health()
         engine = service.engine.name if service.engine else None
+        fleet = service.fleet
         body = HealthResponse(status=status, engine=engine, detail=detail, model=service.model_name,
-                              model_source=service.settings.model_source).model_dump()
+                              model_source=service.settings.model_source, version=service.config_version,
+                              replicas=fleet.live if fleet is not None else None,
+                              replica_versions=fleet.versions if fleet is not None else None).model_dump()
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     # /metrics needs the key when one is set, unless metrics_public (a scraper that cannot send headers).

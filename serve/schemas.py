@@ -392,3 +392,8 @@ class HealthResponse(BaseModel):
     detail: str | None = None
     model: str | None = Field(None, description="The served model's id.")
     model_source: str | None = Field(None, description="Where the model was chosen (env, serve.yaml, default).")
+    version: int | None = Field(None, description="The models-and-routes version this process serves.")
+    replicas: int | None = Field(None, description="verl serve --replicas: live replicas (those polling the "
+                                 "control plane).")
+    replica_versions: list[int] | None = Field(None, description="The versions the live replicas serve (one "
+                                               "entry once a change has reached all of them).")

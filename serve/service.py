@@ -35,7 +35,7 @@ from serve.schemas import (
     ErrorResponse,
     VerlExtension,
 )
-from serve.settings import ModelEntry, ServeSettings
+from serve.settings import ModelEntry, ServeSettings, check_route
 from verl.errors import ConfigError, VerlError
 from verl.utils.fs import atomic_write_json
 
@@ -145,8 +145,12 @@ def resolve_adapter_dir(path: str) -> str:
 class Service:
     """Engines and the models they serve, routes, admission control and the sequence pumps every endpoint shares."""
 
-    def __init__(self, settings: ServeSettings):
+    def __init__(self, settings: ServeSettings, fleet: Any = None):
         self.settings = settings
+        # A replica of ``verl serve --replicas``: a ``serve.fleet.FleetLink`` to the control plane, which then holds
+        # the models and routes (admin changes go through it), else None (this process is the control plane).
+        self.fleet = fleet
+        self.config_version = 1  # the models-and-routes version responses are served at (X-Verl-Config-Version)
         self.entries = settings.model_entries()
         self.routes = dict(settings.routes)
         self.state_note: str | None = None
@@ -164,6 +168,7 @@ class Service:
         self.in_flight = 0
         self.created = int(time.time())
         self.pumps: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()  # unloads after a fleet switch
         self._abort_timer: asyncio.TimerHandle | None = None
         self._changes = asyncio.Lock()  # one admin change at a time
         self.metrics.bind_gauges(
@@ -272,23 +277,47 @@ class Service:
 
     async def put_route(self, route: str, weights: dict[str, float]) -> None:
         """Create or change ``route``'s weights (400 for weights that name no model or do not sum to a share)."""
+        if self.fleet is not None:
+            state = await self._fleet_state()
+            try:
+                check_route(route, weights, {m["name"] for m in state["models"]})
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="weights") from None
+            await self._fleet_change({**state, "routes": {**state["routes"], route: dict(weights)}})
+            return
         async with self._changes:
             try:
                 self.registry.set_route(route, weights)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="weights") from None
         log.warning("verl serve: route %s -> %s", route, self.registry.routes[route])
-        self.save_state()
+        self._changed()
 
     async def delete_route(self, route: str) -> None:
+        if self.fleet is not None:
+            state = await self._fleet_state()
+            if route not in state["routes"]:
+                raise ApiError(404, f"no route named '{route}'", type="not_found_error", param="route")
+            await self._fleet_change({**state, "routes": {r: w for r, w in state["routes"].items() if r != route}})
+            return
         async with self._changes:
             if route not in self.registry.routes:
                 raise ApiError(404, f"no route named '{route}'", type="not_found_error", param="route")
             self.registry.delete_route(route)
-        self.save_state()
+        self._changed()
 
     async def add_model(self, entry: ModelEntry) -> None:
         """Load a full model (``entry.path``) or an adapter over a served model; 409 when the name is taken."""
+        if self.fleet is not None:
+            state = await self._fleet_state()
+            if entry.name in {m["name"] for m in state["models"]} or entry.name in state["routes"]:
+                raise ApiError(409, f"the name '{entry.name}' is already in use; unload it first or pick another",
+                               param="name", code="name_in_use")
+            added = ({"name": entry.name, "path": entry.path} if entry.path is not None else
+                     {"name": entry.name, "adapter": entry.adapter,
+                      "base": entry.base or next(m["name"] for m in state["models"] if m.get("path"))})
+            await self._fleet_change({**state, "models": [*state["models"], added]})
+            return
         async with self._changes:
             if entry.name in self.registry.models or entry.name in self.registry.routes:
                 raise ApiError(409, f"the name '{entry.name}' is already in use; unload it first or pick another",
@@ -300,10 +329,27 @@ class Service:
                     await self.load_adapter(entry.name, entry.adapter, entry.base or self.default_base())
             except (VerlError, OSError, ValueError) as exc:
                 raise ApiError(400, f"cannot load '{entry.name}': {exc}", param="path") from None
-        self.save_state()
+        self._changed()
 
     async def remove_model(self, name: str) -> None:
         """Stop routing to ``name``, let its requests finish, release it; the last model cannot go."""
+        if self.fleet is not None:
+            state = await self._fleet_state()
+            names = [m["name"] for m in state["models"]]
+            if name not in names:
+                raise ApiError(404, f"no model named '{name}'", type="not_found_error", param="name")
+            if len(names) == 1:
+                raise ApiError(409, f"'{name}' is the last model served; load another first", code="last_model")
+            using = [r for r, w in state["routes"].items() if w.get(name, 0.0) > 0]
+            adapters = [m["name"] for m in state["models"] if m.get("base") == name]
+            if using or adapters:
+                why = (f"routes {', '.join(using)} still send it traffic" if using
+                       else f"it is the base of adapter(s) {', '.join(adapters)}")
+                raise ApiError(409, f"cannot unload '{name}': {why}", param="name", code="in_use")
+            routes = {r: {m: x for m, x in w.items() if m != name} for r, w in state["routes"].items()}
+            await self._fleet_change({"models": [m for m in state["models"] if m["name"] != name],
+                                      "routes": routes})
+            return
         async with self._changes:
             if name not in self.registry.models:
                 raise ApiError(404, f"no model named '{name}'", type="not_found_error", param="name")
@@ -313,11 +359,64 @@ class Service:
                 await self.unload(name)
             except ValueError as exc:
                 raise ApiError(409, str(exc), param="name", code="in_use") from None
+        self._changed()
+
+    def _changed(self) -> None:
+        self.config_version += 1
         self.save_state()
 
+    # ------------------------------------------------------------ the fleet (verl serve --replicas; serve/fleet.py)
+
+    async def _fleet_state(self) -> dict:
+        """The control plane's models and routes (the desired state a change starts from)."""
+        state = (await self.fleet.state())["state"]
+        return {"models": list(state["models"]), "routes": dict(state["routes"])}
+
+    async def _fleet_change(self, desired: dict) -> None:
+        """Every live replica follows ``desired`` or none does (409 naming the ones that did not follow)."""
+        async with self._changes:
+            result = await self.fleet.change(desired)
+        if not result["ok"]:
+            why = "; ".join(f"{name}: {reason}" for name, reason in result["replicas"].items())
+            raise ApiError(409, f"the change did not reach every replica ({result['phase']} failed: {why}); "
+                           f"rolled back, serving version {result['version']}", code="fleet_rollback")
+        log.warning("verl serve: fleet at version %d on %d replicas", result["version"], len(result["replicas"]))
+
+    async def prepare_state(self, state: dict) -> None:
+        """Load what ``state`` adds (models, then adapters) without routing to it."""
+        loaded = set(self.registry.models)
+        fulls = [m for m in state["models"] if m.get("path") is not None]
+        for m in fulls:
+            if m["name"] not in loaded:
+                await self.load_model(m["name"], m["path"])
+        for m in state["models"]:
+            if m.get("adapter") is not None and m["name"] not in loaded:
+                await self.load_adapter(m["name"], m["adapter"], m.get("base") or fulls[0]["name"])
+
+    async def commit_state(self, state: dict) -> None:
+        """Switch to ``state``: its routes at once, then release the models it no longer has."""
+        await self.prepare_state(state)
+        wanted = {m["name"] for m in state["models"]}
+        self.registry.routes = {}
+        for route, weights in state["routes"].items():
+            self.registry.set_route(route, weights)
+        self.config_version = int(state["version"])
+        gone = sorted((n for n in self.registry.names() if n not in wanted),
+                      key=lambda n: self.registry.models[n].kind != "adapter")  # adapters before their base
+        if gone:  # in the background: their requests finish first, and the switch is reported at once
+            task = asyncio.create_task(self._unload_all(gone))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _unload_all(self, names: list[str]) -> None:
+        for name in names:
+            with contextlib.suppress(ValueError, KeyError):  # already gone, or unloaded by a later change
+                await self.unload(name)
+
     def save_state(self) -> None:
-        """Write the served models and routes to ``state_path`` (atomically), after an admin change."""
-        if not self.settings.state_path:
+        """Write the served models and routes to ``state_path`` (atomically), after an admin change (in a fleet the
+        control plane writes it)."""
+        if not self.settings.state_path or self.fleet is not None:
             return
         models = []
         for m in self.registry.models.values():

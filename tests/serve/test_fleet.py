@@ -1,0 +1,162 @@
+"""``verl serve --replicas 2``: the service as Ray Serve replicas with one control plane (issue 27; slow: a real
+local Ray cluster started by the CLI, as docs/serving.md says).
+
+One scenario, in order, under a steady stream of completions:
+
+1. a promote (load model ``b``, give it the whole default route) reaches every replica: 20 state reads on fresh
+   connections, answered by both replicas, all show the new version and route, and responses carry it in
+   ``X-Verl-Config-Version`` (the split-brain of ``uvicorn --workers 2`` is gone);
+2. a change one replica cannot make (a model path that does not exist) is rolled back everywhere, the 409 naming
+   every replica that did not follow, and the version in force does not move;
+3. SIGKILL one replica: Ray Serve replaces it, the replacement joins at the current version (model ``b`` loaded, the
+   promoted route), and the load loses at most the requests that replica had in flight;
+4. SIGKILL the control-plane actor: the routes in force stay in force, and the restarted actor resumes from its
+   state file (the next change gets the next version, not version 2).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.serve.helpers import REPO
+from verl.utils.net import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ADMIN = {"Authorization": "Bearer fleet-admin"}
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = condition()
+            if last:
+                return last
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what} (last: {last})")
+
+
+def state(url: str) -> dict:
+    with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as client:  # a fresh connection: any replica
+        return client.get("/admin/state").json()
+
+
+def verl(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "VERL_SERVE_ADMIN_API_KEY": "fleet-admin"}
+    return subprocess.run([sys.executable, "-m", "verl.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+class Load:
+    """Two clients sending completions until stopped; failures kept with their status."""
+
+    def __init__(self, url: str):
+        self.url, self.stop, self.ok, self.failures = url, threading.Event(), 0, []
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                with httpx.Client(base_url=self.url, timeout=60) as client:
+                    reply = client.post("/v1/completions", json={"prompt": "12+7=", "max_tokens": 4})
+                if reply.status_code == 200:
+                    self.ok += 1
+                else:
+                    self.failures.append(reply.status_code)
+            except httpx.HTTPError as exc:
+                self.failures.append(type(exc).__name__)
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(90)
+
+
+def control_plane_process() -> psutil.Process:
+    for proc in psutil.process_iter(["cmdline"]):
+        if "ray::ControlPlane" in " ".join(proc.info["cmdline"] or []):
+            return proc
+    raise AssertionError("no control-plane process")
+
+
+def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "VERL_SERVE_ADMIN_API_KEY": "fleet-admin", "VERL_SERVE_STATE_PATH": str(tmp_path / "s.json"),
+           "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", "--replicas", "2", "--port", str(port)],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        health = wait_for(lambda: (h := httpx.get(url + "/health", timeout=5).json())["replicas"] == 2 and h, 240,
+                          "two live replicas")
+        assert health["status"] == "ok" and health["replica_versions"] == [1]
+        with Load(url) as load:
+            # 1. A promote reaches every replica.
+            promoted = verl("promote", "--service", url, "--model", "b", "--path", "builtin:tiny-arith",
+                            "--weight", "1.0")
+            assert promoted.returncode == 0, promoted.stderr
+            reads = [state(url) for _ in range(20)]
+            version = reads[0]["version"]
+            assert version == 3  # one change loads b, one moves the route
+            assert {r["process"]["pid"] for r in reads} and len({r["process"]["pid"] for r in reads}) == 2
+            assert all(r["version"] == version and r["routes"]["default"] == {"b": 1.0} for r in reads)
+            reply = httpx.post(url + "/v1/completions", json={"prompt": "3*4=", "max_tokens": 4}, timeout=60)
+            assert reply.headers["x-verl-config-version"] == str(version) and reply.json()["model"] == "b"
+
+            # 2. A change no replica can make is rolled back everywhere, naming them.
+            bad = verl("promote", "--service", url, "--model", "c", "--path", str(tmp_path / "missing"))
+            assert bad.returncode == 1 and "rolled back, serving version 3" in bad.stderr, bad.stderr
+            assert bad.stderr.count("prepare failed") == 1 and bad.stderr.count("no such directory") == 2
+            assert state(url)["version"] == 3 and [m["name"] for m in state(url)["models"]][-1] == "b"
+
+            # 3. SIGKILL one replica: Ray Serve replaces it, at the current version.
+            victim = reads[0]["process"]["pid"]
+            failures_before = len(load.failures)
+            os.kill(victim, signal.SIGKILL)
+            fresh = wait_for(lambda: next((s for s in (state(url) for _ in range(6))
+                                           if s["process"]["pid"] not in {r["process"]["pid"] for r in reads}), None),
+                             240, "a replacement replica")
+            assert fresh["version"] == 3 and fresh["routes"]["default"] == {"b": 1.0}
+            assert "b" in [m["name"] for m in fresh["models"]]
+            wait_for(lambda: httpx.get(url + "/health", timeout=5).json()["replica_versions"] == [3], 60,
+                     "both replicas at version 3")
+            lost = len(load.failures) - failures_before
+            assert lost <= 2, load.failures  # at most what the dead replica had in flight (two clients)
+
+            # 4. SIGKILL the control plane: routes in force stay, and it comes back from its state file.
+            control_plane_process().kill()
+            time.sleep(2)
+            assert all(state(url)["routes"]["default"] == {"b": 1.0} for _ in range(4))
+            wait_for(lambda: (r := verl("promote", "--service", url, "--model", "tiny-arith", "--weight",
+                                        "0.5")).returncode == 0 and r, 120,
+                     "a promote after the control plane restarted")
+            after = [state(url) for _ in range(10)]
+            assert all(s["version"] == 4 and s["routes"]["default"] == {"b": 0.5, "tiny-arith": 0.5} for s in after)
+        print(f"fleet: {load.ok} requests answered, failed: {load.failures} (replica kill lost {lost})")
+        assert load.ok > 20 and len(load.failures) <= 2, load.failures
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            out, _ = server.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            out, _ = server.communicate()
+        print(out[-3000:])
