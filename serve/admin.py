@@ -143,6 +143,8 @@ def admin_router(service: Service) -> APIRouter:
 
     @router.get("/records")
     async def records(since: float | None = None) -> dict:
+        if service.fleet is not None:  # every replica's rows, from the control plane
+            return {"records": await service.fleet.records(since)}
         return {"records": service.records.snapshot(since)}
 
     return router

@@ -14,7 +14,8 @@ A replica that fails to prepare, or does not switch in time, rolls the change ba
 version v+2 holding v's content) and the admin call answers 409 naming the replicas that did not follow. Replicas
 learn about changes by polling the control plane (every ``POLL_S``); a replica is *live* while its polls arrive
 (within ``LIVE_S``). A replica that starts later (a restart, autoscaling) joins at the current version, not at
-serve.yaml's. Every response carries ``X-Verl-Config-Version``.
+serve.yaml's. Every response carries ``X-Verl-Config-Version``. Online records travel with the polls: the control
+plane holds the fleet's rows (``GET /admin/records`` on any replica) and is the one writer of ``records_path``.
 
 Why polling and not pushing: a Ray Serve replica's methods are reachable only through its deployment handle, which
 routes each call to *one* replica; pulling from one actor reaches all of them, also the ones that start later.
@@ -43,6 +44,7 @@ APP_NAME = "verl"
 POLL_S = 0.2  # how often a replica asks the control plane for changes
 LIVE_S = 5.0  # a replica whose last poll is older than this is not counted (dead, or being replaced)
 CHANGE_TIMEOUT_S = 300.0  # prepare (loading a model) and switch, per phase
+SETTLE_S = 10.0  # after one replica failed a phase, how long the others get to report before the rollback
 
 
 def state_from_service(entries: list[Any], routes: dict[str, dict[str, float]]) -> dict:
@@ -55,8 +57,17 @@ def state_from_service(entries: list[Any], routes: dict[str, dict[str, float]]) 
 class ControlPlane:
     """The single source of truth for what the replicas serve (a Ray actor; its methods run on one event loop)."""
 
-    def __init__(self, initial: dict, state_path: str | None = None):
+    def __init__(self, initial: dict, state_path: str | None = None, records_path: str | None = None):
+        import ray  # noqa: PLC0415
+
+        from serve.records import OnlineRecords  # noqa: PLC0415  (imported in the actor's process)
+
         self.state_path = state_path
+        self.records = OnlineRecords(records_path)  # every replica's rows (records_path: one writer)
+        if ray.get_runtime_context().was_current_actor_reconstructed and records_path and Path(records_path).is_file():
+            # Restarted by Ray after a crash: the rows it held are in the file; keep serving them.
+            lines = Path(records_path).read_text().splitlines()[-self.records.rows.maxlen:]
+            self.records.rows.extend(json.loads(line) for line in lines if line.strip())
         saved = None
         if state_path and Path(state_path).is_file():
             saved = json.loads(Path(state_path).read_text())
@@ -72,13 +83,19 @@ class ControlPlane:
         now = time.monotonic()
         return {name: r for name, r in self.replicas.items() if now - r["seen"] < LIVE_S}
 
-    async def report(self, replica: str, active: int, prepared: int, error: str | None) -> dict:
+    async def report(self, replica: str, active: int, prepared: int, error: str | None,
+                     records: list[dict] | None = None) -> dict:
         """A replica's poll: what it serves (``active`` version), what it has ready (``prepared``), a failed
-        prepare; answers the state, the pending change, and the fleet's size."""
+        prepare, and its new online records; answers the state, the pending change, and the fleet's size."""
+        if records:
+            self.records.add_rows(records)
         self.replicas[replica] = {"active": active, "prepared": prepared, "error": error, "seen": time.monotonic()}
         live = self._live()
         return {"state": self.state, "pending": self.pending, "live": len(live),
                 "versions": sorted({r["active"] for r in live.values()})}
+
+    async def records_since(self, since: float | None = None) -> list[dict]:
+        return self.records.snapshot(since)
 
     async def get(self) -> dict:
         return {"state": self.state, "pending": self.pending, "replicas": {
@@ -106,15 +123,22 @@ class ControlPlane:
 
     async def _wait(self, done, version: int, timeout_s: float) -> tuple[list[str], dict[str, str]]:
         """Wait until ``done`` holds for every live replica; returns (the ones that followed, the ones that did not
-        with why)."""
+        with why). After the first failure the others get ``SETTLE_S`` more to finish or fail, so the answer names
+        every replica that could not follow, not just the quickest."""
         deadline = time.monotonic() + timeout_s
+        first_error: float | None = None
         while True:
             live = self._live()
             errors = {name: r["error"] for name, r in live.items() if r["error"] and f"v{version}:" in r["error"]}
-            if errors:
+            waiting = [name for name, r in live.items() if not done(r) and name not in errors]
+            if errors and first_error is None:
+                first_error = time.monotonic()
+            if errors and not waiting:
                 return [], errors
-            waiting = [name for name, r in live.items() if not done(r)]
-            if live and not waiting:
+            if first_error is not None and time.monotonic() > min(deadline, first_error + SETTLE_S):
+                return [], {**errors, **{name: "still working on it when the change was rolled back"
+                                         for name in waiting}}
+            if live and not waiting and not errors:
                 return sorted(live), {}
             if time.monotonic() > deadline:
                 return [], {name: f"did not reach version {version} within {timeout_s:g} s" for name in waiting}
@@ -125,7 +149,8 @@ class ControlPlane:
             atomic_write_json(Path(self.state_path), self.state)
 
 
-def control_plane(create_with: dict | None = None, state_path: str | None = None) -> Any:
+def control_plane(create_with: dict | None = None, state_path: str | None = None,
+                  records_path: str | None = None) -> Any:
     """The running control plane's handle; with ``create_with`` (the initial state), start it if absent."""
     import ray  # noqa: PLC0415  (only the fleet needs ray)
 
@@ -134,7 +159,7 @@ def control_plane(create_with: dict | None = None, state_path: str | None = None
     actor = ray.remote(ControlPlane).options(
         name=CONTROL_NAME, namespace=NAMESPACE, get_if_exists=True, max_restarts=-1, max_task_retries=-1,
         num_cpus=0, lifetime="detached")
-    return actor.remote(create_with, state_path)
+    return actor.remote(create_with, state_path, records_path)
 
 
 class FleetLink:
@@ -153,14 +178,14 @@ class FleetLink:
         """Before the models load: serve the control plane's current state instead of the settings'."""
         from serve.settings import ModelEntry  # noqa: PLC0415  (a cycle: the service imports this module)
 
-        reply = await control_plane().report.remote(self.replica, 0, 0, None)
+        reply = await control_plane().get.remote()  # read only: it reports in once it serves this version
         state = reply["state"]
         service.entries = [ModelEntry(**m) for m in state["models"]]
         service.routes = dict(state["routes"])
         service.model_name = service.entries[0].name
         self.active = self.prepared = int(state["version"])
         service.config_version = self.active
-        self.live = reply["live"]
+        self.live = len(reply["replicas"])
 
     def start(self, service: Any) -> None:
         self._task = asyncio.create_task(self._follow(service))
@@ -177,11 +202,17 @@ class FleetLink:
     async def state(self) -> dict:
         return await control_plane().get.remote()
 
+    async def records(self, since: float | None = None) -> list[dict]:
+        return await control_plane().records_since.remote(since)
+
     async def _follow(self, service: Any) -> None:
         while True:
+            records = service.records.drain()
             try:
-                reply = await control_plane().report.remote(self.replica, self.active, self.prepared, self.error)
+                reply = await control_plane().report.remote(self.replica, self.active, self.prepared, self.error,
+                                                            records)
             except Exception as exc:  # the control plane is restarting: keep serving what is in force
+                service.records.outbox.extendleft(reversed(records))  # sent again with the next poll
                 log.warning("verl serve: control plane unreachable (%s); routes in force stay", exc)
                 await asyncio.sleep(1.0)
                 continue
@@ -255,7 +286,8 @@ def build_app(args: dict) -> Any:
     replicas = int(args.get("replicas", 1))
     settings = load_settings(config, load_in_background=False)
     state_path = settings.state_path or str(Path(tempfile.mkdtemp(prefix="verl-fleet-")) / "state.json")
-    control_plane(create_with=state_from_service(settings.model_entries(), settings.routes), state_path=state_path)
+    control_plane(create_with=state_from_service(settings.model_entries(), settings.routes), state_path=state_path,
+                  records_path=settings.records_path)
     return deployment(replicas, config, {}, float(args.get("cpus_per_replica", 1.0)))
 
 
@@ -281,7 +313,7 @@ def run_fleet(config: str | None, overrides: dict, replicas: int, ray_address: s
     initial = state_from_service(settings.model_entries(), settings.routes)
     # Without a configured state_path, a file of this run's own: a control plane that dies comes back from it.
     state_path = settings.state_path or str(Path(tempfile.mkdtemp(prefix="verl-fleet-")) / "state.json")
-    control = control_plane(create_with=initial, state_path=state_path)
+    control = control_plane(create_with=initial, state_path=state_path, records_path=settings.records_path)
     version = ray.get(control.get.remote())["state"]["version"]
     serve.start(http_options={"host": settings.host, "port": settings.port})
     autoscaling = None

@@ -38,6 +38,7 @@ class OnlineRecord:
     finish_reason: str
     error: str | None = None
     reward: float | None = None
+    replica: str | None = None  # verl serve --replicas: which replica answered
 
 
 def prompt_hash(token_ids: list[int]) -> str:
@@ -52,22 +53,47 @@ def score(reward: str, text: str, ground_truth: Any) -> float:
 
 
 class OnlineRecords:
-    """A bounded in-memory log of records, mirrored to a JSONL file when ``path`` is set."""
+    """A bounded in-memory log of records, mirrored to a JSONL file when ``path`` is set.
 
-    def __init__(self, path: str | None = None, keep: int = KEEP_IN_MEMORY):
+    A replica of ``verl serve --replicas`` (``replica`` set) keeps no file: its rows wait in an outbox that each poll
+    of the control plane drains (``drain``), and the control plane, one ``OnlineRecords`` for the whole fleet, keeps
+    them and writes ``records_path`` — one writer, every replica's rows, on whichever node it runs."""
+
+    def __init__(self, path: str | None = None, keep: int = KEEP_IN_MEMORY, replica: str | None = None):
         self.rows: collections.deque[dict] = collections.deque(maxlen=keep)
         self.path = Path(path) if path else None
+        self.replica = replica
+        self.outbox: collections.deque[dict] = collections.deque(maxlen=keep)
         self._lock = threading.Lock()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def add(self, record: OnlineRecord) -> None:
+        if self.replica is not None:
+            record.replica = self.replica
         row = asdict(record)
         self.rows.append(row)
-        if self.path is not None:
-            line = json.dumps(row) + "\n"
+        if self.replica is not None:
+            self.outbox.append(row)
+        self._write([row])
+
+    def add_rows(self, rows: list[dict]) -> None:
+        """Rows another process recorded (the control plane receiving a replica's outbox)."""
+        self.rows.extend(rows)
+        self._write(rows)
+
+    def drain(self) -> list[dict]:
+        """The rows recorded since the last drain (a replica's outbox), oldest first."""
+        rows = []
+        while self.outbox:
+            rows.append(self.outbox.popleft())
+        return rows
+
+    def _write(self, rows: list[dict]) -> None:
+        if self.path is not None and rows:
+            text = "".join(json.dumps(row) + "\n" for row in rows)
             with self._lock, self.path.open("a") as handle:
-                handle.write(line)
+                handle.write(text)
 
     def snapshot(self, since: float | None = None) -> list[dict]:
         rows = list(self.rows)

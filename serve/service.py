@@ -160,7 +160,9 @@ class Service:
         self.model_name = self.entries[0].name  # the primary model: /health, /tokenize, /generate without a route
         self.metrics = ServeMetrics(self.model_name, version=__version__)
         self.registry = ModelRegistry()
-        self.records = OnlineRecords(settings.records_path)
+        # A replica ships its rows to the control plane, which writes records_path for the whole fleet.
+        self.records = (OnlineRecords(settings.records_path) if fleet is None
+                        else OnlineRecords(None, replica=fleet.replica))
         self.engine: Engine | None = None  # the primary model's engine
         self.status = "loading"
         self.detail: str | None = "the model is loading"

@@ -100,8 +100,9 @@ def control_plane_process() -> psutil.Process:
 def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    records_path = tmp_path / "records.jsonl"
     env = {**os.environ, "VERL_SERVE_ADMIN_API_KEY": "fleet-admin", "VERL_SERVE_STATE_PATH": str(tmp_path / "s.json"),
-           "PYTHONUNBUFFERED": "1"}
+           "VERL_SERVE_RECORDS_PATH": str(records_path), "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", "--replicas", "2", "--port", str(port)],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -152,6 +153,15 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
             assert all(s["version"] == 4 and s["routes"]["default"] == {"b": 0.5, "tiny-arith": 0.5} for s in after)
         print(f"fleet: {load.ok} requests answered, failed: {load.failures} (replica kill lost {lost})")
         assert load.ok > 20 and len(load.failures) <= 2, load.failures
+        # 5. One record log for the fleet: any replica's /admin/records and records_path hold every replica's rows
+        # (those of the killed replica's last poll interval aside).
+        time.sleep(1.5)
+        with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as client:
+            rows = client.get("/admin/records").json()["records"]
+        answered = [r for r in rows if r["error"] is None]
+        assert len({r["replica"] for r in rows}) >= 2
+        assert load.ok * 0.9 <= len(answered) <= load.ok + 10, (len(answered), load.ok)
+        assert len(records_path.read_text().splitlines()) == len(rows)
     finally:
         server.send_signal(signal.SIGINT)
         try:
