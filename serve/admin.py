@@ -89,7 +89,7 @@ def state(service: Service) -> dict:
     workers = 1 if service.fleet is not None else serving_processes()
     process = {"pid": os.getpid(), "workers": workers, "changes": multiple_workers_problem(workers) or "allowed"}
     if service.fleet is not None:
-        process.update(replica=service.fleet.replica, replicas_live=service.fleet.live)
+        process.update(replica=service.fleet.replica, node=service.fleet.node, replicas_live=service.fleet.live)
     return {
         "version": service.config_version,
         "process": process,

@@ -162,11 +162,22 @@ def control_plane(create_with: dict | None = None, state_path: str | None = None
     return actor.remote(create_with, state_path, records_path)
 
 
+def _node_id() -> str | None:
+    """The Ray node this process runs on (a replica's placement), or None outside Ray."""
+    with contextlib.suppress(Exception):
+        import ray  # noqa: PLC0415
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    return None
+
+
 class FleetLink:
     """A replica's side of the control plane: join at the current version, then follow changes (a poll task)."""
 
     def __init__(self) -> None:
         self.replica = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.node = _node_id()
         self.active = 0
         self.prepared = 0
         self.error: str | None = None
@@ -315,7 +326,9 @@ def run_fleet(config: str | None, overrides: dict, replicas: int, ray_address: s
     state_path = settings.state_path or str(Path(tempfile.mkdtemp(prefix="verl-fleet-")) / "state.json")
     control = control_plane(create_with=initial, state_path=state_path, records_path=settings.records_path)
     version = ray.get(control.get.remote())["state"]["version"]
-    serve.start(http_options={"host": settings.host, "port": settings.port})
+    # One HTTP proxy, on the head node (Ray's default puts one on every node, each binding the same
+    # port: behind a load balancer that is what you want, but two nodes on one host would collide).
+    serve.start(http_options={"host": settings.host, "port": settings.port}, proxy_location="HeadOnly")
     autoscaling = None
     if max_replicas is not None:
         autoscaling = {"min_replicas": replicas, "max_replicas": max_replicas,

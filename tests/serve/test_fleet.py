@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -170,3 +171,43 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
             server.kill()
             out, _ = server.communicate()
         print(out[-3000:])
+
+
+def test_replicas_on_two_ray_nodes_started_with_ray_start(tmp_path):
+    """Item 6: a head and a worker node started with ``ray start`` (two raylets on this box stand in for two
+    machines, one CPU each), ``verl serve --replicas 2 --ray-address``: one replica lands on each node, and a promote
+    reaches both."""
+    ray_port, port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    ray_bin = str(Path(sys.executable).parent / "ray")  # the ray CLI of this environment
+    common = ["--num-cpus", "1", "--disable-usage-stats"]
+    # Ray 2.60's `ray start` authenticates nodes with a token (~/.ray/auth_token): every process of the cluster,
+    # verl serve included, runs with RAY_AUTH_MODE=token (docs/serving.md).
+    # Ray Serve's proxy prefers replicas on its own node while they have room; off, so both nodes take requests.
+    env = {**os.environ, "VERL_SERVE_ADMIN_API_KEY": "fleet-admin", "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "token",
+           "RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING": "0"}
+    subprocess.run([ray_bin, "start", "--head", "--port", str(ray_port), "--include-dashboard=false", *common],
+                   check=True, capture_output=True, env=env, timeout=180)
+    server = None
+    try:
+        subprocess.run([ray_bin, "start", "--address", f"127.0.0.1:{ray_port}", *common], check=True,
+                       capture_output=True, env=env, timeout=180)
+        server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", "--replicas", "2", "--port", str(port),
+                                   "--ray-address", f"127.0.0.1:{ray_port}"], cwd=REPO, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for(lambda: httpx.get(url + "/health", timeout=5).json()["replicas"] == 2, 240, "two live replicas")
+        reads = [state(url) for _ in range(20)]
+        assert len({r["process"]["node"] for r in reads}) == 2  # one replica per node
+        promoted = verl("promote", "--service", url, "--model", "b", "--path", "builtin:tiny-arith", "--weight", "1.0")
+        assert promoted.returncode == 0, promoted.stderr
+        after = [state(url) for _ in range(20)]
+        assert len({r["process"]["node"] for r in after}) == 2
+        assert all(r["version"] == 3 and r["routes"]["default"] == {"b": 1.0} for r in after)
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
