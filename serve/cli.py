@@ -66,9 +66,9 @@ def register(app: typer.Typer, run_guarded) -> None:
         port: Annotated[int | None, typer.Option("--port", help="Port (default 8000).")] = None,
         engine: Annotated[str | None, typer.Option("--engine", help="auto, transformers or vllm.")] = None,
         config: Annotated[Path | None, typer.Option("--config", "-c", help="serve.yaml settings file.")] = None,
-        replicas: Annotated[int, typer.Option("--replicas", min=1, help="Run N replicas on Ray Serve with one "
-                                              "control plane (docs/serving.md); 1 without --ray-address: plain "
-                                              "uvicorn.")] = 1,
+        replicas: Annotated[int | None, typer.Option("--replicas", min=1, help="Run N replicas on Ray Serve with "
+                                                     "one control plane (docs/serving.md); without it: one uvicorn "
+                                                     "process.")] = None,
         ray_address: Annotated[str | None, typer.Option("--ray-address", help="Join this Ray cluster (e.g. "
                                                         "127.0.0.1:6379 after `ray start --head`).")] = None,
         max_replicas: Annotated[int | None, typer.Option("--max-replicas", help="Autoscale between --replicas and "
@@ -79,10 +79,10 @@ def register(app: typer.Typer, run_guarded) -> None:
         def _run() -> None:
             overrides = {k: v for k, v in {"model": model, "host": host, "port": port, "engine": engine}.items()
                          if v is not None}
-            if replicas > 1 or ray_address or max_replicas:
+            if replicas is not None or ray_address or max_replicas:
                 from serve.fleet import run_fleet
 
-                run_fleet(str(config) if config else None, overrides, replicas, ray_address, max_replicas)
+                run_fleet(str(config) if config else None, overrides, replicas or 1, ray_address, max_replicas)
                 return
             import uvicorn
 
