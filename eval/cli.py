@@ -59,6 +59,10 @@ def register(app: typer.Typer, run_guarded) -> None:
         force: Annotated[bool, typer.Option("--force", help="Recompute even when results for the same weights and "
                                                             "settings exist.")] = False,
         quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary lines.")] = False,
+        executor: Annotated[str, typer.Option("--executor", help="A run dir's checkpoints: local (one after "
+                                              "another) or ray (spread over --workers Ray workers).")] = "local",
+        workers: Annotated[int, typer.Option("--workers", help="With --executor ray: how many workers (one CPU "
+                                             "each; RAY_ADDRESS joins a cluster).")] = 1,
     ) -> None:
         """Evaluate a checkpoint (or every checkpoint of a run): metrics with 95% CIs, samples, report, plots."""
 
@@ -79,7 +83,7 @@ def register(app: typer.Typer, run_guarded) -> None:
                                     tools=[t.strip() for t in tools.split(",") if t.strip()] if tools else None,
                                     tool_config=tool_config, max_turns=max_turns,
                                     engine=engine, device=device, num_threads=threads, n_bootstrap=bootstrap,
-                                    select=select, force=force, quiet=quiet)
+                                    select=select, force=force, quiet=quiet, executor=executor, workers=workers)
             run_eval(ckpt, settings, out, Console(stderr=True))
 
         run_guarded(_run)

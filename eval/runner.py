@@ -21,10 +21,12 @@ checkpoints, ``best.json`` (``--select eval/accuracy:max``) and metric-vs-step p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.metadata as md
 import importlib.util
 import json
+import os
 import platform
 import sys
 import time
@@ -102,9 +104,16 @@ class EvalSettings:
     max_turns: int | None = None
     force: bool = False
     quiet: bool = False
+    # Every checkpoint of a run: "local" (one after another) or "ray" (spread over ``workers`` Ray workers).
+    executor: str = "local"
+    workers: int = 1
 
     def __post_init__(self) -> None:
         check_flags({name: getattr(self, name) for name in FLAG_RULES})
+        if self.executor not in ("local", "ray"):
+            raise ConfigError(f"--executor '{self.executor}' must be local or ray")
+        if self.workers < 1:
+            raise ConfigError(f"--workers {self.workers} must be at least 1")
 
 
 # Each eval flag obeys the rule of the config key it stands for (verl/config.py), so `--top-p 5` fails exactly as
@@ -817,12 +826,14 @@ def _evaluate_run(target: Target, settings: EvalSettings, resolved: Resolved, ru
                               "meta.json); train with trainer.save_freq > 0 or wait for the first save")
     metric, mode = parse_select(settings.select)
     out_dir = Path(out) if out is not None else results_root(run_dir, resolved, run_cfg)
-    evaluation = Evaluation(settings, resolved, run_cfg, raw, _tokenizer_source(str(checkpoints[0][1]), run_cfg),
-                            console)
-    per_checkpoint = []
-    for step, path in checkpoints:
-        results = evaluation.evaluate(str(path), out_dir / path.name, path.name, step, run_dir)
-        per_checkpoint.append(results)
+    tokenizer_source = _tokenizer_source(str(checkpoints[0][1]), run_cfg)
+    if settings.executor == "ray":
+        per_checkpoint = _evaluate_on_ray(checkpoints, settings, resolved, run_cfg, raw, tokenizer_source, out_dir,
+                                          run_dir, console)
+    else:
+        evaluation = Evaluation(settings, resolved, run_cfg, raw, tokenizer_source, console)
+        per_checkpoint = [evaluation.evaluate(str(path), out_dir / path.name, path.name, step, run_dir)
+                          for step, path in checkpoints]
     available = sorted(per_checkpoint[-1]["metrics"])
     if metric not in available:
         raise ConfigError(f"--select '{settings.select}': no metric '{metric}' in the results; available: "
@@ -852,6 +863,47 @@ def _evaluate_run(target: Target, settings: EvalSettings, resolved: Resolved, ru
         console.print(f"best by {metric}:{mode}: {best['label']} ({value:.4g}) under {where} -> "
                       f"{out_dir / 'best.json'}", highlight=False, soft_wrap=True)
     return summary
+
+
+def _evaluate_shard(shard: list[tuple[int, str]], settings: EvalSettings, resolved: Resolved, run_cfg: Any,
+                    raw: dict | None, tokenizer_source: str, out_dir: str, run_dir: str) -> list[dict]:
+    """One Ray worker's share of a run's checkpoints, evaluated exactly as the local executor does (same settings,
+    seeds and batches; one torch thread unless ``--threads``)."""
+    torch.set_num_threads(settings.num_threads or 1)
+    evaluation = Evaluation(settings, resolved, run_cfg, raw, tokenizer_source, None)
+    return [evaluation.evaluate(path, Path(out_dir) / Path(path).name, Path(path).name, step, Path(run_dir))
+            for step, path in shard]
+
+
+def _evaluate_on_ray(checkpoints: list[tuple[int, Path]], settings: EvalSettings, resolved: Resolved, run_cfg: Any,
+                     raw: dict | None, tokenizer_source: str, out_dir: Path, run_dir: Path,
+                     console: Any) -> list[dict]:
+    """``--executor ray --workers N``: checkpoints dealt round-robin to N Ray tasks (one CPU each) on the cluster
+    ``ray.init`` finds (``RAY_ADDRESS``) or a local one; results in step order, as the local executor gives them."""
+    import ray  # noqa: PLC0415  (only this executor needs ray)
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=None if os.environ.get("RAY_ADDRESS") else max(settings.workers, os.cpu_count() or 1),
+                 include_dashboard=False, log_to_driver=False)
+    workers = min(settings.workers, len(checkpoints))
+    shards = [[(step, str(path)) for step, path in checkpoints[i::workers]] for i in range(workers)]
+    quiet = dataclasses.replace(settings, quiet=True)
+    task = ray.remote(num_cpus=1)(_evaluate_shard)
+    start = time.perf_counter()
+    try:
+        done = ray.get([task.remote(shard, quiet, resolved, run_cfg, raw, tokenizer_source, str(out_dir),
+                                    str(run_dir)) for shard in shards])
+    finally:
+        if started:
+            ray.shutdown()
+    results = sorted((r for shard in done for r in shard), key=lambda r: r["step"])
+    if console is not None and not settings.quiet:
+        console.print(f"{len(results)} checkpoints on {workers} Ray workers in {time.perf_counter() - start:.1f} s",
+                      highlight=False)
+        for r in results:
+            console.print(f"{r['label']}: " + summary_line(r), highlight=False, soft_wrap=True)
+    return results
 
 
 def select_best(per_checkpoint: list[dict], metric: str, mode: str) -> dict:

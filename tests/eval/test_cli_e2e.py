@@ -220,3 +220,25 @@ def test_prompts_dropped_by_length_are_counted_in_the_notes(runs, tmp_path):
     cli("eval", "--ckpt", ckpt, "--max-samples", "8", "--out", str(tmp_path / "all"), "--evaluators", "accuracy",
         "--quiet")
     assert not any("dropped" in n for n in json.loads((tmp_path / "all" / "results.json").read_text())["notes"])
+
+
+def test_run_eval_spread_over_ray_workers_equals_the_local_executor(runs, tmp_path):
+    """`verl eval --ckpt RUN --executor ray --workers 2`: each worker takes a checkpoint; every metric and every
+    sample equals the local executor's (same seeds, batches and evaluators)."""
+    common = ["--evaluators", "accuracy,length,diversity,kl", "--quiet"]
+    cli("eval", "--ckpt", str(runs["a"]), "--out", str(tmp_path / "local"), *common)
+    cli("eval", "--ckpt", str(runs["a"]), "--out", str(tmp_path / "ray"), "--executor", "ray", "--workers", "2",
+        *common)
+    local = json.loads((tmp_path / "local" / "summary.json").read_text())
+    spread = json.loads((tmp_path / "ray" / "summary.json").read_text())
+    assert [c["label"] for c in spread["checkpoints"]] == [c["label"] for c in local["checkpoints"]] == \
+        ["global_step_1", "global_step_2"]
+    for ours, theirs in zip(spread["checkpoints"], local["checkpoints"], strict=True):
+        assert ours["metrics"] == theirs["metrics"], ours["label"]
+        label = ours["label"]
+        assert (tmp_path / "ray" / label / "samples.jsonl").read_text() == \
+            (tmp_path / "local" / label / "samples.jsonl").read_text()
+    assert json.loads((tmp_path / "ray" / "best.json").read_text())["label"] == \
+        json.loads((tmp_path / "local" / "best.json").read_text())["label"]
+    bad = cli("eval", "--ckpt", str(runs["a"]), "--executor", "slurm", ok=False)
+    assert bad.exit_code != 0 and "--executor 'slurm' must be local or ray" in bad.output
