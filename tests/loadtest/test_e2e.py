@@ -217,3 +217,42 @@ def test_distributed_locust_processes_aggregate_custom_entries(service, tmp_path
     assert [s["users"] for s in report["steps"]] == [1, 2]
     assert report["totals"]["http_requests"] == http_total == report["totals"]["steps_requests"]
     assert report["totals"]["locust_aggregated_requests"] == count["Aggregated"]
+
+
+@pytest.mark.slow
+def test_locust_master_and_workers_as_separate_processes(service, tmp_path):
+    """``--master`` and two ``--worker`` processes started on their own (as on separate machines): the stepped
+    shape runs on the master, the custom entries of both workers reach its CSVs, and the report's counts equal
+    Locust's."""
+    import subprocess
+
+    from verl.utils.net import free_port
+
+    config = LoadTestConfig(out_dir=tmp_path, step_users="2,4", step_time_s=8, step_settle_s=SETTLE_S,
+                            extra_locust_args=["--num-prompts", "32"])
+    prefix = tmp_path / "locust"
+    port = free_port()
+    master = locust_command(service, prefix, config.plan(), config) + [
+        "--master", "--expect-workers", "2", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port)]
+    worker = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--worker", "--master-host", "127.0.0.1",
+              "--master-port", str(port)]
+    workers = [subprocess.Popen(worker, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for _ in range(2)]
+    try:
+        code = run_locust(master, 120, tmp_path / "locust.log")
+    finally:
+        for proc in workers:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    log = (tmp_path / "locust.log").read_text()
+    assert code == 0, log[-3000:]
+    assert all(proc.returncode is not None for proc in workers)  # the master told them to quit
+    stats = read_stats(prefix)
+    count = {name: int(row["Request Count"]) for (_, name), row in stats.items()}
+    http_total = sum(count[name] for name in HTTP_NAMES)
+    assert count["e2e_latency_ms"] == count["output_tokens"] == http_total > 0
+    report, _ = make_report(prefix, tmp_path / "report", SLO(p95_ms=60_000, max_failure_rate=0.01))
+    assert [s["users"] for s in report["steps"]] == [2, 4]
+    assert report["totals"]["http_requests"] == http_total == report["totals"]["steps_requests"]
+    assert report["totals"]["locust_aggregated_requests"] == count["Aggregated"]
