@@ -20,6 +20,8 @@ SloSessionP95 = Annotated[float | None, typer.Option(
     "--slo-session-p95-ms", help="Agent runs (AgentUser): also require whole-session p95 <= this (ms).")]
 MaxFailureRate = Annotated[float, typer.Option("--max-failure-rate", help="Largest failure fraction a level may have.")]
 Headroom = Annotated[float, typer.Option("--headroom", help="Spare share at the planning point.")]
+TargetRps = Annotated[float | None, typer.Option(
+    "--target-rps", help="A load to plan for: the report gives the replicas it needs at the per-replica rate.")]
 
 
 def register(app: typer.Typer, run_guarded) -> None:
@@ -49,9 +51,19 @@ def register(app: typer.Typer, run_guarded) -> None:
         headroom: Headroom = 0.2,
         locust_arg: Annotated[list[str] | None, typer.Option(
             "--locust-arg", help="Extra Locust option, repeatable, e.g. --locust-arg=--wait-max=0.5.")] = None,
+        url: Annotated[str | None, typer.Option(
+            "--url", help="Test a running service (e.g. verl serve --replicas 2) instead of starting one; its "
+                          "/health gives the replicas for the per-replica line.")] = None,
+        api_key: Annotated[str | None, typer.Option(
+            "--api-key", envvar="VERL_SERVE_API_KEY", show_envvar=True,
+            help="The running service's key (--url), for the requests and /metrics.")] = None,
+        processes: Annotated[int, typer.Option(
+            "--processes", help="Locust worker processes generating the load (one core each).")] = 1,
+        target_rps: TargetRps = None,
         quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the summary.")] = False,
     ) -> None:
-        """Start the service on 127.0.0.1, run a stepped Locust test, stop the service, write a capacity report."""
+        """Start the service on 127.0.0.1 (or test the one at --url), run a stepped Locust test, stop the service,
+        write a capacity report."""
 
         def _run() -> None:
             from rich.console import Console
@@ -69,12 +81,14 @@ def register(app: typer.Typer, run_guarded) -> None:
                 step_time_s=step_time, step_settle_s=step_settle, user_mix=user_mix, user_classes=users or [],
                 max_tokens=max_tokens, extra_locust_args=locust_arg or [],
                 slo=SLO(slo_p95_ms, max_failure_rate, slo_ttft_p95_ms, headroom, slo_session_p95_ms),
+                url=url, api_key=api_key if url else None, processes=processes, target_rps=target_rps,
             )
             try:
                 config.plan()
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-            report, paths = run_loadtest(config, echo=None if quiet else console.print)
+            report, paths = run_loadtest(config, echo=None if quiet else (
+                lambda line: console.print(line, soft_wrap=True)))
             console.print(summary_text(report), soft_wrap=True)
             console.print(f"report: {paths['markdown']} (also .html, .json and plots in {out})")
 
@@ -93,6 +107,8 @@ def register(app: typer.Typer, run_guarded) -> None:
         server_metrics: Annotated[Path | None, typer.Option(
             "--server-metrics", help="The service's /metrics saved after the run (shown as a cross-check).")] = None,
         no_plots: Annotated[bool, typer.Option("--no-plots", help="Skip the PNGs (no matplotlib needed).")] = False,
+        replicas: Annotated[int, typer.Option("--replicas", help="Replicas that served the test.")] = 1,
+        target_rps: TargetRps = None,
     ) -> None:
         """Capacity report (Markdown, HTML, JSON, PNG) from Locust's CSVs: per-step numbers and max users in SLO."""
 
@@ -100,13 +116,12 @@ def register(app: typer.Typer, run_guarded) -> None:
             from rich.console import Console
 
             from loadtest.render import make_report, summary_text
-            from loadtest.report import SLO, resolve_prefix
+            from loadtest.report import SLO, FleetPlan, resolve_prefix
 
             prefix = resolve_prefix(csv_prefix)
-            report, paths = make_report(prefix, out or prefix.parent, SLO(slo_p95_ms, max_failure_rate,
-                                                                          slo_ttft_p95_ms, headroom,
-                                                                          slo_session_p95_ms),
-                                        plots=not no_plots, server_metrics=server_metrics)
+            slo = SLO(slo_p95_ms, max_failure_rate, slo_ttft_p95_ms, headroom, slo_session_p95_ms)
+            report, paths = make_report(prefix, out or prefix.parent, slo, plots=not no_plots,
+                                        server_metrics=server_metrics, plan=FleetPlan(replicas, target_rps))
             console = Console(stderr=True, highlight=False)
             console.print(summary_text(report), soft_wrap=True)
             console.print(f"report: {paths['markdown']} (also .html and .json)")

@@ -13,7 +13,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from loadtest.report import LATENCY_ENTRY, PLOTS, REPORT_STEM, SLO, TTFT_ENTRY, build_report
+from loadtest.report import LATENCY_ENTRY, PLOTS, REPORT_STEM, SLO, TTFT_ENTRY, FleetPlan, build_report
 from verl.utils.fs import atomic_path, atomic_write_json, atomic_write_text, ensure_writable_dir
 
 
@@ -49,9 +49,22 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
                      f"({_fmt(cap['rps_at_max'])} requests/s"
                      + (f", {_fmt(sessions)} agent sessions/s" if sessions is not None else "") + ").")
         planning = cap["planning_users"]
-        lines.append(f"**Plan for {planning} users** per replica ({share:.0%} of capacity, {cap['headroom']:.0%} "
+        tested = cap.get("replicas_tested", 1)
+        scope = "per replica" if tested == 1 else f"on the {tested} replicas tested"
+        lines.append(f"**Plan for {planning} users** {scope} ({share:.0%} of capacity, {cap['headroom']:.0%} "
                      f"headroom; about {_fmt(cap['planning_rps'])} requests/s)"
                      + (" - below one user: the replica has no headroom at 1 user." if planning < 1 else "."))
+        per_replica = cap.get("per_replica_planning_rps")
+        if per_replica:
+            line = (f"**Per replica: about {_fmt(per_replica)} requests/s** at the planning point "
+                    f"(measured on {tested} replica{'s' if tested > 1 else ''})")
+            if cap.get("replicas_for_target") is not None:
+                line += (f"; **{cap['target_rps']:g} requests/s needs {cap['replicas_for_target']} replica"
+                         f"{'s' if cap['replicas_for_target'] > 1 else ''}** if throughput scales linearly with "
+                         "replicas (measure it: benchmarks/fleet_scaling.py).")
+            else:
+                line += "; --target-rps gives the replicas a target load needs."
+            lines.append(line)
         if cap["first_failing_users"] is not None:
             why = next(s["why_not"] for s in report["steps"] if s["users"] == cap["first_failing_users"]
                        and s["why_not"])
@@ -294,9 +307,10 @@ def write_report(report: dict[str, Any], out_dir: str | Path, plots: bool = True
 
 
 def make_report(prefix: str | Path, out_dir: str | Path, slo: SLO | None = None, plots: bool = True,
-                server_metrics: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Path]]:
+                server_metrics: str | Path | None = None, plan: FleetPlan | None = None,
+                server_baseline: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Path]]:
     """Read the CSVs at ``prefix``, write the report into ``out_dir``; returns the report and its files."""
-    report = build_report(prefix, slo, server_metrics)
+    report = build_report(prefix, slo, server_metrics, plan, server_baseline)
     return report, write_report(report, out_dir, plots)
 
 

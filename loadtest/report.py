@@ -70,6 +70,20 @@ class SLO:
             raise DataError(f"headroom must be within 0..1 (got {self.headroom}); 0.2 keeps 20% spare")
 
 
+@dataclass(frozen=True)
+class FleetPlan:
+    """How many replicas served the test, and the load to plan replicas for (the per-replica planning line)."""
+
+    replicas: int = 1
+    target_rps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise DataError(f"the number of replicas that served the test must be >= 1 (got {self.replicas})")
+        if self.target_rps is not None and self.target_rps <= 0:
+            raise DataError(f"the target load must be > 0 requests/s (got {self.target_rps})")
+
+
 # ---------------------------------------------------------------- reading the CSVs
 
 
@@ -366,8 +380,11 @@ def judge_step(step: dict, slo: SLO) -> list[str]:
     return reasons
 
 
-def capacity(steps: list[dict], slo: SLO) -> dict[str, Any]:
-    """Largest user count with every level up to it within the SLO, and the planning point below it."""
+def capacity(steps: list[dict], slo: SLO, plan: FleetPlan | None = None) -> dict[str, Any]:
+    """Largest user count with every level up to it within the SLO, the planning point below it, and per replica:
+    the planning load one replica carries (the measured one over ``plan.replicas``) and the replicas a target load
+    needs at that rate (linear scaling assumed: the report says so)."""
+    plan = plan or FleetPlan()
     fraction = 1.0 - slo.headroom
     by_level: dict[int, list[dict]] = {}
     for step in steps:
@@ -380,6 +397,8 @@ def capacity(steps: list[dict], slo: SLO) -> dict[str, Any]:
         max_users = users
     result: dict[str, Any] = {"max_users_within_slo": max_users, "first_failing_users": first_failing,
                               "headroom": slo.headroom, "all_levels_within_slo": first_failing is None and bool(steps)}
+    result.update(replicas_tested=plan.replicas, target_rps=plan.target_rps, per_replica_planning_rps=None,
+                  replicas_for_target=None)
     if max_users is None:
         result.update(planning_users=0, rps_at_max=None, planning_rps=None, sessions_per_s_at_max=None,
                       planning_sessions_per_s=None)
@@ -393,15 +412,23 @@ def capacity(steps: list[dict], slo: SLO) -> dict[str, Any]:
     # The small epsilon keeps 5 * 0.8 = 4.000000000000001 -> 4 and 10 * 0.8 = 8 exact after float rounding.
     result.update(planning_users=math.floor(max_users * fraction + 1e-9), rps_at_max=rps,
                   planning_rps=rps * fraction if rps is not None else None)
+    if rps:
+        per_replica = rps * fraction / plan.replicas
+        result["per_replica_planning_rps"] = per_replica
+        if plan.target_rps is not None:
+            # The epsilon: 36 / 12 = 3.0000000000000004 must plan 3 replicas, not 4.
+            result["replicas_for_target"] = max(1, math.ceil(plan.target_rps / per_replica - 1e-9))
     return result
 
 
-def build_report(prefix: str | Path, slo: SLO | None = None,
-                 server_metrics: str | Path | None = None) -> dict[str, Any]:
+def build_report(prefix: str | Path, slo: SLO | None = None, server_metrics: str | Path | None = None,
+                 plan: FleetPlan | None = None, server_baseline: str | Path | None = None) -> dict[str, Any]:
     """Everything the report says, as plain data (``capacity_report.json``).
 
     ``server_metrics``: a saved ``/metrics`` page of the service after the run (``verl loadtest`` saves one), shown
-    beside Locust's numbers as a cross-check.
+    beside Locust's numbers as a cross-check; ``server_baseline``: the page before the run (a service that was
+    already up, ``verl loadtest --url``), so the cross-check counts this run only. ``plan``: the replicas that
+    served the test and a target load (the per-replica planning line).
     """
     slo = slo or SLO()
     run = load_run(prefix)
@@ -411,7 +438,8 @@ def build_report(prefix: str | Path, slo: SLO | None = None,
         if not path.is_file():
             raise DataError(f"server metrics file '{path}' does not exist (save the service's /metrics page)")
         try:
-            server = parse_server_metrics(path.read_text())
+            baseline = Path(server_baseline).read_text() if server_baseline is not None else None
+            server = parse_server_metrics(path.read_text(), baseline)
         except ValueError as exc:
             raise DataError(f"'{path}' is not Prometheus text format ({exc})") from None
     info = run.info or {}
@@ -459,7 +487,7 @@ def build_report(prefix: str | Path, slo: SLO | None = None,
         "window_s": window_s,
         "totals": totals,
         "steps": steps,
-        "capacity": capacity(steps, slo),
+        "capacity": capacity(steps, slo, plan),
         "endpoints": [entry(e) for e in http],
         "variants": variants(run.entries),
         "llm": [entry(e) for e in run.entries if e.type == LLM],

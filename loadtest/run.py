@@ -6,13 +6,20 @@
 3. save the service's ``/metrics`` (a cross-check the report shows), stop the service (SIGINT: it drains);
 4. write the capacity report from Locust's CSVs.
 
-Traffic goes to 127.0.0.1 only. Everything lands in ``out_dir``: ``locust_*.csv``, ``locust.html`` (Locust's own
-report), ``locust.log``, ``server.log``, ``server_metrics.prom`` and the capacity report with its plots.
+With ``url`` (``verl loadtest --url``) steps 1 and 3's stop are skipped: the test runs against a service that is
+already up, e.g. ``verl serve --replicas 2`` on Ray Serve; ``/metrics`` is saved before and after, so the report's
+cross-check counts this run only, and the replicas it reports in ``/health`` feed the per-replica planning line.
+``processes`` > 1 runs Locust's load generation in that many worker processes (``--processes``).
+
+Without ``url``, traffic goes to 127.0.0.1 only. Everything lands in ``out_dir``: ``locust_*.csv``, ``locust.html``
+(Locust's own report), ``locust.log``, ``server.log``, ``server_metrics.prom`` and the capacity report with its
+plots.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -27,7 +34,7 @@ from typing import Any
 
 from loadtest.checks import ABORT_EXIT_CODE, abort_reason
 from loadtest.render import make_report
-from loadtest.report import SLO
+from loadtest.report import SLO, FleetPlan
 from loadtest.shapes import StepPlan, doubling_levels, parse_levels
 from verl.errors import ConfigError, VerlError
 from verl.utils.fs import atomic_write_text, ensure_writable_dir
@@ -37,6 +44,9 @@ HERE = Path(__file__).resolve().parent
 LOCUSTFILE = HERE / "locustfile.py"
 LOCUST_CONF = HERE / "locust.conf"
 CSV_STEM = "locust"
+# A fleet's /metrics shows the other replicas' series as of their last shipment to the control plane (every 1 s,
+# serve/fleet.py METRICS_EVERY_S): wait this long after the test before the final scrape.
+FLEET_METRICS_LAG_S = 1.5
 
 
 class LoadTestError(VerlError):
@@ -65,8 +75,22 @@ class LoadTestConfig:
     slo: SLO = field(default_factory=SLO)
     startup_timeout_s: float = 180.0
     server_env: dict[str, str] = field(default_factory=dict)  # more VERL_SERVE_* settings
+    url: str | None = None  # a running service (no local one is started)
+    api_key: str | None = None  # its key (sent by Locust, and for /metrics)
+    processes: int = 1  # Locust worker processes generating the load
+    target_rps: float | None = None  # the load to plan replicas for
 
     def __post_init__(self) -> None:
+        if self.processes < 1:
+            raise ConfigError(f"--processes must be >= 1 (got {self.processes})")
+        if self.url is not None:
+            if not self.url.startswith(("http://", "https://")):
+                raise ConfigError(f"--url must be the service's base URL, e.g. http://127.0.0.1:8000 "
+                                  f"(got {self.url!r})")
+            if self.model or self.engine or self.server_env:
+                raise ConfigError("--model and --engine choose what a local service loads; with --url the running "
+                                  "service decides (drop them, or drop --url)")
+            self.url = self.url.rstrip("/")
         if self.user_mix == "agent" and self.model is None:
             self.model = AGENT_MODEL  # the default model's template renders no tools
         # 0 would make every request a 400: minutes of 100% failures that measure nothing (the plan's own values
@@ -79,9 +103,10 @@ class LoadTestConfig:
         return StepPlan(tuple(levels), self.step_time_s, self.step_settle_s)
 
 
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+def http_get(url: str, timeout: float = 5.0, api_key: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (loopback only)
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (loopback only)
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -152,6 +177,8 @@ def locust_command(url: str, csv_prefix: Path, plan: StepPlan, config: LoadTestC
         "--user-mix", config.user_mix, "--max-tokens", str(config.max_tokens),
         *config.extra_locust_args, *config.user_classes,
     ]
+    if config.processes > 1:
+        command += ["--processes", str(config.processes)]
     if config.user_mix == "agent" and not any(a.startswith("--prompt-file") for a in config.extra_locust_args):
         command += ["--prompt-file", AGENT_PROMPTS]  # questions that need the tool (products for a calculator)
     return command
@@ -173,33 +200,71 @@ def run_locust(command: list[str], timeout_s: float, log_path: Path, env: dict[s
             _stop(proc, signal.SIGTERM, 15)
 
 
-def run_loadtest(config: LoadTestConfig, echo: Any = None) -> tuple[dict[str, Any], dict[str, Path]]:
-    """Service up -> stepped Locust run -> service down -> report. ``echo(str)`` reports progress."""
-    say = echo or (lambda _msg: None)
-    out = ensure_writable_dir(config.out_dir, "the load test output dir (--out)")
-    plan = config.plan()
+def _health(url: str, api_key: str | None) -> dict[str, Any]:
+    """The running service's ``/health`` (``--url``): it must answer 200 before any load is sent."""
+    try:
+        status, body = http_get(url + "/health", timeout=10, api_key=api_key)
+    except (OSError, urllib.error.URLError) as exc:
+        raise LoadTestError(f"no service answers at {url} ({exc}); start it first (verl serve, or verl serve "
+                            f"--replicas N) or drop --url to let verl loadtest start one") from None
+    if status != 200:
+        raise LoadTestError(f"{url}/health answered HTTP {status}: {body.decode(errors='replace')[:200]}")
+    return json.loads(body)
+
+
+@contextlib.contextmanager
+def _service(config: LoadTestConfig, out: Path, say: Any) -> Iterator[tuple[str, int]]:
+    """The service under test, as (URL, replicas): the one at ``config.url``, or a local one started here."""
+    if config.url is not None:
+        health = _health(config.url, config.api_key)
+        replicas = int(health.get("replicas") or 1)
+        say(f"testing the running service at {config.url} ({replicas} replica{'s' if replicas > 1 else ''})")
+        yield config.url, replicas
+        return
     env = dict(config.server_env)
     if config.model:
         env["VERL_SERVE_MODEL"] = config.model
     if config.engine:
         env["VERL_SERVE_ENGINE"] = config.engine
-    csv_prefix = out / CSV_STEM
     say(f"starting the service on {LOOPBACK} (log: {out / 'server.log'})")
     with local_service(out / "server.log", env, config.startup_timeout_s) as url:
+        yield url, 1
+        say("stopping the service")
+
+
+def _save_metrics(url: str, api_key: str | None, path: Path) -> Path | None:
+    status, page = http_get(url + "/metrics", timeout=30, api_key=api_key)
+    if status != 200:
+        return None
+    atomic_write_text(path, page.decode())
+    return path
+
+
+def run_loadtest(config: LoadTestConfig, echo: Any = None) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Service up (or ``config.url``) -> stepped Locust run -> service down -> report. ``echo(str)`` reports
+    progress."""
+    say = echo or (lambda _msg: None)
+    out = ensure_writable_dir(config.out_dir, "the load test output dir (--out)")
+    plan = config.plan()
+    csv_prefix = out / CSV_STEM
+    locust_env = {"LOCUST_API_KEY": config.api_key} if config.api_key else None  # not on the command line
+    with _service(config, out, say) as (url, replicas):
+        # A service that was up before the test has counted other traffic: the report counts the difference.
+        baseline = _save_metrics(url, config.api_key, out / "server_metrics_before.prom") if config.url else None
         say(f"service ready at {url}; Locust: levels {list(plan.levels)} x {plan.step_time_s:g} s "
-            f"(about {plan.duration_s:g} s)")
+            f"(about {plan.duration_s:g} s)" + (f", {config.processes} processes" if config.processes > 1 else ""))
         command = locust_command(url, csv_prefix, plan, config)
         # Margin: Locust start-up, prompt preparation and stopping users.
-        code = run_locust(command, plan.duration_s + 90, out / "locust.log")
-        status, metrics = http_get(url + "/metrics")
-        if status == 200:
-            atomic_write_text(out / "server_metrics.prom", metrics.decode())
-        say("stopping the service")
+        code = run_locust(command, plan.duration_s + 90, out / "locust.log", env=locust_env)
+        if replicas > 1:
+            time.sleep(FLEET_METRICS_LAG_S)  # the other replicas' series have caught up on the page
+        metrics_file = _save_metrics(url, config.api_key, out / "server_metrics.prom")
     if code == ABORT_EXIT_CODE:
         reason = abort_reason((out / "locust.log").read_text(errors="replace"))
         raise LoadTestError(f"the load test stopped early: {reason or 'every request failed'}; "
                             f"see {out / 'locust.log'}")
     if code not in (0, 1) or not Path(f"{csv_prefix}_stats.csv").is_file():
         raise LoadTestError(f"Locust exited with code {code} without complete CSVs; see {out / 'locust.log'}")
-    metrics_file = out / "server_metrics.prom"
-    return make_report(csv_prefix, out, config.slo, server_metrics=metrics_file if metrics_file.is_file() else None)
+    return make_report(csv_prefix, out, config.slo, server_metrics=metrics_file,
+                       plan=FleetPlan(replicas, config.target_rps),
+                       server_baseline=baseline if metrics_file is not None else None)

@@ -42,6 +42,7 @@ CONTROL_NAME = "verl-control"
 NAMESPACE = "verl-serve"
 APP_NAME = "verl"
 POLL_S = 0.2  # how often a replica asks the control plane for changes
+METRICS_EVERY_S = 1.0  # how often a replica ships its /metrics page (the fleet's page is at most this stale)
 LIVE_S = 5.0  # a replica whose last poll is older than this is not counted (dead, or being replaced)
 CHANGE_TIMEOUT_S = 300.0  # prepare (loading a model) and switch, per phase
 SETTLE_S = 10.0  # after one replica failed a phase, how long the others get to report before the rollback
@@ -75,6 +76,7 @@ class ControlPlane:
                       "routes": (saved or initial)["routes"]}
         self.pending: dict | None = None
         self.replicas: dict[str, dict] = {}
+        self.metrics: dict[str, str] = {}  # each replica's latest /metrics page
         self.lock = asyncio.Lock()
         self.started = time.time()
         self._persist()  # from the start: a restarted control plane (Ray restarts it) comes back from this file
@@ -84,11 +86,14 @@ class ControlPlane:
         return {name: r for name, r in self.replicas.items() if now - r["seen"] < LIVE_S}
 
     async def report(self, replica: str, active: int, prepared: int, error: str | None,
-                     records: list[dict] | None = None) -> dict:
+                     records: list[dict] | None = None, metrics: str | None = None) -> dict:
         """A replica's poll: what it serves (``active`` version), what it has ready (``prepared``), a failed
-        prepare, and its new online records; answers the state, the pending change, and the fleet's size."""
+        prepare, its new online records and (every ``METRICS_EVERY_S``) its metrics page; answers the state, the
+        pending change, and the fleet's size."""
         if records:
             self.records.add_rows(records)
+        if metrics is not None:
+            self.metrics[replica] = metrics
         self.replicas[replica] = {"active": active, "prepared": prepared, "error": error, "seen": time.monotonic()}
         live = self._live()
         return {"state": self.state, "pending": self.pending, "live": len(live),
@@ -96,6 +101,13 @@ class ControlPlane:
 
     async def records_since(self, since: float | None = None) -> list[dict]:
         return self.records.snapshot(since)
+
+    async def metrics_pages(self) -> dict[str, str]:
+        """The live replicas' latest metrics pages (a dead replica's series leave with it, as a scrape target's
+        would)."""
+        live = self._live()
+        self.metrics = {name: page for name, page in self.metrics.items() if name in live}
+        return dict(self.metrics)
 
     async def get(self) -> dict:
         return {"state": self.state, "pending": self.pending, "replicas": {
@@ -216,12 +228,29 @@ class FleetLink:
     async def records(self, since: float | None = None) -> list[dict]:
         return await control_plane().records_since.remote(since)
 
+    async def metrics_page(self, own: bytes) -> bytes:
+        """Every live replica's series with a ``replica`` label; this replica's own page (``own``) is current, the
+        others are as of their last shipment (at most ``METRICS_EVERY_S`` old)."""
+        from serve.metrics import merge_expositions  # noqa: PLC0415
+
+        try:
+            pages = await control_plane().metrics_pages.remote()
+        except Exception as exc:  # the control plane is restarting: this replica's series alone, still labelled
+            log.warning("verl serve: control plane unreachable (%s); /metrics has this replica only", exc)
+            pages = {}
+        pages[self.replica] = own.decode()
+        return merge_expositions(pages)
+
     async def _follow(self, service: Any) -> None:
+        shipped = 0.0
         while True:
             records = service.records.drain()
+            metrics = None
+            if time.monotonic() - shipped >= METRICS_EVERY_S:
+                metrics, shipped = service.metrics.exposition().decode(), time.monotonic()
             try:
                 reply = await control_plane().report.remote(self.replica, self.active, self.prepared, self.error,
-                                                            records)
+                                                            records, metrics)
             except Exception as exc:  # the control plane is restarting: keep serving what is in force
                 service.records.outbox.extendleft(reversed(records))  # sent again with the next poll
                 log.warning("verl serve: control plane unreachable (%s); routes in force stay", exc)

@@ -11,11 +11,14 @@ engines report the same quantities the same way:
 
 Token counters and ``request_success_total`` count sequences (a request with ``n=4`` is four sequences);
 ``http_requests_total{path,status}`` counts HTTP requests by outcome (200, 400, 429, 503, ...).
+
+A fleet (``verl serve --replicas``) answers ``/metrics`` on any replica with every live replica's series, each
+labelled ``replica`` (``merge_expositions``): replicas ship their page to the control plane with their polls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -26,6 +29,9 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 # `*_created` timestamp series double the exposition for no use to Prometheus (vLLM turns them off too).
 disable_created_metrics()
@@ -136,3 +142,29 @@ class SequenceTimer:
         m.e2e.labels(self.label).observe(now - self.arrival)
         m.success.labels(self.label, finish_reason).inc()
         m.generation_hist.labels(self.label).observe(self.tokens)
+
+
+class _Merged:
+    """A collector yielding ready-made families (the merged fleet page)."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families
+
+
+def merge_expositions(pages: Mapping[str, str]) -> bytes:
+    """One Prometheus page from several replicas' pages (``{replica: page}``): every sample gains a ``replica``
+    label, and each family is described once. Summing a series over ``replica`` gives the fleet's total."""
+    families: dict[str, Metric] = {}
+    for replica, page in sorted(pages.items()):
+        for family in text_string_to_metric_families(page):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            merged.samples.extend(Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp, s.exemplar)
+                                  for s in family.samples)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged(list(families.values())))
+    return generate_latest(registry)

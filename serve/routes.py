@@ -80,8 +80,11 @@ def ops_router(service: Service) -> APIRouter:
     @router.get("/metrics", tags=["ops"], response_class=Response, dependencies=metrics_guard,
              responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def metrics() -> Response:
-        """Prometheus metrics (``verl:`` prefix, vLLM's names)."""
-        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
+        """Prometheus metrics (``verl:`` prefix, vLLM's names); in a fleet, every replica's, labelled ``replica``."""
+        page = service.metrics.exposition()
+        if service.fleet is not None:
+            page = await service.fleet.metrics_page(page)
+        return Response(page, media_type=CONTENT_TYPE)
 
     @router.get("/version", response_model=VersionResponse, tags=["ops"], dependencies=protected)
     async def version() -> VersionResponse:

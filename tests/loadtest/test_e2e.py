@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from loadtest.render import make_report
@@ -194,6 +195,41 @@ def test_verl_loadtest_command(tmp_path):
                  for p in ("/generate", "/v1/completions", "/v1/chat/completions"))
     assert served >= report["totals"]["http_requests"] - report["totals"]["http_failures"] > 0
     assert "server.log" in {p.name for p in out.iterdir()} and (out / "latency_vs_users.png").is_file()
+
+
+def test_verl_loadtest_against_a_running_service_with_two_processes(service, tmp_path):
+    """``verl loadtest --url URL --processes 2``: no service is started, two Locust worker processes generate the
+    load, the counts equal Locust's, and the cross-check counts this run only although the service had served
+    other requests before it (``/metrics`` scraped before and after); the per-replica line plans for a target."""
+    import subprocess
+
+    for _ in range(5):  # traffic before the test, which the report must not count
+        assert httpx.post(service + "/generate", json={"prompt": "1+1=", "max_new_tokens": 2}).status_code == 200
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "verl.cli", "loadtest", "--url", service + "/", "--processes", "2", "--out", str(out),
+         "--step-users", "2", "--step-time", "8", "--step-settle", "2", "--slo-p95-ms", "60000",
+         "--target-rps", "1000", "--locust-arg=--num-prompts=16"],
+        capture_output=True, text=True, timeout=150,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "testing the running service" in result.stderr and "2 processes" in result.stderr
+    assert "server.log" not in {p.name for p in out.iterdir()}  # nothing was started
+    log = (out / "locust.log").read_text()
+    assert "The last worker quit" in log, log[-2000:]  # the load came from worker processes
+    report = json.loads((out / "capacity_report.json").read_text())
+    stats = read_stats(out / "locust")
+    count = {name: int(row["Request Count"]) for (_, name), row in stats.items()}
+    http_total = sum(count[name] for name in HTTP_NAMES)
+    assert count["e2e_latency_ms"] == count["output_tokens"] == http_total == report["totals"]["http_requests"] > 0
+    assert report["totals"]["locust_aggregated_requests"] == count["Aggregated"]
+    served = sum(report["server"]["http_requests"].get(p, {}).get("200", 0)
+                 for p in ("/generate", "/v1/completions", "/v1/chat/completions"))
+    ok = http_total - report["totals"]["http_failures"]
+    assert ok <= served <= ok + 2  # + what the 2 users had in flight when Locust stopped them; not the 5 before
+    cap = report["capacity"]
+    assert cap["replicas_tested"] == 1 and cap["replicas_for_target"] >= 1
+    assert "needs" in result.stderr and "Per replica" in result.stderr
 
 
 @pytest.mark.slow

@@ -7,9 +7,10 @@ import math
 
 import pytest
 
-from loadtest.render import make_report
+from loadtest.render import make_report, summary_text
 from loadtest.report import (
     SLO,
+    FleetPlan,
     build_report,
     capacity,
     histogram_quantile,
@@ -273,3 +274,33 @@ def test_uncomputed_percentile_never_passes(tmp_path):
     assert report["steps"][1]["latency_p95_ms"] is None
     assert report["steps"][1]["why_not"][0].startswith("no latency percentile for the window")
     assert report["capacity"]["max_users_within_slo"] == 1
+
+
+def test_per_replica_planning_line():
+    """Measured on 2 replicas: 10 users hold at 45 requests/s, so plan 36 requests/s (20% headroom), 18 per
+    replica; 100 requests/s then needs ceil(100 / 18) = 6 replicas, 36 exactly needs 2 (not 3 by rounding)."""
+    steps = [_step(1, True), _step(10, True, 40.0), _step(10, True, 50.0), _step(12, False)]
+    cap = capacity(steps, SLO(), FleetPlan(replicas=2, target_rps=100))
+    assert cap["per_replica_planning_rps"] == pytest.approx(18.0)
+    assert (cap["replicas_tested"], cap["replicas_for_target"]) == (2, 6)
+    assert capacity(steps, SLO(), FleetPlan(replicas=2, target_rps=36))["replicas_for_target"] == 2
+    assert capacity(steps, SLO(), FleetPlan(replicas=1, target_rps=5))["replicas_for_target"] == 1
+    one = capacity(steps, SLO())
+    assert one["per_replica_planning_rps"] == pytest.approx(36.0) and one["replicas_for_target"] is None
+    # Nothing within the SLO: nothing to plan from.
+    none = capacity([_step(1, False)], SLO(), FleetPlan(replicas=2, target_rps=10))
+    assert none["per_replica_planning_rps"] is None and none["replicas_for_target"] is None
+    with pytest.raises(DataError, match="replicas"):
+        FleetPlan(replicas=0)
+    with pytest.raises(DataError, match="target load"):
+        FleetPlan(target_rps=0)
+
+
+def test_per_replica_line_in_the_summary(prefix):
+    report = build_report(prefix, SLO(p95_ms=1000, max_failure_rate=0.2), plan=FleetPlan(replicas=2, target_rps=50))
+    cap = report["capacity"]
+    text = summary_text(report)
+    assert f"Per replica: about {cap['per_replica_planning_rps']:.3g} requests/s" in text
+    assert "measured on 2 replicas" in text and "on the 2 replicas tested" in text
+    assert f"50 requests/s needs {cap['replicas_for_target']} replicas" in text
+    assert "--target-rps" in summary_text(build_report(prefix, SLO(p95_ms=1000, max_failure_rate=0.2)))

@@ -337,3 +337,24 @@ def test_openai_conformance_details(client, server):
     resp = httpx.post(server.url + "/v1/completions", json={"prompt": "1", "max_tokens": 1, "seed": 2**63})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "seed"
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["code"] == "not_found"
+
+
+def test_fleet_metrics_page_labels_every_replica():
+    """``merge_expositions``: two replicas' pages become one, each series labelled ``replica``, each family described
+    once, and summing over ``replica`` gives the fleet's count (what the load-test cross-check reads)."""
+    from loadtest.report import parse_server_metrics
+    from serve.metrics import ServeMetrics, merge_expositions
+
+    first, second = ServeMetrics("m"), ServeMetrics("m")
+    first.http.labels("/v1/completions", "POST", "200").inc(3)
+    second.http.labels("/v1/completions", "POST", "200").inc(2)
+    first.e2e.labels("m").observe(0.2)
+    second.e2e.labels("m").observe(0.4)
+    page = merge_expositions({"r1": first.exposition().decode(), "r2": second.exposition().decode()}).decode()
+    assert page.count("# TYPE verl:http_requests_total counter") == 1
+    assert 'verl:http_requests_total{method="POST",path="/v1/completions",replica="r1",status="200"} 3.0' in page
+    assert 'verl:http_requests_total{method="POST",path="/v1/completions",replica="r2",status="200"} 2.0' in page
+    assert 'verl:e2e_request_latency_seconds_count{model_name="m",replica="r2"} 1.0' in page
+    merged = parse_server_metrics(page)
+    assert merged["http_requests"] == {"/v1/completions": {"200": 5}}
+    assert merged["e2e"]["count"] == 2 and merged["e2e"]["mean_ms"] == pytest.approx(300.0)

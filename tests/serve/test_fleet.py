@@ -16,6 +16,7 @@ One scenario, in order, under a steady stream of completions:
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -163,6 +164,30 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
         assert len({r["replica"] for r in rows}) >= 2
         assert load.ok * 0.9 <= len(answered) <= load.ok + 10, (len(answered), load.ok)
         assert len(records_path.read_text().splitlines()) == len(rows)
+
+        # 6. One metrics page for the fleet: every live replica's series, labelled replica (name = pid-suffix).
+        page = httpx.get(url + "/metrics", timeout=30).text
+        labelled = {line.split('replica="')[1].split('"')[0] for line in page.splitlines()
+                    if line.startswith("verl:http_requests_total{")}
+        pids = {s["process"]["pid"] for s in (state(url) for _ in range(8))}
+        assert len(labelled) == 2 and {int(name.split("-")[0]) for name in labelled} == pids, (labelled, pids)
+
+        # 7. verl loadtest against the deployment, load from two Locust processes: counts equal Locust's, the
+        # per-replica line knows there are 2 replicas, and the fleet's merged /metrics cross-checks this run.
+        out = tmp_path / "loadtest"
+        run = verl("loadtest", "--url", url, "--processes", "2", "--out", str(out), "--step-users", "2",
+                   "--step-time", "8", "--step-settle", "2", "--slo-p95-ms", "60000", "--target-rps", "100",
+                   "--locust-arg=--num-prompts=16", "--quiet")
+        assert run.returncode == 0, run.stderr[-3000:]
+        report = json.loads((out / "capacity_report.json").read_text())
+        totals, cap = report["totals"], report["capacity"]
+        assert totals["locust_aggregated_requests"] == totals["http_requests"] + totals["llm_entries"]
+        assert totals["http_requests"] == totals["steps_requests"] > 0
+        assert cap["replicas_tested"] == 2 and "measured on 2 replicas" in run.stderr
+        served = sum(report["server"]["http_requests"].get(p, {}).get("200", 0)
+                     for p in ("/generate", "/v1/completions", "/v1/chat/completions"))
+        ok = totals["http_requests"] - totals["http_failures"]
+        assert ok <= served <= ok + 2, (ok, served)
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -211,3 +236,34 @@ def test_replicas_on_two_ray_nodes_started_with_ray_start(tmp_path):
             except subprocess.TimeoutExpired:
                 server.kill()
         subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
+
+
+def test_readme_fleet_block_runs_as_written(tmp_path):
+    """README's "Serving on several replicas" commands, as written: only the port and the server's lifetime (wait
+    for two replicas, stop at the end) are adapted to a test."""
+    from tests.serve.test_readme_canary import readme_block
+
+    script = readme_block("### Serving on several replicas")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    script = script.replace("http://127.0.0.1:8000", url)
+    serve_line = "verl serve --replicas 2 &"
+    assert serve_line in script
+    script = script.replace(serve_line, (
+        f"verl serve --replicas 2 --port {port} > serve.log 2>&1 & SERVER=$!\n"
+        "trap 'kill -INT $SERVER; wait $SERVER' EXIT\n"
+        f"for i in $(seq 240); do curl -s {url}/health | grep -q '\"replicas\":2' && break; sleep 1; done"))
+    bin_dir = Path(os.environ.get("VIRTUAL_ENV", "")) / "bin"
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=600)
+    log = (tmp_path / "serve.log").read_text()
+    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:], log[-3000:])
+    out = result.stdout
+    assert '"replicas":2' in out and '"replica_versions":[1]' in out
+    assert "x-verl-config-version: 3" in out.lower()
+    assert len({line.split('replica="')[1].split('"')[0] for line in out.splitlines()
+                if line.startswith("verl:http_requests_total{")}) == 2
+    report = json.loads((tmp_path / "outputs/loadtest/capacity_report.json").read_text())
+    assert [s["users"] for s in report["steps"]] == [2, 4] and report["capacity"]["replicas_tested"] == 2
+    assert "measured on 2 replicas" in result.stderr and "100 requests/s needs" in result.stderr
