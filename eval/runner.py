@@ -167,6 +167,8 @@ class Resolved:
     max_prompt_length: int = 64
     multi_turn: dict[str, Any] | None = None  # rollout.multi_turn's fields when the rollouts are agent loops
     notes: list[str] = field(default_factory=list)
+    # Where max_samples came from ("--max-samples" or "the run's data.val_max_samples"), said when it caps the data.
+    max_samples_from: str | None = None
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -177,7 +179,8 @@ class Resolved:
     @property
     def fingerprint(self) -> str:
         # A single-turn evaluation hashes as it did before multi-turn existed, so its cached results stay valid.
-        payload = {k: v for k, v in asdict(self).items() if k != "notes" and not (k == "multi_turn" and v is None)}
+        payload = {k: v for k, v in asdict(self).items()
+                   if k not in ("notes", "max_samples_from") and not (k == "multi_turn" and v is None)}
         return hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     @property
@@ -294,6 +297,12 @@ def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: s
     multi_turn = _multi_turn(settings, run_cfg)
     specs = _evaluator_specs(settings.evaluators, reference, notes, multi_turn is not None)
     seed = settings.seed if settings.seed is not None else (run_cfg.trainer.seed if run_cfg is not None else 0)
+    if settings.max_samples is not None:
+        max_samples, max_samples_from = settings.max_samples, "--max-samples"
+    elif not settings.data and data.val_max_samples is not None:
+        max_samples, max_samples_from = data.val_max_samples, "the run's data.val_max_samples"
+    else:
+        max_samples, max_samples_from = None, None
     return Resolved(
         data_files=list(settings.data) if settings.data else list(data.val_files),
         evaluator_specs=specs,
@@ -304,7 +313,10 @@ def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: s
         max_new_tokens=settings.max_new_tokens or data.max_response_length,
         seed=int(seed),
         batch_size=settings.batch_size or data.val_batch_size,
-        max_samples=settings.max_samples if settings.max_samples is not None else data.val_max_samples,
+        # The run's val_max_samples caps the run's own validation files; a file the user names is used whole
+        # unless --max-samples says otherwise.
+        max_samples=max_samples,
+        max_samples_from=max_samples_from,
         reference=reference if any(_needs_reference(s) for s in specs) else None,
         engine=settings.engine,
         max_prompt_length=settings.max_prompt_length or data.max_prompt_length,
@@ -462,6 +474,10 @@ class Evaluation:
                     f"{what}: prompts longer than max_prompt_length={self.data_cfg.max_prompt_length} tokens after "
                     f"the chat template (data.truncation={self.data_cfg.truncation}); --max-prompt-length N keeps "
                     "them")
+            cap = self.resolved.max_samples
+            if cap is not None and cap < len(self._dataset):
+                self.resolved.notes.append(f"the first {cap} of {len(self._dataset)} prompts: capped by "
+                                           f"{self.resolved.max_samples_from}; --max-samples N changes it")
         return self._dataset
 
     def _multi_turn_config(self) -> config_module.MultiTurnConfig | None:
@@ -571,6 +587,10 @@ class Evaluation:
             "sampling": self.resolved.sampling,
             "data": {"files": self.resolved.data_files, "num_prompts": int(len(set(batch.non_tensor["index"]))),
                      "num_samples": num_samples, "max_samples": self.resolved.max_samples,
+                     "max_samples_from": self.resolved.max_samples_from, "num_usable": len(self.dataset),
+                     "num_dropped": self.dataset.num_filtered,
+                     "num_truncated": getattr(self.dataset, "num_truncated", 0),
+                     "max_prompt_length": self.data_cfg.max_prompt_length,
                      "prompt_key": self.data_cfg.prompt_key, "ground_truth_key": self.data_cfg.ground_truth_key},
             "evaluators": [getattr(e, "spec", getattr(e, "name", type(e).__name__)) for e in self.evaluators],
             **({"multi_turn": self.resolved.multi_turn} if self.resolved.multi_turn else {}),
@@ -664,8 +684,28 @@ class Evaluation:
         return bar()
 
 
+def data_line(data: dict) -> str:
+    """How many prompts were evaluated and, when that is not the whole file, why: ``64 of 200 prompts (capped at 64
+    by the run's data.val_max_samples; --max-samples N changes it)``."""
+    used, usable = data.get("num_prompts"), data.get("num_usable")
+    if usable is None:  # results written before these fields existed
+        return f"{used} prompts"
+    dropped, cut = data.get("num_dropped", 0), data.get("num_truncated", 0)
+    total = usable + dropped
+    why = []
+    if used < usable:
+        why.append(f"capped at {data['max_samples']} by {data['max_samples_from']}; --max-samples N changes it")
+    if dropped:
+        why.append(f"{dropped} dropped: longer than max_prompt_length={data['max_prompt_length']} tokens; "
+                   "--max-prompt-length N keeps them")
+    if cut:
+        why.append(f"{cut} truncated to max_prompt_length={data['max_prompt_length']} tokens")
+    head = f"{used} prompts" if used == total else f"{used} of {total} prompts"
+    return head + (f" ({'; '.join(why)})" if why else "")
+
+
 def summary_line(results: dict) -> str:
-    parts = []
+    parts = [data_line(results.get("data", {}))]
     for key in ("eval/accuracy", "eval/reward_mean", "eval/kl_exact", "eval/response_length_mean", "eval/distinct_1",
                 "eval/tool_call_rate", "eval/valid_call_rate"):
         metric = results["metrics"].get(key)

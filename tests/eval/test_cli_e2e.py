@@ -242,3 +242,30 @@ def test_run_eval_spread_over_ray_workers_equals_the_local_executor(runs, tmp_pa
         json.loads((tmp_path / "local" / "best.json").read_text())["label"]
     bad = cli("eval", "--ckpt", str(runs["a"]), "--executor", "slurm", ok=False)
     assert bad.exit_code != 0 and "--executor 'slurm' must be local or ray" in bad.output
+
+
+def test_a_users_data_file_is_used_whole_and_caps_are_said(runs, tmp_path):
+    """The run validated on 16 prompts (data.val_max_samples=16); that cap belongs to the run's own validation files.
+    `verl eval --data FILE` scores all 40 rows of the user's file, --max-samples caps it, and the console line says
+    how many of how many and why (as results.json's notes do)."""
+    import pyarrow.parquet as pq
+
+    from verl.data.builtin import resolve_data_file
+
+    rows = pq.read_table(resolve_data_file("builtin:arithmetic/val")).slice(0, 40)
+    data = tmp_path / "mine.parquet"
+    pq.write_table(rows, data)
+    ckpt = str(runs["a"] / "checkpoints" / "global_step_2")
+    whole = cli("eval", "--ckpt", ckpt, "--data", str(data), "--out", str(tmp_path / "whole"), "--evaluators",
+                "accuracy")
+    results = json.loads((tmp_path / "whole" / "results.json").read_text())
+    assert results["data"]["num_prompts"] == 40 and results["data"]["max_samples"] is None
+    assert "40 prompts," in whole.output and "capped" not in whole.output
+    capped = cli("eval", "--ckpt", ckpt, "--data", str(data), "--max-samples", "25", "--out",
+                 str(tmp_path / "capped"), "--evaluators", "accuracy")
+    assert "25 of 40 prompts (capped at 25 by --max-samples" in capped.output, capped.output
+    # Without --data, the run's own validation files keep the run's cap, and the line says whose it is.
+    own = cli("eval", "--ckpt", ckpt, "--out", str(tmp_path / "own"), "--evaluators", "accuracy")
+    assert "16 of " in own.output and "capped at 16 by the run's data.val_max_samples" in own.output, own.output
+    notes = json.loads((tmp_path / "own" / "results.json").read_text())["notes"]
+    assert any("capped by the run's data.val_max_samples" in note for note in notes), notes
