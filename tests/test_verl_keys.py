@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tests.trainer_utils import rows, run_cli
@@ -78,18 +82,40 @@ def test_verl_line_passes_a_dry_run_through_the_cli():
 
 
 def test_verl_line_trains_on_the_tiny_model(tmp_path):
-    # The same line, on the built-in model, shrunk to one step by verl's own keys; wandb offline (no login here).
+    """verl's launch line verbatim: ``python3 -m verl.trainer.main_ppo <the line>``, on the built-in model, shrunk
+    to one step by verl's own keys; wandb offline (no login here)."""
     small = ["actor_rollout_ref.model.path=builtin:tiny-arith", "data.max_prompt_length=64",
              "data.max_response_length=16", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.name=hf",
              "actor_rollout_ref.rollout.n=2", "+trainer.total_training_steps=1", "+data.val_max_samples=8",
              f"trainer.output_dir={tmp_path}", "trainer.val_before_train=False"]
-    result = run_cli(["train", *VERL_GRPO_GSM8K, *small], env={"WANDB_MODE": "offline"})
+    result = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *VERL_GRPO_GSM8K, *small],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "offline"})
     assert result.returncode == 0, result.stderr
+    assert "actor_rollout_ref.actor.optim.lr -> actor.optim.lr" in result.stderr  # mapped as verl train maps it
     run_dir = tmp_path / "verl_grpo_example_gsm8k" / "qwen2_7b_function_rm"
     assert [r["step"] for r in rows(run_dir / "verl_logs.jsonl", "rollout")] == [1]
     assert (run_dir / "checkpoints" / "global_step_1" / "model.safetensors").is_file()
     assert (run_dir / "wandb").is_dir()
+
+
+def test_main_ppo_takes_hydras_config_flags():
+    from verl.trainer.main_ppo import hydra_to_train_args
+
+    assert hydra_to_train_args(["--config-path", "configs", "--config-name", "grpo_tiny", "a.b=1"]) == [
+        "--config", "configs/grpo_tiny.yaml", "a.b=1"]
+    assert hydra_to_train_args(["--config-path=cfg", "--config-name=x.yaml", "--dry-run"]) == [
+        "--config", "cfg/x.yaml", "--dry-run"]
+    assert hydra_to_train_args(["algorithm.adv_estimator=grpo"]) == ["algorithm.adv_estimator=grpo"]
+    with pytest.raises(SystemExit, match="--config-name"):
+        hydra_to_train_args(["--config-path", "configs"])
+    result = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "--config-path", "configs",
+                             "--config-name", "grpo_tiny", "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "config OK" in result.stderr, result.stderr
+    bad = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "actor_rollout_ref.actor.optim.lrr=1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "did you mean 'actor.optim.lr'" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_hydra_plus_prefix_and_verl_resume_keys(tmp_path):
