@@ -50,6 +50,7 @@ from eval.stats import mcnemar, paired_resample, pearson, permutation_importance
 from verl.errors import CheckpointError, ConfigError, VerlError
 from verl.evaluators import build_evaluator
 from verl.trainer.checkpoint import list_checkpoints, read_pointer
+from verl.trainer.target import read_target
 from verl.utils.fs import atomic_write_json, ensure_writable_dir
 
 CURVE_METRICS = ["rollout/reward_mean", "eval/accuracy", "ppo/kl_div", "rollout/response_length_mean"]
@@ -294,6 +295,11 @@ def experiment_row(entry: Entry) -> dict[str, Any]:
     best_acc, best_step = extreme("eval/accuracy", np.argmax)
     max_kl, _ = extreme("ppo/kl_div", np.argmax)
     eval_metric = entry.results["metrics"].get("eval/accuracy", {})
+    target = read_target(entry.run_dir) if entry.run_dir is not None else None
+    if target is not None:
+        time_to_target = f"{target['minutes']:.2f} min (step {target['step']})"
+    else:
+        time_to_target = "not reached" if flat.get("trainer.target") else None
     return {
         "run": entry.name,
         "algorithm": flat.get("algorithm.adv_estimator"),
@@ -310,6 +316,8 @@ def experiment_row(entry: Entry) -> dict[str, Any]:
         "best_train_step": best_step,
         "eval_accuracy": eval_metric.get("value"),
         "checkpoint": entry.results.get("label"),
+        "target": flat.get("trainer.target"),
+        "time_to_target": time_to_target,
     }
 
 
@@ -441,9 +449,13 @@ def _write(out_dir: Path, report: dict, entries: list[Entry]) -> None:
     doc.h("Experiments")
     cols = ["run", "algorithm", "optimizer", "lr", "batch", "kl_coef", "steps", "final_reward", "max_kl",
             "final_train_accuracy", "best_train_accuracy", "best_train_step", "eval_accuracy"]
+    if any(r.get("target") for r in report["experiments"]):
+        cols += ["target", "time_to_target"]
     doc.table(cols, [[r.get(c) for c in cols] for r in report["experiments"]])
     doc.p("final_reward / max_kl: last `rollout/reward_mean` and largest `ppo/kl_div` in the training log; "
-          "train accuracy: the trainer's `eval/accuracy`; eval_accuracy: this comparison's evaluation.")
+          "train accuracy: the trainer's `eval/accuracy`; eval_accuracy: this comparison's evaluation."
+          + (" time_to_target: training wall time to the update of the first step that reached `trainer.target` "
+             "(validation excluded)." if "target" in cols else ""))
     # Training curves belong to runs, not checkpoints: label them by run name.
     runs = {(e.run_dir.name if e.run_dir else e.name): e.curves for e in entries if e.curves}
     if runs:

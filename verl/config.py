@@ -458,6 +458,12 @@ class TrainerConfig(Section):
         "the run's config.yaml (never carried over to a later resume).",
     )
     max_ckpt_to_keep: int | None = Field(None, ge=1, description="Keep only the newest N checkpoints.")
+    target: str | None = Field(
+        None, description="Time to target: METRIC:VALUE (reached at >= VALUE) or METRIC:VALUE:min, e.g. "
+        "eval/accuracy:0.25. The first step to reach it and its wall time at that step's update (validation "
+        "excluded, reported apart) go to verl_logs.jsonl; verl compare and the dashboard show them.",
+    )
+    stop_at_target: bool = Field(False, description="Stop (with a final checkpoint) once trainer.target is reached.")
     logger: list[str] = Field(["console", "jsonl"], description="Trackers; jsonl is always on.")
     seed: int = Field(1)
     device: Literal["auto", "cpu", "cuda"] = Field("auto")
@@ -502,6 +508,22 @@ class TrainerConfig(Section):
     @classmethod
     def _jsonl_always_on(cls, value: list[str]) -> list[str]:
         return value if "jsonl" in value else [*value, "jsonl"]
+
+    @field_validator("target")
+    @classmethod
+    def _target_spelling(cls, value: str | None) -> str | None:
+        if value is None or not str(value).strip():
+            return None
+        from verl.trainer.target import Target  # noqa: PLC0415  (the trainer package imports this module)
+
+        return Target.parse(str(value)).spec
+
+    @model_validator(mode="after")
+    def _stop_needs_target(self) -> TrainerConfig:
+        if self.stop_at_target and self.target is None:
+            raise ValueError("trainer.stop_at_target=true needs trainer.target "
+                             "(e.g. trainer.target=eval/accuracy:0.25)")
+        return self
 
 
 class VerlConfig(Section):

@@ -45,7 +45,8 @@ class RunState:
         self.samples: deque[dict[str, Any]] = deque(maxlen=MAX_SAMPLES)
         self.alerts: deque[dict[str, Any]] = deque(maxlen=MAX_ALERTS)
         self.status: dict[str, Any] = {"state": "waiting", "last_step": None, "total_steps": None,
-                                       "updated": None, "reason": None, "checkpoint": None, "best_checkpoint": None}
+                                       "updated": None, "reason": None, "checkpoint": None, "best_checkpoint": None,
+                                       "target": None}
 
     def refresh(self) -> None:
         with self.lock:
@@ -63,6 +64,10 @@ class RunState:
         step = int(row.get("step", 0) or 0)
         status = self.status
         status["updated"] = row.get("timestamp", status["updated"])
+        if row.get("scope") == "target":  # time to target (trainer.target): a status line, not a curve
+            status["target"] = {k: row.get(k) for k in ("target", "value", "minutes", "validation_seconds")}
+            status["target"]["step"] = step
+            return
         if kind == "metrics":
             for tag, value in row_metrics(row).items():
                 self.points.append((tag, step, finite_or_none(value)))

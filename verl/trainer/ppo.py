@@ -22,6 +22,7 @@ only build their roles and inputs and hand them to ``PPOTrainer``; the loop neve
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ from verl.trainer.checkpoint import (
 from verl.trainer.health import callbacks_from_config
 from verl.trainer.resume import check_resumable, saved_config
 from verl.trainer.step_metrics import rollout_metrics
+from verl.trainer.target import TARGET_SCOPE, Target, TargetClock
 from verl.trainer.validation import (
     build_validation_evaluators,
     check_validation_needs,
@@ -150,6 +152,9 @@ class PPOTrainer:
         self.rollout_worker_factory = rollout_worker_factory
         self.rollout_worker: Any = None
         self._sampler_state_before_prefetch: dict[str, Any] | None = None
+        # trainer.target: the training clock (validation excluded) and the first step that reaches the target.
+        target = config.trainer.target
+        self.target_clock = TargetClock(Target.parse(target)) if target else None
 
     def shutdown(self) -> None:
         """Release the roles' resources (workers, engines)."""
@@ -200,6 +205,8 @@ class PPOTrainer:
         if validating:
             self.validation_evaluators()  # an unknown evaluator fails now, before the run dir or any step
         self._start_run()
+        if self.target_clock is not None:
+            self.target_clock.start()  # after the models and a resumed checkpoint are loaded, as MLPerf times it
         metrics: dict[str, float] = {}
         try:
             self.callbacks.on_train_start(self)
@@ -215,12 +222,16 @@ class PPOTrainer:
                 self.logger.set_step(step)
                 profiled = step in cfg.trainer.profile_steps
                 measured = self._profiled_step(step) if profiled else self.train_step(step)
+                if self.target_clock is not None:
+                    self.target_clock.mark_update(step)
                 metrics = self.logger.log_step(step, measured)  # JSONL rows + trackers, with log.info() fields
                 self.callbacks.on_log(metrics, step=step)
+                self._check_target(step, metrics)
                 self.callbacks.on_step_end(self, step, metrics)  # health rules may request a stop here
                 final = step == cfg.trainer.total_steps or self.stop_reason is not None
                 if validating and (step % cfg.trainer.test_freq == 0 or final):
                     metrics.update(self.validate())
+                    final = final or self.stop_reason is not None  # e.g. the target, reached in validation
                 if final or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
                     self._checkpoint(step, metrics)
             reason = self.stop_reason or "completed"
@@ -432,8 +443,27 @@ class PPOTrainer:
             tracker.log_samples([{**row, "split": "val"} for row in samples], step)
         # Validation runs after the step's rows are written, so this writes the eval row alone.
         logged = self.logger.log_step(step, log.scoped("eval", metrics))
+        if self.target_clock is not None:
+            self.target_clock.add_validation(time.perf_counter() - start)
+            self._check_target(step, logged)
         self.callbacks.on_evaluate(self, step, logged)
         return logged
+
+    def _check_target(self, step: int, metrics: dict[str, float]) -> None:
+        """Log the time-to-target record the first time ``trainer.target`` is reached (and stop, if asked)."""
+        if self.target_clock is None:
+            return
+        record = self.target_clock.check(step, metrics)
+        if record is None:
+            return
+        # One `target` row in verl_logs.jsonl (read by verl compare and the dashboard); trackers get its numbers.
+        self.logger.log_step(step, {f"{TARGET_SCOPE}/{k}": v for k, v in record.items() if k != "step"})
+        if not self.quiet:
+            print(f"target {record['target']} reached at step {step} ({record['metric']} = {record['value']:.4g}): "
+                  f"{record['minutes']:.2f} min of training to that step's update, validation "
+                  f"{record['validation_seconds']:.1f} s apart", file=sys.stderr, flush=True)
+        if self.config.trainer.stop_at_target:
+            self.request_stop(f"target {record['target']} reached at step {step}")
 
     def _checkpoint(self, step: int, metrics: dict[str, float]) -> None:
         with self.timer("save"):
@@ -456,8 +486,11 @@ class PPOTrainer:
     def trainer_state(self) -> dict[str, Any]:
         in_flight = self.rollout_worker is not None and self.rollout_worker.pending
         sampler = self._sampler_state_before_prefetch if in_flight else self.sampler.state_dict()
-        return {"global_step": self.global_step, "sampler": sampler, "kl_ctrl": self.kl_ctrl.state_dict(),
-                "rng": rng_state(), "policy_version": self.policy_version}
+        state = {"global_step": self.global_step, "sampler": sampler, "kl_ctrl": self.kl_ctrl.state_dict(),
+                 "rng": rng_state(), "policy_version": self.policy_version}
+        if self.target_clock is not None:
+            state["target_clock"] = self.target_clock.state_dict()
+        return state
 
     def restore_trainer_state(self, state: dict[str, Any]) -> None:
         self.global_step = int(state["global_step"])
@@ -465,6 +498,8 @@ class PPOTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         set_rng_state(state["rng"])
+        if self.target_clock is not None and "target_clock" in state:
+            self.target_clock.load_state_dict(state["target_clock"])
 
     # ------------------------------------------------------------------ run setup
 

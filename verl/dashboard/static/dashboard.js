@@ -206,6 +206,11 @@
         cls = "stopped";
       }
       item.appendChild(el("span", { class: `state ${cls}` }, label));
+      if (status.target) {
+        const t = status.target;
+        item.appendChild(el("span", { class: "target" },
+          `target ${t.target} at step ${t.step}: ${Number(t.minutes).toFixed(2)} min`));
+      }
       box.appendChild(item);
     }
   }
