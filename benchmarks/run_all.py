@@ -55,6 +55,7 @@ BENCHES: dict[str, list[str]] = {
     # The shipped warm start calls the tool in a quarter of its answers; the RL-trained agent (configs/agent_tiny.yaml)
     # in nearly all: pass --model <its checkpoint> for the all-calls case recorded in RESULTS.md.
     "agent-rollout": [PY, "benchmarks/agent_rollout.py"],
+    "time-to-target": [PY, "benchmarks/time_to_target.py", "--seeds", "1", "2", "3"],
 }
 
 

@@ -63,6 +63,9 @@ def register(app: typer.Typer, run_guarded) -> None:
                                               "another) or ray (spread over --workers Ray workers).")] = "local",
         workers: Annotated[int, typer.Option("--workers", help="With --executor ray: how many workers (one CPU "
                                              "each; RAY_ADDRESS joins a cluster).")] = 1,
+        watch: Annotated[bool, typer.Option("--watch", help="--ckpt RUN: evaluate each checkpoint as it lands while "
+                                            "the run trains (the run dir may not exist yet); exits when the run "
+                                            "finishes, with the run summary and best.json.")] = False,
     ) -> None:
         """Evaluate a checkpoint (or every checkpoint of a run): metrics with 95% CIs, samples, report, plots."""
 
@@ -84,6 +87,11 @@ def register(app: typer.Typer, run_guarded) -> None:
                                     tool_config=tool_config, max_turns=max_turns,
                                     engine=engine, device=device, num_threads=threads, n_bootstrap=bootstrap,
                                     select=select, force=force, quiet=quiet, executor=executor, workers=workers)
+            if watch:
+                from eval.watch import watch_run
+
+                watch_run(ckpt, settings, out, Console(stderr=True))
+                return
             run_eval(ckpt, settings, out, Console(stderr=True))
 
         run_guarded(_run)

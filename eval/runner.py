@@ -836,8 +836,8 @@ def run_eval(ckpt: str | Path, settings: EvalSettings, out: str | Path | None = 
     resolved = resolve_settings(settings, run_cfg, settings.reference)
     resolved.notes.extend(notes)
     if target.kind == "run":
-        return _evaluate_run(target, settings, resolved, run_cfg, raw, out, console)
-    evaluation = Evaluation(settings, resolved, run_cfg, raw, _tokenizer_source(target.path, run_cfg), console)
+        return evaluate_run_dir(target, settings, resolved, run_cfg, raw, out, console)
+    evaluation = Evaluation(settings, resolved, run_cfg, raw, tokenizer_source_for(target.path, run_cfg), console)
     if out is not None:
         out_dir = Path(out)
     elif target.run_dir is not None:
@@ -847,7 +847,7 @@ def run_eval(ckpt: str | Path, settings: EvalSettings, out: str | Path | None = 
     return evaluation.evaluate(target.path, out_dir, target.label, target.step, target.run_dir)
 
 
-def _tokenizer_source(path: str, run_cfg: Any) -> str:
+def tokenizer_source_for(path: str, run_cfg: Any) -> str:
     local = Path(path)
     has_tokenizer = any((local / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
     # A LoRA checkpoint holds adapter files only (no config.json); its tokenizer is the base model's.
@@ -857,7 +857,7 @@ def _tokenizer_source(path: str, run_cfg: Any) -> str:
     return path
 
 
-def _evaluate_run(target: Target, settings: EvalSettings, resolved: Resolved, run_cfg: Any, raw: dict | None,
+def evaluate_run_dir(target: Target, settings: EvalSettings, resolved: Resolved, run_cfg: Any, raw: dict | None,
                   out: str | Path | None, console: Any) -> dict:
     run_dir = Path(target.path)
     checkpoints = list_checkpoints(run_dir)
@@ -866,9 +866,9 @@ def _evaluate_run(target: Target, settings: EvalSettings, resolved: Resolved, ru
                               "meta.json); train with trainer.save_freq > 0 or wait for the first save")
     metric, mode = parse_select(settings.select)
     out_dir = Path(out) if out is not None else results_root(run_dir, resolved, run_cfg)
-    tokenizer_source = _tokenizer_source(str(checkpoints[0][1]), run_cfg)
+    tokenizer_source = tokenizer_source_for(str(checkpoints[0][1]), run_cfg)
     if settings.executor == "ray":
-        per_checkpoint = _evaluate_on_ray(checkpoints, settings, resolved, run_cfg, raw, tokenizer_source, out_dir,
+        per_checkpoint = evaluate_on_ray(checkpoints, settings, resolved, run_cfg, raw, tokenizer_source, out_dir,
                                           run_dir, console)
     else:
         evaluation = Evaluation(settings, resolved, run_cfg, raw, tokenizer_source, console)
@@ -915,7 +915,7 @@ def _evaluate_shard(shard: list[tuple[int, str]], settings: EvalSettings, resolv
             for step, path in shard]
 
 
-def _evaluate_on_ray(checkpoints: list[tuple[int, Path]], settings: EvalSettings, resolved: Resolved, run_cfg: Any,
+def evaluate_on_ray(checkpoints: list[tuple[int, Path]], settings: EvalSettings, resolved: Resolved, run_cfg: Any,
                      raw: dict | None, tokenizer_source: str, out_dir: Path, run_dir: Path,
                      console: Any) -> list[dict]:
     """``--executor ray --workers N``: checkpoints dealt round-robin to N Ray tasks (one CPU each) on the cluster

@@ -269,3 +269,36 @@ def test_a_users_data_file_is_used_whole_and_caps_are_said(runs, tmp_path):
     assert "16 of " in own.output and "capped at 16 by the run's data.val_max_samples" in own.output, own.output
     notes = json.loads((tmp_path / "own" / "results.json").read_text())["notes"]
     assert any("capped by the run's data.val_max_samples" in note for note in notes), notes
+
+
+def test_watch_evaluates_checkpoints_as_they_land_and_equals_a_later_eval(tmp_path):
+    """`verl eval --ckpt RUN --watch`, started before the run exists: it evaluates each checkpoint while the trainer
+    runs, exits when the run finishes (with summary.json and best.json), and every metric and sample equals a later
+    `verl eval --ckpt RUN --force` of the same checkpoints."""
+    root = tmp_path / "runs"
+    run_dir = root / "verl" / "w"
+    env_cmd = [sys.executable, "-m", "verl.cli"]
+    watch = subprocess.Popen([*env_cmd, "eval", "--ckpt", str(run_dir), "--watch", "--evaluators", "accuracy,length"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        train = subprocess.run([*env_cmd, "train", *TINY, "trainer.total_steps=3", f"trainer.output_dir={root}",
+                                "trainer.experiment_name=w", "trainer.test_freq=0", "--quiet"],
+                               capture_output=True, text=True, timeout=300)
+        assert train.returncode == 0, train.stderr[-3000:]
+        output, _ = watch.communicate(timeout=300)
+    finally:
+        watch.kill()
+    assert watch.returncode == 0, output[-3000:]
+    assert "3 checkpoint(s) evaluated while it ran" in output and "best by eval/accuracy:max" in output
+    watched = run_dir / "eval"
+    assert json.loads((watched / "summary.json").read_text())["best"]["label"].startswith("global_step_")
+    later = tmp_path / "later"
+    cli("eval", "--ckpt", str(run_dir), "--evaluators", "accuracy,length", "--out", str(later), "--force", "--quiet")
+    for step in (1, 2, 3):
+        a = json.loads((watched / f"global_step_{step}" / "results.json").read_text())
+        b = json.loads((later / f"global_step_{step}" / "results.json").read_text())
+        assert a["metrics"] == b["metrics"] and a["model_hash"] == b["model_hash"]
+        assert (watched / f"global_step_{step}" / "samples.jsonl").read_bytes() == (
+            later / f"global_step_{step}" / "samples.jsonl").read_bytes()
+    bad = cli("eval", "--ckpt", str(run_dir / "checkpoints" / "global_step_1"), "--watch", ok=False)
+    assert bad.exit_code != 0 and "--watch follows a run directory" in bad.output
