@@ -94,7 +94,8 @@ def state(service: Service) -> dict:
         "version": service.config_version,
         "process": process,
         "models": [{"name": m.name, "kind": m.kind, "base": m.base, "source": m.source, "in_flight": m.in_flight,
-                    "retiring": m.retiring, "engine": m.engine.name} for m in registry.models.values()],
+                    "retiring": m.retiring, "engine": m.engine.name, **m.lineage.fields()}
+                   for m in registry.models.values()],
         "routes": {route: dict(weights) for route, weights in registry.routes.items()},
     }
 

@@ -41,13 +41,13 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from serve import __version__
+from serve.lineage import EXPORT_FILE
 from verl.errors import CheckpointError, ConfigError, ModelError, VerlError
 from verl.models.loader import DTYPES, missing_dir_error, resolve_model_path
 from verl.trainer.checkpoint import META, STEP_DIR, checkpoint_root, list_checkpoints, read_pointer
 from verl.utils.fs import atomic_dir, atomic_write_json
 from verl.utils.log import read_jsonl
 
-EXPORT_FILE = "export.json"
 SCHEMA = "verl-suite/export/v1"
 DEFAULT_METRIC = "eval/accuracy:max"
 # Files copied from a checkpoint only if the tokenizer did not write them itself (tokenizer.save_pretrained does).

@@ -39,6 +39,9 @@ class OnlineRecord:
     error: str | None = None
     reward: float | None = None
     replica: str | None = None  # verl serve --replicas: which replica answered
+    run: str | None = None  # lineage of the weights that answered (serve.lineage)
+    step: int | None = None
+    weights: str | None = None
 
 
 def prompt_hash(token_ids: list[int]) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from serve.engines.base import Engine
+from serve.lineage import Lineage
 from serve.settings import check_route
 
 DEFAULT_ROUTE = "default"
@@ -38,6 +39,7 @@ class ServedModel:
     base: str  # the full model whose engine serves it (itself for a full model)
     source: str  # the path or builtin name it was loaded from (logs and the admin API only, never /v1/models)
     created: int = field(default_factory=lambda: int(time.time()))
+    lineage: Lineage = field(default_factory=Lineage)  # run, step and weights hash (headers and records)
     in_flight: int = 0
     retiring: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)

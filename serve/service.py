@@ -28,6 +28,7 @@ from serve.engines.base import (
     SamplingOptions,
 )
 from serve.export import ADAPTER_CONFIG, select_checkpoint
+from serve.lineage import lineage_of
 from serve.metrics import SequenceTimer, ServeMetrics
 from serve.records import OnlineRecord, OnlineRecords, prompt_hash, score
 from serve.registry import ModelRegistry, ServedModel, UnknownModelError
@@ -119,7 +120,7 @@ class Target:
 
     def headers(self) -> dict[str, str]:
         """Response headers naming the variant that answered (and the route that chose it)."""
-        headers = {"X-Verl-Model": self.model.name}
+        headers = {"X-Verl-Model": self.model.name, **self.model.lineage.headers()}
         if self.route is not None:
             headers["X-Verl-Route"] = self.route
         return headers
@@ -226,7 +227,7 @@ class Service:
         engine.lora_enabled = self.settings.admin_api_key is not None or any(
             e.adapter is not None and (e.base or default) == name for e in self.entries)
         await engine.start()
-        model = ServedModel(name, engine, "model", name, path)
+        model = ServedModel(name, engine, "model", name, path, lineage=await asyncio.to_thread(lineage_of, path))
         self.registry.add(model)
         if self.engine is None:
             self.engine = engine
@@ -251,7 +252,8 @@ class Service:
             raise ConfigError(f"the name '{name}' is already in use")
         directory = resolve_adapter_dir(path)
         await base_model.engine.add_adapter(name, directory)
-        model = ServedModel(name, base_model.engine, "adapter", base, path)
+        model = ServedModel(name, base_model.engine, "adapter", base, path,
+                            lineage=await asyncio.to_thread(lineage_of, directory))
         self.registry.add(model)
         log.info("verl serve: adapter %s (%s) ready over %s", name, directory, base)
         return model
@@ -563,7 +565,8 @@ class Service:
         self.records.add(OnlineRecord(
             time=time.time(), model=target.name, route=target.route, prompt_id=prompt_id,
             prompt_tokens=len(req.prompt_token_ids), completion_tokens=produced, ttft_s=timer.ttft,
-            e2e_s=end - timer.arrival, finish_reason=finish, error=error, reward=reward))
+            e2e_s=end - timer.arrival, finish_reason=finish, error=error, reward=reward,
+            **target.model.lineage.fields()))
 
 
 def read_state(path: Path) -> tuple[list[ModelEntry], dict[str, dict[str, float]]]:

@@ -416,3 +416,47 @@ def test_admin_changes_survive_a_restart_with_state_path(adapters, tmp_path: Pat
     state_file.write_text("{not json")
     with pytest.raises(ConfigError, match="state.json is damaged"):
         create_app(load_settings(**settings))
+
+
+def test_every_response_and_record_names_run_step_and_weights(adapters, tmp_path: Path) -> None:
+    """Lineage (issue 28 item 2): an adapter served from a run's checkpoint dir names its run and step, an export
+    names the run and step in its export.json, and both carry the SHA-256 of their weight files (16 hex digits,
+    hashed here independently); the same three fields are in /admin/state and in every online record."""
+    import hashlib
+    import shutil
+
+    ckpt = tmp_path / "lin-run" / "checkpoints" / "global_step_7"
+    shutil.copytree(adapters["a"], ckpt)
+    export = tmp_path / "exported"
+    shutil.copytree(resolve_model_path("builtin:tiny-arith"), export)
+    (export / "export.json").write_text(json.dumps({"source": {"run": "/somewhere/grpo-a", "step": 12}}))
+
+    def sha(*files: Path) -> str:
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f.read_bytes())
+        return digest.hexdigest()[:16]
+
+    settings = {**TEST_SETTINGS, "model": str(export),
+                "models": [{"name": "exp", "path": str(export)}, {"name": "lora", "adapter": str(ckpt)}],
+                "admin_api_key": ADMIN_KEY}
+    with run_server(**settings) as srv:
+        want = {"exp": ("grpo-a", "12", sha(*sorted(export.glob("*.safetensors")))),
+                "lora": ("lin-run", "7", sha(*sorted(ckpt.glob("*.safetensors"))))}
+        for name, (run, step, weights) in want.items():
+            for stream in (False, True):
+                r = httpx.post(srv.url + "/v1/completions", json={"model": name, "prompt": "1+2=", "max_tokens": 3,
+                                                                   "stream": stream}, timeout=30)
+                assert r.status_code == 200, r.text
+                assert (r.headers["x-verl-run"], r.headers["x-verl-step"], r.headers["x-verl-weights"]) == (
+                    run, step, weights), (name, dict(r.headers))
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        models = {m["name"]: m for m in httpx.get(srv.url + "/admin/state", headers=admin).json()["models"]}
+        assert (models["lora"]["run"], models["lora"]["step"], models["lora"]["weights"]) == ("lin-run", 7,
+                                                                                           want["lora"][2])
+        rows = httpx.get(srv.url + "/admin/records", headers=admin).json()["records"]
+        assert {(r["model"], r["run"], r["step"], r["weights"]) for r in rows} == {
+            ("exp", "grpo-a", 12, want["exp"][2]), ("lora", "lin-run", 7, want["lora"][2])}
+    with run_server(**TEST_SETTINGS) as srv:  # a built-in model: no run, its weights still named
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "1+2=", "max_tokens": 3}, timeout=30)
+        assert "x-verl-run" not in r.headers and len(r.headers["x-verl-weights"]) == 16

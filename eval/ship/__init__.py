@@ -1,0 +1,2 @@
+"""``verl ship``: evidence before traffic (DESIGN §12). ``sequential`` holds the always-valid canary statistics,
+``simulate`` measures their error rates by simulation."""

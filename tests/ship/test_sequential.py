@@ -1,0 +1,79 @@
+"""The canary's always-valid test (eval.ship.sequential) by hand, and its error rates by simulation (issue 28
+item 3): seeded, 2,000 canaries per case, a few seconds in all."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from eval.ship.sequential import Arm, SequentialTest, mixture_half_width
+from eval.ship.simulate import CanaryPlan, error_rates, requests_for_power, simulate
+
+
+def test_half_width_by_hand():
+    # V = 0.01, tau = 0.1, alpha = 0.05: sqrt(0.01 * 0.02 / 0.01 * (2 ln 20 + ln 2)) = sqrt(0.02 * 6.68461) = 0.365639
+    assert mixture_half_width(0.01, 0.05, 0.1) == pytest.approx(math.sqrt(0.02 * (2 * math.log(20) + math.log(2))))
+    assert mixture_half_width(0.01, 0.05, 0.1) == pytest.approx(0.365639, abs=1e-6)
+    # Narrower with more data, never below the fixed-n z interval (the price of looking at every request).
+    widths = mixture_half_width(np.array([1e-2, 1e-3, 1e-4]), 0.05, 0.1)
+    assert list(widths) == sorted(widths, reverse=True)
+    assert all(w > 1.96 * math.sqrt(v) for w, v in zip(widths, (1e-2, 1e-3, 1e-4), strict=True))
+
+
+def test_arm_sums_and_variance_floor():
+    arm = Arm()
+    arm.add([1.0, 0.0, 1.0, 1.0])
+    assert (arm.n, arm.mean) == (4, 0.75) and arm.variance(0.0) == pytest.approx(0.25)  # (3 - 4 * 0.5625) / 3
+    same = Arm()
+    same.add([1.0] * 10)
+    assert same.variance(0.01) == 0.01  # all-equal rewards never claim certainty
+
+
+def test_decisions_follow_the_interval():
+    test = SequentialTest(margin=0.05, alpha=0.05, min_per_arm=30)
+    test.candidate.add([1.0] * 20)
+    test.incumbent.add([1.0] * 20)
+    assert test.interval() is None and test.decide() == "continue"  # too few on each side
+    worse = SequentialTest(margin=0.05)
+    worse.candidate.add([0.0] * 150 + [1.0] * 50)  # 25%
+    worse.incumbent.add([0.0] * 40 + [1.0] * 160)  # 80%
+    diff, low, high = worse.interval()
+    assert diff == pytest.approx(-0.55) and high < 0 and worse.decide() == "rollback"
+    same = SequentialTest(margin=0.05)
+    same.candidate.add([0.0] * 2000 + [1.0] * 3000)
+    same.incumbent.add([0.0] * 2000 + [1.0] * 3000)
+    diff, low, high = same.interval()
+    assert diff == 0 and -0.05 < low < 0 < high and same.decide() == "non_inferior"
+    evidence = same.evidence()
+    assert evidence["n_candidate"] == 5000 and evidence["interval"] == [low, high]
+    assert evidence["decision"] == "non_inferior" and "mSPRT" in evidence["test"]
+    with pytest.raises(ValueError, match="alpha"):
+        SequentialTest(alpha=1.5)
+
+
+def test_error_rates_by_simulation_hold_alpha_and_a_peeking_fixed_test_does_not():
+    """2,000 canaries each: A/A (identical models) false rollbacks <= alpha; a candidate worse by exactly the margin
+    promoted <= alpha; a 10-point drop caught at 80% power within the budget. The fixed-n z-test looked at once
+    per stage over the same ramp rolls back far more A/A canaries than its nominal alpha."""
+    plan = CanaryPlan()  # 5% -> 25% -> 50% -> promote, margin 0.05, alpha 0.05
+    rates = error_rates(plan, mu=0.6, sims=2000, seed=0)
+    seq, fixed = rates["sequential"], rates["fixed"]
+    assert seq["false_rollback"] <= plan.alpha and seq["false_promote_at_margin"] <= plan.alpha
+    assert seq["aa_promote"] >= 0.9  # identical models mostly reach 100% within the budget
+    assert seq["requests_80pct_power"] < plan.budget
+    assert fixed["false_rollback"] > 1.5 * plan.alpha  # peeking inflates alpha (~9% with three looks)
+    assert fixed["false_promote_at_margin"] > 0.5  # and a plain test has no notion of the margin
+    print(rates)
+
+
+def test_simulation_is_seeded_and_counts_requests():
+    a = simulate(CanaryPlan(), 0.6, 0.5, sims=200, seed=3)
+    b = simulate(CanaryPlan(), 0.6, 0.5, sims=200, seed=3)
+    assert np.array_equal(a["outcomes"], b["outcomes"]) and np.array_equal(a["requests"], b["requests"])
+    assert a["rollback"] + a["promote"] + a["inconclusive"] == pytest.approx(1.0)
+    assert requests_for_power({"outcomes": np.array([1, 1, 1, 2]), "requests": np.array([10, 30, 20, 5])},
+                              0.5) == 20
+    assert requests_for_power({"outcomes": np.array([1, 2, 2, 2]), "requests": np.array([10, 30, 20, 5])},
+                              0.8) == float("inf")
