@@ -12,6 +12,10 @@ import typer
 
 
 def register(app: typer.Typer, run_guarded) -> None:
+    from eval.ship.cli import register as register_ship
+
+    register_ship(app, run_guarded)
+
     @app.command("eval")
     def eval_command(
         ckpt: Annotated[str, typer.Option("--ckpt", help="Checkpoint dir, run dir (every checkpoint), HF model dir "

@@ -77,3 +77,15 @@ def test_simulation_is_seeded_and_counts_requests():
                               0.5) == 20
     assert requests_for_power({"outcomes": np.array([1, 2, 2, 2]), "requests": np.array([10, 30, 20, 5])},
                               0.8) == float("inf")
+
+
+def test_capacity_gate_reads_the_capacity_reports_steps():
+    from eval.ship.gates import capacity_gate
+
+    ok = capacity_gate({"steps": [{"users": 2, "requests": 90, "latency_p95_ms": 120.0, "failure_rate": 0.0,
+                                   "requests_per_s": 9.0, "why_not": []}]}, 1000)
+    assert ok.passed and "p95 120 ms within 1000 ms" in ok.reason
+    slow = capacity_gate({"steps": [{"users": 2, "requests": 90, "latency_p95_ms": 1500.0, "failure_rate": 0.0,
+                                     "requests_per_s": 9.0, "why_not": ["p95 1500 ms > 1000 ms"]}]}, 1000)
+    assert not slow.passed and "at 2 users: p95 1500 ms > 1000 ms" in slow.reason
+    assert not capacity_gate({"steps": []}, 1000).passed

@@ -1,0 +1,76 @@
+"""``verl ship`` (registered on the ``verl`` CLI by ``eval.cli.register``); only typer at module level."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer, run_guarded) -> None:
+    @app.command("ship")
+    def ship_command(
+        run: Annotated[str, typer.Argument(help="The candidate's training run (its best checkpoint ships).")],
+        service: Annotated[str, typer.Option("--service", help="The running service's URL.")],
+        route: Annotated[str, typer.Option("--route", help="The route to ship on.")] = "default",
+        ckpt: Annotated[str | None, typer.Option("--ckpt", help="Ship this checkpoint instead of the best.")] = None,
+        name: Annotated[str | None, typer.Option("--name", help="The candidate's model name in the service "
+                                                                "(default: RUN-stepN).")] = None,
+        admin_key: Annotated[str | None, typer.Option("--admin-key", envvar="VERL_SERVE_ADMIN_API_KEY",
+                                                      help="The service's admin key.")] = None,
+        api_key: Annotated[str | None, typer.Option("--api-key", envvar="VERL_SERVE_API_KEY",
+                                                    help="The service's request key (capacity gate).")] = None,
+        out: Annotated[Path | None, typer.Option("--out", help="Audit log and report dir (default: "
+                                                               "RUN/ship/<id>).")] = None,
+        stages: Annotated[str, typer.Option(
+            "--stages", help="The candidate's route shares, rising, e.g. 0.05,0.25,0.5 (then 100% on promote).")
+        ] = "0.05,0.25,0.5",
+        min_per_stage: Annotated[int, typer.Option("--min-per-stage", help="Rewarded candidate requests a stage "
+                                                                           "needs before stepping up.")] = 40,
+        margin: Annotated[float, typer.Option("--margin", help="Non-inferiority margin on reward / the gate "
+                                                               "metric (absolute).")] = 0.05,
+        alpha: Annotated[float, typer.Option("--alpha", help="Error rate of each decision.")] = 0.05,
+        min_per_arm: Annotated[int, typer.Option("--min-per-arm", help="No canary decision before this many "
+                                                                       "rewarded requests on each side.")] = 30,
+        max_error_increase: Annotated[float, typer.Option("--max-error-increase", help="Guardrail: the candidate's "
+                                                          "error rate above the incumbent's by more rolls back.")]
+        = 0.02,
+        slo_p95_ms: Annotated[float, typer.Option("--slo-p95-ms", help="Guardrail and capacity gate: p95 latency "
+                                                                       "SLO (ms).")] = 1000.0,
+        budget_requests: Annotated[int, typer.Option("--budget-requests", help="Canary requests (both models) "
+                                                                               "before 'inconclusive'.")] = 10_000,
+        budget_s: Annotated[float, typer.Option("--budget-s", help="Canary seconds before 'inconclusive'.")] = 600.0,
+        poll_s: Annotated[float, typer.Option("--poll-s", help="Seconds between two looks at the records.")] = 1.0,
+        offline: Annotated[bool, typer.Option("--offline/--skip-offline", help="Run the offline gates.")] = True,
+        capacity: Annotated[bool, typer.Option("--capacity/--skip-capacity", help="Run the capacity gate.")] = True,
+        capacity_users: Annotated[int, typer.Option("--capacity-users", help="Users in the capacity gate.")] = 2,
+        capacity_s: Annotated[float, typer.Option("--capacity-s", help="Seconds of the capacity gate.")] = 10.0,
+        max_samples: Annotated[int | None, typer.Option("--max-samples", help="Offline gate: the first N "
+                                                                              "validation prompts.")] = None,
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
+    ) -> None:
+        """Ship a run's best checkpoint: offline gates, a canary with an always-valid sequential test, then
+        promote or roll back (exit 0 when promoted, 10 when refused, rolled back or inconclusive)."""
+
+        def _run() -> None:
+            from eval.ship.canary import CanarySettings
+            from eval.ship.run import ShipSettings, ship
+            from verl.errors import ConfigError
+
+            try:
+                shares = tuple(float(s) for s in stages.split(",") if s.strip())
+                canary = CanarySettings(stages=shares, min_per_stage=min_per_stage, margin=margin, alpha=alpha,
+                                        min_per_arm=min_per_arm, max_error_increase=max_error_increase,
+                                        slo_p95_ms=slo_p95_ms, budget_requests=budget_requests, budget_s=budget_s,
+                                        poll_s=poll_s)
+            except ValueError as exc:
+                raise ConfigError(f"--stages: {exc}") from None
+            settings = ShipSettings(run=run, service=service, route=route, ckpt=ckpt, name=name, admin_key=admin_key,
+                                    api_key=api_key, out=out, canary=canary, offline=offline, capacity=capacity,
+                                    capacity_users=capacity_users, capacity_s=capacity_s, slo_p95_ms=slo_p95_ms,
+                                    max_samples=max_samples, dry_run=dry_run)
+            code, _ = ship(settings, say=lambda line: typer.echo(line, err=True))
+            raise typer.Exit(code)
+
+        run_guarded(_run)

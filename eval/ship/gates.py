@@ -1,0 +1,119 @@
+"""The offline gates of ``verl ship``: before any user sees the candidate.
+
+- **quality** (paired, non-inferiority): the candidate and the incumbent evaluated on the same prompts (the
+  candidate run's validation set, the run's validation sampling), compared prompt by prompt as ``verl compare``
+  does (McNemar for 0/1 outcomes, a paired bootstrap otherwise). It passes when the 95% interval of the difference
+  on the gate metric lies above ``-margin``.
+- **guardrails**: diversity must not collapse (``eval/distinct_1``'s interval not wholly below ``-margin``), and the
+  mean response length must not shrink to under half the incumbent's.
+- **reward-hacking tripwire**: the candidate run's training reward rose by more than the margin while its held-out
+  accuracy fell by more than the margin (against its own first validation, or against the incumbent): the reward was
+  learnt, the task was not.
+- **capacity**: a short load test of the candidate (already loaded in the service, 0% of the route) at the planning
+  load; its p95 must be within the SLO and its failures within the limit.
+
+Each returns a ``Gate`` with the numbers it decided on; ``verl ship`` refuses at the first that fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verl.utils.log import read_jsonl
+
+
+@dataclass
+class Gate:
+    name: str
+    passed: bool
+    reason: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+def quality_gate(pair: dict, metric: str, margin: float) -> Gate:
+    """``pair``: ``eval.compare.compare_pair(incumbent, candidate)``."""
+    row = pair["metrics"].get(metric)
+    if row is None:
+        return Gate("quality", False, f"no {metric} in both evaluations (available: {', '.join(pair['metrics'])})")
+    evidence = {k: row.get(k) for k in ("baseline", "candidate", "diff", "ci_low", "ci_high", "p_value", "test",
+                                        "n_prompts")}
+    if row["ci_low"] > -margin:
+        return Gate("quality", True, f"{metric}: candidate {row['candidate']:.3f} vs incumbent {row['baseline']:.3f}, "
+                    f"difference {row['diff']:+.3f} (95% CI {row['ci_low']:+.3f} .. {row['ci_high']:+.3f}) above "
+                    f"-{margin:g}", evidence)
+    return Gate("quality", False, f"{metric}: candidate {row['candidate']:.3f} vs incumbent {row['baseline']:.3f}, "
+                f"difference {row['diff']:+.3f} (95% CI {row['ci_low']:+.3f} .. {row['ci_high']:+.3f}) does not rule "
+                f"out being worse by more than the margin {margin:g}", evidence)
+
+
+def guardrail_gate(pair: dict, margin: float) -> Gate:
+    metrics = pair["metrics"]
+    evidence = {}
+    diversity = metrics.get("eval/distinct_1")
+    if diversity is not None:
+        evidence["distinct_1"] = {k: diversity.get(k) for k in ("baseline", "candidate", "diff", "ci_low", "ci_high")}
+        if diversity["ci_high"] < -margin:
+            return Gate("guardrails", False, f"diversity collapsed: distinct-1 {diversity['candidate']:.3f} vs "
+                        f"{diversity['baseline']:.3f} (95% CI of the difference wholly below -{margin:g})", evidence)
+    length = metrics.get("eval/response_length_mean")
+    if length is not None:
+        evidence["response_length_mean"] = {k: length.get(k) for k in ("baseline", "candidate")}
+        if length["baseline"] and length["candidate"] < 0.5 * length["baseline"]:
+            return Gate("guardrails", False, f"responses shrank to {length['candidate']:.1f} tokens from "
+                        f"{length['baseline']:.1f} (under half)", evidence)
+    return Gate("guardrails", True, "diversity and response length hold", evidence)
+
+
+def training_trend(run_dir: Path | None, step: int | None) -> dict[str, Any]:
+    """The candidate run's training reward and held-out accuracy, first vs at the candidate's step."""
+    if run_dir is None or not (Path(run_dir) / "verl_logs.jsonl").is_file():
+        return {}
+    rewards, accuracy = [], []
+    for row in read_jsonl(Path(run_dir) / "verl_logs.jsonl"):
+        if step is not None and row.get("step", 0) > step:
+            continue
+        if row.get("scope") == "rollout" and isinstance(row.get("reward_mean"), (int, float)):
+            rewards.append((row["step"], float(row["reward_mean"])))
+        if row.get("scope") == "eval" and isinstance(row.get("accuracy"), (int, float)):
+            accuracy.append((row["step"], float(row["accuracy"])))
+    out: dict[str, Any] = {}
+    if len(rewards) >= 2:
+        k = max(1, min(3, len(rewards) // 2))  # a few steps at each end: one step's reward is noisy
+        first = sum(v for _, v in rewards[:k]) / k
+        last = sum(v for _, v in rewards[-k:]) / k
+        out["train_reward"] = {"first": first, "last": last, "change": last - first, "steps_averaged": k}
+    if len(accuracy) >= 2:
+        out["heldout_accuracy"] = {"first": accuracy[0][1], "last": accuracy[-1][1],
+                                   "change": accuracy[-1][1] - accuracy[0][1]}
+    return out
+
+
+def tripwire_gate(trend: dict[str, Any], pair: dict, metric: str, margin: float) -> Gate:
+    reward = trend.get("train_reward")
+    if reward is None or reward["change"] <= margin:
+        return Gate("tripwire", True, "training reward did not rise beyond the margin: nothing to trip on", trend)
+    own = trend.get("heldout_accuracy")
+    if own is not None and own["change"] < -margin:
+        return Gate("tripwire", False, f"reward-hacking tripwire: training reward rose {reward['change']:+.3f} while "
+                    f"held-out accuracy fell {own['change']:+.3f} over the run", trend)
+    row = pair["metrics"].get(metric)
+    if row is not None and row["diff"] < -margin:
+        return Gate("tripwire", False, f"reward-hacking tripwire: training reward rose {reward['change']:+.3f} but "
+                    f"held-out {metric} is {row['diff']:+.3f} against the incumbent", trend)
+    return Gate("tripwire", True, f"training reward rose {reward['change']:+.3f} and held-out accuracy held", trend)
+
+
+def capacity_gate(report: dict, slo_p95_ms: float) -> Gate:
+    """``report``: the capacity report of the candidate's short load test."""
+    steps = report.get("steps") or []
+    keys = ("users", "requests", "latency_p95_ms", "failure_rate", "requests_per_s")
+    evidence = {"steps": [{k: s.get(k) for k in keys} for s in steps], "slo_p95_ms": slo_p95_ms}
+    failing = [s for s in steps if s.get("why_not")]
+    if not steps:
+        return Gate("capacity", False, "the load test measured no step", evidence)
+    if failing:
+        return Gate("capacity", False, f"at {failing[0]['users']} users: {'; '.join(failing[0]['why_not'])}", evidence)
+    worst = max(s["latency_p95_ms"] or 0 for s in steps)
+    return Gate("capacity", True, f"p95 {worst:.0f} ms within {slo_p95_ms:g} ms at the planning load", evidence)

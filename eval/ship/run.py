@@ -1,0 +1,264 @@
+"""``verl ship RUN --service URL --route R``: offline gates, a canary with a sequential test, then promote or roll
+back, every decision in an append-only audit log and a ship report (see ``eval.ship.gates`` and
+``eval.ship.canary`` for the stages and the statistics, docs/shipping.md for the whole loop).
+
+The candidate is the run's best checkpoint (or ``--ckpt``); it is loaded into the service as a LoRA adapter over
+the served base model when it is one, else from its export. The incumbent is the model with the largest share of
+the route now. Nothing changes in the service before the offline gates pass; a refused or rolled-back candidate is
+unloaded and the route's weights are put back as they were; a promoted one gets the whole route, and the incumbent
+stays loaded (warm) so that one ``verl promote --model INCUMBENT`` undoes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eval.ship.canary import Canary, CanarySettings
+from eval.ship.gates import Gate, capacity_gate, guardrail_gate, quality_gate, training_trend, tripwire_gate
+from serve.promote import ADMIN_KEY_ENV, AdminClient, PromoteError, new_weights
+from verl.errors import ConfigError, VerlError
+
+EXIT_PROMOTED, EXIT_NOT_PROMOTED = 0, 10
+
+
+@dataclass
+class ShipSettings:
+    run: str
+    service: str
+    route: str = "default"
+    ckpt: str | None = None
+    name: str | None = None  # the candidate's model name in the service (default: <run>-step<N>)
+    admin_key: str | None = None
+    api_key: str | None = None
+    out: Path | None = None
+    canary: CanarySettings = field(default_factory=CanarySettings)
+    gate_metric: str = "eval/accuracy"
+    offline: bool = True
+    capacity: bool = True
+    capacity_users: int = 2
+    capacity_s: float = 10.0
+    slo_p95_ms: float = 1000.0
+    max_samples: int | None = None
+    dry_run: bool = False
+
+
+class AuditLog:
+    """Append-only JSONL: one line per decision, flushed and fsynced before the next action."""
+
+    def __init__(self, path: Path, ship_id: str):
+        self.path, self.ship_id = path, ship_id
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, event: dict) -> dict:
+        row = {"time": time.time(), "ship_id": self.ship_id, **event}
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(row, default=str) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        return row
+
+
+def _candidate(settings: ShipSettings) -> tuple[Path, int | None, Path]:
+    from serve.export import select_checkpoint  # noqa: PLC0415  (torch-heavy)
+
+    run = Path(settings.run).expanduser()
+    if settings.ckpt:
+        ckpt = Path(settings.ckpt).expanduser()
+        if not ckpt.is_dir():
+            raise ConfigError(f"--ckpt '{ckpt}' is not a checkpoint directory")
+        step = int(ckpt.name.rsplit("_", 1)[-1]) if ckpt.name.startswith("global_step_") else None
+        return ckpt, step, run
+    selection = select_checkpoint(run, "best")
+    return selection.checkpoint, selection.step, run
+
+
+def plan(settings: ShipSettings, client: AdminClient) -> dict:
+    """What would happen, from the run and the service's state (``--dry-run`` prints it)."""
+    ckpt, step, run = _candidate(settings)
+    state = client.call("GET", "/state")
+    weights = state["routes"].get(settings.route)
+    if not weights:
+        raise ConfigError(f"the service has no route '{settings.route}' (routes: {', '.join(state['routes'])})")
+    incumbent = max(weights, key=lambda m: weights[m])
+    models = {m["name"]: m for m in state["models"]}
+    adapter = (ckpt / "adapter_config.json").is_file()
+    name = settings.name or f"{run.name}-step{step}"
+    if name in models:
+        raise ConfigError(f"the service already serves a model named '{name}'; pass --name")
+    fulls = [m for m in state["models"] if m["kind"] == "model"]
+    c = settings.canary
+    return {"candidate": {"name": name, "checkpoint": str(ckpt), "step": step, "run": str(run),
+                          "kind": "adapter" if adapter else "model",
+                          "base": models[incumbent]["base"] if adapter else None},
+            "incumbent": {"name": incumbent, **{k: models[incumbent].get(k) for k in ("kind", "source", "base", "run",
+                                                                                      "step", "weights")}},
+            "route": {"name": settings.route, "weights": weights}, "config_version": state["version"],
+            "full_models": [m["name"] for m in fulls],
+            "gates": {"offline": settings.offline, "metric": settings.gate_metric, "margin": c.margin,
+                      "capacity": settings.capacity, "capacity_users": settings.capacity_users,
+                      "slo_p95_ms": settings.slo_p95_ms},
+            "canary": asdict(c)}
+
+
+def offline_gates(settings: ShipSettings, shipping: dict, out: Path) -> list[Gate]:
+    """Quality, guardrails and the tripwire on the candidate run's validation prompts."""
+    from eval.compare import compare_pair, resolve_entry  # noqa: PLC0415
+    from eval.runner import EvalSettings, load_run_config, run_eval  # noqa: PLC0415
+    from serve.service import resolve_adapter_dir  # noqa: PLC0415
+
+    run = Path(shipping["candidate"]["run"])
+    run_cfg, _, _ = load_run_config(run)
+    data = list(run_cfg.data.val_files)
+    samples = settings.max_samples or run_cfg.data.val_max_samples
+    evaluators = "accuracy,diversity,length"
+    base = EvalSettings(data=data, max_samples=samples, evaluators=evaluators, quiet=True)
+    run_eval(shipping["candidate"]["checkpoint"], base, out / "candidate")
+    incumbent = shipping["incumbent"]
+    source = incumbent["source"]
+    if incumbent["kind"] == "adapter":
+        source = resolve_adapter_dir(source)
+    run_eval(source, base, out / "incumbent")
+    pair = compare_pair(resolve_entry(str(out / "incumbent"), "best", base, None),
+                        resolve_entry(str(out / "candidate"), "best", base, None), settings.canary.alpha, 2000, 0)
+    margin = settings.canary.margin
+    trend = training_trend(run, shipping["candidate"]["step"])
+    return [quality_gate(pair, settings.gate_metric, margin), guardrail_gate(pair, margin),
+            tripwire_gate(trend, pair, settings.gate_metric, margin)]
+
+
+def run_capacity(settings: ShipSettings, name: str, out: Path) -> Gate:
+    from loadtest.report import SLO  # noqa: PLC0415
+    from loadtest.run import LoadTestConfig, run_loadtest  # noqa: PLC0415
+
+    config = LoadTestConfig(out_dir=out, url=settings.service, api_key=settings.api_key,
+                            step_users=str(settings.capacity_users), step_time_s=settings.capacity_s,
+                            step_settle_s=min(2.0, settings.capacity_s / 3), user_classes=["CompletionUser"],
+                            extra_locust_args=["--model", name, "--num-prompts", "32"],
+                            slo=SLO(p95_ms=settings.slo_p95_ms))
+    report, _ = run_loadtest(config)
+    return capacity_gate(report, settings.slo_p95_ms)
+
+
+def ship(settings: ShipSettings, say: Any = print) -> tuple[int, dict]:
+    """The whole loop; returns (exit code, the ship record written to ship.json)."""
+    key = settings.admin_key or os.environ.get(ADMIN_KEY_ENV)
+    if not key:
+        raise ConfigError(f"verl ship changes routes through the admin API: pass --admin-key or set {ADMIN_KEY_ENV}")
+    client = AdminClient(settings.service, key, timeout=600)
+    shipping = plan(settings, client)
+    ship_id = uuid.uuid4().hex[:12]
+    out = settings.out or Path(shipping["candidate"]["run"]) / "ship" / ship_id
+    record: dict[str, Any] = {"ship_id": ship_id, "plan": shipping, "gates": [], "canary": None, "decision": None}
+    cand, inc, route = shipping["candidate"]["name"], shipping["incumbent"]["name"], settings.route
+    say(f"candidate {cand} ({shipping['candidate']['checkpoint']}) against incumbent {inc} on route {route}")
+    if settings.dry_run:
+        say(json.dumps(shipping, indent=1, default=str))
+        return EXIT_PROMOTED, record
+    audit = AuditLog(out / "audit.jsonl", ship_id)
+    audit({"event": "plan", **shipping})
+
+    def finish(decision: str, reason: str, evidence: dict | None = None) -> tuple[int, dict]:
+        record["decision"] = {"decision": decision, "reason": reason}
+        audit({"event": "decision", "decision": decision, "reason": reason, "evidence": evidence or {},
+               "config_version": client.call("GET", "/state")["version"]})
+        write_ship_report(out, record)
+        say(f"{decision}: {reason} (audit: {out / 'audit.jsonl'}, report: {out / 'ship_report.md'})")
+        return (EXIT_PROMOTED if decision == "promote" else EXIT_NOT_PROMOTED), record
+
+    if settings.offline:
+        say("offline gates: evaluating candidate and incumbent on the same prompts")
+        for gate in offline_gates(settings, shipping, out / "offline"):
+            record["gates"].append(asdict(gate))
+            audit({"event": "gate", **asdict(gate)})
+            say(f"  {gate.name}: {'pass' if gate.passed else 'FAIL'} - {gate.reason}")
+            if not gate.passed:
+                return finish("refused", f"{gate.name} gate: {gate.reason}", gate.evidence)
+    original = dict(shipping["route"]["weights"])
+    c = shipping["candidate"]
+    body = ({"name": cand, "adapter": c["checkpoint"], "base": c["base"]} if c["kind"] == "adapter"
+            else {"name": cand, "path": c["checkpoint"]})
+    state = client.call("POST", "/models", json=body)
+    record["candidate_lineage"] = next((m for m in state["models"] if m["name"] == cand), None)
+    audit({"event": "loaded", "model": record["candidate_lineage"], "config_version": state["version"]})
+
+    def back_out(decision: str, reason: str, evidence: dict | None = None) -> tuple[int, dict]:
+        client.call("PUT", f"/routes/{route}", json={"weights": original})
+        client.call("DELETE", f"/models/{cand}")
+        return finish(decision, reason, evidence)
+
+    try:
+        if settings.capacity:
+            say(f"capacity gate: {settings.capacity_users} users on {cand} for {settings.capacity_s:g} s")
+            gate = run_capacity(settings, cand, out / "capacity")
+            record["gates"].append(asdict(gate))
+            audit({"event": "gate", **asdict(gate)})
+            say(f"  capacity: {'pass' if gate.passed else 'FAIL'} - {gate.reason}")
+            if not gate.passed:
+                return back_out("refused", f"capacity gate: {gate.reason}", gate.evidence)
+
+        def set_share(share: float) -> None:
+            weights = new_weights(original, cand, share)
+            client.call("PUT", f"/routes/{route}", json={"weights": weights})
+            say(f"canary: {cand} at {share:.0%} of route {route}")
+
+        canary = Canary(settings.canary, inc, cand, set_share,
+                        lambda since: client.call("GET", "/records", params={"since": since})["records"],
+                        lambda event: audit({"event": "canary", **event}),
+                        lambda: client.call("GET", "/state")["version"])
+        outcome, reason, evidence = canary.run()
+        record["canary"] = {"outcome": outcome, "reason": reason, "evidence": evidence, "stages": canary.stage_log}
+    except (PromoteError, VerlError, KeyboardInterrupt) as exc:
+        back_out("rollback", f"stopped by an error: {exc}")
+        raise
+    if outcome != "promote":
+        return back_out("rollback" if outcome == "rollback" else "inconclusive", reason, evidence)
+    client.call("PUT", f"/routes/{route}", json={"weights": new_weights(original, cand, 1.0)})
+    return finish("promote", f"{reason}; {inc} stays loaded: `verl promote --service {settings.service} --route "
+                  f"{route} --model {inc}` rolls back in one call", evidence)
+
+
+def write_ship_report(out: Path, record: dict) -> None:
+    """``ship.json`` and ``ship_report.md`` / ``.html``: the plan, each gate with its numbers, the canary's stages,
+    the decision, and the candidate's offline accuracy beside its online reward (the drift between the two)."""
+    from eval.report import Doc  # noqa: PLC0415
+    from verl.utils.fs import atomic_write_json  # noqa: PLC0415
+
+    atomic_write_json(out / "ship.json", record)
+    plan_ = record["plan"]
+    doc = Doc(f"verl ship — {plan_['candidate']['name']} vs {plan_['incumbent']['name']}")
+    decision = record["decision"] or {}
+    doc.p(f"**Decision: {decision.get('decision')}** — {decision.get('reason')}")
+    lineage = record.get("candidate_lineage") or {}
+    doc.table(["", "model", "run", "step", "weights"],
+              [["candidate", plan_["candidate"]["name"], lineage.get("run"), lineage.get("step"),
+                lineage.get("weights")],
+               ["incumbent", plan_["incumbent"]["name"], plan_["incumbent"].get("run"), plan_["incumbent"].get("step"),
+                plan_["incumbent"].get("weights")]])
+    doc.h("Gates")
+    doc.table(["gate", "passed", "reason"], [[g["name"], g["passed"], g["reason"]] for g in record["gates"]])
+    canary = record.get("canary")
+    if canary:
+        doc.h("Canary")
+        rows = []
+        for ev in [*canary["stages"], canary["evidence"]]:
+            reward = ev["reward"]
+            rows.append([ev["stage"], f"{ev['share']:.0%}", reward["n_candidate"], reward["n_incumbent"],
+                         reward["mean_candidate"], reward["mean_incumbent"], reward["interval"],
+                         ev["candidate"]["error_rate"], ev["candidate"]["p95_ms"], reward["decision"]])
+        doc.table(["stage", "share", "n cand", "n inc", "reward cand", "reward inc", "interval (cand - inc)",
+                   "cand errors", "cand p95 ms", "test"], rows)
+        doc.p(f"Outcome: {canary['outcome']} — {canary['reason']}. Test: normal-mixture confidence sequence "
+              "(mSPRT; always valid under continuous monitoring), see docs/shipping.md.")
+        quality = next((g for g in record["gates"] if g["name"] == "quality"), None)
+        online = canary["evidence"]["reward"]["mean_candidate"]
+        if quality and online is not None:
+            offline = quality["evidence"].get("candidate")
+            doc.p(f"Offline vs online: the candidate scored {offline:.3f} on the held-out prompts and "
+                  f"{online:.3f} reward online (drift {online - offline:+.3f}).")
+    doc.write(out, "ship_report")

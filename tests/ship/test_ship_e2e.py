@@ -1,0 +1,135 @@
+"""``verl ship`` end to end on the tiny default (slow group): a real service (``verl serve``) under a Locust load
+that scores every answer (the ``verl`` reward field), two LoRA runs trained here, and the real CLI.
+
+The incumbent is a LoRA run (10 steps at lr 1e-3: ~90% strict accuracy) serving the whole route.
+
+1. a deliberately worse LoRA run (10 steps at lr 2e-4: ~10%) is refused by the offline quality gate, before any
+   user sees it; shipped again without the offline gates, the canary's sequential test rolls it back on live
+   rewards;
+2. a sound LoRA run (the incumbent's recipe, another seed) passes every gate (quality, guardrails, tripwire,
+   capacity) and the canary promotes it;
+
+with zero failed requests in the load throughout, an audit log whose every decision carries its evidence, the
+route in the state the decision says, and the candidate's lineage (run, step, weights) in the records.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serve.helpers import REPO
+from verl.utils.net import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+KEY = "ship-admin"
+SHIP = ["--route", "default", "--admin-key", KEY, "--stages", "0.25,0.5", "--min-per-stage", "30", "--margin", "0.1",
+        "--poll-s", "0.5", "--budget-s", "240", "--capacity-users", "2", "--capacity-s", "6"]
+
+
+def verl(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "verl.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def train_lora(root: Path, name: str, lr: str, seed: int = 1) -> Path:
+    done = verl("train", "model.lora.rank=16", "model.lora.alpha=32", f"actor.optim.lr={lr}", "trainer.total_steps=10",
+                "trainer.save_freq=10", "trainer.test_freq=10", "trainer.val_before_train=false",
+                "data.val_max_samples=64", f"trainer.seed={seed}", "trainer.logger=[jsonl]",
+                f"trainer.output_dir={root}", f"trainer.experiment_name={name}", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "verl" / name
+
+
+def audit(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "audit.jsonl").read_text().splitlines()]
+
+
+def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path):
+    runs = tmp_path / "runs"
+    incumbent = train_lora(runs, "inc", "1e-3")
+    bad, good = train_lora(runs, "bad", "2e-4"), train_lora(runs, "good", "1e-3", seed=2)
+    (tmp_path / "serve.yaml").write_text(
+        f"models:\n  - {{name: tiny, path: builtin:tiny-arith}}\n  - {{name: inc, adapter: {incumbent}}}\n"
+        f"routes:\n  default: {{inc: 1.0}}\nadmin_api_key: {KEY}\nrecords_path: {tmp_path / 'records.jsonl'}\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", "--config", str(tmp_path / "serve.yaml"),
+                               "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    locust = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        prefix = tmp_path / "load"
+        locust = subprocess.Popen(
+            [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest"), "--headless", "-H", url, "--user-mix",
+             "route", "--model", "default", "--reward", "arithmetic", "-u", "4", "-r", "4", "--run-time", "900s",
+             "--csv", str(prefix), "--num-prompts", "64"], cwd=REPO, stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        time.sleep(5)
+
+        # 1a. The broken run never reaches users: the offline quality gate refuses it.
+        refused = verl("ship", str(bad), "--service", url, "--out", str(tmp_path / "bad-offline"), *SHIP)
+        assert refused.returncode == 10, refused.stderr[-3000:]
+        events = audit(tmp_path / "bad-offline")
+        decision = events[-1]
+        assert decision["decision"] == "refused" and "quality gate" in decision["reason"]
+        assert decision["evidence"]["diff"] < -0.1 and decision["evidence"]["ci_low"] < -0.1
+        assert not any(e["event"] == "loaded" for e in events)  # the service never loaded it
+        # 1b. Without the offline gates, the canary rolls it back on live rewards.
+        rolled = verl("ship", str(bad), "--service", url, "--out", str(tmp_path / "bad-canary"), "--skip-offline",
+                      "--skip-capacity", *SHIP)
+        assert rolled.returncode == 10, rolled.stderr[-3000:]
+        decision = audit(tmp_path / "bad-canary")[-1]
+        assert decision["decision"] == "rollback" and "reward is worse" in decision["reason"]
+        reward = decision["evidence"]["reward"]
+        assert reward["interval"][1] < 0 and reward["n_candidate"] >= 30 and decision["config_version"] >= 1
+        state = httpx.get(url + "/admin/state", headers={"Authorization": f"Bearer {KEY}"}).json()
+        assert state["routes"]["default"] == {"inc": 1.0} and {m["name"] for m in state["models"]} == {"tiny", "inc"}
+
+        # 2. The sound run passes every gate and is promoted.
+        shipped = verl("ship", str(good), "--service", url, "--out", str(tmp_path / "good"), *SHIP)
+        assert shipped.returncode == 0, shipped.stderr[-3000:]
+        events = audit(tmp_path / "good")
+        gates = {e["name"]: e["passed"] for e in events if e["event"] == "gate"}
+        assert gates == {"quality": True, "guardrails": True, "tripwire": True, "capacity": True}
+        stages = [e["share"] for e in events if e["event"] == "stage"]
+        assert stages == [0.25, 0.5]
+        decision = events[-1]
+        assert decision["decision"] == "promote" and decision["evidence"]["reward"]["interval"][0] > -0.1
+        for label in ("bad-offline", "bad-canary", "good"):  # the figures for the record
+            last = audit(tmp_path / label)[-1]
+            print(label, last["decision"], last["reason"], json.dumps(last["evidence"].get("reward", last["evidence"])))
+        name = next(e for e in events if e["event"] == "plan")["candidate"]["name"]
+        state = httpx.get(url + "/admin/state", headers={"Authorization": f"Bearer {KEY}"}).json()
+        assert state["routes"]["default"][name] == 1.0 and "inc" in {m["name"] for m in state["models"]}
+        report = (tmp_path / "good" / "ship_report.md").read_text()
+        assert "Decision: promote" in report and "Offline vs online" in report
+        lineage = [r for r in map(json.loads, (tmp_path / "records.jsonl").read_text().splitlines())
+                   if r["model"] == name]
+        assert lineage and all(r["run"] == "good" and r["step"] == 10 and len(r["weights"]) == 16 for r in lineage)
+    finally:
+        if locust is not None:
+            os.killpg(locust.pid, signal.SIGINT)
+            locust.wait(60)
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(60)
+    with open(f"{prefix}_stats.csv", newline="") as handle:
+        aggregated = next(r for r in csv.DictReader(handle) if r["Name"] == "Aggregated")
+    assert int(aggregated["Request Count"]) > 500 and int(aggregated["Failure Count"]) == 0
