@@ -8,6 +8,8 @@ every call needs ``Authorization: Bearer <admin_api_key>`` (the service's own ``
     POST   /admin/models                 {"name": "b", "path": DIR} or {"name": "b", "adapter": DIR, "base": "a"}
     DELETE /admin/models/{name}          stops routing to it, waits for its requests, then releases it
     GET    /admin/records?since=T        the online records (``verl compare --online`` reads them)
+    PUT    /admin/shadow/{route}         {"model": "b", "fraction": 0.2}: mirror 20% of the route to b (never returned)
+    DELETE /admin/shadow/{route}
 
 A change is applied in one step on the event loop: each request sees the old routing or the new, and a model is
 released only after its last request finished, so a change never fails or drops a request.
@@ -42,6 +44,11 @@ _bearer = HTTPBearer(auto_error=False, description="The admin_api_key setting.")
 
 class RouteWeights(_Strict):
     weights: dict[str, float]
+
+
+class Shadow(_Strict):
+    model: str
+    fraction: float
 
 
 def check_admin_key(settings: ServeSettings, given: str) -> None:
@@ -97,6 +104,7 @@ def state(service: Service) -> dict:
                     "retiring": m.retiring, "engine": m.engine.name, **m.lineage.fields()}
                    for m in registry.models.values()],
         "routes": {route: dict(weights) for route, weights in registry.routes.items()},
+        "shadows": {route: {"model": m, "fraction": f} for route, (m, f) in registry.shadows.items()},
     }
 
 
@@ -126,6 +134,16 @@ def admin_router(service: Service) -> APIRouter:
     @router.delete("/routes/{route}", dependencies=one_process)
     async def delete_route(route: str) -> dict:
         await service.delete_route(route)
+        return state(service)
+
+    @router.put("/shadow/{route}", dependencies=one_process)
+    async def put_shadow(route: str, body: Shadow) -> dict:
+        await service.put_shadow(route, body.model, body.fraction)
+        return state(service)
+
+    @router.delete("/shadow/{route}", dependencies=one_process)
+    async def delete_shadow(route: str) -> dict:
+        service.delete_shadow(route)
         return state(service)
 
     @router.post("/models", dependencies=one_process)

@@ -42,6 +42,7 @@ class OnlineRecord:
     run: str | None = None  # lineage of the weights that answered (serve.lineage)
     step: int | None = None
     weights: str | None = None
+    shadow: bool = False  # a mirrored request: answered by this model, recorded, never returned to the client
 
 
 def prompt_hash(token_ids: list[int]) -> str:

@@ -69,6 +69,9 @@ class ModelRegistry:
     def __init__(self) -> None:
         self.models: dict[str, ServedModel] = {}
         self.routes: dict[str, dict[str, float]] = {}
+        # Shadow traffic: route -> (model, fraction): that share of the route's requests is also sent to the model,
+        # recorded, never returned (``verl ship``'s shadow stage).
+        self.shadows: dict[str, tuple[str, float]] = {}
 
     # ------------------------------------------------------------ lookup
 

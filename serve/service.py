@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import secrets
 import time
 from collections.abc import Callable
@@ -113,6 +114,7 @@ class Target:
     model: ServedModel
     route: str | None = None
     online: VerlExtension | None = None
+    shadow: bool = False  # a mirrored copy of a request (never returned)
 
     @property
     def name(self) -> str:
@@ -261,6 +263,7 @@ class Service:
     async def unload(self, name: str) -> None:
         """Stop routing to ``name``, let its requests finish (up to ``request_timeout_s``), then release it."""
         model = self.registry.retire(name)
+        self.registry.shadows = {r: v for r, v in self.registry.shadows.items() if v[0] != name}
         try:
             await asyncio.wait_for(model.idle.wait(), self.settings.request_timeout_s)
         except TimeoutError:
@@ -364,6 +367,23 @@ class Service:
             except ValueError as exc:
                 raise ApiError(409, str(exc), param="name", code="in_use") from None
         self._changed()
+
+    async def put_shadow(self, route: str, model: str, fraction: float) -> None:
+        """Mirror ``fraction`` of ``route``'s requests to ``model`` (per process: a fleet refuses it for now)."""
+        if self.fleet is not None:
+            raise ApiError(409, "shadow traffic is set per process and a fleet's replicas would not all follow; "
+                           "not available on verl serve --replicas yet", code="fleet_shadow")
+        if route not in self.registry.routes:
+            raise ApiError(404, f"no route named '{route}'", type="not_found_error", param="route")
+        if model not in self.registry.models or self.registry.models[model].retiring:
+            raise ApiError(404, f"no model named '{model}'", type="not_found_error", param="model")
+        if not 0.0 < fraction <= 1.0:
+            raise ApiError(400, f"the shadow fraction must be in (0, 1] (got {fraction})", param="fraction")
+        self.registry.shadows[route] = (model, fraction)
+        log.warning("verl serve: mirroring %.0f%% of route %s to %s", 100 * fraction, route, model)
+
+    def delete_shadow(self, route: str) -> None:
+        self.registry.shadows.pop(route, None)
 
     def _changed(self) -> None:
         self.config_version += 1
@@ -515,7 +535,30 @@ class Service:
             self.pumps.add(task)
             task.add_done_callback(self.pumps.discard)
             tasks.append(task)
+        self._mirror(request_id, specs, stream, target)
         return tasks
+
+    def _mirror(self, request_id: str, specs: list[SequenceSpec], stream: bool, target: Target) -> None:
+        """Shadow traffic: send a drawn share of a route's requests to its shadow model too. Its answers are
+        recorded (``shadow: true``, scored like the user's) and dropped; it never takes a slot a user needs (no
+        mirror when the queue lacks room) and never answers the user."""
+        shadow = self.registry.shadows.get(target.route) if target.route is not None else None
+        if shadow is None or random.random() >= shadow[1]:
+            return
+        model = self.registry.models.get(shadow[0])
+        if model is None or model.retiring or model is target.model or self.in_flight + len(specs) > self.capacity:
+            return
+        self.in_flight += len(specs)
+        mirror = Target(model, target.route, target.online, shadow=True)
+        arrival = time.perf_counter()
+        for spec in specs:
+            timer = SequenceTimer(self.metrics, arrival, len(spec.prompt_ids), label=model.name)
+            req = EngineRequest(f"{request_id}-shadow-{spec.index}", spec.prompt_ids, spec.sampling, arrival, stream,
+                                adapter=model.adapter)
+            model.acquire()
+            task = asyncio.create_task(self._pump(mirror, req, spec.index, timer, lambda _i, _out: None))
+            self.pumps.add(task)
+            task.add_done_callback(self.pumps.discard)
 
     async def _pump(self, target: Target, req: EngineRequest, index: int, timer: SequenceTimer,
                     sink: Callable[[int, EngineOutput | BaseException], None]) -> None:
@@ -565,7 +608,7 @@ class Service:
         self.records.add(OnlineRecord(
             time=time.time(), model=target.name, route=target.route, prompt_id=prompt_id,
             prompt_tokens=len(req.prompt_token_ids), completion_tokens=produced, ttft_s=timer.ttft,
-            e2e_s=end - timer.arrival, finish_reason=finish, error=error, reward=reward,
+            e2e_s=end - timer.arrival, finish_reason=finish, error=error, reward=reward, shadow=target.shadow,
             **target.model.lineage.fields()))
 
 

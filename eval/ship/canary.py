@@ -47,17 +47,20 @@ class CanarySettings:
 
 
 class RecordReader:
-    """New online records of two models since the canary started (each row once, also across fleet replicas)."""
+    """New online records of two models since the canary started (each row once, also across fleet replicas).
+    ``shadow_of``: the model whose rows must be mirrored ones (the shadow stage); every other row must be real."""
 
-    def __init__(self, fetch: Any, since: float, models: tuple[str, str]):
-        self.fetch, self.since, self.models = fetch, since, models
+    def __init__(self, fetch: Any, since: float, models: tuple[str, str], shadow_of: str | None = None):
+        self.fetch, self.since, self.models, self.shadow_of = fetch, since, models, shadow_of
         self.seen: set[tuple] = set()
 
     def new_rows(self) -> list[dict]:
         rows = []
         for row in self.fetch(self.since):
-            key = (row.get("time"), row.get("model"), row.get("prompt_id"), row.get("e2e_s"), row.get("replica"))
-            if row.get("model") in self.models and key not in self.seen:
+            key = (row.get("time"), row.get("model"), row.get("prompt_id"), row.get("e2e_s"), row.get("replica"),
+                   row.get("shadow"))
+            wanted = row.get("model") in self.models and bool(row.get("shadow")) == (row.get("model") == self.shadow_of)
+            if wanted and key not in self.seen:
                 self.seen.add(key)
                 rows.append(row)
         return rows
@@ -130,6 +133,40 @@ class Canary:
                 arm.add([float(row["reward"])])
                 added += row["model"] == self.candidate
         return added
+
+    def shadow(self, requests: int) -> tuple[bool, str, dict]:
+        """The shadow stage: the route's answers stay the incumbent's while a share of its requests is mirrored to
+        the candidate (set by the caller); the same test reads the mirrored rewards. Passes after ``requests``
+        rewarded mirrors without "worse" (or on "non-inferior"); fails on "worse" or a guardrail; the budgets
+        count as for the canary."""
+        s = self.settings
+        start = self.clock()
+        self.reader = RecordReader(self.reader.fetch, time.time(), (self.incumbent, self.candidate),
+                                   shadow_of=self.candidate)
+        while True:
+            self.sleep(s.poll_s)
+            self._take()
+            evidence = {**self.evidence(0), "stage": "shadow", "share": 0.0}
+            broken = self.guardrail()
+            if broken is not None:
+                return False, f"guardrail in shadow: {broken}", evidence
+            decision = self.test.decide()
+            if decision == "rollback":
+                return False, "in shadow, the candidate's reward is worse than the incumbent's", evidence
+            if self.test.candidate.n >= requests or decision == "non_inferior":
+                self._reset()
+                return True, f"{self.test_snapshot['n_candidate']} mirrored answers, reward not worse", evidence
+            used = sum(t.requests for t in self.traffic.values())
+            if used >= s.budget_requests or self.clock() - start >= s.budget_s:
+                return False, f"shadow budget spent ({used} requests) without enough mirrored rewards", evidence
+
+    def _reset(self) -> None:
+        """The canary starts its evidence afresh: shadow rows are not the traffic it decides on."""
+        self.test_snapshot = self.test.evidence()
+        self.test = SequentialTest(margin=self.settings.margin, alpha=self.settings.alpha,
+                                   min_per_arm=self.settings.min_per_arm)
+        self.traffic = {self.incumbent: ArmTraffic(), self.candidate: ArmTraffic()}
+        self.reader = RecordReader(self.reader.fetch, time.time(), (self.incumbent, self.candidate))
 
     def run(self) -> tuple[Outcome, str, dict]:
         """Ramp until promote, rollback or a budget; returns (outcome, reason, evidence). The caller moves the

@@ -48,6 +48,11 @@ def register(app: typer.Typer, run_guarded) -> None:
         capacity_s: Annotated[float, typer.Option("--capacity-s", help="Seconds of the capacity gate.")] = 10.0,
         max_samples: Annotated[int | None, typer.Option("--max-samples", help="Offline gate: the first N "
                                                                               "validation prompts.")] = None,
+        shadow: Annotated[float, typer.Option("--shadow", help="Before the canary, mirror this share of the route "
+                                                                "to the candidate (recorded, never returned); 0: "
+                                                                "no shadow stage.")] = 0.0,
+        shadow_requests: Annotated[int, typer.Option("--shadow-requests", help="Mirrored, rewarded answers the "
+                                                                               "shadow stage needs.")] = 50,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; change nothing.")] = False,
     ) -> None:
         """Ship a run's best checkpoint: offline gates, a canary with an always-valid sequential test, then
@@ -69,7 +74,8 @@ def register(app: typer.Typer, run_guarded) -> None:
             settings = ShipSettings(run=run, service=service, route=route, ckpt=ckpt, name=name, admin_key=admin_key,
                                     api_key=api_key, out=out, canary=canary, offline=offline, capacity=capacity,
                                     capacity_users=capacity_users, capacity_s=capacity_s, slo_p95_ms=slo_p95_ms,
-                                    max_samples=max_samples, dry_run=dry_run)
+                                    max_samples=max_samples, shadow_fraction=shadow, shadow_requests=shadow_requests,
+                                    dry_run=dry_run)
             code, _ = ship(settings, say=lambda line: typer.echo(line, err=True))
             raise typer.Exit(code)
 

@@ -45,6 +45,8 @@ class ShipSettings:
     capacity_s: float = 10.0
     slo_p95_ms: float = 1000.0
     max_samples: int | None = None
+    shadow_fraction: float = 0.0  # > 0: a shadow stage before the canary, mirroring this share of the route
+    shadow_requests: int = 50
     dry_run: bool = False
 
 
@@ -211,6 +213,19 @@ def ship(settings: ShipSettings, say: Any = print) -> tuple[int, dict]:
                         lambda since: client.call("GET", "/records", params={"since": since})["records"],
                         lambda event: audit({"event": "canary", **event}),
                         lambda: client.call("GET", "/state")["version"])
+        if settings.shadow_fraction > 0:
+            say(f"shadow: mirroring {settings.shadow_fraction:.0%} of route {route} to {cand} (answers never "
+                "returned)")
+            client.call("PUT", f"/shadow/{route}", json={"model": cand, "fraction": settings.shadow_fraction})
+            try:
+                passed, reason, evidence = canary.shadow(settings.shadow_requests)
+            finally:
+                client.call("DELETE", f"/shadow/{route}")
+            record["shadow"] = {"passed": passed, "reason": reason, "evidence": evidence}
+            audit({"event": "shadow", "passed": passed, "reason": reason, "evidence": evidence})
+            say(f"  shadow: {'pass' if passed else 'FAIL'} - {reason}")
+            if not passed:
+                return back_out("refused", f"shadow: {reason}", evidence)
         outcome, reason, evidence = canary.run()
         record["canary"] = {"outcome": outcome, "reason": reason, "evidence": evidence, "stages": canary.stage_log}
     except (PromoteError, VerlError, KeyboardInterrupt) as exc:
@@ -242,6 +257,13 @@ def write_ship_report(out: Path, record: dict) -> None:
                 plan_["incumbent"].get("weights")]])
     doc.h("Gates")
     doc.table(["gate", "passed", "reason"], [[g["name"], g["passed"], g["reason"]] for g in record["gates"]])
+    shadow = record.get("shadow")
+    if shadow:
+        doc.h("Shadow")
+        reward = shadow["evidence"]["reward"]
+        doc.p(f"{'Passed' if shadow['passed'] else 'Failed'}: {shadow['reason']} (mirrored candidate answers "
+              f"{reward['n_candidate']}, mean reward {reward['mean_candidate']} vs the incumbent's "
+              f"{reward['mean_incumbent']}, interval {reward['interval']}).")
     canary = record.get("canary")
     if canary:
         doc.h("Canary")

@@ -460,3 +460,36 @@ def test_every_response_and_record_names_run_step_and_weights(adapters, tmp_path
     with run_server(**TEST_SETTINGS) as srv:  # a built-in model: no run, its weights still named
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "1+2=", "max_tokens": 3}, timeout=30)
         assert "x-verl-run" not in r.headers and len(r.headers["x-verl-weights"]) == 16
+
+
+def test_shadow_traffic_is_recorded_and_never_returned(adapters) -> None:
+    """``PUT /admin/shadow/default {"model": "b", "fraction": 1.0}``: every request on the route is also answered by
+    b — recorded with ``shadow: true`` and scored — while the client only ever gets the route's answer; a model
+    named directly is never mirrored; after DELETE nothing is."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    with run_server(**multi_settings(adapters, routes={"default": {"tiny": 1.0}})) as srv:
+        bad = httpx.put(srv.url + "/admin/shadow/default", headers=admin, json={"model": "nope", "fraction": 0.5})
+        assert bad.status_code == 404 and "no model named 'nope'" in bad.json()["error"]["message"]
+        state = httpx.put(srv.url + "/admin/shadow/default", headers=admin,
+                          json={"model": "b", "fraction": 1.0}).json()
+        assert state["shadows"] == {"default": {"model": "b", "fraction": 1.0}}
+        for stream in (False, True, False):
+            r = httpx.post(srv.url + "/v1/completions", json={
+                "model": "default", "prompt": "12+7=", "max_tokens": 6, "temperature": 0, "stream": stream,
+                "verl": {"ground_truth": "19", "reward": "arithmetic"}}, timeout=30)
+            assert r.status_code == 200 and r.headers["x-verl-model"] == "tiny"
+            if not stream:
+                assert r.json()["choices"][0]["text"] == greedy_reference(None, "12+7=", 6)
+        assert httpx.post(srv.url + "/v1/completions", json={"model": "a", "prompt": "1+1=", "max_tokens": 2},
+                          timeout=30).status_code == 200
+        time.sleep(0.5)  # the mirrors finish on their own
+        rows = httpx.get(srv.url + "/admin/records", headers=admin).json()["records"]
+        shadow = [r for r in rows if r["shadow"]]
+        assert len(shadow) == 3 and {r["model"] for r in shadow} == {"b"} and all(r["route"] == "default"
+                                                                                 for r in shadow)
+        assert all(r["reward"] in (0.0, 1.0) for r in shadow)  # scored like the user's answer
+        assert [r["model"] for r in rows if not r["shadow"]] == ["tiny", "tiny", "tiny", "a"]
+        httpx.delete(srv.url + "/admin/shadow/default", headers=admin)
+        httpx.post(srv.url + "/v1/completions", json={"prompt": "1+1=", "max_tokens": 2}, timeout=30)
+        time.sleep(0.3)
+        assert sum(r["shadow"] for r in httpx.get(srv.url + "/admin/records", headers=admin).json()["records"]) == 3

@@ -7,7 +7,8 @@ The incumbent is a LoRA run (10 steps at lr 1e-3: ~90% strict accuracy) serving 
    user sees it; shipped again without the offline gates, the canary's sequential test rolls it back on live
    rewards;
 2. a sound LoRA run (the incumbent's recipe, another seed) passes every gate (quality, guardrails, tripwire,
-   capacity) and the canary promotes it;
+   capacity), a shadow stage (half the route's requests mirrored to it, its answers never returned) and the canary,
+   which promotes it;
 
 with zero failed requests in the load throughout, an audit log whose every decision carries its evidence, the
 route in the state the decision says, and the candidate's lineage (run, step, weights) in the records.
@@ -84,6 +85,11 @@ def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path)
             stderr=subprocess.STDOUT, start_new_session=True)
         time.sleep(5)
 
+        # 0. --dry-run prints the plan and changes nothing.
+        dry = verl("ship", str(good), "--service", url, "--dry-run", *SHIP)
+        assert dry.returncode == 0 and '"incumbent"' in dry.stderr and '"name": "inc"' in dry.stderr, dry.stderr
+        assert not (good / "ship").exists()
+
         # 1a. The broken run never reaches users: the offline quality gate refuses it.
         refused = verl("ship", str(bad), "--service", url, "--out", str(tmp_path / "bad-offline"), *SHIP)
         assert refused.returncode == 10, refused.stderr[-3000:]
@@ -104,11 +110,14 @@ def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path)
         assert state["routes"]["default"] == {"inc": 1.0} and {m["name"] for m in state["models"]} == {"tiny", "inc"}
 
         # 2. The sound run passes every gate and is promoted.
-        shipped = verl("ship", str(good), "--service", url, "--out", str(tmp_path / "good"), *SHIP)
+        shipped = verl("ship", str(good), "--service", url, "--out", str(tmp_path / "good"), "--shadow", "0.5",
+                       "--shadow-requests", "30", *SHIP)
         assert shipped.returncode == 0, shipped.stderr[-3000:]
         events = audit(tmp_path / "good")
         gates = {e["name"]: e["passed"] for e in events if e["event"] == "gate"}
         assert gates == {"quality": True, "guardrails": True, "tripwire": True, "capacity": True}
+        shadow = next(e for e in events if e["event"] == "shadow")
+        assert shadow["passed"] and shadow["evidence"]["reward"]["n_candidate"] >= 30
         stages = [e["share"] for e in events if e["event"] == "stage"]
         assert stages == [0.25, 0.5]
         decision = events[-1]
