@@ -48,6 +48,9 @@ def register(app: typer.Typer, run_guarded) -> None:
         capacity_s: Annotated[float, typer.Option("--capacity-s", help="Seconds of the capacity gate.")] = 10.0,
         max_samples: Annotated[int | None, typer.Option("--max-samples", help="Offline gate: the first N "
                                                                               "validation prompts.")] = None,
+        max_kl: Annotated[float | None, typer.Option("--max-kl", help="Offline guardrail: refuse a candidate whose "
+                                                                       "exact KL to its base model is above this "
+                                                                       "(default: reported only).")] = None,
         shadow: Annotated[float, typer.Option("--shadow", help="Before the canary, mirror this share of the route "
                                                                 "to the candidate (recorded, never returned); 0: "
                                                                 "no shadow stage.")] = 0.0,
@@ -74,8 +77,8 @@ def register(app: typer.Typer, run_guarded) -> None:
             settings = ShipSettings(run=run, service=service, route=route, ckpt=ckpt, name=name, admin_key=admin_key,
                                     api_key=api_key, out=out, canary=canary, offline=offline, capacity=capacity,
                                     capacity_users=capacity_users, capacity_s=capacity_s, slo_p95_ms=slo_p95_ms,
-                                    max_samples=max_samples, shadow_fraction=shadow, shadow_requests=shadow_requests,
-                                    dry_run=dry_run)
+                                    max_samples=max_samples, max_kl=max_kl, shadow_fraction=shadow,
+                                    shadow_requests=shadow_requests, dry_run=dry_run)
             code, _ = ship(settings, say=lambda line: typer.echo(line, err=True))
             raise typer.Exit(code)
 

@@ -4,8 +4,9 @@
   candidate run's validation set, the run's validation sampling), compared prompt by prompt as ``verl compare``
   does (McNemar for 0/1 outcomes, a paired bootstrap otherwise). It passes when the 95% interval of the difference
   on the gate metric lies above ``-margin``.
-- **guardrails**: diversity must not collapse (``eval/distinct_1``'s interval not wholly below ``-margin``), and the
-  mean response length must not shrink to under half the incumbent's.
+- **guardrails**: diversity must not collapse (``eval/distinct_1``'s interval not wholly below ``-margin``), the
+  mean response length must not shrink to under half the incumbent's, and the candidate's exact KL to its run's
+  base model is reported (refused above ``--max-kl`` when given).
 - **reward-hacking tripwire**: the candidate run's training reward rose by more than the margin while its held-out
   accuracy fell by more than the margin (against its own first validation, or against the incumbent): the reward was
   learnt, the task was not.
@@ -48,9 +49,13 @@ def quality_gate(pair: dict, metric: str, margin: float) -> Gate:
                 f"out being worse by more than the margin {margin:g}", evidence)
 
 
-def guardrail_gate(pair: dict, margin: float) -> Gate:
+def guardrail_gate(pair: dict, margin: float, kl: float | None = None, max_kl: float | None = None) -> Gate:
+    """Diversity and length against the incumbent; ``kl``: the candidate's exact KL to its run's base model
+    (``eval/kl_exact``), refused above ``max_kl`` when one is given (else reported)."""
     metrics = pair["metrics"]
-    evidence = {}
+    evidence: dict[str, Any] = {"kl_to_base": kl, "max_kl": max_kl}
+    if kl is not None and max_kl is not None and kl > max_kl:
+        return Gate("guardrails", False, f"KL to the base model {kl:.4g} above --max-kl {max_kl:g}", evidence)
     diversity = metrics.get("eval/distinct_1")
     if diversity is not None:
         evidence["distinct_1"] = {k: diversity.get(k) for k in ("baseline", "candidate", "diff", "ci_low", "ci_high")}
@@ -63,7 +68,8 @@ def guardrail_gate(pair: dict, margin: float) -> Gate:
         if length["baseline"] and length["candidate"] < 0.5 * length["baseline"]:
             return Gate("guardrails", False, f"responses shrank to {length['candidate']:.1f} tokens from "
                         f"{length['baseline']:.1f} (under half)", evidence)
-    return Gate("guardrails", True, "diversity and response length hold", evidence)
+    held = "diversity and response length hold" + (f"; KL to the base {kl:.4g}" if kl is not None else "")
+    return Gate("guardrails", True, held, evidence)
 
 
 def training_trend(run_dir: Path | None, step: int | None) -> dict[str, Any]:

@@ -45,6 +45,7 @@ class ShipSettings:
     capacity_s: float = 10.0
     slo_p95_ms: float = 1000.0
     max_samples: int | None = None
+    max_kl: float | None = None  # guardrail: the candidate's exact KL to its base (None: reported only)
     shadow_fraction: float = 0.0  # > 0: a shadow stage before the canary, mirroring this share of the route
     shadow_requests: int = 50
     dry_run: bool = False
@@ -120,7 +121,10 @@ def offline_gates(settings: ShipSettings, shipping: dict, out: Path) -> list[Gat
     samples = settings.max_samples or run_cfg.data.val_max_samples
     evaluators = "accuracy,diversity,length"
     base = EvalSettings(data=data, max_samples=samples, evaluators=evaluators, quiet=True)
-    run_eval(shipping["candidate"]["checkpoint"], base, out / "candidate")
+    # The candidate also gets its exact KL to its run's base model (a guardrail the incumbent need not share).
+    with_kl = EvalSettings(data=data, max_samples=samples, evaluators=evaluators + ",kl", quiet=True)
+    candidate = run_eval(shipping["candidate"]["checkpoint"], with_kl, out / "candidate")
+    kl = (candidate["metrics"].get("eval/kl_exact") or {}).get("value")
     incumbent = shipping["incumbent"]
     source = incumbent["source"]
     if incumbent["kind"] == "adapter":
@@ -130,7 +134,7 @@ def offline_gates(settings: ShipSettings, shipping: dict, out: Path) -> list[Gat
                         resolve_entry(str(out / "candidate"), "best", base, None), settings.canary.alpha, 2000, 0)
     margin = settings.canary.margin
     trend = training_trend(run, shipping["candidate"]["step"])
-    return [quality_gate(pair, settings.gate_metric, margin), guardrail_gate(pair, margin),
+    return [quality_gate(pair, settings.gate_metric, margin), guardrail_gate(pair, margin, kl, settings.max_kl),
             tripwire_gate(trend, pair, settings.gate_metric, margin)]
 
 

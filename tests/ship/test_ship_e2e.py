@@ -142,3 +142,61 @@ def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path)
     with open(f"{prefix}_stats.csv", newline="") as handle:
         aggregated = next(r for r in csv.DictReader(handle) if r["Name"] == "Aggregated")
     assert int(aggregated["Request Count"]) > 500 and int(aggregated["Failure Count"]) == 0
+
+
+def test_ship_on_the_fleet_every_replica_follows(tmp_path):
+    """``verl ship`` against ``verl serve --replicas 2`` (a real local Ray cluster): the candidate is loaded on both
+    replicas (the control plane's two-phase change), the canary reads the fleet's merged records, and the promote
+    reaches every replica: state reads answered by both replicas show the candidate with the whole route."""
+    runs = tmp_path / "runs"
+    incumbent, good = train_lora(runs, "inc", "1e-3"), train_lora(runs, "good", "1e-3", seed=2)
+    (tmp_path / "serve.yaml").write_text(
+        f"models:\n  - {{name: tiny, path: builtin:tiny-arith}}\n  - {{name: inc, adapter: {incumbent}}}\n"
+        f"routes:\n  default: {{inc: 1.0}}\nadmin_api_key: {KEY}\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", "--replicas", "2", "--config",
+                               str(tmp_path / "serve.yaml"), "--port", str(port)], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    locust = None
+    admin = {"Authorization": f"Bearer {KEY}"}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).json().get("replicas") == 2:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(1)
+        prefix = tmp_path / "load"
+        locust = subprocess.Popen(
+            [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest"), "--headless", "-H", url, "--user-mix",
+             "route", "--model", "default", "--reward", "arithmetic", "-u", "4", "-r", "4", "--run-time", "900s",
+             "--csv", str(prefix), "--num-prompts", "64"], cwd=REPO, stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        time.sleep(5)
+        shipped = verl("ship", str(good), "--service", url, "--out", str(tmp_path / "good"), "--skip-offline",
+                       *SHIP)
+        assert shipped.returncode == 0, shipped.stderr[-3000:]
+        events = audit(tmp_path / "good")
+        assert events[-1]["decision"] == "promote"
+        name = events[0]["candidate"]["name"]
+        with httpx.Client(base_url=url, headers=admin, timeout=30) as client:
+            reads = []
+            for _ in range(12):  # fresh connections: both replicas answer
+                with httpx.Client(base_url=url, headers=admin, timeout=30) as fresh:
+                    reads.append(fresh.get("/admin/state").json())
+            rows = client.get("/admin/records").json()["records"]
+        assert len({r["process"]["pid"] for r in reads}) == 2
+        assert all(r["routes"]["default"][name] == 1.0 and name in {m["name"] for m in r["models"]} for r in reads)
+        assert len({r["replica"] for r in rows if r["model"] == name}) == 2  # both replicas served the candidate
+    finally:
+        if locust is not None:
+            os.killpg(locust.pid, signal.SIGINT)
+            locust.wait(60)
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(120)
+    with open(f"{prefix}_stats.csv", newline="") as handle:
+        aggregated = next(r for r in csv.DictReader(handle) if r["Name"] == "Aggregated")
+    assert int(aggregated["Failure Count"]) == 0
