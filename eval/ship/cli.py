@@ -74,6 +74,9 @@ def register(app: typer.Typer, run_guarded) -> None:
                                         poll_s=poll_s)
             except ValueError as exc:
                 raise ConfigError(f"--stages: {exc}") from None
+            if not 0.0 <= shadow <= 1.0:
+                raise ConfigError(f"--shadow is a share of the route's requests: 0 (no shadow stage) to 1 "
+                                  f"(got {shadow})")
             settings = ShipSettings(run=run, service=service, route=route, ckpt=ckpt, name=name, admin_key=admin_key,
                                     api_key=api_key, out=out, canary=canary, offline=offline, capacity=capacity,
                                     capacity_users=capacity_users, capacity_s=capacity_s, slo_p95_ms=slo_p95_ms,
