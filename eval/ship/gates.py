@@ -4,7 +4,7 @@
   candidate run's validation set, the run's validation sampling), compared prompt by prompt as ``verl compare``
   does (McNemar for 0/1 outcomes, a paired bootstrap otherwise). It passes when the 95% interval of the difference
   on the gate metric lies above ``-margin``.
-- **guardrails**: diversity must not collapse (``eval/distinct_1``'s interval not wholly below ``-margin``), the
+- **guardrails**: diversity must not collapse (``eval/distinct_1`` under half the incumbent's, significantly), the
   mean response length must not shrink to under half the incumbent's, and the candidate's exact KL to its run's
   base model is reported (refused above ``--max-kl`` when given).
 - **reward-hacking tripwire**: the candidate run's training reward rose by more than the margin while its held-out
@@ -59,9 +59,12 @@ def guardrail_gate(pair: dict, margin: float, kl: float | None = None, max_kl: f
     diversity = metrics.get("eval/distinct_1")
     if diversity is not None:
         evidence["distinct_1"] = {k: diversity.get(k) for k in ("baseline", "candidate", "diff", "ci_low", "ci_high")}
-        if diversity["ci_high"] < -margin:
+        # A collapse, not a style: a model that learnt terse answers is less diverse than one that rambles, so the
+        # guardrail asks for a fall to under half the incumbent's distinct-1, and a significant one.
+        if diversity["candidate"] < 0.5 * diversity["baseline"] and diversity["ci_high"] < 0:
             return Gate("guardrails", False, f"diversity collapsed: distinct-1 {diversity['candidate']:.3f} vs "
-                        f"{diversity['baseline']:.3f} (95% CI of the difference wholly below -{margin:g})", evidence)
+                        f"{diversity['baseline']:.3f} (under half; 95% CI of the difference wholly below 0)",
+                        evidence)
     length = metrics.get("eval/response_length_mean")
     if length is not None:
         evidence["response_length_mean"] = {k: length.get(k) for k in ("baseline", "candidate")}

@@ -36,7 +36,7 @@ def test_readme_canary_loop_runs_as_written(tmp_path: Path) -> None:
                             f"-f {REPO}/loadtest/ --config {REPO}/loadtest/locust.conf -H {url}")
     script = script.replace("-f loadtest/ --headless", f"-f {REPO}/loadtest/ --headless")
     script = script.replace("verl serve &", f"verl serve --port {port} > serve.log 2>&1 & SERVER=$!\n"
-                            f"trap 'kill $SERVER' EXIT\n"
+                            f"trap 'kill $SERVER; [ -z \"${{LOAD:-}}\" ] || kill $LOAD' EXIT\n"
                             f"for i in $(seq 120); do python -c \"import urllib.request; urllib.request.urlopen("
                             f"'{url}/health')\" 2> /dev/null && break; sleep 1; done")
     bin_dir = Path(os.environ.get("VIRTUAL_ENV", "")) / "bin"
@@ -52,7 +52,7 @@ def test_readme_canary_loop_runs_as_written(tmp_path: Path) -> None:
     assert all(s["errors"] == 0 and s["rewarded"] > 0 for s in report["models"].values())
     assert '"run-a": 1.0' in result.stdout  # the promote's final state
     assert (tmp_path / "outputs/loadtest/route_stats.csv").is_file()
-    # verl ship: lora-c promoted (every gate and the canary), then lora-b refused against it.
+    # verl ship on route chat (run-b's): lora-c promoted (every gate and the canary), then lora-b refused against it.
     [promoted] = [json.loads(line) for line in next((tmp_path / "outputs/verl/lora-c/ship").glob("*/audit.jsonl"))
                   .read_text().splitlines()][-1:]
     assert promoted["decision"] == "promote", promoted

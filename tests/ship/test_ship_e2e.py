@@ -1,14 +1,16 @@
 """``verl ship`` end to end on the tiny default (slow group): a real service (``verl serve``) under a Locust load
 that scores every answer (the ``verl`` reward field), two LoRA runs trained here, and the real CLI.
 
-The incumbent is a LoRA run (10 steps at lr 1e-3: ~90% strict accuracy) serving the whole route.
+The incumbent is a short LoRA run (5 steps at lr 1e-3: ~22% strict accuracy) serving the whole route; the
+outcomes are chosen to be clear-cut, so the test does not hang on a coin flip of the statistics (whose error rates
+the simulation measures):
 
-1. a deliberately worse LoRA run (10 steps at lr 2e-4: ~10%) is refused by the offline quality gate, before any
-   user sees it; shipped again without the offline gates, the canary's sequential test rolls it back on live
-   rewards;
-2. a sound LoRA run (the incumbent's recipe, another seed) passes every gate (quality, guardrails, tripwire,
-   capacity), a shadow stage (half the route's requests mirrored to it, its answers never returned) and the canary,
-   which promotes it;
+1. a deliberately worse LoRA run (2 steps at lr 2e-4: the warm start's ~0.4%) is refused by the offline quality gate,
+   before any user sees it; shipped again without the offline gates, the canary's sequential test rolls it back on
+   live rewards;
+2. a sound LoRA run (10 steps at lr 1e-3: ~90%) passes every gate (quality, guardrails, tripwire, capacity), a
+   shadow stage (half the route's requests mirrored to it, its answers never returned) and the canary, which
+   promotes it;
 
 with zero failed requests in the load throughout, an audit log whose every decision carries its evidence, the
 route in the state the decision says, and the candidate's lineage (run, step, weights) in the records.
@@ -43,9 +45,10 @@ def verl(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def train_lora(root: Path, name: str, lr: str, seed: int = 1) -> Path:
-    done = verl("train", "model.lora.rank=16", "model.lora.alpha=32", f"actor.optim.lr={lr}", "trainer.total_steps=10",
-                "trainer.save_freq=10", "trainer.test_freq=10", "trainer.val_before_train=false",
+def train_lora(root: Path, name: str, lr: str, steps: int = 10, seed: int = 1) -> Path:
+    done = verl("train", "model.lora.rank=16", "model.lora.alpha=32", f"actor.optim.lr={lr}",
+                f"trainer.total_steps={steps}", f"trainer.save_freq={steps}", f"trainer.test_freq={steps}",
+                "trainer.val_before_train=false",
                 "data.val_max_samples=64", f"trainer.seed={seed}", "trainer.logger=[jsonl]",
                 f"trainer.output_dir={root}", f"trainer.experiment_name={name}", "--quiet")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -58,8 +61,8 @@ def audit(out: Path) -> list[dict]:
 
 def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path):
     runs = tmp_path / "runs"
-    incumbent = train_lora(runs, "inc", "1e-3")
-    bad, good = train_lora(runs, "bad", "2e-4"), train_lora(runs, "good", "1e-3", seed=2)
+    incumbent = train_lora(runs, "inc", "1e-3", steps=5)
+    bad, good = train_lora(runs, "bad", "2e-4", steps=2), train_lora(runs, "good", "1e-3")
     (tmp_path / "serve.yaml").write_text(
         f"models:\n  - {{name: tiny, path: builtin:tiny-arith}}\n  - {{name: inc, adapter: {incumbent}}}\n"
         f"routes:\n  default: {{inc: 1.0}}\nadmin_api_key: {KEY}\nrecords_path: {tmp_path / 'records.jsonl'}\n")
@@ -96,7 +99,7 @@ def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path)
         events = audit(tmp_path / "bad-offline")
         decision = events[-1]
         assert decision["decision"] == "refused" and "quality gate" in decision["reason"]
-        assert decision["evidence"]["diff"] < -0.1 and decision["evidence"]["ci_low"] < -0.1
+        assert decision["evidence"]["diff"] < 0 and decision["evidence"]["ci_low"] < -0.1
         assert not any(e["event"] == "loaded" for e in events)  # the service never loaded it
         # 1b. Without the offline gates, the canary rolls it back on live rewards.
         rolled = verl("ship", str(bad), "--service", url, "--out", str(tmp_path / "bad-canary"), "--skip-offline",
@@ -149,7 +152,7 @@ def test_ship_on_the_fleet_every_replica_follows(tmp_path):
     replicas (the control plane's two-phase change), the canary reads the fleet's merged records, and the promote
     reaches every replica: state reads answered by both replicas show the candidate with the whole route."""
     runs = tmp_path / "runs"
-    incumbent, good = train_lora(runs, "inc", "1e-3"), train_lora(runs, "good", "1e-3", seed=2)
+    incumbent, good = train_lora(runs, "inc", "1e-3", steps=5), train_lora(runs, "good", "1e-3")
     (tmp_path / "serve.yaml").write_text(
         f"models:\n  - {{name: tiny, path: builtin:tiny-arith}}\n  - {{name: inc, adapter: {incumbent}}}\n"
         f"routes:\n  default: {{inc: 1.0}}\nadmin_api_key: {KEY}\n")
