@@ -168,7 +168,7 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
         # 6. One metrics page for the fleet: every live replica's series, labelled replica (name = pid-suffix).
         page = httpx.get(url + "/metrics", timeout=30).text
         labelled = {line.split('replica="')[1].split('"')[0] for line in page.splitlines()
-                    if line.startswith("verl:http_requests_total{")}
+                    if line.startswith("verl:server_info{")}
         pids = {s["process"]["pid"] for s in (state(url) for _ in range(8))}
         assert len(labelled) == 2 and {int(name.split("-")[0]) for name in labelled} == pids, (labelled, pids)
 
@@ -176,7 +176,7 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
         # per-replica line knows there are 2 replicas, and the fleet's merged /metrics cross-checks this run.
         out = tmp_path / "loadtest"
         run = verl("loadtest", "--url", url, "--processes", "2", "--out", str(out), "--step-users", "2",
-                   "--step-time", "8", "--step-settle", "2", "--slo-p95-ms", "60000", "--target-rps", "100",
+                   "--step-time", "15", "--step-settle", "5", "--slo-p95-ms", "60000", "--target-rps", "100",
                    "--locust-arg=--num-prompts=16", "--quiet")
         assert run.returncode == 0, run.stderr[-3000:]
         report = json.loads((out / "capacity_report.json").read_text())
@@ -263,7 +263,7 @@ def test_readme_fleet_block_runs_as_written(tmp_path):
     assert '"replicas":2' in out and '"replica_versions":[1]' in out
     assert "x-verl-config-version: 3" in out.lower()
     assert len({line.split('replica="')[1].split('"')[0] for line in out.splitlines()
-                if line.startswith("verl:http_requests_total{")}) == 2
+                if line.startswith("verl:server_info{")}) == 2
     report = json.loads((tmp_path / "outputs/loadtest/capacity_report.json").read_text())
     assert [s["users"] for s in report["steps"]] == [2, 4] and report["capacity"]["replicas_tested"] == 2
     assert "measured on 2 replicas" in result.stderr and "100 requests/s needs" in result.stderr
