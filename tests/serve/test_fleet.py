@@ -170,7 +170,7 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
         labelled = {line.split('replica="')[1].split('"')[0] for line in page.splitlines()
                     if line.startswith("verl:server_info{")}
         pids = {s["process"]["pid"] for s in (state(url) for _ in range(8))}
-        assert len(labelled) == 2 and {int(name.split("-")[0]) for name in labelled} == pids, (labelled, pids)
+        assert len(labelled) == 2 and {int(name.split("-")[0]) for name in labelled} >= pids, (labelled, pids)
 
         # 7. verl loadtest against the deployment, load from two Locust processes: counts equal Locust's, the
         # per-replica line knows there are 2 replicas, and the fleet's merged /metrics cross-checks this run.
