@@ -38,7 +38,8 @@ def test_vllm_engine_is_reported(vllm_url):
     assert httpx.get(vllm_url + "/version").json()["engine"] == "vllm"
     assert httpx.get(vllm_url + "/health").json() == {
         "status": "ok", "engine": "vllm", "detail": None,
-        "model": "tiny-arith", "model_source": "env VERL_SERVE_MODEL"}
+        "model": "tiny-arith", "model_source": "env VERL_SERVE_MODEL",
+        "version": 1, "replicas": None, "replica_versions": None}  # one process: no fleet
 
 
 def test_greedy_text_matches_the_transformers_engine(vllm_url):
