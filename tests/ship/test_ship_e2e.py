@@ -18,6 +18,7 @@ route in the state the decision says, and the candidate's lineage (run, step, we
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -25,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -59,6 +61,46 @@ def audit(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "audit.jsonl").read_text().splitlines()]
 
 
+@contextlib.contextmanager
+def served_under_load(tmp_path: Path, *serve_args: str, replicas: int | None = None) -> Iterator[str]:
+    """``verl serve`` with ``tmp_path/serve.yaml`` (and ``serve_args``), healthy (with ``replicas`` live), under a
+    Locust load on the default route whose answers carry rewards; yields the URL, and afterwards checks that the load
+    saw no failed request."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", *serve_args, "--config",
+                               str(tmp_path / "serve.yaml"), "--port", str(port)], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    prefix = tmp_path / "load"
+    locust = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                health = httpx.get(url + "/health", timeout=2)
+                if health.status_code == 200 and (replicas is None or health.json().get("replicas") == replicas):
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        locust = subprocess.Popen(
+            [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest"), "--headless", "-H", url, "--user-mix",
+             "route", "--model", "default", "--reward", "arithmetic", "-u", "4", "-r", "4", "--run-time", "900s",
+             "--csv", str(prefix), "--num-prompts", "64"], cwd=REPO, stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        time.sleep(5)
+        yield url
+    finally:
+        if locust is not None:
+            os.killpg(locust.pid, signal.SIGINT)
+            locust.wait(60)
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(120)
+    with open(f"{prefix}_stats.csv", newline="") as handle:
+        aggregated = next(r for r in csv.DictReader(handle) if r["Name"] == "Aggregated")
+    assert int(aggregated["Request Count"]) > 200 and int(aggregated["Failure Count"]) == 0
+
+
 def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path):
     runs = tmp_path / "runs"
     incumbent = train_lora(runs, "inc", "1e-3", steps=5)
@@ -66,28 +108,7 @@ def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path)
     (tmp_path / "serve.yaml").write_text(
         f"models:\n  - {{name: tiny, path: builtin:tiny-arith}}\n  - {{name: inc, adapter: {incumbent}}}\n"
         f"routes:\n  default: {{inc: 1.0}}\nadmin_api_key: {KEY}\nrecords_path: {tmp_path / 'records.jsonl'}\n")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", "--config", str(tmp_path / "serve.yaml"),
-                               "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                              start_new_session=True)
-    locust = None
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        prefix = tmp_path / "load"
-        locust = subprocess.Popen(
-            [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest"), "--headless", "-H", url, "--user-mix",
-             "route", "--model", "default", "--reward", "arithmetic", "-u", "4", "-r", "4", "--run-time", "900s",
-             "--csv", str(prefix), "--num-prompts", "64"], cwd=REPO, stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT, start_new_session=True)
-        time.sleep(5)
-
+    with served_under_load(tmp_path) as url:
         # 0. --dry-run prints the plan and changes nothing.
         dry = verl("ship", str(good), "--service", url, "--dry-run", *SHIP)
         assert dry.returncode == 0 and '"incumbent"' in dry.stderr and '"name": "inc"' in dry.stderr, dry.stderr
@@ -136,15 +157,6 @@ def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path)
         lineage = [r for r in map(json.loads, (tmp_path / "records.jsonl").read_text().splitlines())
                    if r["model"] == name]
         assert lineage and all(r["run"] == "good" and r["step"] == 10 and len(r["weights"]) == 16 for r in lineage)
-    finally:
-        if locust is not None:
-            os.killpg(locust.pid, signal.SIGINT)
-            locust.wait(60)
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(60)
-    with open(f"{prefix}_stats.csv", newline="") as handle:
-        aggregated = next(r for r in csv.DictReader(handle) if r["Name"] == "Aggregated")
-    assert int(aggregated["Request Count"]) > 500 and int(aggregated["Failure Count"]) == 0
 
 
 def test_ship_on_the_fleet_every_replica_follows(tmp_path):
@@ -156,29 +168,8 @@ def test_ship_on_the_fleet_every_replica_follows(tmp_path):
     (tmp_path / "serve.yaml").write_text(
         f"models:\n  - {{name: tiny, path: builtin:tiny-arith}}\n  - {{name: inc, adapter: {incumbent}}}\n"
         f"routes:\n  default: {{inc: 1.0}}\nadmin_api_key: {KEY}\n")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", "--replicas", "2", "--config",
-                               str(tmp_path / "serve.yaml"), "--port", str(port)], cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-    locust = None
     admin = {"Authorization": f"Bearer {KEY}"}
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).json().get("replicas") == 2:
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(1)
-        prefix = tmp_path / "load"
-        locust = subprocess.Popen(
-            [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest"), "--headless", "-H", url, "--user-mix",
-             "route", "--model", "default", "--reward", "arithmetic", "-u", "4", "-r", "4", "--run-time", "900s",
-             "--csv", str(prefix), "--num-prompts", "64"], cwd=REPO, stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT, start_new_session=True)
-        time.sleep(5)
+    with served_under_load(tmp_path, "--replicas", "2", replicas=2) as url:
         shipped = verl("ship", str(good), "--service", url, "--out", str(tmp_path / "good"), "--skip-offline",
                        *SHIP)
         assert shipped.returncode == 0, shipped.stderr[-3000:]
@@ -194,12 +185,3 @@ def test_ship_on_the_fleet_every_replica_follows(tmp_path):
         assert len({r["process"]["pid"] for r in reads}) == 2
         assert all(r["routes"]["default"][name] == 1.0 and name in {m["name"] for m in r["models"]} for r in reads)
         assert len({r["replica"] for r in rows if r["model"] == name}) == 2  # both replicas served the candidate
-    finally:
-        if locust is not None:
-            os.killpg(locust.pid, signal.SIGINT)
-            locust.wait(60)
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(120)
-    with open(f"{prefix}_stats.csv", newline="") as handle:
-        aggregated = next(r for r in csv.DictReader(handle) if r["Name"] == "Aggregated")
-    assert int(aggregated["Failure Count"]) == 0
