@@ -148,3 +148,25 @@ def make_lora_adapters(root: Path, names: tuple[str, ...] = ("a", "b"), rank: in
         peft.save_pretrained(root / name)
         out[name] = str(root / name)
     return out
+
+
+class BackgroundClients:
+    """``clients`` threads, each running ``self.client(index)`` until the ``with`` block ends (``self.stop`` is set);
+    subclasses send the requests and append what failed to ``self.failures``."""
+
+    def __init__(self, url: str, clients: int):
+        self.url, self.stop, self.failures = url, threading.Event(), []
+        self.threads = [threading.Thread(target=self.client, args=(i,), daemon=True) for i in range(clients)]
+
+    def client(self, index: int) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(90)

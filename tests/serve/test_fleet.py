@@ -21,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.serve.helpers import REPO
+from tests.serve.helpers import REPO, BackgroundClients
 from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -62,14 +61,14 @@ def verl(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-class Load:
+class Load(BackgroundClients):
     """Two clients sending completions until stopped; failures kept with their status."""
 
     def __init__(self, url: str):
-        self.url, self.stop, self.ok, self.failures = url, threading.Event(), 0, []
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(2)]
+        super().__init__(url, 2)
+        self.ok = 0
 
-    def _run(self) -> None:
+    def client(self, index: int) -> None:
         while not self.stop.is_set():
             try:
                 with httpx.Client(base_url=self.url, timeout=60) as client:
@@ -80,16 +79,6 @@ class Load:
                     self.failures.append(reply.status_code)
             except httpx.HTTPError as exc:
                 self.failures.append(type(exc).__name__)
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(90)
 
 
 def control_plane_process() -> psutil.Process:

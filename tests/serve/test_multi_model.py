@@ -25,7 +25,7 @@ from serve.api import create_app
 from serve.promote import new_weights
 from serve.registry import draw, user_share
 from serve.settings import load_settings
-from tests.serve.helpers import REPO, TEST_SETTINGS, make_lora_adapters, run_server
+from tests.serve.helpers import REPO, TEST_SETTINGS, BackgroundClients, make_lora_adapters, run_server
 from verl.errors import ConfigError
 from verl.models.loader import resolve_model_path
 
@@ -211,15 +211,14 @@ def _verl(*args: str, **env: str) -> subprocess.CompletedProcess:
                           cwd=REPO, env={**os.environ, **env})
 
 
-class Load:
+class Load(BackgroundClients):
     """Clients hammering the default route (streamed chat and plain completions, many users) until stopped."""
 
     def __init__(self, url: str, clients: int = 4):
-        self.url, self.stop, self.failures = url, threading.Event(), []
+        super().__init__(url, clients)
         self.answered: dict[str, int] = {}
-        self.threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
 
-    def _client(self, index: int) -> None:
+    def client(self, index: int) -> None:
         n = 0
         with httpx.Client(timeout=60) as http:
             while not self.stop.is_set():
@@ -244,16 +243,6 @@ class Load:
                         self.answered[model] = self.answered.get(model, 0) + 1
                 except Exception as exc:  # noqa: BLE001 - any failure is what the test counts
                     self.failures.append(repr(exc))
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()
 
 
 def test_promote_load_and_unload_under_load_drop_nothing(adapters) -> None:
