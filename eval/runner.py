@@ -915,6 +915,18 @@ def _evaluate_shard(shard: list[tuple[int, str]], settings: EvalSettings, resolv
             for step, path in shard]
 
 
+def start_ray(workers: int) -> bool:
+    """Join the cluster ``RAY_ADDRESS`` names, or start a local one with room for ``workers``; False when Ray was
+    already initialized (the caller then leaves it running)."""
+    import ray  # noqa: PLC0415  (only the ray executor needs it)
+
+    if ray.is_initialized():
+        return False
+    ray.init(num_cpus=None if os.environ.get("RAY_ADDRESS") else max(workers, os.cpu_count() or 1),
+             include_dashboard=False, log_to_driver=False)
+    return True
+
+
 def evaluate_on_ray(checkpoints: list[tuple[int, Path]], settings: EvalSettings, resolved: Resolved, run_cfg: Any,
                      raw: dict | None, tokenizer_source: str, out_dir: Path, run_dir: Path,
                      console: Any) -> list[dict]:
@@ -922,10 +934,7 @@ def evaluate_on_ray(checkpoints: list[tuple[int, Path]], settings: EvalSettings,
     ``ray.init`` finds (``RAY_ADDRESS``) or a local one; results in step order, as the local executor gives them."""
     import ray  # noqa: PLC0415  (only this executor needs ray)
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=None if os.environ.get("RAY_ADDRESS") else max(settings.workers, os.cpu_count() or 1),
-                 include_dashboard=False, log_to_driver=False)
+    started = start_ray(settings.workers)
     workers = min(settings.workers, len(checkpoints))
     shards = [[(step, str(path)) for step, path in checkpoints[i::workers]] for i in range(workers)]
     quiet = dataclasses.replace(settings, quiet=True)

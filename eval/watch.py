@@ -25,6 +25,7 @@ from eval.runner import (
     resolve_settings,
     resolve_target,
     results_root,
+    start_ray,
     tokenizer_source_for,
 )
 from verl.errors import CheckpointError, ConfigError, VerlError
@@ -81,7 +82,7 @@ def watch_run(run_dir: str | Path, settings: EvalSettings, out: str | Path | Non
             # Listed after reading the log: the trainer writes its last checkpoint before "finished".
             new = [(step, path) for step, path in list_checkpoints(run_dir) if step not in done]
             if new and settings.executor == "ray":
-                ray_started = ray_started or _start_ray(settings)
+                ray_started = start_ray(settings.workers) or ray_started
                 evaluate_on_ray(new, settings, resolved, run_cfg, raw, tokenizer_source_for(str(new[0][1]), run_cfg),
                                  out_dir, run_dir, console)
                 done.update(step for step, _ in new)
@@ -118,15 +119,3 @@ def watch_run(run_dir: str | Path, settings: EvalSettings, out: str | Path | Non
     return evaluate_run_dir(resolve_target(run_dir), dataclasses.replace(settings, executor="local"), resolved, run_cfg,
                          raw, out, console)
 
-
-def _start_ray(settings: EvalSettings) -> bool:
-    """One Ray session for the whole watch (``evaluate_on_ray`` leaves a running one alone)."""
-    import os  # noqa: PLC0415
-
-    import ray  # noqa: PLC0415
-
-    if ray.is_initialized():
-        return False
-    ray.init(num_cpus=None if os.environ.get("RAY_ADDRESS") else max(settings.workers, os.cpu_count() or 1),
-             include_dashboard=False, log_to_driver=False)
-    return True
