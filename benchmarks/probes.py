@@ -4,6 +4,10 @@ because a script's own directory is first on ``sys.path``).
 - ``median_time``: median wall seconds of a callable after one warm-up;
 - ``gemm_gflops``: a plain fp32 GEMM of a given shape, the compute reference a model's achieved GFLOP/s is compared
   with (timed in the same run, on the same threads);
+- ``library_gemm_gflops``: the same GEMM by each of the CPU's two library paths (MKL's sgemm, which ``a @ b``
+  takes, and oneDNN with a pre-packed weight, which the model's frozen layers take) and the faster of the two: on
+  some CPUs (AMD with AVX-512) MKL runs its AVX2 path at under half of oneDNN's rate, so ``a @ b`` alone would
+  understate the machine;
 - ``read_gbs``: the read bandwidth of summing a buffer of a given size (the floor for streaming weights).
 """
 
@@ -31,6 +35,20 @@ def gemm_gflops(rows: int, k: int, n: int, repeats: int = 200) -> float:
     """GFLOP/s of an fp32 ``(rows, k) @ (k, n)`` product."""
     a, b = torch.randn(rows, k), torch.randn(k, n)
     return 2 * rows * k * n / median_time(lambda: a @ b, repeats) / 1e9
+
+
+def library_gemm_gflops(rows: int, k: int, n: int, repeats: int = 50) -> dict[str, float]:
+    """GFLOP/s of an fp32 ``(rows, k) @ (k, n)`` product by MKL and by oneDNN (packed weight), and the best."""
+    a, weight = torch.randn(rows, k), torch.randn(n, k)
+    flop = 2 * rows * k * n
+    mkl = flop / median_time(lambda: a @ weight.t(), repeats) / 1e9
+    out = {"mkl": mkl, "onednn": 0.0}
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        out["onednn"] = flop / median_time(
+            lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), repeats) / 1e9
+    out["best"] = max(out["mkl"], out["onednn"])
+    return out
 
 
 def read_gbs(num_bytes: int, repeats: int = 10) -> float:

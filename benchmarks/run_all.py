@@ -49,6 +49,7 @@ BENCHES: dict[str, list[str]] = {
     "rollout-small": [VLLM_PY, "benchmarks/rollout_bench.py", "--repeats", "3"],
     "lora-memory": [PY, "benchmarks/lora_memory.py"],
     "overlap-smollm2": [PY, "benchmarks/overlap_bench.py", "--steps", "7", "--repeats", "3"],
+    "update-packed": [PY, "benchmarks/update_bench.py", "--steps", "7", "--repeats", "3"],
     "decode-profile": [PY, "benchmarks/decode_profile.py", "--model", SMOLLM2, "--rows", "16"],
     "adapter-batching": [PY, "benchmarks/adapter_batching.py", "--model", SMOLLM2, "--rows", "16", "--adapters",
                          "4"],

@@ -59,6 +59,9 @@ class ModelConfig(Section):
         "float32", description="Parameter dtype (float64: numerical checks on CPU, e.g. executor against executor).")
     trust_remote_code: bool = Field(False, description="Allow custom modelling code from the model dir.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    use_remove_padding: bool = Field(
+        True, description="Log-probs of the update and the reference on packed sequences: each prompt once per group "
+        "and only real tokens computed, bit for bit the padded path's values (verl's key of the same name).")
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 

@@ -75,7 +75,7 @@ IGNORED: tuple[str, ...] = (
     "reference.log_prob_micro_batch_size_per_gpu", "reference.log_prob_micro_batch_size", "reference.fsdp_config.",
     "reference.log_prob_use_dynamic_bsz", "reference.log_prob_max_token_len_per_gpu", "reference.ulysses_",
     "reference.use_torch_compile", "reference.strategy",
-    "model.use_remove_padding", "model.use_shm", "model.external_lib", "model.override_config.",
+    "model.use_shm", "model.external_lib", "model.override_config.",
     "model.enable_activation_offload", "model.use_liger", "model.use_fused_kernels", "model.custom_chat_template",
     "critic.model.", "critic.strategy", "critic.fsdp_config.", "critic.forward_micro_batch_size_per_gpu",
     "critic.forward_micro_batch_size", "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu",

@@ -45,13 +45,16 @@ def micro_batches(data: DataProto, size: int | None) -> list[DataProto]:
 
 class Actor:
     def __init__(self, model: torch.nn.Module, config: ActorConfig, total_steps: int, temperature: float,
-                 max_response_length: int, group_size: int = 1, dist_info: DistInfo | None = None, seed: int = 0):
+                 max_response_length: int, group_size: int = 1, dist_info: DistInfo | None = None, seed: int = 0,
+                 remove_padding: bool = False):
         self.model = model
         self.dist = dist_info or DistInfo()
         # Mini-batch order comes from a private generator seeded alike on every rank, so data-parallel
         # ranks agree on the order without communicating (and resume restores it from the checkpoint).
         self.shuffle_generator = torch.Generator().manual_seed(seed)
         self.group_size = group_size  # responses per prompt, adjacent: enables the shared-prefix forward
+        # Packed sequences (verl/models/packed_sequences.py); not under FSDP, whose ranks must run alike forwards.
+        self.remove_padding = remove_padding and not self.dist.fsdp
         self.config = config
         self.temperature = temperature
         self.max_response_length = max_response_length
@@ -72,7 +75,8 @@ class Actor:
         for micro in micro_batches(data, micro_batch_size or self.config.ppo_micro_batch_size):
             batch = {k: micro.batch[k].to(self.device) for k in MODEL_KEYS}
             log_probs, _ = response_log_probs(self.model, batch, self.temperature, autocast_dtype=self.autocast_dtype,
-                                              group_size=1 if self.dist.fsdp else self.group_size)
+                                              group_size=1 if self.dist.fsdp else self.group_size,
+                                              remove_padding=self.remove_padding)
             parts.append(log_probs.cpu())
         self.model.train()
         return torch.cat(parts)
@@ -115,7 +119,7 @@ class Actor:
             weight = float(mask.sum()) / agg_kwargs["num_tokens"]
             log_prob, entropy = response_log_probs(
                 self.model, batch, self.temperature, with_entropy=True, autocast_dtype=self.autocast_dtype,
-                group_size=group, entropy_grad=need_entropy_grad,
+                group_size=group, entropy_grad=need_entropy_grad, remove_padding=self.remove_padding,
             )
             old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
             # By keyword: verl's ported losses take (old_log_prob, log_prob); a positional call would invert the ratio.

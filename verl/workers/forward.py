@@ -12,6 +12,10 @@ and for the model families whose logits are exactly ``lm_head(last hidden state)
 no ``(tokens, vocabulary)`` logits tensor is built either: the decoder's hidden states go to
 ``verl.models.token_log_probs`` (LM head, log-softmax and entropy a block of rows at a time, in cache).
 ``VERL_FUSED_LOG_PROBS=0`` turns that off.
+
+With ``remove_padding=True`` (``model.use_remove_padding``, on by default) no padded position is computed either:
+the batch's real tokens run as one packed row, each prompt once per group, attention per prompt-and-responses tree
+(``verl.models.packed_sequences``); batches it cannot pack (not left/right padded) take the padded path.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from verl.algos.losses import entropy_from_log_probs
+from verl.models.packed_sequences import PackedBatch, pack_batch, packable, packed_attention
 from verl.models.precision import at_least_float32
 from verl.models.token_log_probs import token_log_probs
 
@@ -47,6 +52,7 @@ def response_log_probs(
     autocast_dtype: torch.dtype | None = None,
     group_size: int = 1,
     entropy_grad: bool = True,
+    remove_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``responses`` under ``model`` at ``temperature``: ``(batch, response_len)`` (+ entropy).
 
@@ -54,13 +60,19 @@ def response_log_probs(
     ``responses`` ``(batch, response_len)``. Logits are divided by the sampling temperature so the log-probs are
     those of the distribution the rollout sampled from. ``group_size`` > 1 enables the shared-prefix path when
     the batch really is grouped (checked, else the plain path runs). ``entropy_grad=False``: the entropy is a
-    metric only, computed outside the autograd graph.
+    metric only, computed outside the autograd graph. ``remove_padding``: run the real tokens packed (see the
+    module docstring); values at pad positions are then 0 instead of whatever the pad token predicted.
     """
     responses = batch["responses"]
     device = responses.device
     # Activation checkpointing turns the KV cache off inside HF models; use the plain path there.
-    group = 1 if getattr(model, "is_gradient_checkpointing", False) else shared_prefix_group_size(batch, group_size)
+    checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    group = 1 if checkpointing else shared_prefix_group_size(batch, group_size)
     parts = _decoder_and_head(model) if autocast_dtype is None and not (with_entropy and entropy_grad) else None
+    use_packed = remove_padding and not checkpointing and packable(model, batch["input_ids"].shape[1])
+    packed = pack_batch(batch, group) if use_packed else None
+    if packed is not None:
+        return _packed_log_probs(model, packed, parts, temperature, with_entropy, autocast_dtype, entropy_grad)
     if parts is not None:
         decoder, head = parts
         hidden = _response_states(model, batch, group, decoder)  # (batch, response_len, hidden)
@@ -80,6 +92,30 @@ def response_log_probs(
         with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             entropy = entropy_from_log_probs(log_probs_all)
     return log_probs, entropy
+
+
+def _packed_log_probs(model: torch.nn.Module, packed: PackedBatch, parts: tuple[torch.nn.Module, nn.Linear] | None,
+                      temperature: float, with_entropy: bool, autocast_dtype: torch.dtype | None,
+                      entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``response_log_probs`` over a packed row: ``(batch, response_len)`` log-probs (+ entropy), 0 at pads."""
+    if parts is not None:
+        decoder, head = parts
+        with packed_attention(model):
+            hidden = decoder(**packed.model_inputs()).last_hidden_state[0, packed.predictors]  # (N, hidden)
+        log_probs, entropy = token_log_probs(hidden, head, packed.targets, temperature)
+        return packed.unpack(log_probs), packed.unpack(entropy) if with_entropy else None
+    with autocast_context(packed.input_ids.device, autocast_dtype), packed_attention(model):
+        logits = model(**packed.model_inputs(), logits_to_keep=packed.predictors).logits[0]  # (N, vocab)
+    logits = at_least_float32(logits)
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs_all = F.log_softmax(logits, dim=-1)
+    log_probs = log_probs_all.gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            entropy = packed.unpack(entropy_from_log_probs(log_probs_all))
+    return packed.unpack(log_probs), entropy
 
 
 def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, nn.Linear] | None:

@@ -19,8 +19,10 @@ MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "promp
 
 class Reference:
     def __init__(self, model: torch.nn.Module, temperature: float, micro_batch_size: int | None = None,
-                 adapters_disabled: bool = False, autocast_dtype: torch.dtype | None = None, group_size: int = 1):
+                 adapters_disabled: bool = False, autocast_dtype: torch.dtype | None = None, group_size: int = 1,
+                 remove_padding: bool = False):
         self.model = model
+        self.remove_padding = remove_padding  # packed sequences (verl/models/packed_sequences.py)
         self.group_size = group_size
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
@@ -49,7 +51,8 @@ class Reference:
             for micro in data.split(self.micro_batch_size) if self.micro_batch_size else [data]:
                 batch = {k: micro.batch[k].to(device) for k in MODEL_KEYS}
                 log_probs, _ = response_log_probs(self.model, batch, self.temperature,
-                                                  autocast_dtype=self.autocast_dtype, group_size=self.group_size)
+                                                  autocast_dtype=self.autocast_dtype, group_size=self.group_size,
+                                                  remove_padding=self.remove_padding)
                 parts.append(log_probs.cpu())
         self.model.train(was_training)
         return torch.cat(parts)

@@ -98,7 +98,7 @@ class RoleWorker:
         self.model = model
         self.actor = Actor(model, cfg.actor, cfg.trainer.total_steps, cfg.rollout.temperature,
                            cfg.data.max_response_length, group_size=cfg.rollout.n, dist_info=self.dist,
-                           seed=cfg.trainer.seed)
+                           seed=cfg.trainer.seed, remove_padding=cfg.model.use_remove_padding and not self.dist.fsdp)
         factory = get_rollout_factory(cfg.rollout.name)
         autocast = torch.bfloat16 if cfg.actor.autocast == "bf16" else None
         if cfg.rollout.name == "hf":
@@ -118,12 +118,14 @@ class RoleWorker:
         autocast = torch.bfloat16 if cfg.actor.autocast == "bf16" else None
         if self.model is not None and is_lora(self.model):
             self.reference = Reference(self.model, cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size,
-                                       adapters_disabled=True, autocast_dtype=autocast, group_size=cfg.rollout.n)
+                                       adapters_disabled=True, autocast_dtype=autocast, group_size=cfg.rollout.n,
+                                       remove_padding=cfg.model.use_remove_padding and not self.dist.fsdp)
             return
         device = torch.device("cpu") if cfg.reference.offload_to_cpu else self.device
         model = load_causal_lm(cfg.model.path, cfg.model.dtype, device, cfg.model.trust_remote_code)
         self.reference = Reference(model, cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size,
-                                   autocast_dtype=autocast, group_size=cfg.rollout.n)
+                                   autocast_dtype=autocast, group_size=cfg.rollout.n,
+                                   remove_padding=cfg.model.use_remove_padding and not self.dist.fsdp)
 
     def _build_critic(self) -> None:
         cfg = self.config
