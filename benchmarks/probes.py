@@ -3,7 +3,8 @@ because a script's own directory is first on ``sys.path``).
 
 - ``median_time``: median wall seconds of a callable after one warm-up;
 - ``gemm_gflops``: a plain fp32 GEMM of a given shape, the compute reference a model's achieved GFLOP/s is compared
-  with (timed in the same run, on the same threads);
+  with (timed in the same run, on the same threads), by the faster of the two library paths below (until 2026-11-25
+  it was MKL's alone, which on AMD CPUs with AVX-512 reads under half of what oneDNN does);
 - ``library_gemm_gflops``: the same GEMM by each of the CPU's two library paths (MKL's sgemm, which ``a @ b``
   takes, and oneDNN with a pre-packed weight, which the model's frozen layers take) and the faster of the two: on
   some CPUs (AMD with AVX-512) MKL runs its AVX2 path at under half of oneDNN's rate, so ``a @ b`` alone would
@@ -32,9 +33,8 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def gemm_gflops(rows: int, k: int, n: int, repeats: int = 200) -> float:
-    """GFLOP/s of an fp32 ``(rows, k) @ (k, n)`` product."""
-    a, b = torch.randn(rows, k), torch.randn(k, n)
-    return 2 * rows * k * n / median_time(lambda: a @ b, repeats) / 1e9
+    """GFLOP/s of an fp32 ``(rows, k) @ (k, n)`` product: the faster of MKL and oneDNN (``library_gemm_gflops``)."""
+    return library_gemm_gflops(rows, k, n, repeats)["best"]
 
 
 def library_gemm_gflops(rows: int, k: int, n: int, repeats: int = 50) -> dict[str, float]:
