@@ -50,6 +50,8 @@ BENCHES: dict[str, list[str]] = {
     "lora-memory": [PY, "benchmarks/lora_memory.py"],
     "overlap-smollm2": [PY, "benchmarks/overlap_bench.py", "--steps", "7", "--repeats", "3"],
     "update-packed": [PY, "benchmarks/update_bench.py", "--steps", "7", "--repeats", "3"],
+    "update-packed-agent": [PY, "benchmarks/update_bench.py", "--preset", "agent-tiny", "--steps", "10", "--repeats",
+                            "3"],
     "decode-profile": [PY, "benchmarks/decode_profile.py", "--model", SMOLLM2, "--rows", "16"],
     "adapter-batching": [PY, "benchmarks/adapter_batching.py", "--model", SMOLLM2, "--rows", "16", "--adapters",
                          "4"],

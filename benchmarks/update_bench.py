@@ -21,6 +21,11 @@ peak shape 2048^3; each GEMM is the faster of MKL and oneDNN (``probes.library_g
 multiply by oneDNN-packed weights, so MKL alone would understate the machine on CPUs where it is slower).
 
     python benchmarks/update_bench.py --steps 7 --repeats 3
+    python benchmarks/update_bench.py --preset agent-tiny --steps 10 --repeats 3
+
+``--preset agent-tiny``: ``configs/agent_tiny.yaml`` instead (the tiny agent, 16 prompts x 8 multi-turn
+trajectories of up to 128 tokens with tool turns, whose lengths spread widely): the same two sides, the update's
+and the reference's times (no GEMM columns: the FLOP count above is SmolLM2's).
 """
 
 from __future__ import annotations
@@ -40,15 +45,15 @@ from probes import library_gemm_gflops
 
 REPO = Path(__file__).resolve().parents[1]
 VERL = str(Path(sys.executable).parent / "verl")
-CONFIG = REPO / "configs" / "grpo_smollm2.yaml"
+PRESETS = {"smollm2": REPO / "configs" / "grpo_smollm2.yaml", "agent-tiny": REPO / "configs" / "agent_tiny.yaml"}
 SIDES = {"padded": ["model.use_remove_padding=false"], "packed": ["model.use_remove_padding=true"]}
 PROMPTS, N = 4, 4
 
 
-def run_side(side: str, steps: int, out: Path, repeat: int) -> list[dict]:
+def run_side(side: str, steps: int, out: Path, repeat: int, config: Path) -> list[dict]:
     """The per-step timing and rollout rows of steps 2.. of one training run."""
     name = f"{side}-{repeat}"
-    args = [VERL, "train", "--config", str(CONFIG), f"trainer.total_steps={steps}", "trainer.test_freq=0",
+    args = [VERL, "train", "--config", str(config), f"trainer.total_steps={steps}", "trainer.test_freq=0",
             "trainer.val_before_train=false", "trainer.save_freq=0", f"trainer.output_dir={out}",
             f"trainer.experiment_name={name}", "trainer.logger=[jsonl]", *SIDES[side]]
     done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -72,9 +77,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="benchmarks/update_bench.json")
+    parser.add_argument("--preset", choices=list(PRESETS), default="smollm2")
+    parser.add_argument("--out", default=None, help="JSON results (default benchmarks/update_bench[_PRESET].json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.preset != "smollm2":
+        agent_tiny(args)
+        return
     per_side: dict[str, list[dict]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
@@ -85,7 +94,7 @@ def main() -> None:
                     if any(per_side.values()) else 720
                 shape = library_gemm_gflops(tokens, 576, 1536)
                 peak = library_gemm_gflops(2048, 2048, 2048, repeats=5)
-                steps = run_side(side, args.steps, Path(tmp), repeat)
+                steps = run_side(side, args.steps, Path(tmp), repeat, PRESETS["smollm2"])
                 update_s = statistics.median(r["timing/update_actor"] for r in steps)
                 flop = 2 * statistics.median(forward_gflop(r, PROMPTS, N) for r in steps)
                 per_side[side].append({
@@ -107,7 +116,7 @@ def main() -> None:
         }
     padded, packed = summary["sides"]["padded"], summary["sides"]["packed"]
     summary["ratio"] = packed["update_s"] / padded["update_s"]
-    Path(args.out).write_text(json.dumps(summary, indent=1))
+    Path(args.out or "benchmarks/update_bench.json").write_text(json.dumps(summary, indent=1))
     print("=== summary")
     print("GRPO update on SmolLM2 (configs/grpo_smollm2.yaml, LoRA r16, 4x4x32, synchronous), one torch thread, "
           f"timing/update_actor median of steps 2-{args.steps} per run, median of {args.repeats} runs per side:")
@@ -127,6 +136,35 @@ def main() -> None:
           f"{min(s['mkl'] for s in shapes):.0f}-{max(s['mkl'] for s in shapes):.0f}); 2048^3 "
           f"{min(p['best'] for p in peaks):.0f}-{max(p['best'] for p in peaks):.0f} GFLOP/s (MKL alone "
           f"{min(p['mkl'] for p in peaks):.0f}-{max(p['mkl'] for p in peaks):.0f}).")
+
+
+def agent_tiny(args: argparse.Namespace) -> None:
+    """The tiny agent's multi-turn GRPO: update and reference seconds, padded vs packed, alternating runs."""
+    per_side: dict[str, list[dict]] = {side: [] for side in SIDES}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for side in (list(SIDES) if repeat % 2 == 0 else list(reversed(SIDES))):
+                steps = run_side(side, args.steps, Path(tmp), repeat, PRESETS[args.preset])
+                per_side[side].append({key: statistics.median(r[f"timing/{key}"] for r in steps)
+                                       for key in ("update_actor", "ref", "total")}
+                                      | {"response_length": statistics.median(r["rollout/response_length_mean"]
+                                                                              for r in steps)})
+                print(side, repeat, json.dumps(per_side[side][-1]), flush=True)
+    summary = {side: {key: statistics.median(r[key] for r in runs) for key in runs[0]} | {"runs": runs}
+               for side, runs in per_side.items()}
+    Path(args.out or f"benchmarks/update_bench_{args.preset}.json").write_text(json.dumps(summary, indent=1))
+    print("=== summary")
+    print(f"{PRESETS[args.preset].name} (the tiny agent, 16 prompts x 8 multi-turn trajectories, <= 128 tokens), one "
+          f"torch thread, median of steps 2-{args.steps} per run, median of {args.repeats} runs per side:")
+    print("| side | update s | reference s | step s | response tokens (mean) | update runs (s) |")
+    print("|---|---|---|---|---|---|")
+    for side, med in summary.items():
+        runs = ", ".join(f"{r['update_actor']:.2f}" for r in med["runs"])
+        print(f"| {side} | {med['update_actor']:.2f} | {med['ref']:.2f} | {med['total']:.2f} | "
+              f"{med['response_length']:.1f} | {runs} |")
+    padded, packed = summary["padded"], summary["packed"]
+    print(f"**packed / padded: update {packed['update_actor'] / padded['update_actor']:.2f}x, reference "
+          f"{packed['ref'] / padded['ref']:.2f}x, step {packed['total'] / padded['total']:.2f}x**")
 
 
 if __name__ == "__main__":
