@@ -8,20 +8,26 @@ tokens, nothing else:
 
     tree g:  [ prompt_g | response_g,1[:-1] | response_g,2[:-1] | ... ]     positions 0..Lp-1 | Lp.. | Lp.. | ...
 
-The products of the decoder layers run on ``(1, tokens)``; attention runs per tree (the prompt causally, then each
-response over its prompt's keys and its own, one ``scaled_dot_product_attention`` per piece) inside a registered
-transformers attention function that the packed forward switches the model to for its duration. Only the states
-that predict a response token are kept (``PackedBatch.predictors``), and the log-probs go back to their
-``(batch, response_len)`` places (zeros at pad positions, which every loss masks out).
+The products of the decoder layers (and the LM head) run on ``(1, tokens)`` real tokens only. Attention runs in a
+registered transformers attention function that the packed forward switches the model to for its duration: one
+batched ``scaled_dot_product_attention`` for the prompts and one for the responses, each query's keys gathered onto
+the key axis the padded forward would give it (empty slots where its padding was, the prompt's keys, the response's
+own), so the kernel sums over the same positions in the same order. Attention is a small share of the work; the
+padded key axis costs little and keeps the arithmetic identical. Only the states that predict a response token are
+kept (``PackedBatch.predictors``), and the log-probs go back to their ``(batch, response_len)`` places (zeros at
+pad positions, which every loss masks out).
 
     packed = pack_batch(batch, group_size)        # None when the batch cannot be packed (then pad as before)
     with packed_attention(model):
         hidden = decoder(**packed.model_inputs()).last_hidden_state[0, packed.predictors]  # (N, hidden)
-    log_probs = packed.unpack(token_log_probs(...)[0])                                    # (batch, response_len)
+    log_probs = packed.unpack(token_log_probs(hidden, head, packed.targets)[0])          # (batch, response_len)
 
-Same arithmetic per token as the padded forward (the same layers, the same attention kernel over the same keys),
-so a batch without prompt padding gives identical log-probs and losses (tested); with left-padded prompts the
-attention's sums run over keys at other offsets and agree to float rounding.
+The per-token arithmetic is the padded forward's: the row-wise layers see the same vectors, a product's row does
+not depend on the other rows of a GEMM at these sizes, and attention sums over the same key slots. So log-probs,
+entropies and losses equal the padded path's bit for bit, with left-padded prompts too (tests/test_packed_sequences.py);
+gradients sum the same terms in another order (rounding). One exception: the full-logits path (an entropy bonus)
+of the padded shared-prefix forward multiplies the prompts' last states by the LM head in a product of one row
+per group, which MKL rounds differently from the same rows inside a larger product.
 """
 
 from __future__ import annotations
