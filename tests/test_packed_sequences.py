@@ -167,3 +167,19 @@ def test_actor_update_metrics_equal_with_and_without_padding(tmp_path, entropy_c
 def test_packing_is_the_default_and_verls_key_turns_it_off():
     assert load_config(None, []).model.use_remove_padding
     assert not load_config(None, ["actor_rollout_ref.model.use_remove_padding=False"]).model.use_remove_padding
+
+
+def test_gradient_checkpointing_keeps_the_padded_path():
+    """Checkpointed layers run again during the backward, outside the packed forward's attention switch: such a
+    model must not be packed."""
+    model = load_causal_lm("builtin:tiny-arith")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    batch = padded_batch(model.config.vocab_size, [11, 7], [9, 4, 1, 6], group=2)
+    rows_seen = []
+    hook = model.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda module, inputs, output: rows_seen.append(inputs[0].shape[:-1].numel()))
+    log_probs, _ = response_log_probs(model, batch, group_size=2, remove_padding=True)
+    (log_probs * batch["response_mask"]).sum().backward()
+    hook.remove()
+    assert rows_seen[0] == 4 * (11 + 9)  # whole padded rows, forward (and again in the backward)
