@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,8 +37,12 @@ MODES = {"sync": [], "off-policy": ["trainer.one_step_off_policy=true"]}
 
 def run(mode: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     name = f"{mode}-seed{seed}"
+    # A fresh run every time: a run directory left by an earlier bench would be resumed (trainer.resume=auto) from its
+    # checkpoint at the target, and the clock read off the old log.
+    shutil.rmtree(out / "verl" / name, ignore_errors=True)
     command = [VERL, "train", "--config", str(CONFIG), f"trainer.seed={seed}", f"trainer.target={args.target}",
-               "trainer.stop_at_target=true", f"trainer.test_freq={args.test_freq}", "trainer.val_before_train=false",
+               "trainer.stop_at_target=true", "trainer.resume=disable", f"trainer.test_freq={args.test_freq}",
+               "trainer.val_before_train=false",
                "trainer.save_freq=0", f"trainer.total_steps={args.max_steps}", f"trainer.output_dir={out}",
                f"trainer.experiment_name={name}", "trainer.logger=[jsonl]", "--quiet", *MODES[mode]]
     start = time.perf_counter()
