@@ -79,12 +79,18 @@ def response_log_probs(
         log_probs, entropy = token_log_probs(hidden, head, responses, temperature)
         return log_probs, entropy if with_entropy else None
     with autocast_context(device, autocast_dtype):
-        logits = _response_states(model, batch, group)
+        logits = _response_states(model, batch, group)  # (batch, response_len, vocab)
+    return _log_probs_from_logits(logits, responses, temperature, with_entropy, entropy_grad)
+
+
+def _log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool,
+                           entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``tokens`` ``(...)`` under ``logits`` ``(..., vocab)`` at ``temperature`` (+ entropy ``(...)``)."""
     logits = at_least_float32(logits)
     if temperature != 1.0:
         logits = logits / temperature
-    log_probs_all = F.log_softmax(logits, dim=-1)  # (batch, response_len, vocab)
-    log_probs = torch.gather(log_probs_all, -1, responses.unsqueeze(-1)).squeeze(-1)
+    log_probs_all = F.log_softmax(logits, dim=-1)
+    log_probs = torch.gather(log_probs_all, -1, tokens.unsqueeze(-1)).squeeze(-1)
     entropy = None
     if with_entropy:
         # From the log-softmax above (one exp over the vocabulary, not a softmax and a logsumexp), and outside the
@@ -106,16 +112,8 @@ def _packed_log_probs(model: torch.nn.Module, packed: PackedBatch, parts: tuple[
         return packed.unpack(log_probs), packed.unpack(entropy) if with_entropy else None
     with autocast_context(packed.input_ids.device, autocast_dtype), packed_attention(model):
         logits = model(**packed.model_inputs(), logits_to_keep=packed.predictors).logits[0]  # (N, vocab)
-    logits = at_least_float32(logits)
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs_all = F.log_softmax(logits, dim=-1)
-    log_probs = log_probs_all.gather(-1, packed.targets.unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-            entropy = packed.unpack(entropy_from_log_probs(log_probs_all))
-    return packed.unpack(log_probs), entropy
+    log_probs, entropy = _log_probs_from_logits(logits, packed.targets, temperature, with_entropy, entropy_grad)
+    return packed.unpack(log_probs), packed.unpack(entropy) if entropy is not None else None
 
 
 def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, nn.Linear] | None:
