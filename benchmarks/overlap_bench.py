@@ -45,11 +45,15 @@ CONFIG = REPO / "configs" / "grpo_smollm2.yaml"
 SIDES = {"sync": [], "one_step_off_policy": ["trainer.one_step_off_policy=true"]}
 
 
-def run_side(side: str, steps: int, out: Path, repeat: int) -> list[dict]:
+def run_side(side: str, steps: int, out: Path, repeat: int, config: Path = CONFIG,
+             overrides: list[str] | None = None) -> list[dict]:
+    """The per-step timing and rollout rows of steps 2.. of one ``verl train`` run (validation and checkpoints
+    off); ``overrides`` default to ``SIDES[side]``."""
     name = f"{side}-{repeat}"
-    args = [VERL, "train", "--config", str(CONFIG), f"trainer.total_steps={steps}", "trainer.test_freq=0",
+    args = [VERL, "train", "--config", str(config), f"trainer.total_steps={steps}", "trainer.test_freq=0",
             "trainer.val_before_train=false", "trainer.save_freq=0", f"trainer.output_dir={out}",
-            f"trainer.experiment_name={name}", "trainer.logger=[jsonl]", *SIDES[side]]
+            f"trainer.experiment_name={name}", "trainer.logger=[jsonl]",
+            *(SIDES[side] if overrides is None else overrides)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(args, capture_output=True, text=True, env=env)
     if done.returncode:

@@ -32,40 +32,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from overlap_bench import forward_gflop
+from overlap_bench import forward_gflop, run_side
 from probes import library_gemm_gflops
 
 REPO = Path(__file__).resolve().parents[1]
-VERL = str(Path(sys.executable).parent / "verl")
 PRESETS = {"smollm2": REPO / "configs" / "grpo_smollm2.yaml", "agent-tiny": REPO / "configs" / "agent_tiny.yaml"}
 SIDES = {"padded": ["model.use_remove_padding=false"], "packed": ["model.use_remove_padding=true"]}
 PROMPTS, N = 4, 4
-
-
-def run_side(side: str, steps: int, out: Path, repeat: int, config: Path) -> list[dict]:
-    """The per-step timing and rollout rows of steps 2.. of one training run."""
-    name = f"{side}-{repeat}"
-    args = [VERL, "train", "--config", str(config), f"trainer.total_steps={steps}", "trainer.test_freq=0",
-            "trainer.val_before_train=false", "trainer.save_freq=0", f"trainer.output_dir={out}",
-            f"trainer.experiment_name={name}", "trainer.logger=[jsonl]", *SIDES[side]]
-    done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if done.returncode:
-        raise SystemExit(f"{side} failed:\n{done.stderr[-3000:]}")
-    by_step: dict[int, dict] = {}
-    for line in (out / "verl" / name / "verl_logs.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if row.get("scope") in ("timing", "rollout"):
-            by_step.setdefault(row["step"], {}).update({f"{row['scope']}/{k}": v for k, v in row.items()
-                                                        if isinstance(v, float | int) and k != "step"})
-    return [by_step[s] for s in sorted(by_step) if s >= 2]
 
 
 def packed_tokens(row: dict) -> float:
@@ -94,7 +72,7 @@ def main() -> None:
                     if any(per_side.values()) else 720
                 shape = library_gemm_gflops(tokens, 576, 1536)
                 peak = library_gemm_gflops(2048, 2048, 2048, repeats=5)
-                steps = run_side(side, args.steps, Path(tmp), repeat, PRESETS["smollm2"])
+                steps = run_side(side, args.steps, Path(tmp), repeat, PRESETS["smollm2"], SIDES[side])
                 update_s = statistics.median(r["timing/update_actor"] for r in steps)
                 flop = 2 * statistics.median(forward_gflop(r, PROMPTS, N) for r in steps)
                 per_side[side].append({
@@ -144,7 +122,7 @@ def agent_tiny(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for side in (list(SIDES) if repeat % 2 == 0 else list(reversed(SIDES))):
-                steps = run_side(side, args.steps, Path(tmp), repeat, PRESETS[args.preset])
+                steps = run_side(side, args.steps, Path(tmp), repeat, PRESETS[args.preset], SIDES[side])
                 per_side[side].append({key: statistics.median(r[f"timing/{key}"] for r in steps)
                                        for key in ("update_actor", "ref", "total")}
                                       | {"response_length": statistics.median(r["rollout/response_length_mean"]
