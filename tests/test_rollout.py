@@ -45,6 +45,24 @@ def test_sampling_is_seeded_and_leaves_global_rng_alone(parts):
     assert not torch.equal(first.batch["responses"], other.batch["responses"])
 
 
+def test_max_num_seqs_caps_the_rows_of_every_forward(parts):
+    """``rollout.max_num_seqs`` (vLLM's decode width) on the single-turn engine: generate() calls of at most that
+    many sequences (a prompt's n samples stay together), greedy tokens as one wide call gives them."""
+    model, tokenizer, dataset = parts
+    prompts = dataset.collate(list(range(8)))
+    params = SamplingParams(n=3, temperature=0.0, max_new_tokens=12)
+    rows = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(kwargs["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    try:
+        capped = HFRollout(model, tokenizer, max_num_seqs=7).generate(prompts, params)
+    finally:
+        hook.remove()
+    wide = HFRollout(model, tokenizer).generate(prompts, params)
+    assert max(rows) == 6 and len(capped) == 24  # two prompts x 3 samples per call: 7 would split a group
+    assert torch.equal(capped.batch["responses"], wide.batch["responses"])
+
+
 def test_top_k_one_sampling_is_greedy(parts):
     model, tokenizer, dataset = parts
     engine = HFRollout(model, tokenizer)

@@ -155,8 +155,10 @@ def test_verls_multi_turn_keys(tmp_path, capsys):
                              "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5",
                              "actor_rollout_ref.rollout.multi_turn.format=hermes",
                              "actor_rollout_ref.rollout.multi_turn.max_user_turns=5",
+                             "actor_rollout_ref.rollout.max_num_seqs=64",
                              f"data.tool_config_path={tools}"])
     turns = cfg.rollout.multi_turn
+    assert cfg.rollout.max_num_seqs == 64  # the decode width the agent loop schedules trajectories into
     assert (turns.enable, turns.max_assistant_turns, turns.format, turns.tool_config_path) == (
         True, 5, "hermes", str(tools))
     notes = capsys.readouterr().err

@@ -147,6 +147,11 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     micro_batch_size: int | None = Field(None, ge=1, description="Sequences per generate() call; None = all.")
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="Sequences decoded at once (vLLM's max_num_seqs). Multi-turn: trajectories beyond it "
+        "queue and take the slot of one that ends or waits for a tool; single-turn transformers: generate() calls of "
+        "at most this many sequences. None: all at once (vLLM: its own default)."
+    )
     val_kwargs: ValidationSampling = Field(default_factory=ValidationSampling)
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM only: GPU memory fraction.")
     enforce_eager: bool = Field(True, description="vLLM only: skip graph capture (faster start).")

@@ -63,7 +63,7 @@ IGNORED: tuple[str, ...] = (
     "actor.profiler.", "actor.loss_scale_factor",
     "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_micro_batch_size",
     "rollout.tensor_model_parallel_size", "rollout.data_parallel_size", "rollout.max_num_batched_tokens",
-    "rollout.max_num_seqs", "rollout.free_cache_engine", "rollout.load_format", "rollout.mode",
+    "rollout.free_cache_engine", "rollout.load_format", "rollout.mode",
     "rollout.enable_chunked_prefill", "rollout.dtype", "rollout.layered_summon", "rollout.prompt_length",
     "rollout.response_length", "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu",
     "rollout.disable_log_stats", "rollout.do_sample", "rollout.val_kwargs.do_sample", "rollout.calculate_log_probs",

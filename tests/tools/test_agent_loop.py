@@ -13,6 +13,9 @@ so every check below sees both kinds. What is checked, per trajectory:
 
 from __future__ import annotations
 
+import json
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -176,3 +179,54 @@ def test_a_training_step_on_agent_trajectories(tmp_path, name, sections):
     assert np.isfinite(ppo["policy_loss"]) and np.isfinite(ppo["entropy"])
     evaluation = logged(trainer, "eval")[-1]
     assert {"accuracy", "tool_call_rate", "turns_mean"} <= set(evaluation)
+
+
+SLOW_CALCULATOR = '''
+import time
+
+from verl.tools.calculator import calculator as exact
+
+
+def calculator(expression):
+    time.sleep(0.2)
+    return exact(expression)
+'''
+
+
+def test_max_num_seqs_bounds_the_decode_width_and_fills_tool_waits(model, tokenizer, prompts, batch, tmp_path):
+    """vLLM's ``max_num_seqs``: no forward runs more than that many rows; queued trajectories take the slots of
+    trajectories waiting on a slow (200 ms) tool, so fresh ones start while calls are in flight; and each
+    trajectory is the one the unbounded batch samples (its own sampling stream, whatever its neighbours)."""
+    from verl.tools.calculator import SCHEMA
+
+    (tmp_path / "slow.py").write_text(SLOW_CALCULATOR)
+    (tmp_path / "tools.yaml").write_text(json.dumps({"tools": [{"function": f"{tmp_path}/slow.py:calculator",
+                                                                "tool_schema": SCHEMA, "pure": True}]}))
+    config = MultiTurnConfig(enable=True, tool_config_path=str(tmp_path / "tools.yaml"), max_assistant_turns=3)
+    engine = AgentRollout(HFRollout(model, tokenizer, max_num_seqs=8), config, max_response_length=128)
+    widths, prefills, calls = [], [], []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    prefill, submit = engine.loop._prefill, engine.runner.submit
+
+    def timed_prefill(rows, device):
+        prefills.append(time.monotonic())
+        return prefill(rows, device)
+
+    def timed_submit(*args, **kwargs):
+        start, future = time.monotonic(), submit(*args, **kwargs)
+        future.add_done_callback(lambda _: calls.append((start, time.monotonic())))
+        return future
+
+    engine.loop._prefill, engine.runner.submit = timed_prefill, timed_submit
+    try:
+        bounded = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=128, seed=1,
+                                                          logprobs=True))
+    finally:
+        hook.remove()
+        engine.shutdown()
+    assert max(widths) == 8 and len(prefills) >= 48 // 8  # 48 trajectories through 8 slots
+    assert any(start < when < end for when in prefills for start, end in calls), "no trajectory started while " \
+        "another waited for its tool"
+    assert torch.equal(bounded.batch["responses"], batch.batch["responses"])
+    assert list(bounded.non_tensor["num_tool_calls"]) == list(batch.non_tensor["num_tool_calls"])

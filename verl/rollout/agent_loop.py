@@ -178,15 +178,21 @@ class ToolTurns:
 
 
 class AgentLoop(ToolTurns):
-    """Runs trajectories to the end on a transformers model: continuous batching, tools off the decode path."""
+    """Runs trajectories to the end on a transformers model: continuous batching, tools off the decode path.
+
+    With ``max_num_seqs`` (vLLM's name) at most that many rows decode at once; the other trajectories queue, first
+    come first served, and take the slot of a row that ends or leaves to wait for its tools, so a tool's wait is
+    filled with other trajectories' decoding, as vLLM's scheduler fills it (a waiting row keeps its KV cache, not
+    its slot)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, runner: ToolRunner, tool_set: ToolSet,
                  config: MultiTurnConfig, max_response_length: int, template: str,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, max_num_seqs: int | None = None):
         max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         super().__init__(tokenizer, runner, tool_set, config, max_response_length, template, max_positions)
         self.model = model
         self.autocast_dtype = autocast_dtype
+        self.max_num_seqs = max_num_seqs
 
     @torch.no_grad()
     @packed_weights()  # frozen linear layers multiply by oneDNN-packed weights, as in the single-turn sampler
@@ -201,16 +207,12 @@ class AgentLoop(ToolTurns):
         while ready or len(batch) or waiting:
             self._collect_tool_results(waiting, ready, block=not ready and not len(batch))
             joining = []
-            if ready:
-                rows_in = list(ready)
-                ready.clear()
-                rejoining = [row for row in rows_in if row.kv is not None]
-                fresh = [row for row in rows_in if row.kv is None]
-                for rows, forward in ((fresh, self._prefill), (rejoining, self._extend)):
-                    if rows:
-                        logits, cache, mask = forward(rows, device)
-                        keep, tokens = self._advance(rows, logits, params, warpers, waiting)
-                        joining.append(Joining([rows[i] for i in keep], cache, mask, tokens.to(device), keep))
+            decoding = len(batch) if leaving_keep is None else len(leaving_keep)
+            for rows in self._admit(ready, decoding):
+                forward = self._extend if rows[0].kv is not None else self._prefill
+                logits, cache, mask = forward(rows, device)
+                keep, tokens = self._advance(rows, logits, params, warpers, waiting)
+                joining.append(Joining([rows[i] for i in keep], cache, mask, tokens.to(device), keep))
             # The last step's leavers go and the new rows join in one pass over the cache.
             batch.rebuild(leaving_keep, joining)
             leaving_keep = None
@@ -226,6 +228,21 @@ class AgentLoop(ToolTurns):
                 self._park(batch, keep)
                 batch.next_tokens = tokens.to(device)
                 leaving_keep = keep
+
+    def _admit(self, ready: collections.deque[Trajectory], decoding: int) -> list[list[Trajectory]]:
+        """Take trajectories off the queue for the free slots (all of them without ``max_num_seqs``), as groups
+        that each run one forward: fresh ones (a prefill), ones back from their tools (an extend). While rows are
+        decoding, wait until the free slots take a bunch (an eighth of the width, or all that wait): a join rebuilds
+        the batch's cache, too costly for one row at a time."""
+        if not ready:
+            return []
+        slots = len(ready) if self.max_num_seqs is None else self.max_num_seqs - decoding
+        if decoding and slots < min(len(ready), max(1, (self.max_num_seqs or 0) // 8)):
+            return []
+        rows = [ready.popleft() for _ in range(min(slots, len(ready)))]
+        fresh = [row for row in rows if row.kv is None]
+        back = [row for row in rows if row.kv is not None]
+        return [group for group in (fresh, back) if group]
 
     # ---------------------------------------------------------------- decoding
 

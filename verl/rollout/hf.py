@@ -34,10 +34,12 @@ class HFRollout(RolloutEngine):
         autocast_dtype: torch.dtype | None = None,
         shared_prefill: bool = True,
         stop_when=None,
+        max_num_seqs: int | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size
+        self.max_num_seqs = max_num_seqs  # the decode width (vLLM's max_num_seqs); None = every sequence at once
         self.autocast_dtype = autocast_dtype
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id
@@ -48,8 +50,9 @@ class HFRollout(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         """``prompts``: ``input_ids``/``attention_mask`` (batch, prompt_len) -> batch*n rows (see base module)."""
-        # micro_batch_size counts sequences (prompts x n); None generates the whole batch in one call.
-        per_call = max(1, self.micro_batch_size // params.n) if self.micro_batch_size else len(prompts)
+        # micro_batch_size and max_num_seqs count sequences (prompts x n); neither set: the whole batch in one call.
+        widths = [w for w in (self.micro_batch_size, self.max_num_seqs) if w]
+        per_call = max(1, min(widths) // params.n) if widths else len(prompts)
         parts = [self._generate_chunk(part, params) for part in prompts.split(per_call)]
         return DataProto.concat(pad_responses(parts, self.pad_id))
 
@@ -95,7 +98,7 @@ class HFRollout(RolloutEngine):
                    template: str) -> AgentLoop:
         """Multi-turn decoding on this engine's model: a continuous batch that keeps each waiting row's KV cache."""
         return AgentLoop(self.model, self.tokenizer, runner, tool_set, config, max_response_length, template,
-                         self.autocast_dtype)
+                         self.autocast_dtype, max_num_seqs=self.max_num_seqs)
 
     def _autocast(self, device: torch.device):
         if self.autocast_dtype is None:

@@ -203,6 +203,8 @@ class VLLMRollout(RolloutEngine):
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = int(max_model_len)
+        if getattr(config, "max_num_seqs", None):
+            kwargs["max_num_seqs"] = int(config.max_num_seqs)
         kwargs.update(engine_kwargs or {})  # anything else vllm.LLM takes (tensor_parallel_size, max_num_seqs, ...)
         try:
             with _worker_thread_env():

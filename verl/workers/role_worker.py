@@ -105,7 +105,7 @@ class RoleWorker:
             # Sharded models run collectives in every forward: ranks must agree on when decoding stops.
             stop_when = (lambda done: all_ranks(done, self.dist)) if self.dist.fsdp else None
             self.rollout = factory(model, self.tokenizer, cfg.rollout.micro_batch_size, autocast,
-                                   stop_when=stop_when)
+                                   stop_when=stop_when, max_num_seqs=cfg.rollout.max_num_seqs)
         else:
             self.rollout = factory(model_path=cfg.model.path, tokenizer=self.tokenizer, config=cfg.rollout,
                                    max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
