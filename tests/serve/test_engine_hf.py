@@ -271,3 +271,72 @@ def test_row_batch_rebuild_drops_and_joins_rows_in_one_pass():
     assert batch.rows == ["a", "c", "y", "z"]
     batch.keep([])
     assert len(batch) == 0 and batch.cache is None
+
+
+def test_row_batch_keeps_every_rows_cache_through_leaves_joins_and_steps():
+    """Rows leave (compacted in place: the last rows move into the holes), join (in place into spare rows when
+    they fit, else a rebuild) and decode, in a random order of 60 operations: after each one every row's real
+    columns hold exactly its own keys/values (tracked here row by row), in the order the mask says, the mask is as
+    wide as the cache, and the padding is finite (attention weights it by zero; NaN garbage would poison it)."""
+    import random
+
+    from transformers import LlamaConfig
+
+    from verl.models.kv_cache import Joining, RowBatch, new_growing_cache
+
+    gen, pick = torch.Generator().manual_seed(0), random.Random(0)
+    config = LlamaConfig(num_hidden_layers=2)
+    expected: dict[str, list[torch.Tensor]] = {}  # row -> per layer, keys of its real columns (2, length, 4)
+    batch, names, paths = RowBatch(), iter(f"r{i}" for i in range(10_000)), set()
+
+    def join(count: int) -> None:
+        lengths = [pick.randint(1, 9) for _ in range(count)]
+        width = max(lengths)
+        cache = new_growing_cache(config)
+        mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+        rows = [next(names) for _ in range(count)]
+        for layer in cache.layers:
+            keys = torch.randn(count, 2, width, 4, generator=gen)
+            layer.set_state(keys, keys + 1)
+        for i, row in enumerate(rows):
+            expected[row] = [layer.keys[i, :, width - lengths[i]:].clone() for layer in cache.layers]
+        before = batch.cache.layers[0].spare_rows() if batch.cache is not None else -1
+        batch.rebuild(None, [Joining(rows, cache, mask, torch.arange(count))])
+        paths.add("in place" if before >= count and batch.cache.layers[0].spare_rows() == before - count else "rebuild")
+
+    def poison() -> None:
+        """What lies outside the rows and columns in use is garbage (``new_empty``): make it NaN."""
+        for layer in batch.cache.layers if len(batch) else []:
+            for buffer in (layer._kbuf, layer._vbuf):
+                buffer[layer._rows:] = float("nan")
+                buffer[:, :, :layer._start] = float("nan")
+                buffer[:, :, layer._len:] = float("nan")
+
+    def check() -> None:
+        poison()
+        assert batch.mask.shape == (len(batch), batch.cache.layers[0].keys.shape[2]) if len(batch) else True
+        for number, layer in enumerate(batch.cache.layers if len(batch) else []):
+            assert layer._rows == len(batch) and layer._len - layer._start == batch.mask.shape[1]
+            assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+            for i, row in enumerate(batch.rows):
+                real = batch.mask[i].bool()
+                assert torch.equal(layer.keys[i][:, real], expected[row][number])
+                assert torch.equal(layer.values[i][:, real], expected[row][number] + 1)
+
+    join(6)
+    for _ in range(60):
+        action = pick.choice(["leave", "join", "step"])
+        if action == "leave" and len(batch) > 1:
+            keep = sorted(pick.sample(range(len(batch)), pick.randint(1, len(batch) - 1)))
+            batch.keep(keep)
+        elif action == "join" or not len(batch):
+            join(pick.randint(1, 4))
+        else:
+            new = torch.randn(len(batch), 2, 1, 4, generator=gen)
+            for layer_number, layer in enumerate(batch.cache.layers):
+                layer.update(new, new + 1)
+                for i, row in enumerate(batch.rows):
+                    expected[row][layer_number] = torch.cat([expected[row][layer_number], new[i]], dim=1)
+            batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], dim=1)
+        check()
+    assert paths == {"in place", "rebuild"}  # both ways of joining ran

@@ -43,10 +43,11 @@ class GrowingLayer(DynamicLayer):
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
         self._views()
 
-    def adopt(self, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int) -> None:
-        """Take ``kbuf``/``vbuf`` (batch, heads, capacity, head_dim) as the buffers, their first ``length`` columns
-        filled (no copy)."""
-        self._kbuf, self._vbuf, self._len, self._start, self._rows = kbuf, vbuf, length, 0, kbuf.shape[0]
+    def adopt(self, kbuf: torch.Tensor, vbuf: torch.Tensor, length: int, rows: int | None = None) -> None:
+        """Take ``kbuf``/``vbuf`` (capacity rows, heads, capacity columns, head_dim) as the buffers, the first
+        ``length`` columns of their first ``rows`` rows (all when ``None``) filled (no copy)."""
+        rows = kbuf.shape[0] if rows is None else rows
+        self._kbuf, self._vbuf, self._len, self._start, self._rows = kbuf, vbuf, length, 0, rows
         self.dtype, self.device, self.is_initialized = kbuf.dtype, kbuf.device, True
         self._views()
 
@@ -62,6 +63,31 @@ class GrowingLayer(DynamicLayer):
             self._kbuf[holes, :, columns] = self._kbuf[movers, :, columns]
             self._vbuf[holes, :, columns] = self._vbuf[movers, :, columns]
         self._rows, self._start = rows, self._start + first
+        self._views()
+
+    def spare_rows(self) -> int:
+        return 0 if self._kbuf is None else self._kbuf.shape[0] - self._rows
+
+    def join(self, source: GrowingLayer, index: torch.Tensor | None, width: int, first: int) -> None:
+        """In place: ``source``'s rows ``index`` (all when ``None``), their last ``width`` columns, become new rows
+        after the ones in use (``spare_rows`` must hold them), right-aligned; ``first`` is the first column in use
+        afterwards (below the current one when the new rows are wider: those columns are zeroed for the old
+        rows, as padding must be finite)."""
+        if first < self._start:
+            self._kbuf[:self._rows, :, first:self._start] = 0
+            self._vbuf[:self._rows, :, first:self._start] = 0
+            self._start = first
+        for buffer, whole in ((self._kbuf, source.keys), (self._vbuf, source.values)):
+            tensor = whole[:, :, whole.shape[2] - width:]
+            count = tensor.shape[0] if index is None else len(index)
+            rows = slice(self._rows, self._rows + count)
+            buffer[rows, :, self._start:self._len - width] = 0  # padding: finite, masked out
+            target = buffer[rows, :, self._len - width:self._len]
+            if index is None:
+                target.copy_(tensor)
+            else:
+                torch.index_select(tensor, 0, index, out=target)
+        self._rows += count
         self._views()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -145,7 +171,9 @@ class RowBatch:
     adds new ones (left-padded to a common length) in one pass that copies each kept row's cache once, straight into
     the new buffer, and trims columns that became padding for every row; ``keep`` and ``add`` are its two halves.
     When rows only leave, the batch is compacted in place instead (``_compact``: the last rows move into the
-    leavers' places, so the order of rows changes; callers index ``rows`` after every call).
+    leavers' places, so the order of rows changes; callers index ``rows`` after every call); rows that join go into
+    the buffers' spare rows (a rebuild leaves a quarter spare) when those hold them (``_join_in_place``), copying
+    only the joining rows.
     The serving engine and the agent rollout both schedule on it. Why one pass: the cache is most of the memory a
     decode step touches, and rows join or leave at most steps of an agent rollout; doing a drop and a join as
     index-select + concatenate + re-buffer copied the whole cache five times per step (~16% of a rollout's time on
@@ -191,15 +219,48 @@ class RowBatch:
         for layer in self.cache.layers:
             layer.compact(hole_index, mover_index, count, first)
 
+    def _can_join_in_place(self, kept: int, joining: list[Joining]) -> bool:
+        """Whether the buffers have spare rows for the joining rows and columns enough for the widest of them."""
+        layer = self.cache.layers[0]
+        arriving = sum(len(j.rows) for j in joining)
+        columns = layer._len  # a joining row may reach back to the buffer's first column
+        return (layer.spare_rows() + len(self.rows) - kept >= arriving
+                and all(j.mask.shape[1] <= columns for j in joining)
+                and all(isinstance(jl, GrowingLayer) for j in joining for jl in j.cache.layers))
+
+    def _join_in_place(self, joining: list[Joining]) -> None:
+        """Rows join into the buffers' spare rows: only the joining rows are copied (a rebuild copies the whole
+        batch's cache; on the agent rollout queued trajectories join every few steps)."""
+        width = max([self.mask.shape[1]] + [j.mask.shape[1] for j in joining])
+        masks, tokens = [pad_left(self.mask, width, dim=1)], [self.next_tokens]
+        for number, layer in enumerate(self.cache.layers):
+            first = layer._len - width
+            for j in joining:
+                index = None if j.index is None else torch.tensor(j.index, dtype=torch.long, device=j.mask.device)
+                layer.join(j.cache.layers[number], index, j.mask.shape[1], first)
+        for j in joining:
+            index = None if j.index is None else torch.tensor(j.index, dtype=torch.long, device=j.mask.device)
+            mask = j.mask if index is None else j.mask.index_select(0, index)
+            masks.append(pad_left(mask, width, dim=1))
+            tokens.append(j.next_tokens if index is None else j.next_tokens.index_select(0, index))
+            self.rows.extend(j.rows)
+        self.mask, self.next_tokens = torch.cat(masks), torch.cat(tokens)
+
     def rebuild(self, keep: list[int] | None, joining: list[Joining]) -> None:
         """Keep rows ``keep`` (all when ``None``) and append the ``joining`` rows, copying every cache once."""
         keep = list(range(len(self.rows))) if keep is None else keep
         joining = [j for j in joining if j.index is None or j.index]
         if len(keep) == len(self.rows) and not joining:
             return
-        if keep and not joining and all(isinstance(layer, GrowingLayer) for layer in self.cache.layers):
-            self._compact(keep)
-            return
+        if keep and self.cache is not None and all(isinstance(layer, GrowingLayer) for layer in self.cache.layers):
+            if not joining:
+                self._compact(keep)
+                return
+            if self._can_join_in_place(len(keep), joining):
+                if len(keep) < len(self.rows):
+                    self._compact(keep)
+                self._join_in_place(joining)
+                return
         if not self.rows and len(joining) == 1 and joining[0].index is None:  # an empty batch adopts the prefill
             j = joining[0]
             self.rows, self.cache, self.mask, self.next_tokens = list(j.rows), j.cache, j.mask, j.next_tokens
@@ -221,6 +282,7 @@ class RowBatch:
             return
         length = max(mask.shape[1] for _, _, mask in parts)
         rows = sum(mask.shape[0] for _, _, mask in parts)
+        spare = rows // 4  # room for rows that join later without a rebuild (``_join_in_place``)
         self.mask = torch.cat([pad_left(mask, length, dim=1) for _, _, mask in parts])
         tokens = [self.next_tokens.index_select(0, kept_index)] if keep else []
         tokens += [j.next_tokens if j.index is None else j.next_tokens.index_select(0, torch.tensor(
@@ -233,7 +295,8 @@ class RowBatch:
             buffers = []
             for name in ("keys", "values"):
                 sample = getattr(sources[0][0], name)
-                buffer = sample.new_empty((rows, sample.shape[1], length + GrowingLayer.HEADROOM, sample.shape[3]))
+                buffer = sample.new_empty((rows + spare, sample.shape[1], length + GrowingLayer.HEADROOM,
+                                           sample.shape[3]))
                 start = 0
                 for source, index, width in sources:
                     whole = getattr(source, name)
@@ -247,6 +310,6 @@ class RowBatch:
                         torch.index_select(tensor, 0, index, out=target_view)
                     start += count
                 buffers.append(buffer)
-            layer.adopt(buffers[0], buffers[1], length)
+            layer.adopt(buffers[0], buffers[1], length, rows)
         self.cache = target
 

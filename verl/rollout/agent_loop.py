@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from verl.config import MultiTurnConfig
-from verl.models.kv_cache import Joining, RowBatch, left_padded, new_growing_cache, pad_left
+from verl.models.kv_cache import GrowingLayer, Joining, RowBatch, left_padded, new_growing_cache
 from verl.models.packed_linear import packed_weights
 from verl.models.precision import at_least_float32
 from verl.protocol import DataProto
@@ -276,8 +276,19 @@ class AgentLoop(ToolTurns):
             mask[i, old + new - len(fresh):] = 1
         cache = new_growing_cache(self.model.config)
         for number, layer in enumerate(cache.layers):
-            layer.set_state(torch.cat([pad_left(row.kv[number][0], old) for row in rows]),
-                            torch.cat([pad_left(row.kv[number][1], old) for row in rows]))
+            # Each kept cache is copied once, straight into a buffer with room for the new ids (the forward below
+            # appends them in place).
+            buffers = []
+            for side in (0, 1):
+                sample = rows[0].kv[number][side]
+                buffer = sample.new_empty((len(rows), sample.shape[1], old + new + GrowingLayer.HEADROOM,
+                                           sample.shape[3]))
+                for i, row in enumerate(rows):
+                    kept = row.kv[number][side]
+                    buffer[i, :, :old - kept.shape[2]] = 0  # padding: finite, masked out
+                    buffer[i, :, old - kept.shape[2]:old] = kept[0]
+                buffers.append(buffer)
+            layer.adopt(buffers[0], buffers[1], old)
         for row in rows:
             row.kv, row.kv_mask = None, None
         ids, mask = ids.to(device), mask.to(device)
