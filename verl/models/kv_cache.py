@@ -232,14 +232,14 @@ class RowBatch:
         """Rows join into the buffers' spare rows: only the joining rows are copied (a rebuild copies the whole
         batch's cache; on the agent rollout queued trajectories join every few steps)."""
         width = max([self.mask.shape[1]] + [j.mask.shape[1] for j in joining])
+        indexes = [None if j.index is None else torch.tensor(j.index, dtype=torch.long, device=j.mask.device)
+                   for j in joining]
         masks, tokens = [pad_left(self.mask, width, dim=1)], [self.next_tokens]
         for number, layer in enumerate(self.cache.layers):
             first = layer._len - width
-            for j in joining:
-                index = None if j.index is None else torch.tensor(j.index, dtype=torch.long, device=j.mask.device)
+            for j, index in zip(joining, indexes, strict=True):
                 layer.join(j.cache.layers[number], index, j.mask.shape[1], first)
-        for j in joining:
-            index = None if j.index is None else torch.tensor(j.index, dtype=torch.long, device=j.mask.device)
+        for j, index in zip(joining, indexes, strict=True):
             mask = j.mask if index is None else j.mask.index_select(0, index)
             masks.append(pad_left(mask, width, dim=1))
             tokens.append(j.next_tokens if index is None else j.next_tokens.index_select(0, index))
