@@ -24,7 +24,7 @@ import torch
 from probes import gemm_gflops, median_time, read_gbs
 from torch.profiler import ProfilerActivity, profile
 
-from verl.models.attention import use_gqa_sdpa
+from verl.models.attention import use_cpu_attention
 from verl.models.kv_cache import new_growing_cache
 from verl.models.loader import load_causal_lm, resolve_model_path
 from verl.models.packed_linear import packed_weights
@@ -40,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--attn", default="engine", help="attention: engine (what the serving engine uses: "
-                        "verl_gqa_sdpa for grouped-query models), sdpa, eager")
+                        "verl_cpu_sdpa: grouped K/V without copies and the decode kernel), sdpa, eager")
     parser.add_argument("--packed", choices=["on", "off"], default="on", help="on: frozen linear layers multiply by "
                         "oneDNN-packed weights, as both engines decode (verl/models/packed_linear.py); off: F.linear")
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
@@ -53,7 +53,7 @@ def main() -> None:
     model = load_causal_lm(resolve_model_path(args.model), dtype="float32", device=torch.device("cpu")).eval()
     model.requires_grad_(False)  # as the serving engine holds it
     if args.attn == "engine":
-        use_gqa_sdpa(model)
+        use_cpu_attention(model)
     else:
         model.set_attn_implementation(args.attn)
     params = sum(p.numel() for p in model.parameters())

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.test_trainer import tiny_config, update_ready_batch
 from verl.config import LoraConfig, load_config
-from verl.models.attention import use_gqa_sdpa
+from verl.models.attention import use_cpu_attention
 from verl.models.loader import load_causal_lm
 from verl.models.lora import apply_lora
 from verl.models.packed_linear import packed_weights
@@ -55,7 +55,7 @@ def grouped_query_llama():
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          attn_implementation="sdpa")
     model = LlamaForCausalLM(config).eval()
-    assert use_gqa_sdpa(model)
+    assert use_cpu_attention(model)
     return model
 
 

@@ -1,4 +1,4 @@
-"""Grouped-query models on the transformers engine: the copy-free GQA attention (``verl.models.attention``) gives
+"""Grouped-query models on the transformers engine: verl's CPU attention (``verl.models.attention``) gives
 the same logits as transformers' ``sdpa`` and the engine's batched greedy decode the same tokens as ``generate``."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from serve.engines import create_engine
 from serve.engines.base import EngineRequest, SamplingOptions
 from serve.settings import load_settings
-from verl.models.attention import NAME, use_gqa_sdpa
+from verl.models.attention import NAME, use_cpu_attention
 from verl.models.loader import load_tokenizer, resolve_model_path
 
 
@@ -40,11 +40,12 @@ def test_gqa_attention_is_identical_to_sdpa_with_padding(gqa_model_dir: Path) ->
     mask[3, :7] = 0
     with torch.inference_mode():
         reference = model(input_ids=ids, attention_mask=mask).logits
-        assert use_gqa_sdpa(model) and model.config._attn_implementation == NAME
+        assert use_cpu_attention(model) and model.config._attn_implementation == NAME
         assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, reference)
-    tiny = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny-arith"))
-    assert not use_gqa_sdpa(tiny)  # no grouped heads: left as it is
-    assert tiny.config._attn_implementation == "sdpa"
+    tiny = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny-arith")).eval()
+    reference = tiny(input_ids=ids, attention_mask=mask).logits
+    assert use_cpu_attention(tiny)  # no grouped heads: sdpa's own path (the decode kernel aside), the same logits
+    assert torch.equal(tiny(input_ids=ids, attention_mask=mask).logits, reference)
 
 
 def test_engine_greedy_on_a_gqa_model_matches_generate(gqa_model_dir: Path) -> None:

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from verl.errors import ModelError
-from verl.models.attention import use_gqa_sdpa
+from verl.models.attention import use_cpu_attention
 from verl.models.gguf import PACKAGED_MODELS, convert_gguf, packaged_gguf_path
 from verl.models.packed_linear import use_packed_linear
 from verl.models.rms_norm import use_fused_rms_norm
@@ -193,9 +193,9 @@ def load_causal_lm(
         raise ModelError(f"the weights in '{path}' are damaged ({exc}); the file was cut short or overwritten: "
                          "export or copy it again, or use another checkpoint") from None
     model = model.to(device)
-    # Grouped-query models on CPU: attention over the grouped K/V without per-head copies (identical forward,
-    # gradients equal to float rounding); see verl/models/attention.py.
-    use_gqa_sdpa(model)
+    # On CPU: attention over grouped K/V without per-head copies, and a decode kernel for one query position (the
+    # other forwards are sdpa's); see verl/models/attention.py.
+    use_cpu_attention(model)
     # fp32 on CPU: inside the generation loops, frozen linear layers multiply by oneDNN-packed weights (decode
     # products 1.6-4.5x faster at 16 rows); see verl/models/packed_linear.py.
     use_packed_linear(model)

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
+from verl.models.attention import NAME as ATTENTION_NAME
+
 NAME = "verl_packed"
 LAYOUT_KWARG = "verl_packed_layout"
 
@@ -247,12 +249,12 @@ PACKABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 def packable(model: torch.nn.Module, sequence_length: int) -> bool:
     """The packed forward can stand in for ``model``'s padded one on rows of ``sequence_length`` tokens: a known
-    decoder family on sdpa attention (or verl's copy-free GQA sdpa), with no sliding window shorter than the rows
+    decoder family on sdpa attention (or verl's CPU sdpa), with no sliding window shorter than the rows
     (the packed attention does not apply one)."""
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in PACKABLE_MODEL_TYPES:
         return False
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "verl_gqa_sdpa"):
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", ATTENTION_NAME):
         return False
     window = getattr(config, "sliding_window", None)
     uses_window = window is not None and getattr(config, "use_sliding_window", True)

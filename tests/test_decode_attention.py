@@ -1,0 +1,112 @@
+"""The CPU decode-attention kernel (``verl/models/decode_attention.py``): the same attention as torch's SDPA for one
+query position (grouped heads, left padding, strided cache views, no mask), used by every decode step of the
+engines, and out of the way wherever it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from verl.models import decode_attention as kernel
+from verl.models.attention import NAME
+from verl.models.kv_cache import new_growing_cache
+from verl.models.loader import load_causal_lm, resolve_model_path
+
+
+def left_padding_mask(rows: int, columns: int, generator: torch.Generator) -> torch.Tensor:
+    """(rows, 1, 1, columns) bool: each row's last 1..columns columns are real."""
+    lengths = torch.randint(1, columns + 1, (rows,), generator=generator)
+    lengths[0] = columns  # one row uses every column
+    return (torch.arange(columns)[None, :] >= (columns - lengths)[:, None])[:, None, None, :]
+
+
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "columns", "head_dim"),
+                         [(7, 4, 4, 33, 32), (5, 9, 3, 70, 64), (1, 2, 1, 5, 128), (16, 8, 2, 1, 64)])
+def test_kernel_equals_sdpa_on_padded_grouped_strided_caches(rows, heads, kv_heads, columns, head_dim) -> None:
+    assert kernel.load_kernel() is not None, f"the kernel did not build: {kernel.build_error()}"
+    generator = torch.Generator().manual_seed(rows * 100 + columns)
+    # As the KV cache holds them: views of buffers with spare columns (and a spare row) after the used ones.
+    key_buffer = torch.randn(rows + 1, kv_heads, columns + 9, head_dim, generator=generator)
+    value_buffer = torch.randn(rows + 1, kv_heads, columns + 9, head_dim, generator=generator)
+    key, value = key_buffer[:rows, :, 3:columns + 3], value_buffer[:rows, :, 3:columns + 3]
+    query = torch.randn(rows, 1, heads, head_dim, generator=generator).transpose(1, 2)  # as the module builds it
+    mask = left_padding_mask(rows, columns, generator)
+    scale = head_dim ** -0.5
+    with torch.no_grad():
+        out = kernel.decode_attention(query, key, value, mask, scale)
+        reference = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                   enable_gqa=heads != kv_heads)
+        assert out is not None and out.shape == (rows, 1, heads, head_dim)
+        torch.testing.assert_close(out, reference.transpose(1, 2), atol=2e-6, rtol=1e-5)
+        # Padding is skipped, not computed: garbage (even NaN) in masked columns does not reach the output.
+        key_buffer[:rows, :, 3:columns + 3][~mask[:, 0, 0, :].unsqueeze(1).expand(rows, kv_heads, columns)] = \
+            float("nan")
+        torch.testing.assert_close(kernel.decode_attention(query, key, value, mask, scale), out)
+        unmasked = kernel.decode_attention(query, key_buffer[:rows, :, columns + 3:columns + 9],
+                                           value_buffer[:rows, :, columns + 3:columns + 9], None, scale)
+        expected = F.scaled_dot_product_attention(query, key_buffer[:rows, :, columns + 3:columns + 9],
+                                                  value_buffer[:rows, :, columns + 3:columns + 9], scale=scale,
+                                                  enable_gqa=heads != kv_heads)
+        torch.testing.assert_close(unmasked, expected.transpose(1, 2), atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_steps_aside_where_it_does_not_apply(monkeypatch) -> None:
+    query, key = torch.randn(2, 4, 1, 32), torch.randn(2, 4, 6, 32)
+    mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    with torch.no_grad():
+        assert kernel.decode_attention(query, key, key, mask, 0.1) is not None
+        assert kernel.decode_attention(torch.randn(2, 4, 3, 32), key, key, None, 0.1) is None  # 3 query positions
+        assert kernel.decode_attention(query.double(), key.double(), key.double(), mask, 0.1) is None
+        assert kernel.decode_attention(query, key, key, torch.zeros(2, 1, 1, 6), 0.1) is None  # a float mask
+        assert kernel.decode_attention(torch.randn(2, 4, 1, 48), torch.randn(2, 4, 6, 48),
+                                       torch.randn(2, 4, 6, 48), mask, 0.1) is None  # head_dim not compiled
+    trainable = query.clone().requires_grad_()
+    assert kernel.decode_attention(trainable, key, key, mask, 0.1) is None  # no backward: autograd goes to SDPA
+    monkeypatch.setenv("VERL_DECODE_KERNEL", "0")
+    with torch.no_grad():
+        assert kernel.decode_attention(query, key, key, mask, 0.1) is None
+
+
+@pytest.mark.parametrize("model_name", ["builtin:tiny-arith", "builtin:tiny-agent"])
+def test_every_decode_step_of_a_loaded_model_runs_the_kernel_with_sdpas_logits(model_name, monkeypatch) -> None:
+    """Through ``load_causal_lm`` (trainer, eval, serving): the decode forwards (one new token per row over a
+    left-padded cache) call the kernel once per layer, and their logits are SDPA's to float rounding."""
+    model = load_causal_lm(resolve_model_path(model_name)).eval()
+    assert model.config._attn_implementation == NAME
+    calls = []
+    original = kernel.decode_attention
+
+    def counting(*args):
+        out = original(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr("verl.models.attention.decode_attention", counting)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 60, (3, 9), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+
+    def decode(kernel_on: str) -> torch.Tensor:
+        monkeypatch.setenv("VERL_DECODE_KERNEL", kernel_on)
+        cache = new_growing_cache(model.config)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            step_mask, logits = mask, []
+            for step in range(4):
+                step_mask = torch.cat([step_mask, torch.ones(3, 1, dtype=step_mask.dtype)], dim=1)
+                out = model(input_ids=torch.full((3, 1), 20 + step), attention_mask=step_mask,
+                            position_ids=step_mask.sum(-1, keepdim=True) - 1, past_key_values=cache, use_cache=True)
+                logits.append(out.logits[:, -1])
+        return torch.stack(logits)
+
+    with_kernel = decode("1")
+    layers = model.config.num_hidden_layers
+    assert calls.count(True) == 4 * layers  # every decode step, every layer; the prefill is not one
+    calls.clear()
+    without = decode("0")
+    assert not any(calls)
+    torch.testing.assert_close(with_kernel, without, atol=1e-5, rtol=1e-5)
