@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -82,8 +83,9 @@ def _build() -> Any:
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     capability = torch.backends.cpu.get_cpu_capability()
-    # A build is for one torch (its C++ ABI) and one instruction set: both name its directory.
-    tag = re.sub(r"[^A-Za-z0-9]+", "_", f"{torch.__version__}_{capability}").lower()
+    # A build is for one Python, one torch (its C++ ABI) and one instruction set: all three name its directory.
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", f"{python}_{torch.__version__}_{capability}").lower()
     directory = _cache_dir() / f"decode_attention_{tag}"
     directory.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(name=f"verl_decode_attention_{tag}", sources=[str(SOURCE)],
