@@ -49,6 +49,12 @@ def test_kernel_equals_sdpa_on_padded_grouped_strided_caches(rows, heads, kv_hea
                                                   value_buffer[:rows, :, columns + 3:columns + 9], scale=scale,
                                                   enable_gqa=heads != kv_heads)
         torch.testing.assert_close(unmasked, expected.transpose(1, 2), atol=2e-6, rtol=1e-5)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)  # the (row, head) blocks split across threads: the same result
+        try:
+            torch.testing.assert_close(kernel.decode_attention(query, key, value, mask, scale), out)
+        finally:
+            torch.set_num_threads(threads)
 
 
 def test_kernel_steps_aside_where_it_does_not_apply(monkeypatch) -> None:

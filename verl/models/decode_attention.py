@@ -100,8 +100,10 @@ def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
         return False
     if key.dtype != torch.float32 or value.dtype != torch.float32 or query.shape[-1] not in HEAD_DIMS:
         return False
-    if value.shape[-1] != query.shape[-1] or torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+    if value.shape[-1] != query.shape[-1]:
         return False
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False  # the kernel has no backward
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         return False
     return mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
