@@ -88,7 +88,11 @@ def _build() -> Any:
     tag = re.sub(r"[^A-Za-z0-9]+", "_", f"{python}_{torch.__version__}_{capability}").lower()
     directory = _cache_dir() / f"decode_attention_{tag}"
     directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=f"verl_decode_attention_{tag}", sources=[str(SOURCE)],
+    name = f"verl_decode_attention_{tag}"
+    if not (directory / f"{name}.so").exists():  # say why the first decode step pauses
+        print(f"verl: building the CPU decode-attention kernel in {directory} (once per machine, ~20 s)",
+              file=sys.stderr, flush=True)
+    return cpp_extension.load(name=name, sources=[str(SOURCE)],
                               extra_cflags=["-O3", "-fopenmp-simd", *ISA_FLAGS.get(capability, [])],
                               build_directory=str(directory), verbose=False)
 
