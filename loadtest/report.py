@@ -274,17 +274,38 @@ def load_run(prefix: str | Path) -> LocustRun:
 # ---------------------------------------------------------------- steps and capacity
 
 
-def segment_steps(snapshots: list[Snapshot]) -> list[list[Snapshot]]:
-    """Runs of consecutive snapshots with the same (non-zero) user count, in time order."""
-    steps: list[list[Snapshot]] = []
+def segment_steps(snapshots: list[Snapshot], levels: list[int] | None = None) -> list[list[Snapshot]]:
+    """Runs of consecutive snapshots with the same (non-zero) user count, in time order.
+
+    With the plan's ``levels`` (our locustfile records them), runs are matched to the levels in order and the others
+    dropped: with several Locust processes a level's users start on each worker in turn, and a history row can catch
+    the count in between (1 user on the way to 2). A dropped run's requests count toward the next level (each level
+    counts from the end of the one before)."""
+    runs: list[list[Snapshot]] = []
     for snap in snapshots:
         if snap.users <= 0:
             continue
-        if steps and steps[-1][-1].users == snap.users:
-            steps[-1].append(snap)
+        if runs and runs[-1][-1].users == snap.users:
+            runs[-1].append(snap)
         else:
-            steps.append([snap])
+            runs.append([snap])
+    if not levels:
+        return runs
+    steps, next_level = [], 0
+    for run in runs:
+        ahead = [i for i in range(next_level, len(levels)) if levels[i] == run[0].users]
+        if ahead:  # this level (or a later one, when Locust never showed the levels between)
+            steps.append(run)
+            next_level = ahead[0] + 1
+        elif steps and steps[-1][0].users == run[0].users:
+            steps[-1].extend(run)
     return steps
+
+
+def transient_snapshots(snapshots: list[Snapshot], steps: list[list[Snapshot]]) -> int:
+    """History rows with users that belong to no step (users spawning between levels)."""
+    kept = {id(snap) for step in steps for snap in step}
+    return sum(1 for snap in snapshots if snap.users > 0 and id(snap) not in kept)
 
 
 def _rate(delta: float, seconds: float) -> float | None:
@@ -446,7 +467,9 @@ def build_report(prefix: str | Path, slo: SLO | None = None, server_metrics: str
     window = (info.get("plan") or {}).get("window_s") or info.get("percentile_window_s")
     # Without our locustfile's info, assume Locust's default percentile window (10 s).
     window_s = int(window) if window else 10
-    steps = step_metrics(segment_steps(run.snapshots), run.snapshots, window_s)
+    levels = (info.get("plan") or {}).get("levels")
+    segments = segment_steps(run.snapshots, levels)
+    steps = step_metrics(segments, run.snapshots, window_s)
     for step in steps:
         step["why_not"] = judge_step(step, slo)
         step["meets_slo"] = not step["why_not"]
@@ -465,6 +488,10 @@ def build_report(prefix: str | Path, slo: SLO | None = None, server_metrics: str
         "duration_s": (active[-1] - active[0]) if active else 0,
     }
     notes = []
+    transient = transient_snapshots(run.snapshots, segments)
+    if transient:
+        notes.append(f"{transient} history row(s) caught users spawning between levels (a count not in the plan "
+                     f"{levels}); their requests count toward the next level")
     if totals["history_http_requests"] != totals["http_requests"]:
         notes.append(f"_stats_history.csv's last row counts {totals['history_http_requests']} HTTP requests but "
                      f"_stats.csv {totals['http_requests']} (files from different moments?)")

@@ -98,6 +98,26 @@ def test_steps_by_hand(prefix):
     assert report["notes"] == []
 
 
+def test_users_caught_spawning_between_levels_are_not_a_step(tmp_path, monkeypatch):
+    """With several Locust processes a history row can catch a level's users half spawned (3 on the way from 2 to
+    4, 1 on the way to 2 at the start): with the plan's levels known those rows are no step of their own; their
+    requests count toward the next level, and a note says so."""
+    import tests.loadtest.test_report as this
+
+    timeline = [(100, 1, 1, 0, 0), *[(ts + 1, *rest) for ts, *rest in TIMELINE[1:]]]  # a transient 1 first
+    timeline = [(ts, 3 if ts == 109 else users, *rest) for ts, users, *rest in timeline]  # and 3 on the way to 4
+    monkeypatch.setattr(this, "TIMELINE", [(99, 0, 0, 0, 0), *timeline])
+    info = {**INFO, "plan": {**INFO["plan"], "levels": [2, 4]}}
+    report = build_report(write_run(tmp_path / "csv", STATS, history(), FAILURES, info), SLO())
+    assert [s["users"] for s in report["steps"]] == [2, 4]
+    # The 1-user rows (ts 100-104) and the 3-user row (ts 109) belong to the next level: 2 counts to its last row.
+    assert [s["requests"] for s in report["steps"]] == [32, 61 - 32]
+    assert report["totals"]["steps_requests"] == report["totals"]["http_requests"]
+    assert any("spawning between levels" in note for note in report["notes"])
+    without_plan = build_report(write_run(tmp_path / "plain", STATS, history(), FAILURES, None), SLO())
+    assert [s["users"] for s in without_plan["steps"]] == [1, 2, 3, 4]
+
+
 def test_capacity_and_planning_point(prefix):
     # p95 200 ms, failures <= 5%: the 4-user step misses both (400 ms, 10.3%), so capacity is 2 users.
     report = build_report(prefix, SLO(p95_ms=200, max_failure_rate=0.05))
