@@ -12,7 +12,6 @@ sft_val`` the products a model solves with the calculator tool (``verl.data.task
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pyarrow.parquet as pq
 from verl.data.tasks import tool_arithmetic, tool_word_problems, word_problems
 from verl.data.tasks.arithmetic import ArithmeticSpec, generate_splits, sft_response
 from verl.errors import DataError
-from verl.utils.fs import atomic_path
+from verl.utils.fs import atomic_path, cache_dir
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_TASKS = ("arithmetic", "word_problems", "tool_arithmetic", "tool_word_problems")
@@ -33,10 +32,6 @@ TASK_SPLITS = {"arithmetic": BUILTIN_SPLITS, "word_problems": ("train", "val"), 
 GENERATED = {"word_problems": (word_problems, word_problems.WordProblemSpec()),
              "tool_arithmetic": (tool_arithmetic, tool_arithmetic.ToolArithmeticSpec()),
              "tool_word_problems": (tool_word_problems, tool_word_problems.ToolWordProblemSpec())}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("VERL_CACHE_DIR", Path.home() / ".cache" / "verl-suite"))
 
 
 def write_parquet(rows: list[dict], path: Path) -> Path:

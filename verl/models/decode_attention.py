@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from verl.utils.fs import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
@@ -46,10 +48,6 @@ _failed: str | None = None
 
 def enabled() -> bool:
     return os.environ.get("VERL_DECODE_KERNEL", "1") != "0"
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("VERL_CACHE_DIR", Path.home() / ".cache" / "verl-suite")) / "torch_extensions"
 
 
 def load_kernel() -> Any | None:
@@ -86,7 +84,7 @@ def _build() -> Any:
     # A build is for one Python, one torch (its C++ ABI) and one instruction set: all three name its directory.
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     tag = re.sub(r"[^A-Za-z0-9]+", "_", f"{python}_{torch.__version__}_{capability}").lower()
-    directory = _cache_dir() / f"decode_attention_{tag}"
+    directory = cache_dir() / "torch_extensions" / f"decode_attention_{tag}"
     directory.mkdir(parents=True, exist_ok=True)
     name = f"verl_decode_attention_{tag}"
     if not (directory / f"{name}.so").exists():  # say why the first decode step pauses

@@ -33,16 +33,12 @@ from verl.models.gguf import PACKAGED_MODELS, convert_gguf, packaged_gguf_path
 from verl.models.packed_linear import use_packed_linear
 from verl.models.rms_norm import use_fused_rms_norm
 from verl.models.tiny import BUILTIN_SPECS, build_spec_tokenizer, build_tiny_model
-from verl.utils.fs import atomic_dir
+from verl.utils.fs import atomic_dir, cache_dir
 
 BUILTIN_PREFIX = "builtin:"
 ASSETS_DIR = Path(__file__).parent / "assets"
 SHIPPED_MODELS = ("tiny-arith", "tiny-agent")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("VERL_CACHE_DIR", Path.home() / ".cache" / "verl-suite"))
 
 
 def builtin_names() -> list[str]:

@@ -15,6 +15,12 @@ from typing import Any
 from verl.errors import VerlError
 
 
+def cache_dir() -> Path:
+    """Where built data, converted models and compiled kernels are kept: ``$VERL_CACHE_DIR``, default
+    ``~/.cache/verl-suite``."""
+    return Path(os.environ.get("VERL_CACHE_DIR", Path.home() / ".cache" / "verl-suite"))
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     """SHA-256 of a file's bytes, read in chunks (model weights can be gigabytes)."""
     digest = hashlib.sha256()
