@@ -4,8 +4,8 @@ torch's CPU ``scaled_dot_product_attention`` runs its flash kernel: a small GEMM
 query position is mostly call overhead, over every column of the cache, padding included. ``csrc/decode_attention.cpp``
 reads each (row, K/V head) block's unmasked K and V rows once for all the query heads of its group. Measured with
 cold caches (30 layers' caches in turn, one thread): SmolLM2's shape (16 rows, 9 query heads over 3 K/V heads,
-head_dim 64, 130 columns) 0.26 vs 0.37 ms per layer; the tiny agent's (128 rows, 4 heads, head_dim 32, 110
-columns) 1.1 vs 1.6 ms. No library offers it: vLLM's CPU kernels live inside vLLM's own paged cache and engine.
+head_dim 64, 97 columns) 0.114 vs 0.315 ms per layer; the tiny agent's (128 rows, 4 heads, head_dim 32, 110
+columns) 0.84 vs 1.60 ms. No library offers it: vLLM's CPU kernels live inside vLLM's own paged cache and engine.
 
 It is compiled on first use with torch's extension builder (g++ and the ``ninja`` package; ~20 s once per machine,
 cached under ``$VERL_CACHE_DIR/torch_extensions``) for the CPU's vector instructions as torch reports them. When it
