@@ -1,8 +1,8 @@
 """Where a batch-16 decode step of the serving engine goes, per operator (issue 17, item 2: profile first).
 
 Runs the transformers engine's decode path — the model's forward over one new token per row with the engine's own
-KV cache (``GrowingLayer``: append in place, right-aligned rows) — at ``--rows`` rows and ``--context`` cached
-tokens, one torch thread, and reports:
+KV cache (``GrowingLayer``: append in place, right-aligned rows), packed weights and fused decoder layers — at
+``--rows`` rows and ``--context`` cached tokens, one torch thread, and reports:
 
 - the step time (median of ``--repeats``) and tokens/s;
 - torch.profiler's CPU time per operator over ``--profile-steps`` steps, as a share of the step;
@@ -25,6 +25,7 @@ from probes import gemm_gflops, median_time, read_gbs
 from torch.profiler import ProfilerActivity, profile
 
 from verl.models.attention import use_cpu_attention
+from verl.models.fused_decoder import fused_decoder_layers
 from verl.models.kv_cache import new_growing_cache
 from verl.models.loader import load_causal_lm, resolve_model_path
 from verl.models.packed_linear import packed_weights
@@ -43,6 +44,9 @@ def parse_args() -> argparse.Namespace:
                         "verl_cpu_sdpa: grouped K/V without copies and the decode kernel), sdpa, eager")
     parser.add_argument("--packed", choices=["on", "off"], default="on", help="on: frozen linear layers multiply by "
                         "oneDNN-packed weights, as both engines decode (verl/models/packed_linear.py); off: F.linear")
+    parser.add_argument("--fused", choices=["on", "off"], default="on", help="on: decoder layers run their norms, "
+                        "RoPE and SiLU as fused calls, as both engines decode (verl/models/fused_decoder.py); off: "
+                        "Hugging Face's layer forward")
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
     return parser.parse_args()
 
@@ -58,7 +62,8 @@ def main() -> None:
         model.set_attn_implementation(args.attn)
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    step = decode_step_at_fixed_length(model, args.rows, args.context, packed=args.packed == "on")
+    step = decode_step_at_fixed_length(model, args.rows, args.context, packed=args.packed == "on",
+                                       fused=args.fused == "on")
     seconds = median_time(step, args.repeats)
     table, gemms = profile_step_operators(step, args.profile_steps, args.top)
     config = model.config
@@ -74,7 +79,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(summary, indent=1))
 
 
-def decode_step_at_fixed_length(model: torch.nn.Module, rows: int, context: int, packed: bool):
+def decode_step_at_fixed_length(model: torch.nn.Module, rows: int, context: int, packed: bool, fused: bool = True):
     """A function running one decode step of ``rows`` rows after ``context`` cached tokens in the engine's KV cache,
     dropping the appended column afterwards so every call decodes at the same length."""
     config = model.config
@@ -93,9 +98,10 @@ def decode_step_at_fixed_length(model: torch.nn.Module, rows: int, context: int,
               use_cache=True)
     positions = mask[:, :-1].sum(-1, keepdim=True)
     packing = packed_weights if packed else contextlib.nullcontext
+    fusing = fused_decoder_layers if fused else contextlib.nullcontext
 
     def step() -> None:
-        with torch.inference_mode(), packing():
+        with torch.inference_mode(), packing(), fusing():
             model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache,
                   use_cache=True)
             for layer in cache.layers:  # drop the appended column: every step decodes at the same length
@@ -135,7 +141,7 @@ def print_summary(args: argparse.Namespace, config, summary: dict, weight_bytes:
     print("=== summary")
     print(f"{args.model} ({summary['params'] / 1e6:.1f}M params, {weight_bytes / 1e6:.0f} MB fp32), batch "
           f"{args.rows}, context {args.context}, one thread, attention {config._attn_implementation}, packed linear "
-          f"{args.packed}")
+          f"{args.packed}, fused decoder layers {args.fused}")
     print(f"decode step {seconds * 1000:.1f} ms = {args.rows / seconds:.0f} tok/s; {summary['achieved_gflops']:.1f} "
           f"GFLOP/s = {summary['pct_of_gemm']:.0f}% of a {args.rows}x{config.hidden_size}x{config.intermediate_size} "
           f"GEMM ({gemm:.1f} GFLOP/s); reading the weights once takes {summary['weight_read_floor_ms']:.1f} ms "

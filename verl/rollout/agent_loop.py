@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from verl.config import MultiTurnConfig
+from verl.models.fused_decoder import fused_decoder_layers
 from verl.models.kv_cache import GrowingLayer, Joining, RowBatch, left_padded, new_growing_cache
 from verl.models.packed_linear import packed_weights
 from verl.models.precision import at_least_float32
@@ -196,6 +197,7 @@ class AgentLoop(ToolTurns):
 
     @torch.no_grad()
     @packed_weights()  # frozen linear layers multiply by oneDNN-packed weights, as in the single-turn sampler
+    @fused_decoder_layers()  # and the decoder layers' small ops fused, as there
     def run(self, trajectories: list[Trajectory], params: SamplingParams) -> None:
         """Decode every trajectory to its end (``Trajectory.finish`` set)."""
         ready: collections.deque[Trajectory] = collections.deque(trajectories)

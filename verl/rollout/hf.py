@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from verl.config import MultiTurnConfig
+from verl.models.fused_decoder import fused_decoder_layers
 from verl.models.packed_linear import packed_weights
 from verl.protocol import DataProto
 from verl.rollout.agent_loop import AgentLoop
@@ -84,7 +85,8 @@ class HFRollout(RolloutEngine):
             else:
                 if params.greedy:
                     kwargs["num_return_sequences"] = 1  # greedy samples are identical; generate once, repeat
-                with self._sampling_rng(params.seed, device), self._autocast(device), packed_weights():
+                with self._sampling_rng(params.seed, device), self._autocast(device), packed_weights(), \
+                        fused_decoder_layers():
                     out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
                 responses = out[:, ids.shape[1] :]
                 if params.greedy and params.n > 1:

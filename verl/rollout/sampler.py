@@ -21,6 +21,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import DynamicLayer
 
+from verl.models.fused_decoder import fused_decoder_layers
 from verl.models.kv_cache import GrowingLayer, growing_cache_from
 from verl.models.packed_linear import packed_weights
 from verl.models.precision import at_least_float32
@@ -99,6 +100,7 @@ class DecodeState:
 
 @torch.no_grad()
 @packed_weights()  # frozen linear layers multiply by oneDNN-packed weights (verl/models/packed_linear.py)
+@fused_decoder_layers()  # decoder layers' norms, RoPE and SiLU fused (verl/models/fused_decoder.py)
 def sample_with_shared_prefill(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

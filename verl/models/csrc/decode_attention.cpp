@@ -1,5 +1,5 @@
 // Attention for one query position per row over a KV cache, on CPU, fp32: the decode step of the transformers
-// engine and the rollout samplers (verl/models/decode_attention.py builds and calls it).
+// engine and the rollout samplers (verl/models/decode_attention.py calls it; verl/models/cpu_kernels.py builds it).
 //
 // Why hand-written: torch's CPU SDPA (the flash kernel) runs a small GEMM per (row, head) block, which at one query
 // position is mostly call overhead, and it computes every padded column of a right-aligned batch. Here each
@@ -19,25 +19,10 @@
 #include <limits>
 #include <vector>
 
-// exp(x) for the softmax's x = s - max <= 0, in a form the compiler vectorizes (std::exp stays scalar): Cephes'
-// single-precision polynomial after a Cody-Waite reduction, ~1 ulp; 0 below -87 (exp(-87) ~ 1.6e-38).
-static inline float exp_nonpositive(float x) {
-  const float c = x < -87.f ? -87.f : x;
-  const float n = std::floor(c * 1.44269504088896341f + 0.5f);
-  float r = c - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500E-4f;
-  p = p * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.f ? 0.f : p * scale;
-}
+#include "vec_math.h"
+
+// exp(x) for the softmax's x = s - max <= 0; 0 below -87 (exp(-87) ~ 1.6e-38).
+static inline float exp_nonpositive(float x) { return x < -87.f ? 0.f : exp_clamped(x); }
 
 
 #if defined(__AVX512F__)
@@ -268,5 +253,3 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   }
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_attention", &decode_attention); }

@@ -1,0 +1,94 @@
+"""verl's CPU kernels (``csrc/``), compiled on first use with torch's extension builder, one module for all.
+
+- ``decode_attention`` (``csrc/decode_attention.cpp``, wrapped by ``verl.models.decode_attention``): softmax
+  attention of one query position per row, the decode step;
+- ``rms_norm``, ``add_rms_norm_``, ``rope_``, ``silu_mul_`` (``csrc/decoder_ops.cpp``, used by
+  ``verl.models.fused_decoder``): a Llama-family decoder layer's small operations, one pass each.
+
+Why hand-written and why built here: torch's CPU operators run these as many small passes with a dispatch each (or,
+for attention, a GEMM per (row, head) block), which at a decode step's few rows is mostly overhead; vLLM's CPU
+kernels exist but live inside vLLM's own paged cache and engine. The build needs g++ and the ``ninja`` package (a
+dependency); it takes ~30 s once per machine and is cached under ``$VERL_CACHE_DIR/torch_extensions``, in a
+directory named by Python, torch version and the CPU's vector instructions (as torch reports them), so a cache shared
+by machines of different CPUs never loads a foreign build. torch's builder rebuilds when a source changes. When
+the build fails, ``load_kernels()`` returns None (the reason logged once, ``build_error()`` returns it) and every
+caller runs torch's own operators.
+
+    kernels = load_kernels()      # the extension module, or None
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl.utils.fs import cache_dir
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("decode_attention.cpp", "decoder_ops.cpp", "bindings.cpp")
+# Vector-instruction flags per torch's CPU capability: the build is for this machine's CPU.
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx2"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+_lock = threading.Lock()
+_module: Any = None
+_failed: str | None = None
+
+
+def load_kernels() -> Any | None:
+    """The compiled extension (built on the first call in a process tree; later processes load the build), or None
+    when it cannot be built here (the reason is logged once, and ``build_error()`` returns it)."""
+    global _module, _failed
+    if _module is not None or _failed is not None:
+        return _module
+    with _lock:
+        if _module is not None or _failed is not None:
+            return _module
+        try:
+            _module = _build()
+        except Exception as error:  # noqa: BLE001  (any build failure means: use torch's operators)
+            _failed = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+            log.warning("verl's CPU kernels are unavailable, torch's operators run instead (%s)", _failed)
+    return _module
+
+
+def build_error() -> str | None:
+    return _failed
+
+
+def _build() -> Any:
+    from torch.utils import cpp_extension  # noqa: PLC0415  (slow import; only when a kernel is first needed)
+
+    if shutil.which("ninja") is None:
+        # torch's builder runs `ninja` from PATH; the `ninja` package ships the binary but only a venv's activation
+        # puts it on PATH.
+        import ninja  # noqa: PLC0415
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    capability = torch.backends.cpu.get_cpu_capability()
+    # A build is for one Python, one torch (its C++ ABI) and one instruction set: all three name its directory.
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", f"{python}_{torch.__version__}_{capability}").lower()
+    directory = cache_dir() / "torch_extensions" / f"cpu_kernels_{tag}"
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"verl_cpu_kernels_{tag}"
+    if not (directory / f"{name}.so").exists():  # say why the first forward pauses
+        print(f"verl: building the CPU kernels in {directory} (once per machine, ~30 s)", file=sys.stderr, flush=True)
+    return cpp_extension.load(name=name, sources=[str(CSRC / source) for source in SOURCES],
+                              # -fno-trapping-math: lets GCC vectorize floor() (the exp in softmax and SiLU);
+                              # nothing here reads floating-point exception flags.
+                              extra_cflags=["-O3", "-fopenmp-simd", "-fno-trapping-math",
+                                            *ISA_FLAGS.get(capability, [])],
+                              extra_include_paths=[str(CSRC)], build_directory=str(directory), verbose=False)

@@ -1,0 +1,17 @@
+// The Python module of verl's CPU kernels (built by verl/models/cpu_kernels.py).
+#include <torch/extension.h>
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const c10::optional<torch::Tensor>& mask_opt, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+void silu_mul_(torch::Tensor gate, torch::Tensor up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "softmax attention of one query position per row");
+  m.def("rms_norm", &rms_norm, "weight * x * rsqrt(mean(x^2) + eps) over the last dimension");
+  m.def("add_rms_norm_", &add_rms_norm_, "x += residual in place; returns rms_norm(x)");
+  m.def("rope_", &rope_, "rotary position embedding applied to q and k in place");
+  m.def("silu_mul_", &silu_mul_, "gate = silu(gate) * up in place");
+}
