@@ -107,6 +107,9 @@ class ServeSettings(BaseSettings):
 
     # ---------------------------------------------------------------- capacity and limits
     max_batch_size: int = Field(32, ge=1, le=4096, description="Sequences decoded together in one forward pass.")
+    shared_prefix_tokens: int = Field(
+        16, ge=0, description="transformers engine: prompts prefilled together that start with the same N or more "
+        "tokens (a chat template's system prompt) compute that prefix once for all of them; 0 turns it off.")
     max_queue_size: int = Field(
         256, ge=0, description="Sequences allowed to wait for a batch slot; beyond it requests get 429 + Retry-After."
     )

@@ -37,6 +37,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -62,7 +63,8 @@ from serve.engines.base import (
     TokenLogprob,
 )
 from serve.settings import ServeSettings
-from verl.models.kv_cache import Joining, RowBatch, left_padded, new_growing_cache
+from verl.models.fused_decoder import fused_decoder_layers
+from verl.models.kv_cache import GrowingLayer, Joining, RowBatch, left_padded, new_growing_cache
 from verl.models.loader import load_causal_lm, pick_device
 from verl.models.packed_linear import packed_weights
 from verl.rollout.sampler import draw_categorical
@@ -130,6 +132,7 @@ class TransformersEngine(Engine):
         self._grammar_tokenizer: GrammarTokenizer | None = None  # built by the first constrained request
         self._peft: PeftModel | None = None  # set once an adapter is loaded; wraps self.model
         self.mixed_adapter_steps = 0  # forwards whose rows used more than one adapter (or adapter and base)
+        self.shared_prefix_tokens = 0  # prompt tokens not recomputed: prefixes shared within a prefill
         self._control: collections.deque[tuple[Callable[[], None], concurrent.futures.Future]] = collections.deque()
 
     # ---------------------------------------------------------------- lifecycle
@@ -205,8 +208,9 @@ class TransformersEngine(Engine):
 
     def _forward(self, rows: list[_Seq], **kwargs):
         """The model's forward for ``rows`` (one batch row each), each with its own adapter when any is loaded;
-        frozen linear layers multiply by oneDNN-packed weights (verl/models/packed_linear.py)."""
-        with packed_weights():
+        frozen linear layers multiply by oneDNN-packed weights (verl/models/packed_linear.py) and the decoder layers'
+        small operations run fused (verl/models/fused_decoder.py)."""
+        with packed_weights(), fused_decoder_layers():
             if self._peft is None:
                 return self.model(**kwargs)
             names = [row.request.adapter or self.BASE_ADAPTER for row in rows]
@@ -383,14 +387,20 @@ class TransformersEngine(Engine):
                 deliveries.append((seq, RequestFailedError(f"generation failed for this request: {exc!r}")))
 
     def _prefill_batch(self, seqs: list[_Seq], deliveries: list) -> None:
-        """One forward over the new prompts (left-padded); sample each one's first token; join the batch."""
+        """One forward over the new prompts (left-padded), after their shared prefix (``_prefill_shared_prefix``);
+        sample each one's first token; join the batch."""
         now = time.perf_counter()
         for seq in seqs:
             seq.scheduled_time = now
-        ids, mask = left_padded([seq.request.prompt_token_ids for seq in seqs], self.tokenizer.pad_token_id or 0)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        prompts = [seq.request.prompt_token_ids for seq in seqs]
         cache = new_growing_cache(self.model.config)
+        prefix = self._prefill_shared_prefix(seqs, cache)
+        ids, suffix_mask = left_padded([prompt[prefix:] for prompt in prompts], self.tokenizer.pad_token_id or 0)
+        ids, suffix_mask = ids.to(self.device), suffix_mask.to(self.device)
+        # Columns: the shared prefix, then each row's left-padded rest (padding mid-row, masked like any padding;
+        # positions count real tokens only, so each row's positions are what a lone prefill gives it).
+        mask = torch.cat([suffix_mask.new_ones(len(seqs), prefix), suffix_mask], dim=1)
+        positions = prefix + (suffix_mask.cumsum(-1) - 1).clamp(min=0)
         out = self._forward(seqs, input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                             use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :].float().cpu()
@@ -407,6 +417,30 @@ class TransformersEngine(Engine):
         if keep:
             self._batch.rebuild(None, [Joining([seqs[i] for i in keep], cache, mask, tokens.to(self.device),
                                                None if len(keep) == len(seqs) else keep)])
+
+    def _prefill_shared_prefix(self, seqs: list[_Seq], cache) -> int:
+        """When the prompts start with the same ``shared_prefix_tokens`` or more tokens (a chat template's system
+        prompt, a few-shot preamble), one row computes that prefix and ``cache`` gets its keys and values for every
+        row; returns the prefix length (0: nothing shared). Each prompt keeps at least one token to prefill, and
+        rows with different LoRA adapters share nothing (the adapter changes the keys and values)."""
+        minimum = self.settings.shared_prefix_tokens
+        if minimum == 0 or len(seqs) < 2 or len({seq.request.adapter for seq in seqs}) > 1:
+            return 0
+        prompts = [seq.request.prompt_token_ids for seq in seqs]
+        prefix = len(os.path.commonprefix(prompts))
+        prefix = min(prefix, min(len(prompt) for prompt in prompts) - 1)
+        if prefix < minimum:
+            return 0
+        ids = torch.tensor([prompts[0][:prefix]], dtype=torch.long, device=self.device)
+        positions = torch.arange(prefix, device=self.device).unsqueeze(0)
+        self._forward(seqs[:1], input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                      logits_to_keep=1)
+        rest = max(len(prompt) for prompt in prompts) - prefix
+        for layer in cache.layers:  # the one row's prefix for every row, with room for the rest of the prompts
+            layer.set_state(layer.keys.expand(len(seqs), -1, -1, -1), layer.values.expand(len(seqs), -1, -1, -1),
+                            headroom=rest + GrowingLayer.HEADROOM)
+        self.shared_prefix_tokens += prefix * (len(seqs) - 1)
+        return prefix
 
     def _decode_step(self, deliveries: list) -> None:
         """One token for every running row. A row whose sampling fails fails alone; a failed forward fails the

@@ -61,6 +61,25 @@ def test_greedy_batched_outputs_match_generate_one_by_one(engine_and_loop):
     assert engine.num_running == 0 and engine.num_waiting == 0
 
 
+def test_prompts_sharing_a_preamble_prefill_it_once_with_the_same_tokens(engine_and_loop):
+    """Prompts starting with the same tokens (a chat template's system prompt) compute them once per prefill
+    (``shared_prefix_tokens``); each row's greedy tokens are still ``generate``'s for that prompt alone."""
+    engine, loop = engine_and_loop
+    preamble = "<|user|>Add the two numbers and answer with digits only. "
+    prompts = [f"{preamble}What is {a}+{b}?\n<|assistant|>" for a, b in ((12, 30), (7, 5), (999, 1))]
+    ids = [engine.tokenizer(p)["input_ids"] for p in prompts]
+    before = engine.shared_prefix_tokens
+    results = _run_all(engine, loop, ids, [SamplingOptions(max_tokens=10, temperature=0.0)] * len(ids))
+    shared = len(engine.tokenizer(preamble)["input_ids"])
+    assert engine.shared_prefix_tokens - before >= shared  # at least two of them were prefilled together
+    for prompt_ids, result in zip(ids, results, strict=True):
+        with torch.inference_mode():
+            ref = engine.model.generate(torch.tensor([prompt_ids]), max_new_tokens=10, do_sample=False,
+                                        eos_token_id=engine.tokenizer.eos_token_id,
+                                        pad_token_id=engine.tokenizer.pad_token_id)
+        assert result["tokens"] == ref[0, len(prompt_ids):].tolist()
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(engine_and_loop):
     engine, loop = engine_and_loop
     prompt = engine.tokenizer("abc")["input_ids"]
