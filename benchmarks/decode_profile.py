@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -47,6 +48,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fused", choices=["on", "off"], default="on", help="on: decoder layers run their norms, "
                         "RoPE and SiLU as fused calls, as both engines decode (verl/models/fused_decoder.py); off: "
                         "Hugging Face's layer forward")
+    parser.add_argument("--compare-fused", type=int, default=0, metavar="ROUNDS",
+                        help="Instead of the profile: ROUNDS rounds alternating fused decoder layers off and on in "
+                        "this process (--repeats steps each), and the median step of each side.")
     parser.add_argument("--out", default=None, help="Write the results as JSON here.")
     return parser.parse_args()
 
@@ -62,6 +66,9 @@ def main() -> None:
         model.set_attn_implementation(args.attn)
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if args.compare_fused:
+        compare_fused(model, args)
+        return
     step = decode_step_at_fixed_length(model, args.rows, args.context, packed=args.packed == "on",
                                        fused=args.fused == "on")
     seconds = median_time(step, args.repeats)
@@ -77,6 +84,23 @@ def main() -> None:
     print_summary(args, config, summary, weight_bytes)
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
+
+
+def compare_fused(model: torch.nn.Module, args: argparse.Namespace) -> None:
+    """The decode step with fused decoder layers off and on, alternating in one process (so load on a shared box
+    falls on both sides alike): each round times ``--repeats`` steps of each side; medians of the round medians."""
+    steps = {fused: decode_step_at_fixed_length(model, args.rows, args.context, packed=args.packed == "on",
+                                                fused=fused) for fused in (False, True)}
+    rounds: dict[bool, list[float]] = {False: [], True: []}
+    for number in range(args.compare_fused):
+        for fused in ((False, True) if number % 2 == 0 else (True, False)):
+            rounds[fused].append(median_time(steps[fused], args.repeats) * 1000)
+    off, on = statistics.median(rounds[False]), statistics.median(rounds[True])
+    print(f"{args.model}, batch {args.rows}, context {args.context}, one thread, {args.compare_fused} rounds of "
+          f"{args.repeats} steps per side, alternating")
+    print(f"fused decoder layers off: {off:.1f} ms per step (rounds {', '.join(f'{t:.1f}' for t in rounds[False])})")
+    print(f"fused decoder layers on:  {on:.1f} ms per step (rounds {', '.join(f'{t:.1f}' for t in rounds[True])})")
+    print(f"on / off: {on / off:.2f}x")
 
 
 def decode_step_at_fixed_length(model: torch.nn.Module, rows: int, context: int, packed: bool, fused: bool = True):
