@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.decode_utils import left_padded_prompts, prefill_then_decode
 from verl.models import decode_attention as kernel
 from verl.models.attention import NAME
 from verl.models.cpu_kernels import build_error, load_kernels
-from verl.models.kv_cache import new_growing_cache
 from verl.models.loader import load_causal_lm, resolve_model_path
 
 
@@ -90,25 +90,12 @@ def test_every_decode_step_of_a_loaded_model_runs_the_kernel_with_sdpas_logits(m
         return out
 
     monkeypatch.setattr("verl.models.attention.decode_attention", counting)
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, 60, (3, 9), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    mask[2, :7] = 0
+    ids, mask = left_padded_prompts()
 
     def decode(kernel_on: str) -> torch.Tensor:
         monkeypatch.setenv("VERL_DECODE_KERNEL", kernel_on)
-        cache = new_growing_cache(model.config)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-            step_mask, logits = mask, []
-            for step in range(4):
-                step_mask = torch.cat([step_mask, torch.ones(3, 1, dtype=step_mask.dtype)], dim=1)
-                out = model(input_ids=torch.full((3, 1), 20 + step), attention_mask=step_mask,
-                            position_ids=step_mask.sum(-1, keepdim=True) - 1, past_key_values=cache, use_cache=True)
-                logits.append(out.logits[:, -1])
-        return torch.stack(logits)
+            return prefill_then_decode(model, ids, mask)[1:]  # the decode steps' logits
 
     with_kernel = decode("1")
     layers = model.config.num_hidden_layers

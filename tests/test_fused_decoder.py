@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
+from tests.decode_utils import left_padded_prompts, prefill_then_decode
 from verl.models import fused_decoder
 from verl.models.cpu_kernels import build_error, load_kernels
 from verl.models.fused_decoder import fused_decoder_layers, use_fused_decoder
-from verl.models.kv_cache import new_growing_cache
 from verl.models.loader import load_causal_lm, resolve_model_path
 
 
@@ -79,23 +79,8 @@ def tiny_llama_scaled_rope() -> LlamaForCausalLM:
 
 def decode_logits(model, fused: bool) -> torch.Tensor:
     """Prefill of 3 left-padded prompts, then 4 decode steps into the engines' growing cache: (5, 3, vocab)."""
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 60, (3, 9), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    mask[2, :7] = 0
-    cache = new_growing_cache(model.config)
-    logits = []
     with torch.inference_mode(), (fused_decoder_layers() if fused else contextlib.nullcontext()):
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                    past_key_values=cache, use_cache=True)
-        logits.append(out.logits[:, -1])
-        for step in range(4):
-            mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=1)
-            out = model(input_ids=torch.full((3, 1), 20 + step), attention_mask=mask,
-                        position_ids=mask.sum(-1, keepdim=True) - 1, past_key_values=cache, use_cache=True)
-            logits.append(out.logits[:, -1])
-    return torch.stack(logits)
+        return prefill_then_decode(model, *left_padded_prompts())
 
 
 @pytest.mark.parametrize("make", [lambda: load_causal_lm(resolve_model_path("builtin:tiny-agent")).eval(),
