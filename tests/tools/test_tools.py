@@ -4,7 +4,9 @@ error result instead of an exception."""
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
+import threading
 import time
 
 import pytest
@@ -201,6 +203,28 @@ def test_a_tool_that_overruns_is_killed_and_the_next_call_works(runner):
     assert not result.ok and "did not answer within 0.5 s" in result.error
     assert time.monotonic() - start < 10
     assert runner.run(call('{"name": "slow", "arguments": {"seconds": 0}}')).content == "done"
+
+
+def test_a_pure_tool_that_overruns_gets_a_timeout_and_calls_start_no_threads(user_tools, monkeypatch):
+    """Pure tools run on the runner's threads; one watchdog settles the calls that overrun (no thread per call:
+    starting one made the agent loop wait for a GIL handoff at every call)."""
+    tools = build_tool_set([], str(user_tools))
+    tools.tools["slow"] = dataclasses.replace(tools.tools["slow"], pure=True, timeout_s=0.3)
+    runner = ToolRunner(tools, processes=1, threads=2)
+    try:
+        start = time.monotonic()
+        result = runner.run(call('{"name": "slow", "arguments": {"seconds": 2}}'))
+        assert not result.ok and "did not answer within 0.3 s" in result.error
+        assert time.monotonic() - start < 1.5
+        starts = []
+        original = threading.Thread.start
+        monkeypatch.setattr(threading.Thread, "start", lambda thread: starts.append(thread) or original(thread))
+        futures = [runner.submit(call('{"name": "calculator", "arguments": {"expression": "6*7"}}'))
+                   for _ in range(50)]
+        assert [f.result(timeout=10).content for f in futures] == ["42"] * 50
+        assert len(starts) <= 1  # at most the pool's second thread; none per call
+    finally:
+        runner.shutdown()
 
 
 def test_long_results_are_truncated(runner):

@@ -127,9 +127,9 @@ class ToolTurns:
         if not turn.has_calls:
             row.finish = "stop"
             return
-        for call in turn.calls:
-            row.calls += 1
-            row.valid_calls += int(self.runner.check(call, row.tools) is None)  # parses, fits a tool's schema
+        problems = [self.runner.check(call, row.tools) for call in turn.calls]  # None: parses, fits a schema
+        row.calls += len(turn.calls)
+        row.valid_calls += sum(problem is None for problem in problems)
         # Calls in a turn with nothing after it are counted (the model made them) but not run.
         if row.turns >= self.config.max_assistant_turns or len(row.ids) >= self.budget:
             row.finish = "turns" if row.turns >= self.config.max_assistant_turns else "length"
@@ -141,7 +141,7 @@ class ToolTurns:
                 result: concurrent.futures.Future[ToolResult] = concurrent.futures.Future()
                 result.set_result(failed(f"at most {self.config.max_parallel_calls} calls per turn"))
             else:
-                result = self.runner.submit(call, row.tools, row.hidden_kwargs.get(call.name))
+                result = self.runner.submit(call, row.tools, row.hidden_kwargs.get(call.name), problems[index])
             row.waiting.append((call, result))
         waiting.append(row)
 
