@@ -7,12 +7,11 @@
 // plus a dispatch. At a decode step's 16 rows those are all dispatch: ~5 ms of a 45 ms SmolLM2 step (30 layers,
 // one thread, measured). Here each is one pass.
 //
-// Shapes: x, residual (N, hidden) contiguous; weight (hidden); q (B, T, H, D), k (B, T, Hkv, D) contiguous; cos, sin
-// (B, T, D) as the model's rotary embedding returns them; gate, up (N, intermediate) contiguous.
+// Shapes: x, residual (..., hidden) contiguous; weight (hidden); q (B, T, H, D), k (B, T, Hkv, D) contiguous; cos,
+// sin (B or 1, T, D) as the model's rotary embedding returns them; gate, up (..., intermediate) contiguous.
 #include <torch/extension.h>
 #include <cmath>
 #include <cstdint>
-#include <tuple>
 
 #include "vec_math.h"
 
