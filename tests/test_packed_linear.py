@@ -152,6 +152,42 @@ def test_trainable_weights_are_never_packed_even_after_a_fused_optimizer_step():
     assert layer._verl_packed.packed is None
 
 
+def test_a_generation_block_packs_trainable_weights_once_and_drops_them_when_it_ends(monkeypatch):
+    """``packed_weights(trainable=True)`` (the rollout's generation loops): a full fine-tuning model's trainable
+    layers multiply by packed copies made once in the block; the copies go when it ends, so the next block packs
+    the weights a fused optimizer step changed in between (no version bump to notice); with gradients on, or
+    outside such a block, the plain path as before."""
+    layer = packed_layer(frozen=False)
+    x = torch.randn(16, 48)
+    reorders = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda *args: reorders.append(1) or reorder(*args), raising=False)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.5, fused=True)
+    with torch.no_grad(), packed_weights(trainable=True):
+        first = layer(x)
+        again = layer(x)
+        with packed_weights():  # a block inside it (the rollout engine's own) keeps its packed copies
+            inner = layer(x)
+        copy_in_block = layer._verl_packed.snapshot_copy
+        assert copy_in_block.packed is not None  # the packed path ran
+    assert len(reorders) == 1 and torch.equal(first, again) and torch.equal(first, inner)
+    torch.testing.assert_close(first, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert copy_in_block.packed is None  # dropped with its block
+    F.linear(torch.randn(4, 48), layer.weight, layer.bias).pow(2).sum().backward()
+    optimizer.step()  # changes the weight in place without bumping its version
+    with torch.no_grad(), packed_weights(trainable=True):
+        after = layer(x)
+    assert len(reorders) == 2
+    torch.testing.assert_close(after, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(after, first, atol=1e-3)
+    with packed_weights(trainable=True):  # gradients on: the trainable weight's own product
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    with torch.no_grad(), packed_weights():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert len(reorders) == 2 and layer._verl_packed.packed is None
+
+
 def test_packed_copy_follows_in_place_changes_loads_and_refreshes():
     layer = packed_layer()
     x = torch.randn(16, 48)

@@ -21,8 +21,11 @@ input (LoRA training: the base layers between the adapters): forward by the pack
 shapes, 264-496 rows: 10-20% faster products both ways; one more copy of those weights). The LoRA reference (the
 same base, adapters off) packs too, so an untrained policy and its reference still compute bit for bit alike (the
 first step's KL is exactly zero, tested). Elsewhere (a separate reference model, the exact-KL evaluator, critics)
-the layers run ``F.linear``. Trainable weights never pack: the fused AdamW kernel
-updates them without bumping their version counter, so a packed copy could not tell it had gone stale. A frozen
+the layers run ``F.linear``. A trainable weight keeps no packed copy beyond one generation block: the fused AdamW
+kernel updates it without bumping its version counter, so a lasting copy could not tell it had gone stale. The
+rollout's generation loops enter ``packed_weights(trainable=True)``: there, with gradients off, trainable layers
+(full fine-tuning, LoRA's adapters) pack once and drop the copies when the block ends (measured on the tiny agent,
+full fine-tuning, 512 trajectories on 128 slots: single-turn rollout 2.31 -> 1.97 s). A frozen
 weight's packed copy is rebuilt when the weight is replaced or changed by an ordinary in-place op (``copy_``,
 ``load_state_dict``); code that rewrites a frozen weight behind autograd's back (``.data`` writes, LoRA merges into
 a model that already generated) calls ``refresh_packed_linear(model)``. Cost: one more copy of the frozen linear
@@ -46,17 +49,37 @@ from torch import nn
 _ACTIVE: contextvars.ContextVar[int] = contextvars.ContextVar("verl_packed_weights", default=0)
 
 
+class _Snapshot:
+    """One ``packed_weights(trainable=True)`` block: the packed copies of trainable weights made in it, dropped
+    when it ends (a trainable weight can change after it without a sign a packed copy could check)."""
+
+    __slots__ = ("filled",)
+
+    def __init__(self) -> None:
+        self.filled: list[_PackedWeight] = []
+
+
+_SNAPSHOT: contextvars.ContextVar[_Snapshot | None] = contextvars.ContextVar("verl_packed_snapshot", default=None)
+
+
 @contextlib.contextmanager
-def packed_weights(gradients: bool = False) -> Iterator[None]:
+def packed_weights(gradients: bool = False, trainable: bool = False) -> Iterator[None]:
     """Let frozen linear layers use their packed weights in this block (this thread / task only).
 
     ``gradients=True`` also packs products whose input needs a gradient (LoRA training: the frozen base layers
     between the adapters): forward by the packed weight, the input's gradient by a packed copy of its transpose.
+    ``trainable=True`` (a generation loop: no gradients, weights unchanged until it ends) packs trainable weights
+    too, each once per block: a full fine-tuning rollout decodes by packed weights as a LoRA one does.
     """
     token = _ACTIVE.set(2 if gradients else 1)
+    snapshot = _SNAPSHOT.set(_Snapshot()) if trainable and _SNAPSHOT.get() is None else None
     try:
         yield
     finally:
+        if snapshot is not None:
+            for copy in _SNAPSHOT.get().filled:
+                copy.key = copy.packed = copy.packed_t = None
+            _SNAPSHOT.reset(snapshot)
         _ACTIVE.reset(token)
 
 
@@ -68,12 +91,21 @@ def packed_linear_available() -> bool:
 class _PackedWeight:
     """The packed copy of one ``nn.Linear`` weight and what it was packed from (storage pointer, version)."""
 
-    __slots__ = ("key", "packed", "packed_t")
+    __slots__ = ("key", "packed", "packed_t", "snapshot", "snapshot_copy")
 
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None
         self.packed: torch.Tensor | None = None
         self.packed_t: torch.Tensor | None = None  # the transpose's, for input gradients (built on first need)
+        self.snapshot: _Snapshot | None = None  # a trainable weight's copy: the block it was packed in
+        self.snapshot_copy: _PackedWeight | None = None
+
+    def for_snapshot(self, snapshot: _Snapshot) -> _PackedWeight:
+        """The copy a trainable weight multiplies by in ``snapshot``'s block (packed on its first use there)."""
+        if self.snapshot is not snapshot:
+            self.snapshot, self.snapshot_copy = snapshot, _PackedWeight()
+            snapshot.filled.append(self.snapshot_copy)
+        return self.snapshot_copy
 
     def __deepcopy__(self, memo: dict) -> _PackedWeight:
         return _PackedWeight()  # a copied model packs its own (copied) weights on first use
@@ -82,7 +114,7 @@ class _PackedWeight:
         return None
 
     def __setstate__(self, state: None) -> None:
-        self.key = self.packed = self.packed_t = None
+        self.key = self.packed = self.packed_t = self.snapshot = self.snapshot_copy = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed ``(out, in)`` weight."""
@@ -120,10 +152,14 @@ def packed_cache(module: nn.Module, input: torch.Tensor, gradients: bool | None 
     weight, bias = module.weight, module.bias
     if gradients is None:
         gradients = torch.is_grad_enabled() and input.requires_grad
-    if weight.requires_grad or (bias is not None and bias.requires_grad) or (gradients and mode < 2) \
-            or torch.is_autocast_enabled("cpu") or input.dtype != torch.float32 or weight.dtype != torch.float32 \
-            or input.device.type != "cpu" or weight.device.type != "cpu":
+    if (gradients and mode < 2) or torch.is_autocast_enabled("cpu") or input.dtype != torch.float32 \
+            or weight.dtype != torch.float32 or input.device.type != "cpu" or weight.device.type != "cpu":
         return None
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        snapshot = _SNAPSHOT.get()
+        if snapshot is None or torch.is_grad_enabled():
+            return None
+        return cache.for_snapshot(snapshot)
     return cache
 
 

@@ -85,8 +85,8 @@ class HFRollout(RolloutEngine):
             else:
                 if params.greedy:
                     kwargs["num_return_sequences"] = 1  # greedy samples are identical; generate once, repeat
-                with self._sampling_rng(params.seed, device), self._autocast(device), packed_weights(), \
-                        fused_decoder_layers():
+                with self._sampling_rng(params.seed, device), self._autocast(device), \
+                        packed_weights(trainable=True), fused_decoder_layers():
                     out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
                 responses = out[:, ids.shape[1] :]
                 if params.greedy and params.n > 1:

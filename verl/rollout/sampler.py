@@ -13,6 +13,7 @@ micro-batches gives exactly the same rollouts (and the global RNG is untouched).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,8 @@ def draw_categorical(probs: torch.Tensor, generator: torch.Generator | None = No
     """
     cdf = probs.to(torch.float64).cumsum(-1)
     total = cdf[:, -1:]
-    if not bool(torch.isfinite(total).all()) or bool((total <= 0).any()) or bool((probs < 0).any()):
+    # One check, one sync: a positive finite total (NaN fails both comparisons) and no negative entry.
+    if not bool(((total > 0) & (total < math.inf)).all() & (probs.min() >= 0)):
         raise ValueError("probability tensor contains either inf, nan or element < 0, or sums to zero")
     if uniform is None:
         uniform = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
@@ -99,7 +101,7 @@ class DecodeState:
 
 
 @torch.no_grad()
-@packed_weights()  # frozen linear layers multiply by oneDNN-packed weights (verl/models/packed_linear.py)
+@packed_weights(trainable=True)  # linear layers multiply by oneDNN-packed weights (verl/models/packed_linear.py)
 @fused_decoder_layers()  # decoder layers' norms, RoPE and SiLU fused (verl/models/fused_decoder.py)
 def sample_with_shared_prefill(
     model: torch.nn.Module,
