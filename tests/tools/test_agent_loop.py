@@ -230,3 +230,29 @@ def test_max_num_seqs_bounds_the_decode_width_and_fills_tool_waits(model, tokeni
         "another waited for its tool"
     assert torch.equal(bounded.batch["responses"], batch.batch["responses"])
     assert list(bounded.non_tensor["num_tool_calls"]) == list(batch.non_tensor["num_tool_calls"])
+
+
+def test_rows_back_from_their_tools_extend_in_groups_of_like_lengths(model, tokenizer):
+    """A tool turn with a long result (an error message) must not pad every row extended beside it: the padding
+    would stay inside those rows' caches for the rest of their trajectories. Rows back from their tools extend in
+    groups whose new ids differ by at most ``EXTEND_SPREAD``; fresh rows prefill together, first."""
+    import collections
+
+    from verl.rollout.agent_loop import Trajectory
+
+    engine = AgentRollout(HFRollout(model, tokenizer, max_num_seqs=16), TOOLS, max_response_length=128)
+    loop = engine.loop
+    try:
+        def back(pending: int) -> Trajectory:
+            row = Trajectory([1] * 20, ["calculator"], {}, None, ids=[5] * 30)
+            row.kv, row.cached = [], 50 - pending  # parked: its cache holds all but its last ``pending`` ids
+            return row
+
+        fresh = Trajectory([1] * 20, ["calculator"], {}, None)
+        rows = [back(9), back(104), fresh, back(12), back(10), back(17), back(110)]
+        groups = loop._admit(collections.deque(rows), decoding=0)
+        lengths = [[loop._pending_length(row) for row in group] if group[0].kv is not None else "fresh"
+                   for group in groups]
+        assert lengths == ["fresh", [9, 10, 12, 17], [104, 110]]
+    finally:
+        engine.shutdown()

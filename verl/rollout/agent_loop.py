@@ -32,6 +32,9 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import itertools
+import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,21 +75,14 @@ class Trajectory:
     trace: list[dict[str, Any]] = field(default_factory=list)
     finish: str | None = None
     waiting: list[tuple[ToolCall, concurrent.futures.Future[ToolResult]]] = field(default_factory=list)
+    turn_end: int = 0  # when its last turn ended, in the loop's count (orders tool-result arrivals)
     # While its tools run: the row's KV cache (per layer, (1, heads, length, head_dim)) and attention mask, and how
     # many of its ids the cache holds, so it rejoins by feeding only the ids after them (no re-prefill).
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     kv_mask: torch.Tensor | None = None
     cached: int = 0
 
-    _uniforms: list[float] = field(default_factory=list)
-
-    def next_uniform(self) -> float:
-        """The next draw of this trajectory's own stream (drawn 64 at a time: one call per row per step was ~2% of
-        a rollout)."""
-        if not self._uniforms:
-            draws = torch.rand(64, generator=self.generator, dtype=torch.float64, device=self.generator.device)
-            self._uniforms = draws.tolist()[::-1]
-        return self._uniforms.pop()
+    slot: int = 0  # its row in the decode loop's per-trajectory tensors (``DecodeSlots``)
 
     def append(self, token: int, generated: bool, log_prob: float = 0.0) -> None:
         self.ids.append(token)
@@ -108,6 +104,10 @@ class ToolTurns:
         self.eos_id = tokenizer.eos_token_id
         self.max_positions = max_positions
         self._conversations: dict[tuple[str, ...], ConversationTokens] = {}
+        # Trajectories whose last tool result has arrived, put by the results' done-callbacks (on the tool
+        # threads), so a step looks only at those instead of polling every waiting trajectory's futures.
+        self._arrived: queue.SimpleQueue[Trajectory] = queue.SimpleQueue()
+        self._turn_ends = itertools.count()  # orders arrivals as the turns ended (what polling the list gave)
 
     def conversation(self, tools: list[str]) -> ConversationTokens:
         key = tuple(tools)
@@ -143,7 +143,27 @@ class ToolTurns:
             else:
                 result = self.runner.submit(call, row.tools, row.hidden_kwargs.get(call.name), problems[index])
             row.waiting.append((call, result))
+        row.turn_end = next(self._turn_ends)
         waiting.append(row)
+        self._notify_when_done(row)
+
+    def _notify_when_done(self, row: Trajectory) -> None:
+        """Put ``row`` on the arrival queue when the last of its tool results completes (at once when all have)."""
+        futures = [future for _, future in row.waiting]
+        if len(futures) == 1:
+            futures[0].add_done_callback(lambda _: self._arrived.put(row))
+            return
+        remaining, lock = [len(futures)], threading.Lock()
+
+        def one_done(_: concurrent.futures.Future) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self._arrived.put(row)
+
+        for future in futures:
+            future.add_done_callback(one_done)
 
     def _collect_tool_results(self, waiting: list[Trajectory], ready: collections.deque[Trajectory],
                               block: bool) -> None:
@@ -151,11 +171,14 @@ class ToolTurns:
         ``block`` (nothing else to do), wait for the first one."""
         if not waiting:
             return
-        if block:
-            pending = [future for row in waiting for _, future in row.waiting if not future.done()]
-            if pending:
-                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-        for row in [r for r in waiting if all(future.done() for _, future in r.waiting)]:
+        arrived = [self._arrived.get()] if block else []
+        while True:
+            try:
+                arrived.append(self._arrived.get_nowait())
+            except queue.Empty:
+                break
+        # Only this rollout's waiting rows (a rollout that raised may have left arrivals behind), in turn-end order.
+        for row in sorted((r for r in arrived if r.waiting and r in waiting), key=lambda r: r.turn_end):
             waiting.remove(row)
             messages = []
             for call, future in row.waiting:
@@ -178,6 +201,65 @@ class ToolTurns:
             ready.append(row)
 
 
+class DecodeSlots:
+    """What the decode loop keeps per trajectory in arrays indexed by ``Trajectory.slot`` (``N`` trajectories),
+    so a step costs a few array ops however many rows it decodes, not Python work per row and token: each
+    trajectory's uniform draws (its own generator's stream, drawn ``DRAWS`` at a time) and the ids it generated
+    since it last joined the batch, with their log-probs, moved into its lists (``flush``) when it leaves (ends a
+    turn, or its trajectory). NumPy, not torch: these are a few hundred elements, where a torch op's dispatch
+    (~10 us) costs more than a Python loop over the rows."""
+
+    DRAWS = 64
+
+    def __init__(self, trajectories: list[Trajectory], budget: int, max_positions: int):
+        count = len(trajectories)
+        self.trajectories = trajectories
+        self.uniforms = np.zeros((count, self.DRAWS), dtype=np.float64)
+        self.used = np.full(count, self.DRAWS, dtype=np.int64)  # draws taken from ``uniforms``' row
+        self.ids = np.zeros((count, max(1, budget)), dtype=np.int64)
+        self.log_probs = np.zeros((count, max(1, budget)), dtype=np.float32)
+        self.pending = np.zeros(count, dtype=np.int64)  # ids generated since the last flush
+        self.flushed = np.zeros(count, dtype=np.int64)  # len(trajectory.ids) at the last flush
+        # Where a trajectory must stop: the response budget, or the model's positions.
+        self.limit = np.array([min(budget, max_positions - len(t.prompt_ids)) for t in trajectories],
+                              dtype=np.int64)
+
+    def join(self, rows: list[Trajectory]) -> None:
+        """Rows about to decode again (their ids all in their lists: tool turns may have been appended)."""
+        for row in rows:
+            self.flushed[row.slot] = len(row.ids)
+
+    def draw(self, slots: np.ndarray) -> torch.Tensor:
+        """The next uniform of each slot's stream ``(len(slots), 1)`` float64."""
+        used = self.used[slots]
+        empty = np.flatnonzero(used == self.DRAWS)
+        for slot in slots[empty].tolist():
+            generator = self.trajectories[slot].generator
+            self.uniforms[slot] = torch.rand(self.DRAWS, generator=generator, dtype=torch.float64,
+                                             device=generator.device).cpu().numpy()
+        used[empty] = 0
+        self.used[slots] = used + 1
+        return torch.from_numpy(self.uniforms[slots, used]).unsqueeze(-1)
+
+    def record(self, slots: np.ndarray, tokens: np.ndarray, log_probs: np.ndarray) -> np.ndarray:
+        """Append each slot's sampled id and its log-prob; returns which slots reached their limit ``(len,)``."""
+        at = self.pending[slots]
+        self.ids[slots, at] = tokens
+        self.log_probs[slots, at] = log_probs
+        self.pending[slots] = at + 1
+        return self.flushed[slots] + at + 1 >= self.limit[slots]
+
+    def flush(self, row: Trajectory) -> None:
+        """Move the slot's pending ids into the trajectory's lists (1 in the loss mask: the model generated them)."""
+        count = int(self.pending[row.slot])
+        if count:
+            row.ids.extend(self.ids[row.slot, :count].tolist())
+            row.log_probs.extend(self.log_probs[row.slot, :count].tolist())
+            row.mask.extend([1] * count)
+            self.pending[row.slot] = 0
+            self.flushed[row.slot] += count
+
+
 class AgentLoop(ToolTurns):
     """Runs trajectories to the end on a transformers model: continuous batching, tools off the decode path.
 
@@ -185,6 +267,9 @@ class AgentLoop(ToolTurns):
     come first served, and take the slot of a row that ends or leaves to wait for its tools, so a tool's wait is
     filled with other trajectories' decoding, as vLLM's scheduler fills it (a waiting row keeps its KV cache, not
     its slot)."""
+
+    JOIN_BUNCH = 8  # queued trajectories join once an eighth of the width is free (``_admit``)
+    EXTEND_SPREAD = 8  # rows back from their tools extend together when their new ids differ by at most this
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, runner: ToolRunner, tool_set: ToolSet,
                  config: MultiTurnConfig, max_response_length: int, template: str,
@@ -196,10 +281,13 @@ class AgentLoop(ToolTurns):
         self.max_num_seqs = max_num_seqs
 
     @torch.no_grad()
-    @packed_weights()  # frozen linear layers multiply by oneDNN-packed weights, as in the single-turn sampler
+    @packed_weights(trainable=True)  # linear layers multiply by oneDNN-packed weights, as in the single-turn sampler
     @fused_decoder_layers()  # and the decoder layers' small ops fused, as there
     def run(self, trajectories: list[Trajectory], params: SamplingParams) -> None:
         """Decode every trajectory to its end (``Trajectory.finish`` set)."""
+        for slot, row in enumerate(trajectories):
+            row.slot = slot
+        self._slots = DecodeSlots(trajectories, self.budget, self.max_positions)
         ready: collections.deque[Trajectory] = collections.deque(trajectories)
         waiting: list[Trajectory] = []
         batch = RowBatch()
@@ -211,10 +299,20 @@ class AgentLoop(ToolTurns):
             joining = []
             decoding = len(batch) if leaving_keep is None else len(leaving_keep)
             for rows in self._admit(ready, decoding):
+                self._slots.join(rows)
+                if rows[0].kv is not None:
+                    if leaving_keep is not None:  # the last step's leavers go first: the rows come back in place
+                        batch.keep(leaving_keep)
+                        leaving_keep = None
+                    logits = self._extend_in_batch(batch, rows, device)
+                    if logits is not None:
+                        keep, tokens = self._advance(rows, logits, params, warpers, waiting)
+                        batch.commit(rows, tokens.to(device), keep)
+                        continue
                 forward = self._extend if rows[0].kv is not None else self._prefill
-                logits, cache, mask = forward(rows, device)
+                logits, cache, mask, cache_rows = forward(rows, device)
                 keep, tokens = self._advance(rows, logits, params, warpers, waiting)
-                joining.append(Joining([rows[i] for i in keep], cache, mask, tokens.to(device), keep))
+                joining.append(Joining([rows[i] for i in keep], cache, mask, tokens.to(device), keep, cache_rows))
             # The last step's leavers go and the new rows join in one pass over the cache.
             batch.rebuild(leaving_keep, joining)
             leaving_keep = None
@@ -235,32 +333,81 @@ class AgentLoop(ToolTurns):
         """Take trajectories off the queue for the free slots (all of them without ``max_num_seqs``), as groups
         that each run one forward: fresh ones (a prefill), ones back from their tools (an extend). While rows are
         decoding, wait until the free slots take a bunch (an eighth of the width, or all that wait): each join runs a
-        forward of its own, too costly for one row at a time (measured: a sixteenth or one row was slower)."""
+        forward of its own, too costly for one row at a time (measured: a sixteenth or one row was slower).
+
+        Rows back from their tools extend by different numbers of ids (a tool turn with a long result, such as an
+        error message, can be ten times the usual); an extend pads each row's new ids to the group's longest, and
+        that padding stays inside the row for the rest of its trajectory, widening every later step's cache. So
+        they extend in groups whose lengths differ by at most ``EXTEND_SPREAD`` ids."""
         if not ready:
             return []
         slots = len(ready) if self.max_num_seqs is None else self.max_num_seqs - decoding
-        if decoding and slots < min(len(ready), max(1, (self.max_num_seqs or 0) // 8)):
+        if decoding and slots < min(len(ready), max(1, (self.max_num_seqs or 0) // self.JOIN_BUNCH)):
             return []
         rows = [ready.popleft() for _ in range(min(slots, len(ready)))]
         fresh = [row for row in rows if row.kv is None]
-        back = [row for row in rows if row.kv is not None]
-        return [group for group in (fresh, back) if group]
+        groups = [fresh] if fresh else []
+        back = sorted((row for row in rows if row.kv is not None), key=self._pending_length)
+        while back:
+            shortest = self._pending_length(back[0])
+            count = next((i for i, row in enumerate(back) if self._pending_length(row) > shortest + self.EXTEND_SPREAD),
+                         len(back))
+            groups.append(back[:count])
+            back = back[count:]
+        return groups
+
+    @staticmethod
+    def _pending_length(row: Trajectory) -> int:
+        return len(row.prompt_ids) + len(row.ids) - row.cached
 
     # ---------------------------------------------------------------- decoding
 
     @staticmethod
     def _park(batch: RowBatch, keep: list[int]) -> None:
         """Before rows leave the batch to wait for their tools, keep each one's KV cache (its real columns only)."""
+        if len(keep) == len(batch.rows):
+            return
         kept = set(keep)
-        for i, row in enumerate(batch.rows):
-            if i in kept or row.finish is not None:
-                continue
-            columns = batch.mask[i].nonzero()
-            first = int(columns[0]) if len(columns) else batch.mask.shape[1]
-            row.kv = [(layer.keys[i:i + 1, :, first:].clone(), layer.values[i:i + 1, :, first:].clone())
-                      for layer in batch.cache.layers]
-            row.kv_mask = batch.mask[i, first:].clone()
+        parked = [i for i, row in enumerate(batch.rows) if i not in kept and row.finish is None]
+        if not parked:
+            return
+        # One gather per layer for all the rows that leave at this step (a clone per row and layer was ~2% of the
+        # rollout); each row keeps views of its own real columns.
+        index = torch.tensor(parked, dtype=torch.long, device=batch.mask.device)
+        masks = batch.mask.index_select(0, index)
+        firsts = (masks != 0).to(torch.int8).argmax(-1).tolist()  # rows are right-aligned: padding comes first
+        layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index))
+                  for layer in batch.cache.layers]
+        for j, (i, first) in enumerate(zip(parked, firsts, strict=True)):
+            row = batch.rows[i]
+            row.kv = [(keys[j:j + 1, :, first:], values[j:j + 1, :, first:]) for keys, values in layers]
+            row.kv_mask = masks[j, first:]
             row.cached = len(row.prompt_ids) + len(row.ids) - 1  # the eos just sampled is not in the cache yet
+
+    def _pending(self, rows: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids each row back from its tools has not fed yet (the turn's eos, then the tool turn), left-padded
+        to one length: ids and their mask, both ``(rows, longest)``."""
+        return left_padded([(row.prompt_ids + row.ids)[row.cached:] for row in rows],
+                           self.tokenizer.pad_token_id or 0)
+
+    def _extend_in_batch(self, batch: RowBatch, rows: list[Trajectory], device: torch.device
+                         ) -> torch.Tensor | None:
+        """Rows back from their tools, extended where they will decode: their kept caches go straight into the
+        batch's spare rows (``RowBatch.stage``) and one forward over their pending ids writes the rest in place;
+        next-token logits ``(rows, vocab)``, the rows to be added by ``RowBatch.commit``. ``None`` when the
+        batch cannot take them in place (``_extend`` then builds their cache apart, and they join it)."""
+        ids, new_mask = self._pending(rows)
+        staged = batch.stage([row.kv for row in rows], [row.kv_mask for row in rows], new_mask.to(device))
+        if staged is None:
+            return None
+        cache, mask = staged
+        for row in rows:
+            row.kv, row.kv_mask = None, None
+        positions = ((mask.cumsum(-1) - 1).clamp(min=0))[:, -ids.shape[1]:]
+        with self._autocast(device):
+            out = self.model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return at_least_float32(out.logits[:, -1, :])
 
     def _extend(self, rows: list[Trajectory], device: torch.device):
         """Rows back from their tools: their kept caches (left-padded to one length) and one forward over the ids
@@ -298,12 +445,13 @@ class AgentLoop(ToolTurns):
         with self._autocast(device):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                              use_cache=True, logits_to_keep=1)
-        return at_least_float32(out.logits[:, -1, :]), cache, mask
+        return at_least_float32(out.logits[:, -1, :]), cache, mask, None
 
     def _prefill(self, rows: list[Trajectory], device: torch.device):
-        """One forward over each row's ids so far (left-padded): next-token logits ``(rows, vocab)``, the rows'
-        cache and attention mask ``(rows, longest)``. Rows with the same ids (a prompt's ``n`` samples at the
-        start) are computed once and their cache copied, as the single-turn sampler shares a prompt's prefill."""
+        """One forward over each row's ids so far (left-padded): next-token logits ``(rows, vocab)``, the cache,
+        the rows' attention mask ``(rows, longest)`` and each row's cache row (``None``: row ``i`` is cache row
+        ``i``). Rows with the same ids (a prompt's ``n`` samples at the start) are computed once and share a cache
+        row, copied once per row when they join the batch, as the single-turn sampler shares a prompt's prefill."""
         sequences = [tuple(row.prompt_ids + row.ids) for row in rows]
         unique = list(dict.fromkeys(sequences))
         ids, mask = left_padded(unique, self.tokenizer.pad_token_id or 0)
@@ -313,41 +461,43 @@ class AgentLoop(ToolTurns):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = at_least_float32(out.logits[:, -1, :])
-        if len(unique) < len(rows):
-            position = {sequence: i for i, sequence in enumerate(unique)}
-            index = torch.tensor([position[s] for s in sequences], dtype=torch.long, device=device)
-            for layer in cache.layers:
-                layer.set_state(layer.keys.index_select(0, index), layer.values.index_select(0, index))
-            logits, mask = logits.index_select(0, index), mask.index_select(0, index)
-        return logits, cache, mask
+        if len(unique) == len(rows):
+            return logits, cache, mask, None
+        position = {sequence: i for i, sequence in enumerate(unique)}
+        cache_rows = [position[s] for s in sequences]
+        index = torch.tensor(cache_rows, dtype=torch.long, device=device)
+        return logits.index_select(0, index), cache, mask.index_select(0, index), cache_rows
 
     def _advance(self, rows: list[Trajectory], logits: torch.Tensor, params: SamplingParams, warpers: Any,
                  waiting: list[Trajectory]) -> tuple[list[int], torch.Tensor]:
         """Sample each row's next id from ``logits`` ``(rows, vocab)``, append it, and end turns and trajectories;
         returns the rows that keep decoding and every row's sampled id ``(rows,)``."""
         temperature = 1.0 if params.greedy else params.temperature
+        slots = np.fromiter((row.slot for row in rows), dtype=np.int64, count=len(rows))
         if params.greedy:
             tokens = logits.argmax(-1)
         else:
             scores = warpers(None, logits) if warpers else logits
-            uniform = torch.tensor([[row.next_uniform()] for row in rows], dtype=torch.float64,
-                                   device=logits.device)
+            uniform = self._slots.draw(slots).to(logits.device)
             tokens = draw_categorical(torch.softmax(scores, dim=-1), uniform=uniform)
-        chosen = [0.0] * len(rows)
         if params.logprobs:  # the trainer asks (they become the old log-probs); evaluation does not
             behaviour = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
-            chosen = behaviour.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
-        keep = []
-        for i, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
-            row.append(token, generated=True, log_prob=chosen[i])
-            if token == self.eos_id:
+            chosen = behaviour.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).float().cpu().numpy()
+        else:
+            chosen = np.zeros(len(rows), dtype=np.float32)
+        drawn = tokens.cpu().numpy()
+        ending = (drawn == self.eos_id) | self._slots.record(slots, drawn, chosen)
+        if not ending.any():
+            return list(range(len(rows))), tokens
+        for i in np.flatnonzero(ending).tolist():
+            row = rows[i]
+            self._slots.flush(row)
+            if row.ids[-1] == self.eos_id:
                 self._end_turn(row, waiting)
-            elif len(row.ids) >= self.budget or len(row.prompt_ids) + len(row.ids) >= self.max_positions:
+            else:  # the budget or the positions
                 row.finish = "length"
                 row.turns += 1  # the turn the budget cut is still an assistant turn
-            else:
-                keep.append(i)
-        return keep, tokens
+        return np.flatnonzero(~ending).tolist(), tokens
 
     def _autocast(self, device: torch.device):
         if self.autocast_dtype is None:
