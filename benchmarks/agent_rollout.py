@@ -207,6 +207,9 @@ def main() -> None:
     parser.add_argument("--rollout-only", action="store_true", help="Skip the serving half.")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    from verl.utils.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as the trainer's process does (verl/utils/seeding.py), for every mode alike
     rollout = rollout_modes(args.model, args.prompts, args.n, args.max_new_tokens, args.repeats, args.max_num_seqs)
     serving = None if args.rollout_only else serve_latency(args.model, args.requests)
 
