@@ -155,10 +155,11 @@ def test_trainable_weights_are_never_packed_even_after_a_fused_optimizer_step():
 def test_a_generation_block_packs_trainable_weights_once_and_drops_them_when_it_ends(monkeypatch):
     """``packed_weights(trainable=True)`` (the rollout's generation loops): a full fine-tuning model's trainable
     layers multiply by packed copies made once in the block; the copies go when it ends, so the next block packs
-    the weights a fused optimizer step changed in between (no version bump to notice); with gradients on, or
-    outside such a block, the plain path as before."""
-    layer = packed_layer(frozen=False)
-    x = torch.randn(16, 48)
+    the weights a fused optimizer step changed in between (no version bump to notice); with gradients on, outside
+    such a block, or for a LoRA factor (a side under 64), the plain path as before."""
+    layer = packed_layer(inputs=96, outputs=128, frozen=False)
+    x = torch.randn(16, 96)
+    adapter = packed_layer(inputs=96, outputs=16, bias=False, frozen=False)  # a LoRA factor: too narrow to gain
     reorders = []
     reorder = torch.ops.mkldnn._reorder_linear_weight
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
@@ -171,10 +172,11 @@ def test_a_generation_block_packs_trainable_weights_once_and_drops_them_when_it_
             inner = layer(x)
         copy_in_block = layer._verl_packed.snapshot_copy
         assert copy_in_block.packed is not None  # the packed path ran
+        assert torch.equal(adapter(x), F.linear(x, adapter.weight)) and adapter._verl_packed.snapshot is None
     assert len(reorders) == 1 and torch.equal(first, again) and torch.equal(first, inner)
     torch.testing.assert_close(first, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
     assert copy_in_block.packed is None  # dropped with its block
-    F.linear(torch.randn(4, 48), layer.weight, layer.bias).pow(2).sum().backward()
+    F.linear(torch.randn(4, 96), layer.weight, layer.bias).pow(2).sum().backward()
     optimizer.step()  # changes the weight in place without bumping its version
     with torch.no_grad(), packed_weights(trainable=True):
         after = layer(x)

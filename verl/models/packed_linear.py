@@ -61,6 +61,7 @@ class _Snapshot:
 
 
 _SNAPSHOT: contextvars.ContextVar[_Snapshot | None] = contextvars.ContextVar("verl_packed_snapshot", default=None)
+SNAPSHOT_MIN_SIDE = 64  # trainable weights with a side below this (LoRA factors) keep F.linear in a rollout
 
 
 @contextlib.contextmanager
@@ -158,7 +159,9 @@ def packed_cache(module: nn.Module, input: torch.Tensor, gradients: bool | None 
         return None
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         snapshot = _SNAPSHOT.get()
-        if snapshot is None or torch.is_grad_enabled():
+        # A LoRA adapter's rank-r factors stay on F.linear: at 16 rows, 576x16 and 16x576 products took 12 / 11 us
+        # packed against 5 / 5 us (one thread), and the copies would be made for every rollout.
+        if snapshot is None or torch.is_grad_enabled() or min(weight.shape) < SNAPSHOT_MIN_SIDE:
             return None
         return cache.for_snapshot(snapshot)
     return cache
