@@ -34,3 +34,18 @@ def mapped_bytes_for_an_8mb_tensor(**env: str) -> int:
 def test_tensor_sized_blocks_come_from_the_heap_and_the_opt_out_restores_mmap():
     assert mapped_bytes_for_an_8mb_tensor() == 0
     assert mapped_bytes_for_an_8mb_tensor(VERL_MALLOC_TUNING="0") >= 8 * 1024 * 1024
+
+
+
+def test_a_rollout_engine_tunes_its_process_too(monkeypatch):
+    """A rollout outside the trainer (a user's script, a benchmark) recycles blocks as the trainer does: the engine
+    asks for the tuning when it is built. (A probe like the one above cannot show it after a model load: freeing
+    the load's big blocks already raised glibc's moving mmap threshold; what differs is trimming, as the
+    sampling step's temporaries are freed and taken again.)"""
+    import verl.rollout.hf as hf
+    from verl.models.loader import load_causal_lm, load_tokenizer
+
+    calls = []
+    monkeypatch.setattr(hf, "keep_freed_memory", lambda: calls.append(1) or True)
+    hf.HFRollout(load_causal_lm("builtin:tiny-arith"), load_tokenizer("builtin:tiny-arith"))
+    assert calls == [1]

@@ -21,6 +21,7 @@ from verl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, p
 from verl.rollout.sampler import sample_with_shared_prefill, supports_shared_prefill
 from verl.tools.registry import ToolSet
 from verl.tools.runner import ToolRunner
+from verl.utils.allocator import keep_freed_memory
 
 
 @register_rollout("hf")
@@ -47,6 +48,10 @@ class HFRollout(RolloutEngine):
         # Our loop prefills each prompt once for its n samples; `generate` stays as the fallback.
         self.shared_prefill = shared_prefill and supports_shared_prefill(model)
         self.stop_when = stop_when  # sharded models: agree across ranks on when decoding stops
+        # Recycle tensor-sized blocks from the heap, as the trainer's and the server's processes do: without it a
+        # rollout in a plain script page-faults its multi-MB temporaries at every step (sampling from SmolLM2's
+        # 49,152-entry vocabulary at 16 rows: 5.6 ms a step against 0.64 ms).
+        keep_freed_memory()
 
     @torch.no_grad()
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
