@@ -82,7 +82,7 @@ class Trajectory:
     kv_mask: torch.Tensor | None = None
     cached: int = 0
 
-    slot: int = 0  # its row in the decode loop's per-trajectory tensors (``DecodeSlots``)
+    slot: int = 0  # its row in the decode loop's per-trajectory arrays (``DecodeSlots``)
 
     def append(self, token: int, generated: bool, log_prob: float = 0.0) -> None:
         self.ids.append(token)
@@ -414,15 +414,12 @@ class AgentLoop(ToolTurns):
         each has not fed yet (the turn's eos, then the tool turn), left-padded within the new block. Returns what
         ``_prefill`` returns; the padding between a row's old and new ids is masked out and position ids count
         real tokens only, so the result is the row's full forward."""
-        pending = [(row.prompt_ids + row.ids)[row.cached:] for row in rows]
-        old = max(row.kv_mask.shape[0] for row in rows)
-        new = max(len(ids) for ids in pending)
-        ids = torch.full((len(rows), new), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        ids, new_mask = self._pending(rows)
+        old, new = max(row.kv_mask.shape[0] for row in rows), ids.shape[1]
         mask = torch.zeros((len(rows), old + new), dtype=torch.long)
-        for i, (row, fresh) in enumerate(zip(rows, pending, strict=True)):
-            ids[i, new - len(fresh):] = torch.tensor(fresh, dtype=torch.long)
+        for i, row in enumerate(rows):
             mask[i, old - row.kv_mask.shape[0]:old] = row.kv_mask.cpu()
-            mask[i, old + new - len(fresh):] = 1
+        mask[:, old:] = new_mask
         cache = new_growing_cache(self.model.config)
         for number, layer in enumerate(cache.layers):
             # Each kept cache is copied once, straight into a buffer with room for the new ids (the forward below
