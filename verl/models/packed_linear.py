@@ -24,9 +24,9 @@ first step's KL is exactly zero, tested). Elsewhere (a separate reference model,
 the layers run ``F.linear``. A trainable weight keeps no packed copy beyond one generation block: the fused AdamW
 kernel updates it without bumping its version counter, so a lasting copy could not tell it had gone stale. The
 rollout's generation loops enter ``packed_weights(trainable=True)``: there, with gradients off, trainable layers
-(full fine-tuning, LoRA's adapters) pack once and drop the copies when the block ends (measured on the tiny agent,
-full fine-tuning, 512 trajectories on 128 slots, one thread, 5 alternating repeats: single-turn rollout 2.40 ->
-2.15 s, multi-turn 3.28 -> 2.92 s, 1.12x each). A frozen
+(full fine-tuning; not LoRA's rank-r factors, a side under ``SNAPSHOT_MIN_SIDE``) pack once and drop the copies
+when the block ends (measured on the tiny agent, full fine-tuning, 512 trajectories on 128 slots, one thread, 5
+alternating repeats: single-turn rollout 2.40 -> 2.15 s, multi-turn 3.28 -> 2.92 s, 1.12x each). A frozen
 weight's packed copy is rebuilt when the weight is replaced or changed by an ordinary in-place op (``copy_``,
 ``load_state_dict``); code that rewrites a frozen weight behind autograd's back (``.data`` writes, LoRA merges into
 a model that already generated) calls ``refresh_packed_linear(model)``. Cost: one more copy of the frozen linear
