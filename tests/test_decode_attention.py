@@ -1,6 +1,6 @@
 """The CPU decode-attention kernel (``verl/models/decode_attention.py``): the same attention as torch's SDPA for one
-query position (grouped heads, left padding, strided cache views, no mask), used by every decode step of the
-engines, and out of the way wherever it does not apply."""
+query position (grouped heads, left padding, strided cache views, no mask) or a few under a causal mask, used by
+every decode step and extend of the engines, and out of the way wherever it does not apply."""
 
 from __future__ import annotations
 
@@ -58,12 +58,45 @@ def test_kernel_equals_sdpa_on_padded_grouped_strided_caches(rows, heads, kv_hea
             torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "positions", "columns", "head_dim"),
+                         [(7, 4, 4, 3, 33, 32), (5, 9, 3, 9, 70, 64), (3, 2, 1, 16, 20, 128)])
+def test_a_few_query_positions_per_row_attend_as_their_mask_rows_say(rows, heads, kv_heads, positions, columns,
+                                                                      head_dim) -> None:
+    """An extend (a tool turn fed into rows' caches): each row's new ids attend causally to each other and to the
+    row's real cached columns; each query position follows its own mask row, as SDPA does."""
+    assert load_kernels() is not None, f"the kernels did not build: {build_error()}"
+    generator = torch.Generator().manual_seed(rows * 100 + positions)
+    key_buffer = torch.randn(rows + 1, kv_heads, columns + 5, head_dim, generator=generator)
+    value_buffer = torch.randn(rows + 1, kv_heads, columns + 5, head_dim, generator=generator)
+    key, value = key_buffer[:rows, :, 2:columns + 2], value_buffer[:rows, :, 2:columns + 2]
+    query = torch.randn(rows, positions, heads, head_dim, generator=generator).transpose(1, 2)
+    padding = left_padding_mask(rows, columns, generator)[:, 0, 0, :]
+    padding[:, columns - positions:] = True  # the new ids are real
+    causal = torch.arange(columns)[None, :] <= (columns - positions + torch.arange(positions))[:, None]
+    mask = (padding[:, None, :] & causal[None]).unsqueeze(1)  # (rows, 1, positions, columns)
+    scale = head_dim ** -0.5
+    with torch.no_grad():
+        out = kernel.decode_attention(query, key, value, mask, scale)
+        reference = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                   enable_gqa=heads != kv_heads)
+        assert out is not None and out.shape == (rows, positions, heads, head_dim)
+        torch.testing.assert_close(out, reference.transpose(1, 2), atol=2e-6, rtol=1e-5)
+        # A later position's column is masked for an earlier one: NaN there reaches only the positions that see it.
+        key_buffer[:rows, :, columns + 1] = float("nan")
+        poisoned = kernel.decode_attention(query, key, value, mask, scale)
+        assert torch.equal(poisoned[:, :-1], out[:, :-1]) and poisoned[:, -1].isnan().all()
+
+
 def test_kernel_steps_aside_where_it_does_not_apply(monkeypatch) -> None:
     query, key = torch.randn(2, 4, 1, 32), torch.randn(2, 4, 6, 32)
     mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
     with torch.no_grad():
         assert kernel.decode_attention(query, key, key, mask, 0.1) is not None
-        assert kernel.decode_attention(torch.randn(2, 4, 3, 32), key, key, None, 0.1) is None  # 3 query positions
+        assert kernel.decode_attention(torch.randn(2, 4, 3, 32), key, key, None, 0.1) is None  # 3, no mask
+        assert kernel.decode_attention(torch.randn(2, 4, 3, 32), key, key, mask, 0.1) is None  # a 1-position mask
+        many = kernel.MAX_QUERY_POSITIONS + 1  # a prefill: the flash kernel's GEMMs
+        assert kernel.decode_attention(torch.randn(2, 4, many, 32), key, key,
+                                       torch.ones(2, 1, many, 6, dtype=torch.bool), 0.1) is None
         assert kernel.decode_attention(query.double(), key.double(), key.double(), mask, 0.1) is None
         assert kernel.decode_attention(query, key, key, torch.zeros(2, 1, 1, 6), 0.1) is None  # a float mask
         assert kernel.decode_attention(torch.randn(2, 4, 1, 48), torch.randn(2, 4, 6, 48),
@@ -78,7 +111,8 @@ def test_kernel_steps_aside_where_it_does_not_apply(monkeypatch) -> None:
 @pytest.mark.parametrize("model_name", ["builtin:tiny-arith", "builtin:tiny-agent"])
 def test_every_decode_step_of_a_loaded_model_runs_the_kernel_with_sdpas_logits(model_name, monkeypatch) -> None:
     """Through ``load_causal_lm`` (trainer, eval, serving): the decode forwards (one new token per row over a
-    left-padded cache) call the kernel once per layer, and their logits are SDPA's to float rounding."""
+    left-padded cache) and a short prefill call the kernel once per layer, and their logits are SDPA's to float
+    rounding."""
     model = load_causal_lm(resolve_model_path(model_name)).eval()
     assert model.config._attn_implementation == NAME
     calls = []
@@ -95,11 +129,12 @@ def test_every_decode_step_of_a_loaded_model_runs_the_kernel_with_sdpas_logits(m
     def decode(kernel_on: str) -> torch.Tensor:
         monkeypatch.setenv("VERL_DECODE_KERNEL", kernel_on)
         with torch.no_grad():
-            return prefill_then_decode(model, ids, mask)[1:]  # the decode steps' logits
+            return prefill_then_decode(model, ids, mask)  # the prefill's last position, then the decode steps
 
     with_kernel = decode("1")
     layers = model.config.num_hidden_layers
-    assert calls.count(True) == 4 * layers  # every decode step, every layer; the prefill is not one
+    # Every decode step, every layer, and the 9-id prefill (within MAX_QUERY_POSITIONS, its rows left-padded).
+    assert calls.count(True) == 5 * layers
     calls.clear()
     without = decode("0")
     assert not any(calls)

@@ -7,12 +7,14 @@
    per head). Measured on SmolLM2-135M (9 query heads over 3 K/V heads, batch 16, 97 cached tokens, one thread):
    0.43 -> 0.22 ms per layer call.
 2. **A decode kernel** (``verl.models.decode_attention``) for calls with one query position per row (every decode
-   step of the serving engine and the rollouts, no autograd): it reads each row's unmasked K/V once for all the
-   query heads of a group; 0.36-0.5x the flash kernel's time per layer. It falls back to SDPA wherever it does
+   step of the serving engine and the rollouts, no autograd), or a few under a mask (an agent's tool turn fed
+   into its cache, a short prompt's prefill): it reads each row's unmasked K/V once for all the query heads of a
+   group; 0.36-0.5x the flash kernel's time per layer at one position. It falls back to SDPA wherever it does
    not apply.
 
-Everything else (no mask, several query positions, other devices) goes to transformers' own ``sdpa`` function
-unchanged, so training and prefill forwards are bit for bit what ``sdpa`` computes.
+Everything else (autograd, no mask with several positions, more than ``MAX_QUERY_POSITIONS``, other devices) goes
+to transformers' own ``sdpa`` function unchanged, so training forwards and long prefills are bit for bit what
+``sdpa`` computes.
 
     from verl.models.attention import use_cpu_attention
     use_cpu_attention(model)          # a no-op off CPU or for models not on sdpa
@@ -31,7 +33,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from verl.models.decode_attention import decode_attention
+from verl.models.decode_attention import MAX_QUERY_POSITIONS, decode_attention
 
 NAME = "verl_cpu_sdpa"
 
@@ -39,12 +41,12 @@ NAME = "verl_cpu_sdpa"
 def cpu_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """``sdpa`` with grouped K/V passed as they are and the decode kernel for one query position. Shapes: query
-    (batch, heads, q_len, head_dim), key/value (batch, kv_heads, kv_len, head_dim); returns (batch, q_len, heads,
-    head_dim) and no weights."""
+    """``sdpa`` with grouped K/V passed as they are and the decode kernel for one or a few query positions.
+    Shapes: query (batch, heads, q_len, head_dim), key/value (batch, kv_heads, kv_len, head_dim); returns
+    (batch, q_len, heads, head_dim) and no weights."""
     plain = (dropout == 0.0 and kwargs.get("position_bias") is None and kwargs.get("cache") is None
              and kwargs.get("softcap") is None and kwargs.get("s_aux") is None)
-    if plain and query.shape[2] == 1:
+    if plain and query.shape[2] <= MAX_QUERY_POSITIONS:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         output = decode_attention(query, key, value, attention_mask, scale)
         if output is not None:

@@ -9,7 +9,7 @@ void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor si
 void silu_mul_(torch::Tensor gate, torch::Tensor up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "softmax attention of one query position per row");
+  m.def("decode_attention", &decode_attention, "softmax attention of one or a few query positions per row, over a masked KV cache");
   m.def("rms_norm", &rms_norm, "weight * x * rsqrt(mean(x^2) + eps) over the last dimension");
   m.def("add_rms_norm_", &add_rms_norm_, "x += residual in place; returns rms_norm(x)");
   m.def("rope_", &rope_, "rotary position embedding applied to q and k in place");

@@ -8,9 +8,13 @@
 // query heads over 3 K/V heads, head_dim 64) a layer's attention takes 0.5x / 0.36x the flash kernel's time, cold
 // caches (0.84 vs 1.60 ms, 0.114 vs 0.315 ms).
 //
-// q (B, H, 1, D); k, v (B, Hkv, T, D), any strides with the last dim contiguous; mask bool (B or 1, 1, 1, T), true =
-// attend, or none. Returns (B, 1, H, D) contiguous (the layout the attention module reshapes next). A row with no
-// unmasked column gets zeros.
+// A few query positions per row (an agent's tool turn fed into its cache: ~10 ids) run the same way, one position
+// after another with its own mask row, while the block's K and V stay in cache: the flash kernel spent ~40% of such
+// an extend forward on the tiny agent (33 rows x 9 ids over 124 columns) in per-block call overhead.
+//
+// q (B, H, NQ, D); k, v (B, Hkv, T, D), any strides with the last dim contiguous; mask bool (B or 1, 1, NQ, T),
+// true = attend, or none (one query position only). Returns (B, NQ, H, D) contiguous (the layout the attention module
+// reshapes next). A query position with no unmasked column gets zeros.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -117,9 +121,9 @@ static inline void block_avx512(const float* qs, const float* kp, int64_t ks2, c
 
 template <int D>
 static void run(const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
-                const bool* __restrict__ M, float* __restrict__ O, int64_t B, int64_t H, int64_t Hkv, int64_t T,
-                int64_t qs0, int64_t qs1, int64_t ks0, int64_t ks1, int64_t ks2, int64_t vs0, int64_t vs1,
-                int64_t vs2, int64_t ms0, int64_t ms3, float sc) {
+                const bool* __restrict__ M, float* __restrict__ O, int64_t B, int64_t H, int64_t Hkv, int64_t NQ,
+                int64_t T, int64_t qs0, int64_t qs1, int64_t qs2, int64_t ks0, int64_t ks1, int64_t ks2, int64_t vs0,
+                int64_t vs1, int64_t vs2, int64_t ms0, int64_t ms2, int64_t ms3, float sc) {
   const int64_t G = H / Hkv;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores_v(G * T), acc_v(G * D), qs_v(G * D);
@@ -132,17 +136,6 @@ static void run(const float* __restrict__ Q, const float* __restrict__ K, const 
       const int64_t b = bh / Hkv, h = bh % Hkv;
       const float* __restrict__ kp = K + b * ks0 + h * ks1;
       const float* __restrict__ vp = V + b * vs0 + h * vs1;
-      int64_t n = 0;  // the unmasked columns
-      if (M) {
-        const bool* mp = M + b * ms0;
-        for (int64_t t = 0; t < T; ++t) if (mp[t * ms3]) live[n++] = static_cast<int32_t>(t);
-      } else {
-        for (int64_t t = 0; t < T; ++t) live[n++] = static_cast<int32_t>(t);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = Q + b * qs0 + (h * G + g) * qs1;
-        for (int d = 0; d < D; ++d) qs[g * D + d] = qg[d] * sc;
-      }
       if (bh + 1 < end) {  // the next block's K and V: a jump the hardware prefetcher does not follow
         const int64_t b2 = (bh + 1) / Hkv, h2 = (bh + 1) % Hkv;
         const char* kn = reinterpret_cast<const char*>(K + b2 * ks0 + h2 * ks1);
@@ -150,74 +143,88 @@ static void run(const float* __restrict__ Q, const float* __restrict__ K, const 
         for (int64_t off = 0; off < T * ks2 * 4; off += 64) __builtin_prefetch(kn + off);
         for (int64_t off = 0; off < T * vs2 * 4; off += 64) __builtin_prefetch(vn + off);
       }
-#if defined(__AVX512F__)
-      block_avx512<D>(qs, kp, ks2, vp, vs2, live, n, G, T, scores, acc, false);
-#else
-      for (int64_t g = 0; g < G; ++g) {
-        const float* __restrict__ qg = qs + g * D;
-        float* __restrict__ sg = scores + g * T;
-        int64_t i = 0;
-        for (; i + 4 <= n; i += 4) {
-          const float* __restrict__ k0 = kp + live[i] * ks2;
-          const float* __restrict__ k1 = kp + live[i + 1] * ks2;
-          const float* __restrict__ k2 = kp + live[i + 2] * ks2;
-          const float* __restrict__ k3 = kp + live[i + 3] * ks2;
-          float p0[16] = {0}, p1[16] = {0}, p2[16] = {0}, p3[16] = {0};
-          for (int d0 = 0; d0 < D; d0 += 16) {
-#pragma omp simd
-            for (int d = 0; d < 16; ++d) {
-              p0[d] += qg[d0 + d] * k0[d0 + d];
-              p1[d] += qg[d0 + d] * k1[d0 + d];
-              p2[d] += qg[d0 + d] * k2[d0 + d];
-              p3[d] += qg[d0 + d] * k3[d0 + d];
-            }
-          }
-          float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-          for (int d = 0; d < 16; ++d) { s0 += p0[d]; s1 += p1[d]; s2 += p2[d]; s3 += p3[d]; }
-          sg[i] = s0; sg[i + 1] = s1; sg[i + 2] = s2; sg[i + 3] = s3;
+      // Each query position in turn, with its own mask row: after the first, this block's K and V are in cache.
+      for (int64_t p = 0; p < NQ; ++p) {
+        int64_t n = 0;  // the unmasked columns
+        if (M) {
+          const bool* mp = M + b * ms0 + p * ms2;
+          for (int64_t t = 0; t < T; ++t) if (mp[t * ms3]) live[n++] = static_cast<int32_t>(t);
+        } else {
+          for (int64_t t = 0; t < T; ++t) live[n++] = static_cast<int32_t>(t);
         }
-        for (; i < n; ++i) {
-          const float* __restrict__ kr = kp + live[i] * ks2;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int d = 0; d < D; ++d) s += qg[d] * kr[d];
-          sg[i] = s;
-        }
-      }
-#endif
-      for (int64_t g = 0; g < G; ++g) {
-        float* __restrict__ sg = scores + g * T;
-        float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-          const float p = exp_nonpositive(sg[i] - m);
-          sg[i] = p;
-          sum += p;
-        }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
-      }
-#if defined(__AVX512F__)
-      block_avx512<D>(qs, kp, ks2, vp, vs2, live, n, G, T, scores, acc, true);
-#else
-      for (int64_t j = 0; j < G * D; ++j) acc[j] = 0.f;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* __restrict__ vr = vp + live[i] * vs2;
         for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * T + i];
-          float* __restrict__ a = acc + g * D;
-#pragma omp simd
-          for (int d = 0; d < D; ++d) a[d] += p * vr[d];
+          const float* qg = Q + b * qs0 + (h * G + g) * qs1 + p * qs2;
+          for (int d = 0; d < D; ++d) qs[g * D + d] = qg[d] * sc;
         }
-      }
-#endif
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = O + (b * H + h * G + g) * D;
-        for (int d = 0; d < D; ++d) o[d] = acc[g * D + d];
-      }
+  #if defined(__AVX512F__)
+        block_avx512<D>(qs, kp, ks2, vp, vs2, live, n, G, T, scores, acc, false);
+  #else
+        for (int64_t g = 0; g < G; ++g) {
+          const float* __restrict__ qg = qs + g * D;
+          float* __restrict__ sg = scores + g * T;
+          int64_t i = 0;
+          for (; i + 4 <= n; i += 4) {
+            const float* __restrict__ k0 = kp + live[i] * ks2;
+            const float* __restrict__ k1 = kp + live[i + 1] * ks2;
+            const float* __restrict__ k2 = kp + live[i + 2] * ks2;
+            const float* __restrict__ k3 = kp + live[i + 3] * ks2;
+            float p0[16] = {0}, p1[16] = {0}, p2[16] = {0}, p3[16] = {0};
+            for (int d0 = 0; d0 < D; d0 += 16) {
+  #pragma omp simd
+              for (int d = 0; d < 16; ++d) {
+                p0[d] += qg[d0 + d] * k0[d0 + d];
+                p1[d] += qg[d0 + d] * k1[d0 + d];
+                p2[d] += qg[d0 + d] * k2[d0 + d];
+                p3[d] += qg[d0 + d] * k3[d0 + d];
+              }
+            }
+            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+            for (int d = 0; d < 16; ++d) { s0 += p0[d]; s1 += p1[d]; s2 += p2[d]; s3 += p3[d]; }
+            sg[i] = s0; sg[i + 1] = s1; sg[i + 2] = s2; sg[i + 3] = s3;
+          }
+          for (; i < n; ++i) {
+            const float* __restrict__ kr = kp + live[i] * ks2;
+            float s = 0.f;
+  #pragma omp simd reduction(+ : s)
+            for (int d = 0; d < D; ++d) s += qg[d] * kr[d];
+            sg[i] = s;
+          }
+        }
+  #endif
+        for (int64_t g = 0; g < G; ++g) {
+          float* __restrict__ sg = scores + g * T;
+          float m = -std::numeric_limits<float>::infinity();
+  #pragma omp simd reduction(max : m)
+          for (int64_t i = 0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
+          float sum = 0.f;
+  #pragma omp simd reduction(+ : sum)
+          for (int64_t i = 0; i < n; ++i) {
+            const float p = exp_nonpositive(sg[i] - m);
+            sg[i] = p;
+            sum += p;
+          }
+          const float inv = sum > 0.f ? 1.f / sum : 0.f;
+          for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+        }
+  #if defined(__AVX512F__)
+        block_avx512<D>(qs, kp, ks2, vp, vs2, live, n, G, T, scores, acc, true);
+  #else
+        for (int64_t j = 0; j < G * D; ++j) acc[j] = 0.f;
+        for (int64_t i = 0; i < n; ++i) {
+          const float* __restrict__ vr = vp + live[i] * vs2;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * T + i];
+            float* __restrict__ a = acc + g * D;
+  #pragma omp simd
+            for (int d = 0; d < D; ++d) a[d] += p * vr[d];
+          }
+        }
+  #endif
+        for (int64_t g = 0; g < G; ++g) {
+          float* o = O + ((b * NQ + p) * H + h * G + g) * D;
+          for (int d = 0; d < D; ++d) o[d] = acc[g * D + d];
+        }
+      }  // query positions
     }
   });
 }
@@ -226,25 +233,30 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const c10::optional<torch::Tensor>& mask_opt, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "decode_attention: float32 only");
-  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.dim() == 4, "decode_attention: one query position");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: 4-D query, key and value");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: head_dim must be contiguous");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), T = k.size(2);
+  const int64_t B = q.size(0), H = q.size(1), NQ = q.size(2), D = q.size(3), Hkv = k.size(1), T = k.size(2);
   TORCH_CHECK(H % Hkv == 0 && k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && k.size(3) == D && v.size(3) == D &&
               v.size(2) == T, "decode_attention: shapes do not match");
-  auto out = torch::empty({B, 1, H, D}, q.options());
+  const bool has_mask = mask_opt.has_value() && mask_opt->defined();
+  // Several query positions attend causally: only a mask says to what (without one every position would see all).
+  TORCH_CHECK(NQ == 1 || has_mask, "decode_attention: several query positions need a mask");
+  auto out = torch::empty({B, NQ, H, D}, q.options());
   const bool* M = nullptr;
-  int64_t ms0 = 0, ms3 = 0;
-  if (mask_opt.has_value() && mask_opt->defined()) {
+  int64_t ms0 = 0, ms2 = 0, ms3 = 0;
+  if (has_mask) {
     const auto& m = *mask_opt;
     TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && (m.size(0) == 1 || m.size(0) == B) &&
-                m.size(1) == 1 && m.size(2) == 1 && m.size(3) == T, "decode_attention: mask must be (B or 1, 1, 1, T)");
+                m.size(1) == 1 && m.size(2) == NQ && m.size(3) == T,
+                "decode_attention: mask must be (B or 1, 1, query positions, T)");
     M = m.data_ptr<bool>();
     ms0 = m.size(0) == 1 ? 0 : m.stride(0);
+    ms2 = m.stride(2);
     ms3 = m.stride(3);
   }
 #define VERL_RUN(DIM) run<DIM>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), M, out.data_ptr<float>(), \
-    B, H, Hkv, T, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), \
-    v.stride(2), ms0, ms3, static_cast<float>(scale))
+    B, H, Hkv, NQ, T, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), \
+    v.stride(1), v.stride(2), ms0, ms2, ms3, static_cast<float>(scale))
   switch (D) {
     case 32: VERL_RUN(32); break;
     case 64: VERL_RUN(64); break;
