@@ -139,3 +139,49 @@ def test_every_decode_step_of_a_loaded_model_runs_the_kernel_with_sdpas_logits(m
     without = decode("0")
     assert not any(calls)
     torch.testing.assert_close(with_kernel, without, atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_steps_mask_is_the_padding_mask_without_broadcasting(monkeypatch) -> None:
+    """The mask a decode step gets (one query position after every cached column) is ``sdpa_mask``'s, taken from the
+    2-D padding mask as a view; prefill, several positions and a query before some columns build it the general way."""
+    from transformers.masking_utils import sdpa_mask
+
+    from verl.models import attention
+
+    generator = torch.Generator().manual_seed(3)
+    padding = torch.rand(5, 12, generator=generator) > 0.3
+    padding[:, -1] = True  # the new token is real
+    general = []
+    monkeypatch.setattr(attention, "sdpa_mask", lambda *args, **kwargs: general.append(args) or sdpa_mask(
+        *args, **kwargs))
+    for q_offset, kv_offset, kv_length in ((11, 0, 12), (20, 0, 12), (11, 2, 10)):
+        mask = attention.cpu_sdpa_mask(5, 1, kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                                       attention_mask=padding, allow_is_causal_skip=False)
+        expected = sdpa_mask(5, 1, kv_length, q_offset=q_offset, kv_offset=kv_offset, attention_mask=padding,
+                             allow_is_causal_skip=False)
+        assert torch.equal(mask, expected) and mask.data_ptr() == padding.data_ptr() + kv_offset  # a view
+    assert not general
+    attention.cpu_sdpa_mask(5, 1, 12, q_offset=5, attention_mask=padding)  # a query before some columns
+    attention.cpu_sdpa_mask(5, 3, 12, q_offset=9, attention_mask=padding)  # several positions
+    assert len(general) == 2
+
+
+def test_a_loaded_models_decode_steps_skip_the_general_mask_builder(monkeypatch) -> None:
+    """Through ``load_causal_lm``: the prefill builds its mask the general way, the decode steps do not, and the
+    logits are those of transformers' own ``sdpa`` mask builder."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    from verl.models import attention
+
+    model = load_causal_lm(resolve_model_path("builtin:tiny-agent")).eval()
+    general = []
+    monkeypatch.setattr(attention, "sdpa_mask", lambda *args, **kwargs: general.append(args) or sdpa_mask(
+        *args, **kwargs))
+    ids, mask = left_padded_prompts()
+    with torch.no_grad():
+        fast = prefill_then_decode(model, ids, mask)
+    assert len(general) == 1  # the prefill
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, NAME, sdpa_mask)
+    with torch.no_grad():
+        reference = prefill_then_decode(model, ids, mask)
+    assert torch.equal(fast, reference)
