@@ -30,6 +30,7 @@ from verl.models.fused_decoder import fused_decoder_layers
 from verl.models.kv_cache import new_growing_cache
 from verl.models.loader import load_causal_lm, resolve_model_path
 from verl.models.packed_linear import packed_weights
+from verl.utils.allocator import keep_freed_memory
 from verl.utils.profiling import matmul_flops
 
 
@@ -58,6 +59,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the serving engine's and the trainer's processes do: no page faults per temporary
     model = load_causal_lm(resolve_model_path(args.model), dtype="float32", device=torch.device("cpu")).eval()
     model.requires_grad_(False)  # as the serving engine holds it
     if args.attn == "engine":
