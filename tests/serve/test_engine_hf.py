@@ -292,6 +292,44 @@ def test_row_batch_rebuild_drops_and_joins_rows_in_one_pass():
     assert len(batch) == 0 and batch.cache is None
 
 
+def test_a_batch_that_outgrows_its_columns_keeps_its_spare_rows():
+    """Decoding past the buffers' free columns reallocates them with as many rows as before, the rows' columns
+    intact: the next rows to join still go into spare rows (reallocating to the rows in use left none, and the
+    next join rebuilt the whole batch)."""
+    from transformers import LlamaConfig
+
+    from verl.models.kv_cache import GrowingLayer, Joining, RowBatch, new_growing_cache
+
+    gen = torch.Generator().manual_seed(1)
+    config = LlamaConfig(num_hidden_layers=2)
+
+    def prefilled(count: int, width: int) -> Joining:
+        cache = new_growing_cache(config)
+        for layer in cache.layers:
+            keys = torch.randn(count, 2, width, 4, generator=gen)
+            layer.set_state(keys, keys + 1)
+        return Joining(list(range(count)), cache, torch.ones(count, width, dtype=torch.long), torch.zeros(count))
+
+    batch = RowBatch()
+    batch.rebuild(None, [prefilled(3, 5)])
+    batch.rebuild(None, [prefilled(5, 3)])  # a rebuild: buffers with a quarter spare rows
+    layer = batch.cache.layers[0]
+    spare, capacity, before = layer.spare_rows(), layer._kbuf.shape[2], layer.keys.clone()
+    assert spare == 2
+    steps = capacity - layer._len + 3  # past the free columns
+    for _ in range(steps):
+        new = torch.randn(len(batch), 2, 1, 4, generator=gen)
+        for cache_layer in batch.cache.layers:
+            cache_layer.update(new, new + 1)
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], dim=1)
+    assert layer._kbuf.shape[2] > capacity and layer.spare_rows() == spare
+    assert torch.equal(layer.keys[:, :, :before.shape[2]], before)
+    buffer = layer._kbuf
+    batch.rebuild(None, [prefilled(2, 4)])
+    assert layer._kbuf is buffer and layer.spare_rows() == 0  # joined in place
+    assert GrowingLayer.HEADROOM < steps
+
+
 def test_row_batch_keeps_every_rows_cache_through_leaves_joins_and_steps():
     """Rows leave (compacted in place: the last rows move into the holes), join (in place into spare rows when
     they fit, else a rebuild), come back with caches of their own and new ids (``stage``: placed in spare rows, a

@@ -130,13 +130,26 @@ class GrowingLayer(DynamicLayer):
             return self.keys, self.values
         new = key_states.shape[-2]
         if self._len + new > self._kbuf.shape[2]:
-            self.set_state(self.keys, self.values, headroom=max(self.HEADROOM, self._len, new))
+            self._grow(max(self.HEADROOM, self._len, new))
         end = self._len + new
         self._kbuf[:self._rows, :, self._len:end] = key_states
         self._vbuf[:self._rows, :, self._len:end] = value_states
         self._len = end
         self._views()
         return self.keys, self.values
+
+    def _grow(self, headroom: int) -> None:
+        """Out of columns: new buffers holding the columns in use (from column 0) and ``headroom`` free ones, with
+        as many rows as before, so the spare rows stay spare (reallocating to the rows in use left none: the
+        next rows to join the batch then rebuilt it whole, ~3 times per rollout of the tiny agent)."""
+        width = self._len - self._start
+        buffers = []
+        for buffer in (self._kbuf, self._vbuf):
+            grown = buffer.new_empty((buffer.shape[0], buffer.shape[1], width + headroom, buffer.shape[3]))
+            grown[:self._rows, :, :width] = buffer[:self._rows, :, self._start:self._len]
+            buffers.append(grown)
+        self._kbuf, self._vbuf, self._len, self._start = buffers[0], buffers[1], width, 0
+        self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._kbuf is not None:
