@@ -69,7 +69,7 @@ def cpu_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int 
     """sdpa's boolean mask ``(batch, 1, q_length, kv_length)``, True = attend. A decode step (one query position
     that every cached column precedes, plain causal masking) needs no mask functions broadcast over index grids:
     its mask is the 2-D padding mask's columns, as a view. transformers builds it the general way at every step:
-    ~0.25 of a ~7 ms decode step of the tiny agent (cProfile, 120 rows). Anything else goes to ``sdpa_mask``."""
+    ~0.25 ms of a ~7 ms decode step of the tiny agent (cProfile, 120 rows). Anything else goes to ``sdpa_mask``."""
     if (q_length == 1 and mask_function is causal_mask_function and local_size is None and not use_vmap
             and attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype == torch.bool
             and attention_mask.shape[0] == batch_size and attention_mask.shape[1] >= kv_offset + kv_length
