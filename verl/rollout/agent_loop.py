@@ -423,18 +423,12 @@ class AgentLoop(ToolTurns):
         cache = new_growing_cache(self.model.config)
         for number, layer in enumerate(cache.layers):
             # Each kept cache is copied once, straight into a buffer with room for the new ids (the forward below
-            # appends them in place).
-            buffers = []
-            for side in (0, 1):
-                sample = rows[0].kv[number][side]
-                buffer = sample.new_empty((len(rows), sample.shape[1], old + new + GrowingLayer.HEADROOM,
-                                           sample.shape[3]))
-                for i, row in enumerate(rows):
-                    kept = row.kv[number][side]
-                    buffer[i, :, :old - kept.shape[2]] = 0  # padding: finite, masked out
-                    buffer[i, :, old - kept.shape[2]:old] = kept[0]
-                buffers.append(buffer)
-            layer.adopt(buffers[0], buffers[1], old)
+            # appends them in place): empty buffers, then the rows placed right-aligned, as ``RowBatch.stage`` does.
+            keys, values = rows[0].kv[number]
+            layer.adopt(*(sample.new_empty((len(rows), sample.shape[1], old + new + GrowingLayer.HEADROOM,
+                                            sample.shape[3])) for sample in (keys, values)), old, rows=0)
+            layer.place([row.kv[number] for row in rows], old)
+            layer.take_spare(len(rows))
         for row in rows:
             row.kv, row.kv_mask = None, None
         ids, mask = ids.to(device), mask.to(device)
