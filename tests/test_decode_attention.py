@@ -87,6 +87,33 @@ def test_a_few_query_positions_per_row_attend_as_their_mask_rows_say(rows, heads
         assert torch.equal(poisoned[:, :-1], out[:, :-1]) and poisoned[:, -1].isnan().all()
 
 
+@pytest.mark.parametrize(("positions", "heads", "kv_heads", "head_dim"), [(1, 4, 4, 32), (1, 9, 3, 64), (5, 2, 1, 128)])
+def test_rows_name_the_cache_rows_each_query_row_reads(positions, heads, kv_heads, head_dim) -> None:
+    """A slot cache's step (``rows``): query row ``b`` attends to store row ``rows[b]``, in any order, skipping the
+    store's other rows, exactly as the kernel over those rows gathered; a row outside the store is an error."""
+    assert load_kernels() is not None, f"the kernels did not build: {build_error()}"
+    generator = torch.Generator().manual_seed(positions * 10 + heads)
+    slots, columns, count = 9, 24, 4
+    key = torch.randn(slots, kv_heads, columns + 6, head_dim, generator=generator)[:, :, :columns]
+    value = torch.randn(slots, kv_heads, columns + 6, head_dim, generator=generator)[:, :, :columns]
+    rows = torch.tensor([7, 2, 5, 0])
+    query = torch.randn(count, positions, heads, head_dim, generator=generator).transpose(1, 2)
+    mask = torch.rand(count, 1, positions, columns, generator=generator) < 0.7
+    mask[..., 0] = True
+    with torch.no_grad():
+        out = kernel.decode_attention(query, key, value, mask, 0.125, rows=rows)
+        gathered = kernel.decode_attention(query, key[rows], value[rows], mask, 0.125)
+        reference = F.scaled_dot_product_attention(query, key[rows], value[rows], attn_mask=mask, scale=0.125,
+                                                   enable_gqa=heads != kv_heads)
+        assert out is not None and torch.equal(out, gathered)
+        torch.testing.assert_close(out, reference.transpose(1, 2), atol=2e-6, rtol=1e-5)
+        others = torch.tensor([i for i in range(slots) if i not in rows.tolist()])
+        key[others], value[others] = float("nan"), float("nan")  # rows no query names are never read
+        assert torch.equal(kernel.decode_attention(query, key, value, mask, 0.125, rows=rows), out)
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            load_kernels().decode_attention(query, key, value, mask, 0.125, torch.tensor([0, 1, 2, slots]))
+
+
 def test_kernel_steps_aside_where_it_does_not_apply(monkeypatch) -> None:
     query, key = torch.randn(2, 4, 1, 32), torch.randn(2, 4, 6, 32)
     mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)

@@ -44,14 +44,21 @@ def cpu_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """``sdpa`` with grouped K/V passed as they are and the decode kernel for one or a few query positions.
     Shapes: query (batch, heads, q_len, head_dim), key/value (batch, kv_heads, kv_len, head_dim); returns
-    (batch, q_len, heads, head_dim) and no weights."""
+    (batch, q_len, heads, head_dim) and no weights. ``kv_rows`` (int64 (batch,), a model-call keyword): key/value
+    are a slot cache's store (slots, kv_heads, kv_len, head_dim) and query row ``b`` attends to slot
+    ``kv_rows[b]`` (``verl.models.slot_cache``); the kernel reads the slots in place, SDPA gets them gathered."""
+    rows = kwargs.pop("kv_rows", None)
     plain = (dropout == 0.0 and kwargs.get("position_bias") is None and kwargs.get("cache") is None
              and kwargs.get("softcap") is None and kwargs.get("s_aux") is None)
     if plain and query.shape[2] <= MAX_QUERY_POSITIONS:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        output = decode_attention(query, key, value, attention_mask, scale)
+        output = decode_attention(query, key, value, attention_mask, scale, rows)
         if output is not None:
             return output, None
+    if rows is not None:  # the step's rows gathered, what its mask hides zeroed (never-written memory may be NaN)
+        hidden = (~attention_mask.any(2)).unsqueeze(-1)  # (B, 1, T, 1)
+        key = key.index_select(0, rows).masked_fill_(hidden, 0)
+        value = value.index_select(0, rows).masked_fill_(hidden, 0)
     groups = getattr(module, "num_key_value_groups", 1)
     if groups == 1 or query.device.type != "cpu" or attention_mask is None or not plain \
             or key.shape[-1] != value.shape[-1]:

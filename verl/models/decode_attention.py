@@ -14,6 +14,7 @@ enabled, not fp32, a float mask, head_dim other than 32 / 64 / 128), ``decode_at
 caller runs SDPA. ``VERL_DECODE_KERNEL=0`` turns it off.
 
     out = decode_attention(query, key, value, mask, scale)   # (B, Q, H, D) or None
+    out = decode_attention(query, store_k, store_v, mask, scale, rows=rows)   # query row b reads store row rows[b]
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def enabled() -> bool:
     return os.environ.get("VERL_DECODE_KERNEL", "1") != "0"
 
 
-def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
+def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+            rows: torch.Tensor | None = None) -> bool:
     """Whether the kernel computes this call: CPU, fp32, no autograd, a supported head size, and one query
     position with a boolean (B or 1, 1, 1, T) mask or none, or up to ``MAX_QUERY_POSITIONS`` with a boolean
     (B or 1, 1, positions, T) mask (it says what each position sees: causal order is in the mask)."""
@@ -49,6 +51,9 @@ def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
         return False
     if value.shape[-1] != query.shape[-1]:
         return False
+    if rows is not None and (rows.dtype != torch.long or rows.dim() != 1 or rows.shape[0] != query.shape[0]
+                             or not rows.is_contiguous() or rows.device.type != "cpu"):
+        return False
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return False  # the kernel has no backward
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
@@ -59,7 +64,7 @@ def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float) -> torch.Tensor | None:
+                     scale: float, rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """Softmax attention of one query position per row (or a few: ``Q <= MAX_QUERY_POSITIONS``, with a mask).
     Shapes: query (B, H, Q, D), key/value (B, Hkv, T, D) with H a multiple of Hkv (grouped heads read their K/V
     head), mask (B or 1, 1, Q, T) bool, True = attend. Returns (B, Q, H, D), or None when the kernel is off,
@@ -70,4 +75,4 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if kernel is None:
         return None
     with torch.profiler.record_function("verl::decode_attention"):  # named in profiles (decode_profile.py)
-        return kernel.decode_attention(query, key, value, mask, float(scale))
+        return kernel.decode_attention(query, key, value, mask, float(scale), rows)

@@ -15,6 +15,10 @@
 // q (B, H, NQ, D); k, v (B, Hkv, T, D), any strides with the last dim contiguous; mask bool (B or 1, 1, NQ, T),
 // true = attend, or none (one query position only). Returns (B, NQ, H, D) contiguous (the layout the attention module
 // reshapes next). A query position with no unmasked column gets zeros.
+//
+// With ``rows`` (int64 (B,)), k and v are a store of cache rows (S, Hkv, T, D) and query row b reads row rows[b]:
+// the agent loop's slot cache, where a trajectory keeps its row from prefill to end and a step decodes any subset
+// of them (nothing is copied when rows leave for their tools or come back).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -121,7 +125,7 @@ static inline void block_avx512(const float* qs, const float* kp, int64_t ks2, c
 
 template <int D>
 static void run(const float* __restrict__ Q, const float* __restrict__ K, const float* __restrict__ V,
-                const bool* __restrict__ M, float* __restrict__ O, int64_t B, int64_t H, int64_t Hkv, int64_t NQ,
+                const bool* __restrict__ M, const int64_t* __restrict__ R, float* __restrict__ O, int64_t B, int64_t H, int64_t Hkv, int64_t NQ,
                 int64_t T, int64_t qs0, int64_t qs1, int64_t qs2, int64_t ks0, int64_t ks1, int64_t ks2, int64_t vs0,
                 int64_t vs1, int64_t vs2, int64_t ms0, int64_t ms2, int64_t ms3, float sc) {
   const int64_t G = H / Hkv;
@@ -134,12 +138,14 @@ static void run(const float* __restrict__ Q, const float* __restrict__ K, const 
     int32_t* __restrict__ live = live_v.data();
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv;
-      const float* __restrict__ kp = K + b * ks0 + h * ks1;
-      const float* __restrict__ vp = V + b * vs0 + h * vs1;
+      const int64_t kb = R ? R[b] : b;  // the cache row this query row reads
+      const float* __restrict__ kp = K + kb * ks0 + h * ks1;
+      const float* __restrict__ vp = V + kb * vs0 + h * vs1;
       if (bh + 1 < end) {  // the next block's K and V: a jump the hardware prefetcher does not follow
         const int64_t b2 = (bh + 1) / Hkv, h2 = (bh + 1) % Hkv;
-        const char* kn = reinterpret_cast<const char*>(K + b2 * ks0 + h2 * ks1);
-        const char* vn = reinterpret_cast<const char*>(V + b2 * vs0 + h2 * vs1);
+        const int64_t kb2 = R ? R[b2] : b2;
+        const char* kn = reinterpret_cast<const char*>(K + kb2 * ks0 + h2 * ks1);
+        const char* vn = reinterpret_cast<const char*>(V + kb2 * vs0 + h2 * vs1);
         for (int64_t off = 0; off < T * ks2 * 4; off += 64) __builtin_prefetch(kn + off);
         for (int64_t off = 0; off < T * vs2 * 4; off += 64) __builtin_prefetch(vn + off);
       }
@@ -230,14 +236,26 @@ static void run(const float* __restrict__ Q, const float* __restrict__ K, const 
 }
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const c10::optional<torch::Tensor>& mask_opt, double scale) {
+                               const c10::optional<torch::Tensor>& mask_opt, double scale,
+                               const c10::optional<torch::Tensor>& rows_opt) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "decode_attention: float32 only");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: 4-D query, key and value");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: head_dim must be contiguous");
   const int64_t B = q.size(0), H = q.size(1), NQ = q.size(2), D = q.size(3), Hkv = k.size(1), T = k.size(2);
-  TORCH_CHECK(H % Hkv == 0 && k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && k.size(3) == D && v.size(3) == D &&
-              v.size(2) == T, "decode_attention: shapes do not match");
+  const bool has_rows = rows_opt.has_value() && rows_opt->defined();
+  const int64_t* R = nullptr;
+  if (has_rows) {
+    const auto& r = *rows_opt;
+    TORCH_CHECK(r.scalar_type() == at::kLong && r.dim() == 1 && r.size(0) == B && r.is_contiguous(),
+                "decode_attention: rows must be int64 (B,) contiguous");
+    R = r.data_ptr<int64_t>();
+    const int64_t S = k.size(0);
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(R[b] >= 0 && R[b] < S, "decode_attention: row ", R[b], " outside the cache's ", S, " rows");
+  }
+  TORCH_CHECK(H % Hkv == 0 && (has_rows || k.size(0) == B) && v.size(0) == k.size(0) && v.size(1) == Hkv &&
+              k.size(3) == D && v.size(3) == D && v.size(2) == T, "decode_attention: shapes do not match");
   const bool has_mask = mask_opt.has_value() && mask_opt->defined();
   // Several query positions attend causally: only a mask says to what (without one every position would see all).
   TORCH_CHECK(NQ == 1 || has_mask, "decode_attention: several query positions need a mask");
@@ -254,7 +272,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     ms2 = m.stride(2);
     ms3 = m.stride(3);
   }
-#define VERL_RUN(DIM) run<DIM>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), M, out.data_ptr<float>(), \
+#define VERL_RUN(DIM) run<DIM>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), M, R, out.data_ptr<float>(), \
     B, H, Hkv, NQ, T, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), \
     v.stride(1), v.stride(2), ms0, ms2, ms3, static_cast<float>(scale))
   switch (D) {
