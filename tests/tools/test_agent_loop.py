@@ -245,14 +245,49 @@ def test_rows_back_from_their_tools_extend_in_groups_of_like_lengths(model, toke
     try:
         def back(pending: int) -> Trajectory:
             row = Trajectory([1] * 20, ["calculator"], {}, None, ids=[5] * 30)
-            row.kv, row.cached = [], 50 - pending  # parked: its cache holds all but its last ``pending`` ids
+            row.cache_slot, row.cached = 0, 50 - pending  # waiting: its slot holds all but its last ``pending`` ids
             return row
 
         fresh = Trajectory([1] * 20, ["calculator"], {}, None)
         rows = [back(9), back(104), fresh, back(12), back(10), back(17), back(110)]
         groups = loop._admit(collections.deque(rows), decoding=0)
-        lengths = [[loop._pending_length(row) for row in group] if group[0].kv is not None else "fresh"
+        lengths = [[loop._pending_length(row) for row in group] if group[0].cache_slot is not None else "fresh"
                    for group in groups]
         assert lengths == ["fresh", [9, 10, 12, 17], [104, 110]]
     finally:
         engine.shutdown()
+
+
+def test_a_trajectory_keeps_its_slot_from_prefill_to_end(model, tokenizer, prompts, batch, monkeypatch):
+    """The slot cache: each trajectory's prefill is copied into the store once; rows back from their tools extend
+    in the slot they left (no cache is copied out or back); every slot is free when the rollout ends, and the
+    store serves the next rollout. The trajectories are the ones the fixture's rollout sampled."""
+    from verl.models.slot_cache import SlotCache
+
+    assigned, extended = [], []
+    assign, step = SlotCache.assign, SlotCache.step
+
+    def counting_assign(self, slots, *args, **kwargs):
+        assigned.extend(slots)
+        return assign(self, slots, *args, **kwargs)
+
+    def counting_step(self, slots, new_mask=None):
+        if new_mask is not None:
+            extended.extend(slots.tolist())
+        return step(self, slots, new_mask)
+
+    monkeypatch.setattr(SlotCache, "assign", counting_assign)
+    monkeypatch.setattr(SlotCache, "step", counting_step)
+    engine = AgentRollout(HFRollout(model, tokenizer, max_num_seqs=16), TOOLS, max_response_length=128)
+    try:
+        params = SamplingParams(n=4, temperature=1.0, max_new_tokens=128, seed=1, logprobs=True)
+        out = engine.generate(prompts, params)
+        store = engine.loop._store
+        assert len(assigned) == len(out) and len(store.free) == store.capacity[0]
+        assert extended and set(extended) <= set(assigned)
+        assert sum(out.non_tensor["num_turns"] - 1) <= len(extended)  # every later turn extended in its slot
+        again = engine.generate(prompts, params)
+        assert engine.loop._store is store and torch.equal(again.batch["responses"], out.batch["responses"])
+    finally:
+        engine.shutdown()
+    assert torch.equal(out.batch["responses"], batch.batch["responses"])

@@ -98,32 +98,6 @@ class GrowingLayer(DynamicLayer):
             self._start = first
             self._views()
 
-    def place(self, kept: list[tuple[torch.Tensor, torch.Tensor]], end: int) -> None:
-        """Write each ``kept`` row's keys and values ``(1, heads, length_i, head_dim)`` into the next spare rows, in
-        order, ending before column ``end``; their columns before that, from the first in use, are zeroed (one
-        fill for all of them: a fill per row was half the ops of bringing ~30 rows back from their tools)."""
-        rows = slice(self._rows, self._rows + len(kept))
-        for side, buffer in enumerate((self._kbuf, self._vbuf)):
-            buffer[rows, :, self._start:end] = 0  # padding: finite, masked out
-            for row, pair in enumerate(kept, start=self._rows):
-                tensor = pair[side]
-                buffer[row, :, end - tensor.shape[2]:end] = tensor[0]
-
-    def spare_view(self, rows: int, length: int) -> GrowingLayer:
-        """A layer over the next ``rows`` spare rows of these buffers (no copy), filled up to column ``length``
-        from the first column in use: a forward over it appends its keys and values in place, after column
-        ``length``."""
-        view = GrowingLayer()
-        view.adopt(self._kbuf[self._rows:self._rows + rows], self._vbuf[self._rows:self._rows + rows], length)
-        view._start = self._start
-        view._views()
-        return view
-
-    def take_spare(self, rows: int) -> None:
-        """The next ``rows`` spare rows are in use (filled through ``spare_view``)."""
-        self._rows += rows
-        self._views()
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self._kbuf is None:
             self.set_state(key_states, value_states)
@@ -232,10 +206,10 @@ class RowBatch:
     leavers' places, so the order of rows changes; callers index ``rows`` after every call); rows that join go into
     the buffers' spare rows (a rebuild leaves a quarter spare) when those hold them (``_join_in_place``), copying
     only the joining rows.
-    The serving engine and the agent rollout both schedule on it. Why one pass: the cache is most of the memory a
-    decode step touches, and rows join or leave at most steps of an agent rollout; doing a drop and a join as
-    index-select + concatenate + re-buffer copied the whole cache five times per step (~16% of a rollout's time on
-    the tiny agent, cProfile).
+    The serving engine schedules on it (the agent rollout did, before ``verl.models.slot_cache``). Why one pass:
+    the cache is most of the memory a decode step touches, and rows join or leave at most steps of an agent
+    rollout; doing a drop and a join as index-select + concatenate + re-buffer copied the whole cache five times
+    per step (~16% of a rollout's time on the tiny agent, cProfile).
     """
 
     def __init__(self) -> None:
@@ -243,7 +217,6 @@ class RowBatch:
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long)
         self.next_tokens = torch.zeros(0, dtype=torch.long)
-        self._staged: torch.Tensor | None = None  # the mask of the rows ``stage`` placed, until ``commit``
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -305,54 +278,6 @@ class RowBatch:
             tokens.append(j.next_tokens if index is None else j.next_tokens.index_select(0, index))
             self.rows.extend(j.rows)
         self.mask, self.next_tokens = torch.cat(masks), torch.cat(tokens)
-
-    def stage(self, kept: list[list[tuple[torch.Tensor, torch.Tensor]]], kept_masks: list[torch.Tensor],
-              new_mask: torch.Tensor) -> tuple[DynamicCache, torch.Tensor] | None:
-        """Rows that come back with their own caches (``kept``: per row, per layer, keys and values
-        ``(1, heads, length_i, head_dim)``; ``kept_masks``: their masks ``(length_i,)``) and ``new`` more ids each
-        (``new_mask`` ``(rows, new)``: 1 on a row's real ids, left-padded), placed in the buffers' spare rows so
-        that after a forward over the new ids they end where the batch's rows end. Returns a cache over those
-        rows for that forward (it writes the new ids' keys and values in place) and their attention mask
-        ``(rows, columns)``; ``commit`` then adds the rows. ``None`` when the buffers cannot hold them (too few
-        spare rows or columns): the caller builds a cache of its own and joins it. Against that path it copies
-        each kept cache once (not into a new buffer, then again into the batch)."""
-        if not self.rows or self.cache is None:
-            return None
-        if not all(isinstance(layer, GrowingLayer) for layer in self.cache.layers):
-            return None
-        count, new = len(kept), new_mask.shape[1]
-        layers = self.cache.layers
-        end = layers[0]._len - new  # where the kept columns end: the new ids fill the batch's last columns
-        first = end - max(mask.shape[0] for mask in kept_masks)
-        if first < 0 or layers[0].spare_rows() < count:
-            return None
-        width = layers[0]._len - min(first, layers[0]._start)
-        mask = torch.zeros((count, width), dtype=self.mask.dtype, device=self.mask.device)
-        for i, row_mask in enumerate(kept_masks):
-            mask[i, width - new - row_mask.shape[0]:width - new] = row_mask
-        mask[:, width - new:] = new_mask
-        cache = DynamicCache()
-        cache.layers = []
-        for number, layer in enumerate(layers):
-            layer.widen(first)
-            layer.place([row[number] for row in kept], end)
-            cache.layers.append(layer.spare_view(count, end))
-        self.mask = pad_left(self.mask, width, dim=1)
-        self._staged = mask
-        return cache, mask
-
-    def commit(self, rows: list[Any], next_tokens: torch.Tensor, keep: list[int]) -> None:
-        """Add the rows ``stage`` placed (their forward has run), with their next input tokens ``(rows,)``; only
-        rows ``keep`` (indexes into ``rows``) stay: the others are compacted away at once."""
-        before = len(self.rows)
-        for layer in self.cache.layers:
-            layer.take_spare(len(rows))
-        self.rows.extend(rows)
-        self.mask = torch.cat([self.mask, self._staged])
-        self.next_tokens = torch.cat([self.next_tokens, next_tokens])
-        self._staged = None
-        if len(keep) < len(rows):
-            self._compact(list(range(before)) + [before + i for i in keep])
 
     def rebuild(self, keep: list[int] | None, joining: list[Joining]) -> None:
         """Keep rows ``keep`` (all when ``None``) and append the ``joining`` rows, copying every cache once."""

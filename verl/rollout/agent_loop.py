@@ -12,12 +12,12 @@ for each tool turn (``ConversationTokens.turn_ids``), never a re-tokenization of
 The trainer's policy loss, KL and entropy read the mask, so tool output is context, not action; the reward scores
 the whole trajectory's text.
 
-**No batch-wide stall.** The transformers path decodes on a continuous batch (``RowBatch``, the serving engine's
-scheduler): a trajectory that calls a tool leaves the batch while its tools run on the ``ToolRunner``; the others
-keep decoding; its KV cache is kept aside, and when its results arrive one forward over the ids it has not fed yet
-(the turn's eos and the tool turn) extends it, and it rejoins (what vLLM's prefix cache does for a re-sent
-conversation). Sampling draws
-from one generator per trajectory, seeded from the call seed, the prompt id and the sample number, so a rollout
+**No batch-wide stall.** The transformers path decodes with continuous batching over a slot cache (``SlotCache``:
+each trajectory keeps one row of the KV store from its prefill to its end): a trajectory that calls a tool leaves
+the step while its tools run on the ``ToolRunner``; the others keep decoding; its cache stays in its slot, and when
+its results arrive one forward over the ids it has not fed yet (the turn's eos and the tool turn) appends them in
+place, and it decodes again (what vLLM's prefix cache does for a re-sent conversation). Sampling draws from one
+generator per trajectory, seeded from the call seed, the prompt id and the sample number, so a rollout
 does not depend on tool timing or on which trajectories share a step.
 
 Outputs (one row per trajectory, ``prompts x n``, a prompt's samples adjacent), beside the usual tensors
@@ -42,10 +42,12 @@ import numpy as np
 import torch
 
 from verl.config import MultiTurnConfig
+from verl.models.attention import NAME as CPU_ATTENTION
 from verl.models.fused_decoder import fused_decoder_layers
-from verl.models.kv_cache import GrowingLayer, Joining, RowBatch, left_padded, new_growing_cache
+from verl.models.kv_cache import left_padded, new_growing_cache
 from verl.models.packed_linear import packed_weights
 from verl.models.precision import at_least_float32
+from verl.models.slot_cache import SlotCache
 from verl.protocol import DataProto
 from verl.rollout.base import RolloutEngine, SamplingParams
 from verl.rollout.sampler import draw_categorical, logits_warpers
@@ -76,10 +78,9 @@ class Trajectory:
     finish: str | None = None
     waiting: list[tuple[ToolCall, concurrent.futures.Future[ToolResult]]] = field(default_factory=list)
     turn_end: int = 0  # when its last turn ended, in the loop's count (orders tool-result arrivals)
-    # While its tools run: the row's KV cache (per layer, (1, heads, length, head_dim)) and attention mask, and how
-    # many of its ids the cache holds, so it rejoins by feeding only the ids after them (no re-prefill).
-    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    kv_mask: torch.Tensor | None = None
+    # Its slot in the agent loop's ``SlotCache`` (None before its prefill and after its end), and how many of its
+    # ids the cache holds, so after a tool turn it feeds only the ids after them (no re-prefill).
+    cache_slot: int | None = None
     cached: int = 0
 
     slot: int = 0  # its row in the decode loop's per-trajectory arrays (``DecodeSlots``)
@@ -165,6 +166,9 @@ class ToolTurns:
         for future in futures:
             future.add_done_callback(one_done)
 
+    def _release(self, row: Trajectory) -> None:
+        """``row`` ended while waiting for its tools: whatever the engine keeps for it can go."""
+
     def _collect_tool_results(self, waiting: list[Trajectory], ready: collections.deque[Trajectory],
                               block: bool) -> None:
         """Move trajectories whose tool results have all arrived to ``ready``, with their tool turn appended; with
@@ -195,7 +199,7 @@ class ToolTurns:
                 row.append(token, generated=False)
             if len(turn) >= room or len(row.prompt_ids) + len(row.ids) >= self.max_positions:
                 row.finish = "length"  # no room left to answer
-                row.kv, row.kv_mask = None, None
+                self._release(row)
                 continue
             row.turn_start = len(row.ids)
             ready.append(row)
@@ -264,11 +268,15 @@ class AgentLoop(ToolTurns):
     """Runs trajectories to the end on a transformers model: continuous batching, tools off the decode path.
 
     With ``max_num_seqs`` (vLLM's name) at most that many rows decode at once; the other trajectories queue, first
-    come first served, and take the slot of a row that ends or leaves to wait for its tools, so a tool's wait is
-    filled with other trajectories' decoding, as vLLM's scheduler fills it (a waiting row keeps its KV cache, not
-    its slot)."""
+    come first served, and take the place of a row that ends or leaves to wait for its tools, so a tool's wait is
+    filled with other trajectories' decoding, as vLLM's scheduler fills it. Every trajectory keeps one slot of a
+    ``SlotCache`` from its prefill to its end (a waiting row keeps its KV cache, not its place in the step): rows
+    leave and rejoin a step without their caches being copied."""
 
     JOIN_BUNCH = 8  # queued trajectories join once an eighth of the width is free (``_admit``)
+    # A slot store up to this size is kept for the next rollout (a larger one, e.g. SmolLM2's validation rollouts,
+    # ~1.2 GB, is handed back rather than held through the update).
+    KEEP_STORE_BYTES = 512 * 1024 * 1024
     EXTEND_SPREAD = 8  # rows back from their tools extend together when their new ids differ by at most this
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, runner: ToolRunner, tool_set: ToolSet,
@@ -279,6 +287,7 @@ class AgentLoop(ToolTurns):
         self.model = model
         self.autocast_dtype = autocast_dtype
         self.max_num_seqs = max_num_seqs
+        self._store: SlotCache | None = None
 
     @torch.no_grad()
     @packed_weights(trainable=True)  # linear layers multiply by oneDNN-packed weights, as in the single-turn sampler
@@ -290,50 +299,70 @@ class AgentLoop(ToolTurns):
         self._slots = DecodeSlots(trajectories, self.budget, self.max_positions)
         ready: collections.deque[Trajectory] = collections.deque(trajectories)
         waiting: list[Trajectory] = []
-        batch = RowBatch()
-        leaving_keep: list[int] | None = None  # rows to keep after the last decode step (the others left)
-        warpers = logits_warpers(params)
+        longest = max((len(row.prompt_ids) for row in trajectories), default=1)
+        # A slot for every trajectory, each with room for its prompt, the response budget and some padding (an
+        # extend's, a prefill's): a store's pages are touched only as slots are used, and growing it copies it all.
+        # Kept for the next rollout when small enough (``SlotCache.reset``: fresh pages cost a fault each).
+        slots = len(trajectories)
+        columns = min(self.max_positions, longest + self.budget) + 2 * self.EXTEND_SPREAD
+        gather = self.model.config._attn_implementation != CPU_ATTENTION
         device = next(self.model.parameters()).device
-        while ready or len(batch) or waiting:
-            self._collect_tool_results(waiting, ready, block=not ready and not len(batch))
-            joining = []
-            decoding = len(batch) if leaving_keep is None else len(leaving_keep)
-            for rows in self._admit(ready, decoding):
+        if self._store is not None and self._store.fits(slots, columns, gather) and self._store.mask.device == device:
+            self._store.reset()
+        else:
+            self._store = SlotCache(self.model.config, slots=slots, columns=columns, gather=gather, device=device)
+        decoding: list[Trajectory] = []
+        cache_rows = np.zeros(0, dtype=np.int64)  # the decoding rows' slots
+        next_tokens = torch.zeros(0, dtype=torch.long)  # their next input ids
+        warpers = logits_warpers(params)
+        while ready or decoding or waiting:
+            self._collect_tool_results(waiting, ready, block=not ready and not decoding)
+            for rows in self._admit(ready, len(decoding)):
                 self._slots.join(rows)
-                if rows[0].kv is not None:
-                    if leaving_keep is not None:  # the last step's leavers go first: the rows come back in place
-                        batch.keep(leaving_keep)
-                        leaving_keep = None
-                    logits = self._extend_in_batch(batch, rows, device)
-                    if logits is not None:
-                        keep, tokens = self._advance(rows, logits, params, warpers, waiting)
-                        batch.commit(rows, tokens.to(device), keep)
-                        continue
-                forward = self._extend if rows[0].kv is not None else self._prefill
-                logits, cache, mask, cache_rows = forward(rows, device)
+                logits = (self._extend if rows[0].cache_slot is not None else self._prefill)(rows, device)
                 keep, tokens = self._advance(rows, logits, params, warpers, waiting)
-                joining.append(Joining([rows[i] for i in keep], cache, mask, tokens.to(device), keep, cache_rows))
-            # The last step's leavers go and the new rows join in one pass over the cache.
-            batch.rebuild(leaving_keep, joining)
-            leaving_keep = None
-            if len(batch):
-                mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], dim=1)
-                positions = batch.mask.sum(-1, keepdim=True)
+                self._leave(rows, keep)
+                decoding += [rows[i] for i in keep]
+                cache_rows = np.concatenate([cache_rows, [rows[i].cache_slot for i in keep]]).astype(np.int64)
+                next_tokens = torch.cat([next_tokens, tokens[keep].cpu()])
+            if decoding:
+                step = self._store.step(cache_rows)
                 with self._autocast(device):
-                    out = self.model(input_ids=batch.next_tokens.unsqueeze(-1), attention_mask=mask,
-                                     position_ids=positions, past_key_values=batch.cache, use_cache=True)
-                batch.mask = mask
-                keep, tokens = self._advance(batch.rows, at_least_float32(out.logits[:, -1, :]), params, warpers,
+                    out = self.model(input_ids=next_tokens.unsqueeze(-1).to(device), **step)
+                keep, tokens = self._advance(decoding, at_least_float32(out.logits[:, -1, :]), params, warpers,
                                              waiting)
-                self._park(batch, keep)
-                batch.next_tokens = tokens.to(device)
-                leaving_keep = keep
+                if len(keep) < len(decoding):
+                    self._leave(decoding, keep)
+                    decoding = [decoding[i] for i in keep]
+                    cache_rows, tokens = cache_rows[keep], tokens[keep]
+                next_tokens = tokens.cpu()
+        if self._store.nbytes() > self.KEEP_STORE_BYTES:
+            self._store = None
+
+    def _leave(self, rows: list[Trajectory], keep: list[int]) -> None:
+        """Rows not in ``keep`` stop decoding: an ended trajectory frees its slot; one that waits for its tools keeps
+        it, and notes how many of its ids the cache holds (the eos just sampled is not fed yet)."""
+        if len(keep) == len(rows):
+            return
+        kept = set(keep)
+        for i, row in enumerate(rows):
+            if i in kept:
+                continue
+            if row.finish is not None:
+                self._release(row)
+            else:
+                row.cached = len(row.prompt_ids) + len(row.ids) - 1
+
+    def _release(self, row: Trajectory) -> None:
+        if row.cache_slot is not None:
+            self._store.release([row.cache_slot])
+        row.cache_slot = None
 
     def _admit(self, ready: collections.deque[Trajectory], decoding: int) -> list[list[Trajectory]]:
-        """Take trajectories off the queue for the free slots (all of them without ``max_num_seqs``), as groups
+        """Take trajectories off the queue for the free places (all of them without ``max_num_seqs``), as groups
         that each run one forward: fresh ones (a prefill), ones back from their tools (an extend). While rows are
-        decoding, wait until the free slots take a bunch (an eighth of the width, or all that wait): each join runs a
-        forward of its own, too costly for one row at a time (measured: a sixteenth or one row was slower).
+        decoding, wait until the free places take a bunch (an eighth of the width, or all that wait): each join runs
+        a forward of its own, too costly for one row at a time (measured: a sixteenth or one row was slower).
 
         Rows back from their tools extend by different numbers of ids (a tool turn with a long result, such as an
         error message, can be ten times the usual); an extend pads each row's new ids to the group's longest, and
@@ -345,9 +374,9 @@ class AgentLoop(ToolTurns):
         if decoding and slots < min(len(ready), max(1, (self.max_num_seqs or 0) // self.JOIN_BUNCH)):
             return []
         rows = [ready.popleft() for _ in range(min(slots, len(ready)))]
-        fresh = [row for row in rows if row.kv is None]
+        fresh = [row for row in rows if row.cache_slot is None]
         groups = [fresh] if fresh else []
-        back = sorted((row for row in rows if row.kv is not None), key=self._pending_length)
+        back = sorted((row for row in rows if row.cache_slot is not None), key=self._pending_length)
         while back:
             shortest = self._pending_length(back[0])
             count = next((i for i, row in enumerate(back) if self._pending_length(row) > shortest + self.EXTEND_SPREAD),
@@ -362,87 +391,23 @@ class AgentLoop(ToolTurns):
 
     # ---------------------------------------------------------------- decoding
 
-    @staticmethod
-    def _park(batch: RowBatch, keep: list[int]) -> None:
-        """Before rows leave the batch to wait for their tools, keep each one's KV cache (its real columns only)."""
-        if len(keep) == len(batch.rows):
-            return
-        kept = set(keep)
-        parked = [i for i, row in enumerate(batch.rows) if i not in kept and row.finish is None]
-        if not parked:
-            return
-        # One gather per layer for all the rows that leave at this step (a clone per row and layer was ~2% of the
-        # rollout); each row keeps views of its own real columns.
-        index = torch.tensor(parked, dtype=torch.long, device=batch.mask.device)
-        masks = batch.mask.index_select(0, index)
-        firsts = (masks != 0).to(torch.int8).argmax(-1).tolist()  # rows are right-aligned: padding comes first
-        layers = [(layer.keys.index_select(0, index), layer.values.index_select(0, index))
-                  for layer in batch.cache.layers]
-        for j, (i, first) in enumerate(zip(parked, firsts, strict=True)):
-            row = batch.rows[i]
-            row.kv = [(keys[j:j + 1, :, first:], values[j:j + 1, :, first:]) for keys, values in layers]
-            row.kv_mask = masks[j, first:]
-            row.cached = len(row.prompt_ids) + len(row.ids) - 1  # the eos just sampled is not in the cache yet
-
-    def _pending(self, rows: list[Trajectory]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ids each row back from its tools has not fed yet (the turn's eos, then the tool turn), left-padded
-        to one length: ids and their mask, both ``(rows, longest)``."""
-        return left_padded([(row.prompt_ids + row.ids)[row.cached:] for row in rows],
-                           self.tokenizer.pad_token_id or 0)
-
-    def _extend_in_batch(self, batch: RowBatch, rows: list[Trajectory], device: torch.device
-                         ) -> torch.Tensor | None:
-        """Rows back from their tools, extended where they will decode: their kept caches go straight into the
-        batch's spare rows (``RowBatch.stage``) and one forward over their pending ids writes the rest in place;
-        next-token logits ``(rows, vocab)``, the rows to be added by ``RowBatch.commit``. ``None`` when the
-        batch cannot take them in place (``_extend`` then builds their cache apart, and they join it)."""
-        ids, new_mask = self._pending(rows)
-        staged = batch.stage([row.kv for row in rows], [row.kv_mask for row in rows], new_mask.to(device))
-        if staged is None:
-            return None
-        cache, mask = staged
-        for row in rows:
-            row.kv, row.kv_mask = None, None
-        positions = ((mask.cumsum(-1) - 1).clamp(min=0))[:, -ids.shape[1]:]
+    def _extend(self, rows: list[Trajectory], device: torch.device) -> torch.Tensor:
+        """Rows back from their tools: one forward over the ids each has not fed yet (the turn's eos, then the tool
+        turn; left-padded to the group's longest), appended to their slots in place; next-token logits
+        ``(rows, vocab)``. The padding is masked out and position ids count real tokens only, so the result is the
+        row's full forward."""
+        ids, new_mask = left_padded([(row.prompt_ids + row.ids)[row.cached:] for row in rows],
+                                    self.tokenizer.pad_token_id or 0)
+        slots = np.fromiter((row.cache_slot for row in rows), dtype=np.int64, count=len(rows))
+        step = self._store.step(slots, new_mask.to(device))
         with self._autocast(device):
-            out = self.model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=ids.to(device), logits_to_keep=1, **step)
         return at_least_float32(out.logits[:, -1, :])
 
-    def _extend(self, rows: list[Trajectory], device: torch.device):
-        """Rows back from their tools: their kept caches (left-padded to one length) and one forward over the ids
-        each has not fed yet (the turn's eos, then the tool turn), left-padded within the new block. Returns what
-        ``_prefill`` returns; the padding between a row's old and new ids is masked out and position ids count
-        real tokens only, so the result is the row's full forward."""
-        ids, new_mask = self._pending(rows)
-        old, new = max(row.kv_mask.shape[0] for row in rows), ids.shape[1]
-        mask = torch.zeros((len(rows), old + new), dtype=torch.long)
-        for i, row in enumerate(rows):
-            mask[i, old - row.kv_mask.shape[0]:old] = row.kv_mask.cpu()
-        mask[:, old:] = new_mask
-        cache = new_growing_cache(self.model.config)
-        for number, layer in enumerate(cache.layers):
-            # Each kept cache is copied once, straight into a buffer with room for the new ids (the forward below
-            # appends them in place): empty buffers, then the rows placed right-aligned, as ``RowBatch.stage`` does.
-            keys, values = rows[0].kv[number]
-            layer.adopt(*(sample.new_empty((len(rows), sample.shape[1], old + new + GrowingLayer.HEADROOM,
-                                            sample.shape[3])) for sample in (keys, values)), old, rows=0)
-            layer.place([row.kv[number] for row in rows], old)
-            layer.take_spare(len(rows))
-        for row in rows:
-            row.kv, row.kv_mask = None, None
-        ids, mask = ids.to(device), mask.to(device)
-        positions = ((mask.cumsum(-1) - 1).clamp(min=0))[:, old:]
-        with self._autocast(device):
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)
-        return at_least_float32(out.logits[:, -1, :]), cache, mask, None
-
-    def _prefill(self, rows: list[Trajectory], device: torch.device):
-        """One forward over each row's ids so far (left-padded): next-token logits ``(rows, vocab)``, the cache,
-        the rows' attention mask ``(rows, longest)`` and each row's cache row (``None``: row ``i`` is cache row
-        ``i``). Rows with the same ids (a prompt's ``n`` samples at the start) are computed once and share a cache
-        row, copied once per row when they join the batch, as the single-turn sampler shares a prompt's prefill."""
+    def _prefill(self, rows: list[Trajectory], device: torch.device) -> torch.Tensor:
+        """One forward over each row's ids so far (left-padded), its cache copied into a slot per row: next-token
+        logits ``(rows, vocab)``. Rows with the same ids (a prompt's ``n`` samples at the start) are computed once
+        and their slots copy the shared row, as the single-turn sampler shares a prompt's prefill."""
         sequences = [tuple(row.prompt_ids + row.ids) for row in rows]
         unique = list(dict.fromkeys(sequences))
         ids, mask = left_padded(unique, self.tokenizer.pad_token_id or 0)
@@ -452,12 +417,16 @@ class AgentLoop(ToolTurns):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = at_least_float32(out.logits[:, -1, :])
+        slots = self._store.allocate(len(rows))
+        for row, slot in zip(rows, slots, strict=True):
+            row.cache_slot = slot
         if len(unique) == len(rows):
-            return logits, cache, mask, None
+            self._store.assign(slots, cache, mask)
+            return logits
         position = {sequence: i for i, sequence in enumerate(unique)}
         cache_rows = [position[s] for s in sequences]
-        index = torch.tensor(cache_rows, dtype=torch.long, device=device)
-        return logits.index_select(0, index), cache, mask.index_select(0, index), cache_rows
+        self._store.assign(slots, cache, mask, cache_rows)
+        return logits.index_select(0, torch.tensor(cache_rows, dtype=torch.long, device=device))
 
     def _advance(self, rows: list[Trajectory], logits: torch.Tensor, params: SamplingParams, warpers: Any,
                  waiting: list[Trajectory]) -> tuple[list[int], torch.Tensor]:
