@@ -122,8 +122,7 @@ class GrowingLayer(DynamicLayer):
             grown = buffer.new_empty((buffer.shape[0], buffer.shape[1], width + headroom, buffer.shape[3]))
             grown[:self._rows, :, :width] = buffer[:self._rows, :, self._start:self._len]
             buffers.append(grown)
-        self._kbuf, self._vbuf, self._len, self._start = buffers[0], buffers[1], width, 0
-        self._views()
+        self.adopt(buffers[0], buffers[1], width, self._rows)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._kbuf is not None:
