@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from verl.models.attention import NAME
-from verl.models.kv_cache import new_growing_cache
 from verl.models.loader import load_causal_lm, resolve_model_path
 from verl.models.slot_cache import SlotCache
 
@@ -29,11 +28,11 @@ def full_forward_logits(model, sequence: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("path", ["kernel", "sdpa over gathered rows", "transformers' sdpa (gather)"])
 def test_every_forward_on_slots_is_each_sequences_full_forward(model, path, monkeypatch) -> None:
-    """Prefills copied into slots, decode steps over subsets of the slots in any order (a waiting slot is not
-    touched), an extend of two slots by a left-padded block (its padding stays inside the row, masked), a slot
-    released and reused: at every forward each row's logits equal the full forward over that sequence's real
-    ids. The store starts too small in both slots and columns (it grows), and memory that was never written
-    holds NaN, which no path may read."""
+    """Left-padded prefills into slots, a slot copied (a prompt's samples), decode steps over subsets of the slots
+    in any order (a waiting slot is not touched), an extend of two slots by a left-padded block (its padding stays
+    inside the row, masked), slots released and reused: at every forward each row's logits equal the full forward
+    over that sequence's real ids. The store starts too small in both slots and columns (it grows), and memory
+    that was never written holds NaN, which no path may read."""
     monkeypatch.setenv("VERL_DECODE_KERNEL", "0" if path == "sdpa over gathered rows" else "1")
     gather = path.startswith("transformers")
     if gather:
@@ -48,14 +47,13 @@ def test_every_forward_on_slots_is_each_sequences_full_forward(model, path, monk
                                        rtol=1e-4)
 
     def prefill(prompts: list[list[int]]) -> list[int]:
+        """Left-padded prompts into fresh slots (a padded position sees only itself), the first prompt's slot
+        then copied into one more slot (a prompt's samples share a prefill)."""
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        cache = new_growing_cache(model.config)  # as the agent loop prefills
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                    past_key_values=cache, use_cache=True)
         slots = store.allocate(len(prompts))
-        store.assign(slots, cache, mask)
+        out = model(input_ids=ids, logits_to_keep=1, **store.step(np.array(slots), mask))
         for slot, prompt in zip(slots, prompts, strict=True):
             sequences[slot] = list(prompt)
         check(out.logits[:, -1], slots)
@@ -89,8 +87,14 @@ def test_every_forward_on_slots_is_each_sequences_full_forward(model, path, monk
         first = prefill([torch.randint(10, 60, (n,), generator=generator).tolist() for n in (9, 5)])
         poison()
         decode(first[::-1])
-        third = prefill([torch.randint(10, 60, (3,), generator=generator).tolist()])  # the store grows: 2 -> 4
-        assert store.capacity[0] >= 3
+        sibling = store.allocate(1)  # the store grows: 2 -> 4 slots
+        store.copy([first[0]], sibling)
+        sequences[sibling[0]] = list(sequences[first[0]])
+        decode([sibling[0], first[1]])
+        store.release(sibling)
+        del sequences[sibling[0]]
+        third = prefill([torch.randint(10, 60, (3,), generator=generator).tolist()])
+        assert store.capacity[0] >= 3 and third == sibling  # the freed slot, emptied
         poison()
         waiting = first[1]
         before = [(layer.kbuf[waiting].clone(), layer.vbuf[waiting].clone()) for layer in store.layers]
@@ -123,3 +127,22 @@ def test_a_store_is_reset_and_reused_when_it_fits(model) -> None:
     store.reset()
     assert store.allocate(4) == [0, 1, 2, 3]
 
+
+
+def test_a_released_store_is_freed_at_once_not_by_the_cyclic_collector(model) -> None:
+    """The store is hundreds of MB on a real model: the last reference going must free it (a layer pointing back
+    at its cache made a cycle, and SmolLM2's validation store outlived its rollout into the update)."""
+    import gc
+    import weakref
+
+    store = SlotCache(model.config, slots=2, columns=8)
+    slots = store.allocate(1)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[11, 12, 13]]), **store.step(np.array(slots), torch.ones(1, 3)))
+    alive = weakref.ref(store.layers[0].kbuf)
+    gc.disable()
+    try:
+        del store, out
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -16,10 +16,11 @@ prefill's left padding and a tool turn's padding inside a block stay in the row 
 count real tokens only (``positions[s]``), so padding never shifts them.
 
     store = SlotCache(model.config, slots=8)
-    slots = store.allocate(rows)                        # free slots, one per row
-    store.assign(slots, prefill_cache, prefill_mask)    # a prefill's rows copied in (once)
-    out = model(input_ids=ids, **store.step(slots, new_mask))   # ids (B, Q): each row appends Q columns
-    store.release(slots)                                # the sequences ended
+    slots = store.allocate(rows)                                  # empty slots, one per row
+    out = model(input_ids=prompts, **store.step(slots, mask))     # the prefill (left-padded prompts, their mask)
+    out = model(input_ids=ids, **store.step(slots, new_mask))     # ids (B, Q): each row appends Q columns
+    out = model(input_ids=next_ids, **store.step(slots))          # a decode step (B, 1)
+    store.release(slots)                                          # the sequences ended
 
 With transformers' own attention implementations (not verl's CPU attention), ``update`` returns the step's rows
 gathered (a copy per layer and forward: correct, slower); with ``verl_cpu_sdpa`` it returns the store and the
@@ -34,23 +35,23 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
 class SlotLayer(DynamicLayer):
-    """One layer's store ``(slots, kv_heads, columns, head_dim)``; ``update`` writes the step's rows' new keys and
-    values at each row's columns (``SlotCache.step`` says where) and returns the store's first ``width`` columns
-    (or, with ``gather``, the step's rows of them)."""
+    """One layer's store ``(slots, kv_heads, columns, head_dim)``, written by ``SlotCache.update``. It holds no
+    reference back to its cache: a cycle would leave a released store (hundreds of MB) to Python's cyclic
+    collector instead of freeing it when the last reference goes."""
 
     _layer_type = None  # never register this class in transformers' layer-type mapping
 
-    def __init__(self, owner: SlotCache) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.owner = owner
         self.kbuf: torch.Tensor | None = None
         self.vbuf: torch.Tensor | None = None
 
-    def allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def allocate(self, keys: torch.Tensor, values: torch.Tensor, slots: int, columns: int) -> None:
         """Stores shaped for ``keys``/``values`` ``(any, kv_heads, any, head_dim)``, not zeroed: a column is
-        written before any mask lets it be read (the gathered path zeroes what the mask hides, ``gathered``), and
-        untouched pages cost no memory, so the store can have a slot for every sequence of a rollout up front."""
-        slots, columns = self.owner.capacity
+        written before any mask lets it be read (the gathered path zeroes what the mask hides,
+        ``SlotCache.gathered``), and untouched pages cost no memory, so the store can have a slot for every
+        sequence of a rollout up front. Called at the first forward (contents are lost if a later one brings
+        another dtype)."""
         self.kbuf = keys.new_empty((slots, keys.shape[1], columns, keys.shape[3]))
         self.vbuf = values.new_empty((slots, values.shape[1], columns, values.shape[3]))
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
@@ -63,24 +64,8 @@ class SlotLayer(DynamicLayer):
             new[:old.shape[0], :, :old.shape[2]] = old
             setattr(self, name, new)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """``key_states``/``value_states`` ``(rows, kv_heads, Q, head_dim)``: the step's rows' new columns."""
-        owner = self.owner
-        index = owner.write_index  # (rows * kv_heads * Q,): each (row, head, position)'s place in the flat store
-        # One row copy per (row, head, position) into the store seen as (slots * kv_heads * columns, head_dim):
-        # ~3x faster than advanced-index assignment over (slot, :, column).
-        for store, states in ((self.kbuf, key_states), (self.vbuf, value_states)):
-            store.view(-1, store.shape[-1]).index_copy_(0, index, states.reshape(-1, states.shape[-1]))
-        keys, values = self.kbuf[:, :, :owner.width], self.vbuf[:, :, :owner.width]
-        if owner.gather:
-            return owner.gathered(keys), owner.gathered(values)
-        return keys, values
-
-    def get_seq_length(self) -> int:
-        return self.owner.width
-
-    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
-        return self.owner.width, 0
+    def update(self, *args, **kwargs):
+        raise NotImplementedError("a SlotLayer is written through SlotCache.update (the step says where)")
 
 
 class SlotCache(DynamicCache):
@@ -93,8 +78,9 @@ class SlotCache(DynamicCache):
     def __init__(self, config, slots: int, columns: int = 128, gather: bool = False,
                  device: torch.device | str = "cpu") -> None:
         super().__init__(config=config)
-        self.layers = [SlotLayer(self) for _ in self.layers]
+        self.layers = [SlotLayer() for _ in self.layers]
         self.capacity = (max(1, slots), max(1, columns))
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.gather = gather
         self.mask = torch.zeros(self.capacity, dtype=torch.bool, device=device)
         self.lengths = np.zeros(self.capacity[0], dtype=np.int64)
@@ -124,38 +110,37 @@ class SlotCache(DynamicCache):
     # ---------------------------------------------------------------- slots
 
     def allocate(self, count: int) -> list[int]:
-        """``count`` free slots (the store grows when too few are free)."""
+        """``count`` free slots, empty (the store grows when too few are free): a forward over a prompt's ids
+        (``step`` with its mask) prefills one."""
         if count > len(self.free):
             in_use = self.capacity[0] - len(self.free)
             self._resize(max(2 * self.capacity[0], in_use + count), self.capacity[1])
-        return [self.free.pop() for _ in range(count)]
+        slots = [self.free.pop() for _ in range(count)]
+        index = np.asarray(slots, dtype=np.int64)
+        self.mask[torch.from_numpy(index).to(self.mask.device)] = False
+        self.lengths[index] = 0
+        self.positions[index] = 0
+        return slots
 
     def release(self, slots: list[int]) -> None:
-        """The slots' sequences ended: the slots are free (their contents are overwritten by the next ``assign``)."""
+        """The slots' sequences ended: the slots are free (``allocate`` empties them again)."""
         self.free.extend(slots)
 
-    def assign(self, slots: list[int], cache: DynamicCache, mask: torch.Tensor,
-               cache_rows: list[int] | None = None) -> None:
-        """Copy a prefill into ``slots``: ``cache``'s layers hold ``(R, kv_heads, W, head_dim)`` with attention
-        ``mask`` ``(R, W)`` (left-padded rows); slot ``slots[i]`` takes row ``cache_rows[i]`` (row ``i`` when
-        ``None``: a prompt's samples share a prefill row and each copies it)."""
-        width = mask.shape[1]
-        self._ensure_columns(width)
-        device = mask.device
-        target = torch.tensor(slots, dtype=torch.long, device=device)
-        source = None if cache_rows is None else torch.tensor(cache_rows, dtype=torch.long, device=device)
-        for layer, prefilled in zip(self.layers, cache.layers, strict=True):
-            if layer.kbuf is None or layer.kbuf.dtype != prefilled.keys.dtype \
-                    or layer.kbuf.device != prefilled.keys.device:
-                layer.allocate(prefilled.keys, prefilled.values)
-            for store, tensor in ((layer.kbuf, prefilled.keys), (layer.vbuf, prefilled.values)):
-                store[target, :, :width] = tensor if source is None else tensor.index_select(0, source)
-        rows_mask = mask if source is None else mask.index_select(0, source)
-        self.mask[target] = False
-        self.mask[target, :width] = rows_mask.to(self.mask.device, torch.bool)
-        index = np.asarray(slots, dtype=np.int64)
-        self.lengths[index] = width
-        self.positions[index] = rows_mask.sum(-1).cpu().numpy()
+    def copy(self, sources: list[int], targets: list[int]) -> None:
+        """Slot ``targets[i]`` becomes a copy of slot ``sources[i]`` (its filled columns, mask and positions): a
+        prompt's ``n`` samples prefilled once, in the first sample's slot."""
+        if not targets:
+            return
+        source, target = np.asarray(sources, dtype=np.int64), np.asarray(targets, dtype=np.int64)
+        width = int(self.lengths[source].max())
+        device = self.mask.device
+        source_index, target_index = torch.from_numpy(source).to(device), torch.from_numpy(target).to(device)
+        for layer in self.layers:
+            for store in (layer.kbuf, layer.vbuf):
+                store[target_index, :, :width] = store[source_index, :, :width]
+        self.mask[target_index] = self.mask[source_index]
+        self.lengths[target] = self.lengths[source]
+        self.positions[target] = self.positions[source]
 
     # ---------------------------------------------------------------- a forward
 
@@ -163,8 +148,11 @@ class SlotCache(DynamicCache):
         """Prepare a forward in which slot ``slots[b]`` appends ``Q`` columns (one when ``new_mask`` is None, a
         decode step; else ``new_mask`` ``(B, Q)``: 1 on the row's real new ids, left-padded). Returns the model
         call's keywords: the attention mask ``(B, 1, Q, width)`` bool (each position sees its row's real columns
-        up to itself), position ids ``(B, Q)`` counting real tokens, this cache, and ``kv_rows``. Every slot in
-        ``slots`` must hold a prefill (``assign``)."""
+        up to itself), position ids ``(B, Q)`` counting real tokens, this cache, and ``kv_rows``. On an empty
+        slot this is its prefill (left-padded ids; a padded position sees only itself, so no row of the mask is
+        empty).
+        The stores are allocated at the first call, with the model's K/V dtype: the caller runs the model under
+        the same autocast every time."""
         slots = np.ascontiguousarray(slots, dtype=np.int64)
         new = 1 if new_mask is None else new_mask.shape[1]
         starts = self.lengths[slots]
@@ -190,11 +178,13 @@ class SlotCache(DynamicCache):
             # A padded id takes its predecessor's position (it is masked out anyway).
             position_ids = (torch.from_numpy(before).to(device).unsqueeze(-1) + counted - 1).clamp(min=0)
             seen = self.mask[:, :self.width].index_select(0, rows)  # (B, width): real columns, new ones included
-            # Position q sees the row's columns before its new ones and its new ones up to itself.
-            limit = start.unsqueeze(-1) + torch.arange(1, new + 1, device=device)  # (B, Q)
-            causal = torch.arange(self.width, device=device) < limit.unsqueeze(-1)  # (B, Q, width)
-            attention = (seen.unsqueeze(1) & causal).unsqueeze(1)
-        heads = self.layers[0].kbuf.shape[1]
+            # Position q sees the row's columns before its new ones and its new ones up to itself; a padded position
+            # sees itself too (a left-padded prefill's would see nothing: SDPA gives such a row NaN, not zeros).
+            own = start.unsqueeze(-1) + torch.arange(new, device=device)  # (B, Q): each position's column
+            column = torch.arange(self.width, device=device)
+            causal = column <= own.unsqueeze(-1)  # (B, Q, width)
+            attention = ((seen.unsqueeze(1) & causal) | (column == own.unsqueeze(-1))).unsqueeze(1)
+        heads = self.kv_heads
         head_rows = rows.unsqueeze(-1) * heads + torch.arange(heads, device=device)  # (B, kv_heads)
         self.write_index = (head_rows.unsqueeze(-1) * self.capacity[1] + columns.unsqueeze(1)).reshape(-1)
         self.step_rows, self.step_mask = rows, attention
@@ -203,6 +193,26 @@ class SlotCache(DynamicCache):
         if not self.gather:
             keywords["kv_rows"] = rows
         return keywords
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s new keys/values ``(B, kv_heads, Q, head_dim)`` for the step's rows, written at each
+        row's columns (``step``); returns the store's first ``width`` columns, or the step's rows of them with
+        ``gather``."""
+        layer = self.layers[layer_idx]
+        if layer.kbuf is None or layer.kbuf.dtype != key_states.dtype or layer.kbuf.device != key_states.device:
+            layer.allocate(key_states, value_states, *self.capacity)  # the model's K/V dtype under autocast
+        # One row copy per (row, head, position) into the store seen as (slots * kv_heads * columns, head_dim):
+        # ~3x faster than advanced-index assignment over (slot, :, column).
+        for store, states in ((layer.kbuf, key_states), (layer.vbuf, value_states)):
+            store.view(-1, store.shape[-1]).index_copy_(0, self.write_index, states.reshape(-1, states.shape[-1]))
+        keys, values = layer.kbuf[:, :, :self.width], layer.vbuf[:, :, :self.width]
+        if self.gather:
+            return self.gathered(keys), self.gathered(values)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0, *args, **kwargs) -> tuple[int, int]:
+        return self.width, 0
 
     def gathered(self, store: torch.Tensor) -> torch.Tensor:
         """The step's rows of ``store`` ``(slots, kv_heads, width, head_dim)`` -> ``(B, kv_heads, width,
