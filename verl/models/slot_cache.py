@@ -72,8 +72,8 @@ class SlotCache(DynamicCache):
     """A ``DynamicCache`` whose layers are slot stores (see the module docstring). ``slots``: how many sequences
     it holds at once (more: it grows, copying); ``columns``: the longest sequence planned (a longer one grows the
     store, copying). ``gather``: return the step's rows gathered, for attention implementations that do not read
-    ``kv_rows``. ``device``: where the model runs (the masks and indexes live there; the stores take the device of
-    the first prefill copied in)."""
+    ``kv_rows``. ``device``: where the model runs (the masks and indexes live there; the stores take the device and
+    dtype of the first forward's keys)."""
 
     def __init__(self, config, slots: int, columns: int = 128, gather: bool = False,
                  device: torch.device | str = "cpu") -> None:
@@ -102,8 +102,8 @@ class SlotCache(DynamicCache):
 
     def reset(self) -> None:
         """Every slot free again, the stores kept: a store is larger than glibc's largest heap block (32 MB), so a
-        new one is fresh memory from the OS whose every page faults on first touch; reusing it across rollouts
-        saved ~50 ms of copying prefills in per tiny-agent rollout of 512 trajectories."""
+        new one is fresh memory from the OS whose every page faults on first touch; a tiny-agent rollout of 512
+        trajectories took 2.55 s with the store reused against 2.91 s with a new one (one process, alternating)."""
         self.free = list(range(self.capacity[0] - 1, -1, -1))
         self.width, self.write_index, self.step_rows, self.step_mask = 0, None, None, None
 
