@@ -74,7 +74,9 @@ def test_loaded_models_use_it_and_it_can_be_turned_off(monkeypatch):
     assert torch.equal(out, ref)  # the same forward bits through the whole model
     ref.square().mean().backward()
     for name, param in plain.named_parameters():
-        torch.testing.assert_close(grads[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
+        # to rounding at the tensor's scale (the embedding's gradient sums many rows: its entries reach ~100)
+        scale = float(param.grad.abs().max())
+        torch.testing.assert_close(grads[name], param.grad, atol=1e-6 * max(scale, 1.0), rtol=1e-4, msg=name)
 
 
 def test_a_float64_norm_stays_float64():

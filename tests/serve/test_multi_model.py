@@ -303,6 +303,19 @@ def test_two_uvicorn_workers_refuse_admin_changes_instead_of_splitting_the_fleet
     env = {"VERL_SERVE_MODEL": "builtin:tiny-arith", "VERL_SERVE_ADMIN_API_KEY": ADMIN_KEY, "HF_HUB_OFFLINE": "1"}
     with run_server_process(env, uvicorn_args=("--workers", "2")) as (url, _proc):
         wait_healthy(url, timeout=180)
+        # /health answered by one worker; the other may still be loading its model (503 "loading") on a busy box:
+        # both must say ok before the scenario starts (a fresh connection each time reaches either worker)
+        ready: set[int] = set()
+        deadline = time.monotonic() + 180
+        while len(ready) < 2 and time.monotonic() < deadline:
+            with httpx.Client(base_url=url, timeout=10) as client:  # one connection: both answers from one worker
+                health = client.get("/health")
+                if health.status_code == 200:
+                    state = client.get("/admin/state", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+                    ready.add(state["process"]["pid"])
+            if health.status_code != 200:
+                assert health.json()["status"] == "loading", health.text
+                time.sleep(0.2)
         r = _verl("promote", "--service", url, "--model", "b", "--path", "builtin:tiny-arith", "--weight", "1.0",
                   VERL_SERVE_ADMIN_API_KEY=ADMIN_KEY)
         assert r.returncode == 1, r.stdout

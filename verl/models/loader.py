@@ -33,6 +33,8 @@ from verl.models.fused_decoder import use_fused_decoder
 from verl.models.gguf import PACKAGED_MODELS, convert_gguf, packaged_gguf_path
 from verl.models.packed_linear import use_packed_linear
 from verl.models.rms_norm import use_fused_rms_norm
+from verl.models.rotary import use_fused_rotary
+from verl.models.swiglu import use_fused_swiglu
 from verl.models.tiny import BUILTIN_SPECS, build_spec_tokenizer, build_tiny_model
 from verl.utils.fs import atomic_dir, cache_dir
 
@@ -199,6 +201,10 @@ def load_causal_lm(
     # fp32 on CPU: RMSNorm as one autograd node with a hand-derived backward (same forward bits, ~2x faster
     # forward + backward at training shapes); see verl/models/rms_norm.py.
     use_fused_rms_norm(model)
+    # fp32 on CPU: SiLU(gate) * up and the rotary embedding as one autograd node each, one-pass kernels (same forward
+    # bits; ~2% of a SmolLM2 LoRA update); see verl/models/swiglu.py and verl/models/rotary.py.
+    use_fused_swiglu(model)
+    use_fused_rotary()
     # fp32 on CPU, inside the generation loops: each decoder layer's norms, RoPE and SiLU as four fused calls
     # (~5 ms of a 45 ms SmolLM2 decode step are those ops' dispatch); see verl/models/fused_decoder.py.
     use_fused_decoder(model)

@@ -8,6 +8,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 void silu_mul_(torch::Tensor gate, torch::Tensor up);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, bool transpose);
+std::vector<torch::Tensor> silu_mul_backward(torch::Tensor grad, torch::Tensor gate, torch::Tensor up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
@@ -18,4 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "x += residual in place; returns rms_norm(x)");
   m.def("rope_", &rope_, "rotary position embedding applied to q and k in place");
   m.def("silu_mul_", &silu_mul_, "gate = silu(gate) * up in place");
+  m.def("rope", &rope, "rotary position embedding of x (B, T, H, D) into a new tensor (transpose: its backward)");
+  m.def("silu_mul_backward", &silu_mul_backward, "the gradients of silu(gate) * up for gate and up");
 }

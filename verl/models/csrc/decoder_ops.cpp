@@ -120,3 +120,76 @@ void silu_mul_(torch::Tensor gate, torch::Tensor up) {
               "silu_mul_: gate and up must be contiguous fp32 tensors of one shape");
   silu_mul_span(gate.data_ptr<float>(), up.data_ptr<float>(), gate.numel());
 }
+
+// --- training forwards (verl/models/rotary.py, verl/models/swiglu.py): autograd nodes around these kernels.
+
+// Rotary embedding of x (B, T, H, D) (any strides, the last dimension contiguous) into a new contiguous tensor:
+// Hugging Face's x * cos + rotate_half(x) * sin (the bits of rope_rows), or with transpose=true its transpose, the
+// backward: g1 * cos1 + g2 * sin2 and g2 * cos2 - g1 * sin1, the two products autograd forms, rounded alike.
+__attribute__((optimize("fp-contract=off")))
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, bool transpose) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "rope: fp32 tensors, cos and sin contiguous");
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && cos.dim() == 3 && sin.sizes() == cos.sizes(),
+              "rope: x (B, T, H, D) with its last dimension contiguous, cos/sin (B or 1, T, D)");
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && cos.size(1) == T && cos.size(2) == D && (cos.size(0) == B || cos.size(0) == 1),
+              "rope: cos/sin must be (B or 1, T, D) for x (B, T, H, D), D even");
+  auto out = torch::empty({B, T, H, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+  const int64_t cos_batch_stride = cos.size(0) == 1 ? 0 : T * D;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* c = cp + b * cos_batch_stride + t * D;
+      const float* s = sp + b * cos_batch_stride + t * D;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* a = xp + b * sb + t * st + h * sh;
+        const float* z = a + half;
+        float* oa = op + ((b * T + t) * H + h) * D;
+        float* oz = oa + half;
+        if (!transpose) {
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            const float p = a[i] * c[i], q = z[i] * s[i];
+            const float r = z[i] * c[i + half], w = a[i] * s[i + half];
+            oa[i] = p - q;
+            oz[i] = r + w;
+          }
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            const float p = a[i] * c[i], q = z[i] * s[i + half];
+            const float r = z[i] * c[i + half], w = a[i] * s[i];
+            oa[i] = p + q;
+            oz[i] = r - w;
+          }
+        }
+      }
+    }
+  return out;
+}
+
+// The gradients of h = silu(gate) * up given dh (all contiguous, one shape): with sig = 1 / (1 + exp(-gate)),
+// d gate = dh * up * sig * (1 + gate * (1 - sig)) and d up = dh * gate * sig. One pass instead of autograd's
+// three (two products and silu's backward) and their temporaries.
+std::vector<torch::Tensor> silu_mul_backward(torch::Tensor grad, torch::Tensor gate, torch::Tensor up) {
+  for (const auto* t : {&grad, &gate, &up})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == gate.sizes(),
+                "silu_mul_backward: contiguous fp32 tensors of one shape");
+  auto grad_gate = torch::empty_like(gate), grad_up = torch::empty_like(up);
+  const float *dp = grad.data_ptr<float>(), *gp = gate.data_ptr<float>(), *up_ = up.data_ptr<float>();
+  float *ggp = grad_gate.data_ptr<float>(), *gup = grad_up.data_ptr<float>();
+  const int64_t n = gate.numel();
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = gp[i], sig = 1.f / (1.f + exp_clamped(-x));
+    const float silu = x * sig;
+    gup[i] = dp[i] * silu;
+    ggp[i] = dp[i] * up_[i] * (sig * (1.f + x * (1.f - sig)));
+  }
+  return {grad_gate, grad_up};
+}
