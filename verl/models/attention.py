@@ -35,6 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from verl.models.decode_attention import MAX_QUERY_POSITIONS, decode_attention
+from verl.models.slot_cache import gather_visible
 
 NAME = "verl_cpu_sdpa"
 
@@ -56,9 +57,7 @@ def cpu_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if output is not None:
             return output, None
     if rows is not None:  # the step's rows gathered, what its mask hides zeroed (never-written memory may be NaN)
-        hidden = (~attention_mask.any(2)).unsqueeze(-1)  # (B, 1, T, 1)
-        key = key.index_select(0, rows).masked_fill_(hidden, 0)
-        value = value.index_select(0, rows).masked_fill_(hidden, 0)
+        key, value = gather_visible(key, rows, attention_mask), gather_visible(value, rows, attention_mask)
     groups = getattr(module, "num_key_value_groups", 1)
     if groups == 1 or query.device.type != "cpu" or attention_mask is None or not plain \
             or key.shape[-1] != value.shape[-1]:

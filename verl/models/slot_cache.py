@@ -34,6 +34,15 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
+def gather_visible(store: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (int64 ``(B,)``) of a store ``(slots, kv_heads, width, head_dim)`` -> ``(B, kv_heads, width,
+    head_dim)``, the columns that no query position of ``mask`` (bool ``(B, 1, Q, width)``) sees zeroed:
+    never-written store memory may hold NaN, which a masked-out score times its value would carry into the output.
+    For attention that cannot read a slot store in place (SDPA, transformers' own implementations)."""
+    hidden = ~mask.any(2)  # (B, 1, width)
+    return store.index_select(0, rows).masked_fill_(hidden.unsqueeze(-1), 0)
+
+
 class SlotLayer(DynamicLayer):
     """One layer's store ``(slots, kv_heads, columns, head_dim)``, written by ``SlotCache.update``. It holds no
     reference back to its cache: a cycle would leave a released store (hundreds of MB) to Python's cyclic
@@ -180,10 +189,9 @@ class SlotCache(DynamicCache):
             seen = self.mask[:, :self.width].index_select(0, rows)  # (B, width): real columns, new ones included
             # Position q sees the row's columns before its new ones and its new ones up to itself; a padded position
             # sees itself too (a left-padded prefill's would see nothing: SDPA gives such a row NaN, not zeros).
-            own = start.unsqueeze(-1) + torch.arange(new, device=device)  # (B, Q): each position's column
             column = torch.arange(self.width, device=device)
-            causal = column <= own.unsqueeze(-1)  # (B, Q, width)
-            attention = ((seen.unsqueeze(1) & causal) | (column == own.unsqueeze(-1))).unsqueeze(1)
+            causal = column <= columns.unsqueeze(-1)  # (B, Q, width): `columns` holds each position's own column
+            attention = ((seen.unsqueeze(1) & causal) | (column == columns.unsqueeze(-1))).unsqueeze(1)
         heads = self.kv_heads
         head_rows = rows.unsqueeze(-1) * heads + torch.arange(heads, device=device)  # (B, kv_heads)
         self.write_index = (head_rows.unsqueeze(-1) * self.capacity[1] + columns.unsqueeze(1)).reshape(-1)
@@ -215,12 +223,8 @@ class SlotCache(DynamicCache):
         return self.width, 0
 
     def gathered(self, store: torch.Tensor) -> torch.Tensor:
-        """The step's rows of ``store`` ``(slots, kv_heads, width, head_dim)`` -> ``(B, kv_heads, width,
-        head_dim)``, the columns no position of the step sees zeroed (never-written memory may hold NaN, which
-        a masked-out score times its value would carry into the output)."""
-        rows = store.index_select(0, self.step_rows)
-        hidden = ~self.step_mask.any(2)  # (B, 1, width)
-        return rows.masked_fill_(hidden.unsqueeze(-1), 0)
+        """The step's rows of ``store`` (``gather_visible``)."""
+        return gather_visible(store, self.step_rows, self.step_mask)
 
     # ---------------------------------------------------------------- growth
 
