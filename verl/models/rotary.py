@@ -84,13 +84,13 @@ def fused_apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tens
     """``apply_rotary_pos_emb`` by the fused node where it applies (module docstring), else by ``original``
     (Llama's function by default)."""
     kernels = load_kernels() if _applies(q, k, cos, sin, unsqueeze_dim) else None
-    if kernels is None or not hasattr(kernels, "rope"):
-        fallback = original or _ORIGINALS.get("llama") or _llama_original()
-        return fallback(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    if kernels is None:
+        return (original or _llama_original())(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     return _RotaryFunction.apply(q, k, cos, sin, kernels)
 
 
 def _llama_original() -> Callable:
+    """Llama's own function, whether or not ``use_fused_rotary`` has replaced the module's name."""
     from transformers.models.llama import modeling_llama  # noqa: PLC0415
 
     return _ORIGINALS.get("llama", modeling_llama.apply_rotary_pos_emb)

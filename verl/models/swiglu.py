@@ -57,13 +57,14 @@ def _fused_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     plain = (gate.dtype == up.dtype == torch.float32 and gate.device.type == "cpu" and gate.is_contiguous()
              and up.is_contiguous() and gate.shape == up.shape and not torch.is_autocast_enabled("cpu"))
-    if plain and torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        kernels = load_kernels()
-        if kernels is not None and hasattr(kernels, "silu_mul_backward"):
-            return self.down_proj(_SiluMulFunction.apply(gate, up, kernels))
-    if plain and not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
+    if not plain:
+        return self.down_proj(self.act_fn(gate) * up)
+    if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
         return self.down_proj(F.silu(gate).mul_(up))  # no graph: the product in place, the same bits
-    return self.down_proj(self.act_fn(gate) * up)
+    kernels = load_kernels()
+    if kernels is None:
+        return self.down_proj(self.act_fn(gate) * up)
+    return self.down_proj(_SiluMulFunction.apply(gate, up, kernels))
 
 
 def _fusable(module: nn.Module) -> bool:

@@ -63,23 +63,39 @@ torch::Tensor add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tens
   return y;
 }
 
-// out[i] = x[i] * cos[i] - x[i + D/2] * sin[i];  out[i + D/2] = x[i + D/2] * cos[i + D/2] + x[i] * sin[i + D/2]:
-// Hugging Face's q * cos + rotate_half(q) * sin, each product rounded before the sum (no fused multiply-add) so the
-// bits are the same.
+// For each of `heads` heads of x (head h at x + h * x_head_stride), into out (contiguous heads; may be x itself):
+// forward, out[i] = x[i] * cos[i] - x[i + D/2] * sin[i] and out[i + D/2] = x[i + D/2] * cos[i + D/2] + x[i] *
+// sin[i + D/2] — Hugging Face's q * cos + rotate_half(q) * sin; transpose (the backward of that, for a gradient x),
+// out[i] = x[i] * cos[i] + x[i + D/2] * sin[i + D/2] and out[i + D/2] = x[i + D/2] * cos[i + D/2] - x[i] * sin[i].
+// Each product is rounded before the sum (no fused multiply-add), so the bits are those of Hugging Face's ops
+// (autograd's, for the transpose). Each element reads only its own index pair, so out may alias x.
 __attribute__((optimize("fp-contract=off")))
-static void rope_rows(float* __restrict__ x, int64_t heads, int64_t D, const float* __restrict__ c,
-                      const float* __restrict__ s) {
+static void rope_rows(const float* x, float* out, int64_t heads, int64_t x_head_stride, int64_t D,
+                      const float* __restrict__ c, const float* __restrict__ s, bool transpose) {
   const int64_t half = D / 2;
   for (int64_t h = 0; h < heads; ++h) {
-    float* a = x + h * D;
-    float* b = a + half;
+    const float* a = x + h * x_head_stride;
+    const float* b = a + half;
+    float* oa = out + h * D;
+    float* ob = oa + half;
+    if (!transpose) {
 #pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const float x1 = a[i], x2 = b[i];
-      const float p = x1 * c[i], q = x2 * s[i];
-      const float r = x2 * c[i + half], t = x1 * s[i + half];
-      a[i] = p - q;
-      b[i] = r + t;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = a[i], x2 = b[i];
+        const float p = x1 * c[i], q = x2 * s[i];
+        const float r = x2 * c[i + half], t = x1 * s[i + half];
+        oa[i] = p - q;
+        ob[i] = r + t;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float g1 = a[i], g2 = b[i];
+        const float p = g1 * c[i], q = g2 * s[i + half];
+        const float r = g2 * c[i + half], t = g1 * s[i];
+        oa[i] = p + q;
+        ob[i] = r - t;
+      }
     }
   }
 }
@@ -100,8 +116,10 @@ void rope_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor si
     for (int64_t t = 0; t < T; ++t) {
       const float* c = cp + b * cos_batch_stride + t * D;
       const float* s = sp + b * cos_batch_stride + t * D;
-      rope_rows(qp + (b * T + t) * H * D, H, D, c, s);
-      rope_rows(kp + (b * T + t) * Hkv * D, Hkv, D, c, s);
+      float* qrow = qp + (b * T + t) * H * D;
+      float* krow = kp + (b * T + t) * Hkv * D;
+      rope_rows(qrow, qrow, H, D, D, c, s, false);
+      rope_rows(krow, krow, Hkv, D, D, c, s, false);
     }
 }
 
@@ -123,53 +141,26 @@ void silu_mul_(torch::Tensor gate, torch::Tensor up) {
 
 // --- training forwards (verl/models/rotary.py, verl/models/swiglu.py): autograd nodes around these kernels.
 
-// Rotary embedding of x (B, T, H, D) (any strides, the last dimension contiguous) into a new contiguous tensor:
-// Hugging Face's x * cos + rotate_half(x) * sin (the bits of rope_rows), or with transpose=true its transpose, the
-// backward: g1 * cos1 + g2 * sin2 and g2 * cos2 - g1 * sin1, the two products autograd forms, rounded alike.
-__attribute__((optimize("fp-contract=off")))
+// Rotary embedding of x (B, T, H, D) (any strides, the last dimension contiguous) into a new contiguous tensor,
+// or with transpose=true its transpose, the backward (rope_rows).
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, bool transpose) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous(),
               "rope: fp32 tensors, cos and sin contiguous");
   TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && cos.dim() == 3 && sin.sizes() == cos.sizes(),
               "rope: x (B, T, H, D) with its last dimension contiguous, cos/sin (B or 1, T, D)");
-  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3);
   TORCH_CHECK(D % 2 == 0 && cos.size(1) == T && cos.size(2) == D && (cos.size(0) == B || cos.size(0) == 1),
               "rope: cos/sin must be (B or 1, T, D) for x (B, T, H, D), D even");
   auto out = torch::empty({B, T, H, D}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
   const int64_t cos_batch_stride = cos.size(0) == 1 ? 0 : T * D;
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* c = cp + b * cos_batch_stride + t * D;
-      const float* s = sp + b * cos_batch_stride + t * D;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* a = xp + b * sb + t * st + h * sh;
-        const float* z = a + half;
-        float* oa = op + ((b * T + t) * H + h) * D;
-        float* oz = oa + half;
-        if (!transpose) {
-#pragma omp simd
-          for (int64_t i = 0; i < half; ++i) {
-            const float p = a[i] * c[i], q = z[i] * s[i];
-            const float r = z[i] * c[i + half], w = a[i] * s[i + half];
-            oa[i] = p - q;
-            oz[i] = r + w;
-          }
-        } else {
-#pragma omp simd
-          for (int64_t i = 0; i < half; ++i) {
-            const float p = a[i] * c[i], q = z[i] * s[i + half];
-            const float r = z[i] * c[i + half], w = a[i] * s[i];
-            oa[i] = p + q;
-            oz[i] = r - w;
-          }
-        }
-      }
-    }
+    for (int64_t t = 0; t < T; ++t)
+      rope_rows(xp + b * x.stride(0) + t * x.stride(1), op + (b * T + t) * H * D, H, x.stride(2), D,
+                cp + b * cos_batch_stride + t * D, sp + b * cos_batch_stride + t * D, transpose);
   return out;
 }
 
