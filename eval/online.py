@@ -31,6 +31,7 @@ import numpy as np
 
 from eval.report import Doc, fmt
 from eval.stats import mcnemar, paired_bootstrap
+from serve.records import join_rewards
 from verl.errors import ConfigError, VerlError
 from verl.utils.fs import atomic_write_json
 
@@ -64,8 +65,12 @@ def load_records(source: str, admin_key: str | None = None) -> list[dict]:
         except ValueError:
             raise ConfigError(f"{path}, line {number}: not JSON (a records file has one JSON object per line)") \
                 from None
+        if isinstance(row, dict) and row.get("kind") == "reward" and "id" in row and "reward" in row:
+            rows.append(row)
+            continue
         if not isinstance(row, dict) or "model" not in row or "e2e_s" not in row:
-            raise ConfigError(f"{path}, line {number}: not a service record (needs 'model' and 'e2e_s')")
+            raise ConfigError(f"{path}, line {number}: not a service record (needs 'model' and 'e2e_s', or a reward "
+                              "row: kind 'reward' with 'id' and 'reward')")
         rows.append(row)
     return rows
 
@@ -168,7 +173,7 @@ def compare_online(source: str, out: str | Path | None = None, baseline: str | N
                    models: list[str] | None = None, alpha: float = 0.05, n_boot: int = 2000, seed: int = 0,
                    since: float | None = None, admin_key: str | None = None) -> dict:
     """Build the online A/B report; writes it to ``out`` when given and returns it."""
-    rows = [r for r in load_records(source, admin_key) if since is None or r.get("time", 0) >= since]
+    rows = join_rewards([r for r in load_records(source, admin_key) if since is None or r.get("time", 0) >= since])
     per_model: dict[str, list[dict]] = {}
     for r in rows:
         per_model.setdefault(r["model"], []).append(r)

@@ -7,7 +7,8 @@ every call needs ``Authorization: Bearer <admin_api_key>`` (the service's own ``
     DELETE /admin/routes/{route}
     POST   /admin/models                 {"name": "b", "path": DIR} or {"name": "b", "adapter": DIR, "base": "a"}
     DELETE /admin/models/{name}          stops routing to it, waits for its requests, then releases it
-    GET    /admin/records?since=T        the online records (``verl compare --online`` reads them)
+    GET    /admin/records?since=T        the online records (``verl compare --online`` and ``verl ship`` read them)
+    POST   /admin/records/rewards        {"rewards": [{"id": ..., "index": 0, "reward": 1.0, "source": "..."}]}
     PUT    /admin/shadow/{route}         {"model": "b", "fraction": 0.2}: mirror 20% of the route to b (never returned)
     DELETE /admin/shadow/{route}
 
@@ -31,8 +32,9 @@ from collections.abc import Mapping, Sequence
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
+from serve.records import reward_row
 from serve.schemas import _Strict
 from serve.service import ApiError, Service, service_of
 from serve.settings import ModelEntry, ServeSettings
@@ -49,6 +51,19 @@ class RouteWeights(_Strict):
 class Shadow(_Strict):
     model: str
     fraction: float
+
+
+class LateReward(_Strict):
+    id: str = Field(min_length=1, max_length=128, description="The completion's id (the response's `id`).")
+    index: int = Field(0, ge=0, description="The choice index.")
+    reward: float = Field(allow_inf_nan=False, description="The reward (the canary's betting test needs [0, 1]).")
+    source: str = Field(min_length=1, max_length=64, description="Where it came from, e.g. rule:gsm8k, judge:x.")
+    model: str | None = Field(None, max_length=128, description="The model that answered (a mirror's reward).")
+    shadow: bool = Field(False, description="The reward of a mirrored answer (the shadow stage).")
+
+
+class LateRewards(_Strict):
+    rewards: list[LateReward] = Field(max_length=10_000)
 
 
 def check_admin_key(settings: ServeSettings, given: str) -> None:
@@ -165,5 +180,20 @@ def admin_router(service: Service) -> APIRouter:
         if service.fleet is not None:  # every replica's rows, from the control plane
             return {"records": await service.fleet.records(since)}
         return {"records": service.records.snapshot(since)}
+
+    @router.post("/records/rewards")
+    async def add_rewards(body: LateRewards) -> dict:
+        """Rewards that arrive after their answers (a checker run later, a judge): one reward row each, joined to
+        its request by completion id and choice index. A request still in this process's memory lends the row its
+        model and route; others are recorded as given (in a fleet another replica may have answered)."""
+        unmatched = []
+        for item in body.rewards:
+            found = service.records.find(item.id, item.index) if not item.shadow else None
+            if found is None:
+                unmatched.append(item.id)
+            service.records.add(reward_row(item.id, item.index, item.reward, item.source,
+                                           model=item.model or (found or {}).get("model"),
+                                           route=(found or {}).get("route"), shadow=item.shadow))
+        return {"recorded": len(body.rewards), "not_in_memory": unmatched}
 
     return router

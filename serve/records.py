@@ -1,11 +1,21 @@
-"""Per-request records for the online A/B report: which model answered, how fast, how many tokens, and — when the
-request carried the ``verl`` extension — the rule reward of its response.
+"""Per-request records for the online A/B report and ``verl ship``'s canary: which model answered which request,
+for whom, under which config version, how fast, how many tokens, whether it failed, and its reward.
+
+Two kinds of rows, both JSON objects:
+
+- a **request** row (``kind: "request"``) per finished sequence: the completion ``id`` the client saw and the
+  choice ``index``, the routed ``user`` (a hash, never the raw id), ``arrival`` and finish ``time``, the
+  ``config_version`` and the answering model's ``route_share`` when it was routed, latencies, tokens, the finish
+  reason, an ``error`` (an engine failure, a request refused at capacity, a timeout), ``reward_expected`` (the
+  request asked for a reward), its ``reward`` and ``reward_source`` when one was scored at once;
+- a **reward** row (``kind: "reward"``) for a reward that arrives later (a checker run afterwards, a judge, a user's
+  feedback), joined to its request row by ``(id, index)``, with its ``reward_source``. ``join_rewards`` folds them in.
 
 Prometheus keeps the aggregates (``verl:request_reward`` and the latency histograms, labelled by model); pairing the
 same prompt across models needs the rows themselves, so the service also keeps the last ``keep`` rows in memory
 (``GET /admin/records``) and, with ``records_path``, appends each as one JSON line (one ``write`` per line on a file
-opened for appending, so concurrent writers never interleave within a line). ``verl compare --online`` reads
-either.
+opened for appending, so concurrent writers never interleave within a line). ``verl compare --online`` and the
+canary read either.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import collections
 import hashlib
 import json
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +38,7 @@ KEEP_IN_MEMORY = 10_000
 class OnlineRecord:
     """One finished sequence (a request with ``n`` > 1 gives ``n`` rows)."""
 
-    time: float
+    time: float  # when it finished (wall clock)
     model: str
     route: str | None
     prompt_id: str
@@ -43,6 +54,42 @@ class OnlineRecord:
     step: int | None = None
     weights: str | None = None
     shadow: bool = False  # a mirrored request: answered by this model, recorded, never returned to the client
+    kind: str = "request"
+    id: str | None = None  # the completion id the client saw (a mirror carries its original's)
+    index: int = 0  # the choice index within the completion
+    user: str | None = None  # the routed user, hashed (user_hash)
+    arrival: float | None = None  # when the request arrived (wall clock)
+    config_version: int | None = None  # the service's models-and-routes version it was routed under
+    route_share: float | None = None  # the answering model's share of the route then
+    reward_expected: bool = False  # the request asked for a reward (the `verl` field)
+    reward_source: str | None = None  # e.g. "rule:arithmetic"
+
+
+def user_hash(user: str | None) -> str | None:
+    """The recorded form of a user id: enough to tell users apart, not to recover them."""
+    return None if user is None else hashlib.sha256(f"verl-user\0{user}".encode()).hexdigest()[:16]
+
+
+def reward_row(completion_id: str, index: int, reward: float, source: str, model: str | None = None,
+               route: str | None = None, shadow: bool = False, at: float | None = None) -> dict:
+    """A reward that arrived after its request (see the module docstring)."""
+    return {"kind": "reward", "time": time.time() if at is None else at, "id": completion_id, "index": index,
+            "reward": float(reward), "reward_source": source, "model": model, "route": route, "shadow": shadow}
+
+
+def join_rewards(rows: list[dict]) -> list[dict]:
+    """Request rows with the rewards that arrived later folded in (the latest row per ``(id, index, shadow)``
+    wins); reward rows whose request is not among ``rows`` are dropped."""
+    late = {(r.get("id"), r.get("index", 0), bool(r.get("shadow"))): r for r in rows if r.get("kind") == "reward"}
+    out = []
+    for row in rows:
+        if row.get("kind", "request") != "request":
+            continue
+        extra = late.get((row.get("id"), row.get("index", 0), bool(row.get("shadow"))))
+        if extra is not None and row.get("id") is not None and row.get("reward") is None:
+            row = {**row, "reward": extra["reward"], "reward_source": extra.get("reward_source")}
+        out.append(row)
+    return out
 
 
 def prompt_hash(token_ids: list[int]) -> str:
@@ -72,10 +119,11 @@ class OnlineRecords:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def add(self, record: OnlineRecord) -> None:
+    def add(self, record: OnlineRecord | dict) -> None:
+        """A request record, or a reward row (``reward_row``)."""
+        row = asdict(record) if isinstance(record, OnlineRecord) else dict(record)
         if self.replica is not None:
-            record.replica = self.replica
-        row = asdict(record)
+            row["replica"] = self.replica
         self.rows.append(row)
         if self.replica is not None:
             self.outbox.append(row)
@@ -98,6 +146,14 @@ class OnlineRecords:
             text = "".join(json.dumps(row) + "\n" for row in rows)
             with self._lock, self.path.open("a") as handle:
                 handle.write(text)
+
+    def find(self, completion_id: str, index: int) -> dict | None:
+        """The (non-mirrored) request row of a completion's choice still in memory, or None."""
+        for row in reversed(self.rows):
+            if row.get("id") == completion_id and row.get("index", 0) == index and row.get("kind", "request") == \
+                    "request" and not row.get("shadow"):
+                return row
+        return None
 
     def snapshot(self, since: float | None = None) -> list[dict]:
         rows = list(self.rows)

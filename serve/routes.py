@@ -161,8 +161,8 @@ def native_router(service: Service) -> APIRouter:
         temperature = body.temperature if body.temperature > 1e-5 else 0.0
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, seed=body.seed,
                                    stop=list(body.stop or []))
-        service.admit(1)
         request_id = f"gen-{uuid.uuid4().hex}"
+        service.admit(1, target, request_id)
         [result] = await run_to_completion(service, request, request_id, [SequenceSpec(0, 0, prompts[0], sampling)],
                                            target)
         return JSONResponse({"response": "".join(result.text), "finish_reason": result.finish_reason,
@@ -216,7 +216,7 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
     created = int(time.time())
     echoes = echo_texts(engine, body.prompt, prompts) if body.echo else None
     text_of = token_texts(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
-    service.admit(len(specs))
+    service.admit(len(specs), target, request_id)
     if body.stream:
         started: dict[int, CompletionLogprobs] = {}
 
@@ -284,7 +284,7 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     text_of = token_texts(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
-    service.admit(len(specs))
+    service.admit(len(specs), target, request_id)
     if body.stream:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": target.name}
 

@@ -26,12 +26,13 @@ from serve.engines.base import (
     EngineError,
     EngineOutput,
     EngineRequest,
+    RequestFailedError,
     SamplingOptions,
 )
 from serve.export import ADAPTER_CONFIG, select_checkpoint
 from serve.lineage import lineage_of
 from serve.metrics import SequenceTimer, ServeMetrics
-from serve.records import OnlineRecord, OnlineRecords, prompt_hash, score
+from serve.records import OnlineRecord, OnlineRecords, prompt_hash, score, user_hash
 from serve.registry import ModelRegistry, ServedModel, UnknownModelError
 from serve.schemas import (
     ErrorResponse,
@@ -46,6 +47,7 @@ log = logging.getLogger("uvicorn.error.serve")
 
 
 SEED_MODULUS = 2**63  # torch generators take 64-bit seeds; seed + i for n > 1 must stay in range
+TIMEOUT_CANCEL = "verl-timeout"  # the message a pump is cancelled with when its request timed out (an error row)
 
 
 # ---------------------------------------------------------------- errors
@@ -115,6 +117,10 @@ class Target:
     route: str | None = None
     online: VerlExtension | None = None
     shadow: bool = False  # a mirrored copy of a request (never returned)
+    user: str | None = None  # the routed user, hashed (serve.records.user_hash)
+    arrival: float | None = None  # wall clock when it was routed
+    config_version: int | None = None  # the models-and-routes version it was routed under
+    route_share: float | None = None  # the model's share of the route then
 
     @property
     def name(self) -> str:
@@ -504,15 +510,26 @@ class Service:
                 score(online.reward, "", online.ground_truth)
             except ConfigError as exc:
                 raise ApiError(400, f"verl.reward: {exc}", param="verl.reward") from None
-        return Target(model, route, online)
+        share = None
+        if route is not None:
+            weights = self.registry.routes[route]
+            share = weights.get(model.name, 0.0) / (sum(w for w in weights.values() if w > 0) or 1.0)
+        return Target(model, route, online, user=user_hash(user), arrival=time.time(),
+                      config_version=self.config_version, route_share=share)
 
-    def admit(self, sequences: int) -> None:
-        """Reserve ``sequences`` slots or refuse: the queue never grows past ``max_queue_size``."""
+    def admit(self, sequences: int, target: Target | None = None, request_id: str | None = None) -> None:
+        """Reserve ``sequences`` slots or refuse: the queue never grows past ``max_queue_size``. A refusal at
+        capacity is recorded as failed requests of ``target`` (the canary counts it against the model)."""
         if sequences > self.capacity:
             raise ApiError(400, f"the request needs {sequences} sequences (prompts x n) but this server holds at "
                            f"most {self.capacity}; split it", param="n")
         if self.in_flight + sequences > self.capacity:
             self.metrics.rejected.labels(self.model_name, "queue_full").inc()
+            if target is not None:
+                now = time.time()
+                for index in range(sequences):
+                    self._write_record(target, request_id, index, now, 0, 0, None,
+                                       now - (target.arrival or now), "abort", "queue_full: 429 at capacity", None)
             raise ApiError(429, f"the server is at capacity ({self.in_flight} sequences in flight, limit "
                            f"{self.capacity}); retry later", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
@@ -531,7 +548,7 @@ class Service:
             req = EngineRequest(f"{request_id}-{spec.index}", spec.prompt_ids, spec.sampling, arrival, stream,
                                 adapter=target.model.adapter)
             target.model.acquire()
-            task = asyncio.create_task(self._pump(target, req, spec.index, timer, sink))
+            task = asyncio.create_task(self._pump(target, req, request_id, spec.index, timer, sink))
             self.pumps.add(task)
             task.add_done_callback(self.pumps.discard)
             tasks.append(task)
@@ -549,22 +566,25 @@ class Service:
         if model is None or model.retiring or model is target.model or self.in_flight + len(specs) > self.capacity:
             return
         self.in_flight += len(specs)
-        mirror = Target(model, target.route, target.online, shadow=True)
+        mirror = Target(model, target.route, target.online, shadow=True, user=target.user, arrival=target.arrival,
+                        config_version=target.config_version, route_share=0.0)
         arrival = time.perf_counter()
         for spec in specs:
             timer = SequenceTimer(self.metrics, arrival, len(spec.prompt_ids), label=model.name)
             req = EngineRequest(f"{request_id}-shadow-{spec.index}", spec.prompt_ids, spec.sampling, arrival, stream,
                                 adapter=model.adapter)
             model.acquire()
-            task = asyncio.create_task(self._pump(mirror, req, spec.index, timer, lambda _i, _out: None))
+            task = asyncio.create_task(self._pump(mirror, req, request_id, spec.index, timer,
+                                                  lambda _i, _out: None))
             self.pumps.add(task)
             task.add_done_callback(self.pumps.discard)
 
-    async def _pump(self, target: Target, req: EngineRequest, index: int, timer: SequenceTimer,
+    async def _pump(self, target: Target, req: EngineRequest, request_id: str, index: int, timer: SequenceTimer,
                     sink: Callable[[int, EngineOutput | BaseException], None]) -> None:
         finish, produced, error = "abort", 0, None
         text: list[str] = []
         try:
+            self._inject_fault(target)
             stream = target.model.engine.generate(req)
             try:
                 async for out in stream:
@@ -577,8 +597,11 @@ class Service:
                         finish = out.finish_reason
             finally:
                 await stream.aclose()  # aborts the sequence in the engine if it is still running
-        except asyncio.CancelledError:
-            # Timeout, disconnect or shutdown deadline: the consumer (if any) sees an aborted sequence.
+        except asyncio.CancelledError as exc:
+            # Timeout, disconnect or shutdown deadline: the consumer (if any) sees an aborted sequence. A timeout is
+            # the service's failure (recorded as an error); a client that left is not.
+            if TIMEOUT_CANCEL in exc.args:
+                error = f"timeout: not finished within {self.settings.request_timeout_s:g} s"
             sink(index, EngineOutput("", [], produced, finish_reason="abort"))
             raise
         except Exception as exc:
@@ -590,10 +613,17 @@ class Service:
             target.model.release()
             end = time.perf_counter()
             timer.on_finish(end, finish)
-            self._record(target, req, timer, end, finish, produced, error, "".join(text))
+            self._record(target, req, request_id, index, timer, end, finish, produced, error, "".join(text))
 
-    def _record(self, target: Target, req: EngineRequest, timer: SequenceTimer, end: float, finish: str,
-                produced: int, error: str | None, text: str) -> None:
+    def _inject_fault(self, target: Target) -> None:
+        """Test-only (``fault_error_rate``): fail a share of a model's requests as an engine would."""
+        rates = self.settings.fault_error_rate
+        rate = rates.get(target.name, rates.get("*", 0.0)) if isinstance(rates, dict) else rates
+        if rate > 0 and random.random() < rate:
+            raise RequestFailedError(f"injected fault (fault_error_rate {rate:g} for {target.name})")
+
+    def _record(self, target: Target, req: EngineRequest, request_id: str, index: int, timer: SequenceTimer,
+                end: float, finish: str, produced: int, error: str | None, text: str) -> None:
         """One online record per finished sequence; the reward when the request asked for one."""
         reward = None
         online = target.online
@@ -604,12 +634,22 @@ class Service:
                 log.warning("verl serve: reward %s failed on a response: %r", online.reward, exc)
             if reward is not None:
                 self.metrics.reward.labels(target.name).observe(reward)
-        prompt_id = online.prompt_id if online is not None and online.prompt_id else prompt_hash(req.prompt_token_ids)
+        self._write_record(target, request_id, index, time.time(), len(req.prompt_token_ids), produced, timer.ttft,
+                           end - timer.arrival, finish, error, reward, prompt_hash(req.prompt_token_ids))
+
+    def _write_record(self, target: Target, request_id: str | None, index: int, now: float, prompt_tokens: int,
+                      produced: int, ttft: float | None, e2e: float, finish: str, error: str | None,
+                      reward: float | None, prompt_id: str | None = None) -> None:
+        online = target.online
+        if online is not None and online.prompt_id:
+            prompt_id = online.prompt_id
         self.records.add(OnlineRecord(
-            time=time.time(), model=target.name, route=target.route, prompt_id=prompt_id,
-            prompt_tokens=len(req.prompt_token_ids), completion_tokens=produced, ttft_s=timer.ttft,
-            e2e_s=end - timer.arrival, finish_reason=finish, error=error, reward=reward, shadow=target.shadow,
-            **target.model.lineage.fields()))
+            time=now, model=target.name, route=target.route, prompt_id=prompt_id or "", prompt_tokens=prompt_tokens,
+            completion_tokens=produced, ttft_s=ttft, e2e_s=e2e, finish_reason=finish, error=error, reward=reward,
+            shadow=target.shadow, id=request_id, index=index, user=target.user, arrival=target.arrival,
+            config_version=target.config_version, route_share=target.route_share,
+            reward_expected=online is not None,
+            reward_source=f"rule:{online.reward}" if online is not None else None, **target.model.lineage.fields()))
 
 
 def read_state(path: Path) -> tuple[list[ModelEntry], dict[str, dict[str, float]]]:

@@ -105,6 +105,11 @@ class ServeSettings(BaseSettings):
         "reward) here, for `verl compare --online FILE`; the last 10000 are also kept in memory for /admin/records.",
     )
 
+    fault_error_rate: float | dict[str, float] = Field(
+        0.0, description="Test-only fault injection: fail this share of requests as an engine error would (500, an "
+        "error row in the records); a number for every model, or {model: rate} with '*' for the rest.",
+    )
+
     # ---------------------------------------------------------------- capacity and limits
     max_batch_size: int = Field(32, ge=1, le=4096, description="Sequences decoded together in one forward pass.")
     shared_prefix_tokens: int = Field(
@@ -186,6 +191,15 @@ class ServeSettings(BaseSettings):
     def _empty_key_is_none(cls, value: SecretStr | None) -> SecretStr | None:
         # `VERL_SERVE_API_KEY=` (empty) must not mean "the key is the empty string".
         return value if value is not None and value.get_secret_value() else None
+
+    @field_validator("fault_error_rate")
+    @classmethod
+    def _rates_in_range(cls, value: float | dict[str, float]) -> float | dict[str, float]:
+        for name, rate in (value.items() if isinstance(value, dict) else [("", value)]):
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"fault_error_rate{f'[{name}]' if name else ''} is a share of requests: 0 to 1 "
+                                 f"(got {rate})")
+        return value
 
     @model_validator(mode="after")
     def _check_models_and_routes(self) -> ServeSettings:

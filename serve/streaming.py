@@ -18,7 +18,7 @@ from serve.engines.base import (
     EngineOutput,
     RequestFailedError,
 )
-from serve.service import ApiError, SequenceResult, SequenceSpec, Service, Target, error_body
+from serve.service import TIMEOUT_CANCEL, ApiError, SequenceResult, SequenceSpec, Service, Target, error_body
 
 # A child of uvicorn's logger: our lines appear in the server log with its format and level.
 log = logging.getLogger("uvicorn.error.serve")
@@ -55,6 +55,7 @@ async def run_to_completion(service: Service, request: Request, request_id: str,
     label = target.name if target is not None else service.model_name
     watcher = asyncio.create_task(_wait_disconnect(request))
     deadline = time.monotonic() + service.settings.request_timeout_s
+    cancel_reason = None  # TIMEOUT_CANCEL: the unfinished sequences are recorded as timed out
     try:
         while pending:
             done, _ = await asyncio.wait(pending | {watcher}, timeout=deadline - time.monotonic(),
@@ -64,13 +65,14 @@ async def run_to_completion(service: Service, request: Request, request_id: str,
                 raise ApiError(499, "the client closed the connection", code="client_closed")
             if not done:
                 service.metrics.rejected.labels(label, "timeout").inc()
+                cancel_reason = TIMEOUT_CANCEL
                 raise ApiError(504, f"the request did not finish within {service.settings.request_timeout_s:g} s",
                                type="timeout_error", code="timeout")
             pending -= done
     finally:
         watcher.cancel()
         for task in pending:
-            task.cancel()
+            task.cancel(cancel_reason)
     for result in results:
         if result.error is not None:
             raise engine_failure(result.error)
@@ -118,6 +120,7 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
                                 target=target)
     label = target.name if target is not None else service.model_name
     deadline = time.monotonic() + service.settings.request_timeout_s
+    state: dict[str, str | None] = {"cancel_reason": None}  # TIMEOUT_CANCEL: unfinished sequences timed out
 
     async def events() -> AsyncIterator[str]:
         remaining, completion_tokens = len(specs), [0] * len(specs)
@@ -128,6 +131,7 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
                 index, out = await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 service.metrics.rejected.labels(label, "timeout").inc()
+                state["cancel_reason"] = TIMEOUT_CANCEL
                 err = ApiError(504, f"the request did not finish within {service.settings.request_timeout_s:g} s",
                                type="timeout_error", code="timeout")
                 yield sse(error_body(err.message, err.type, code=err.code))
@@ -150,8 +154,8 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
         yield "data: [DONE]\n\n"
 
     def close() -> None:
-        for task in tasks:
-            task.cancel()  # no-op for finished pumps; aborts the rest (client gone, timeout, error)
+        for task in tasks:  # no-op for finished pumps; aborts the rest (client gone, timeout, error)
+            task.cancel(state["cancel_reason"])
 
     return _SSEResponse(events(), close, target.headers() if target is not None else None)
 
