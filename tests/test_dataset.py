@@ -64,6 +64,16 @@ def test_validation_split_does_not_depend_on_num_train():
         ArithmeticSpec(num_train=500, num_val=20))["val"]
 
 
+def test_test_split_is_held_out_and_leaves_train_and_val_as_they_were():
+    """verl ship gates on builtin:arithmetic/test: never trained on, never used to pick a checkpoint."""
+    splits = generate_splits(ArithmeticSpec(num_train=300, num_val=40, num_test=60))
+    without = generate_splits(ArithmeticSpec(num_train=300, num_val=40, num_test=0))
+    assert splits["train"] == without["train"] and splits["val"] == without["val"] and without["test"] == []
+    test = {parse(row) for row in splits["test"]}
+    assert len(test) == 60 and not test & {parse(r) for r in splits["train"] + splits["val"]}
+    assert {row["extra_info"]["split"] for row in splits["test"]} == {"test"}
+
+
 def test_digit_range_is_respected():
     rows = generate_splits(ArithmeticSpec(num_train=200, num_val=10, min_digits=3, max_digits=3))["train"]
     assert all(100 <= a <= 999 and 100 <= b <= 999 for a, _, b in map(parse, rows))
@@ -76,7 +86,7 @@ def test_impossible_problem_count_fails_clearly():
 
 def test_sft_answer_format_mix_is_about_60_20_20(tmp_path):
     paths = write_arithmetic(tmp_path, ArithmeticSpec(num_train=4000, num_val=20))
-    assert set(paths) == {"train", "val", "sft_train", "sft_val"}
+    assert set(paths) == {"train", "val", "test", "sft_train", "sft_val"}
     rows = pq.read_table(paths["sft_train"]).to_pylist()
     kinds = Counter()
     for row in rows:
@@ -127,8 +137,8 @@ def test_builtin_resolution_errors_and_passthrough(tmp_path, monkeypatch):
     monkeypatch.setenv("VERL_CACHE_DIR", str(tmp_path))
     with pytest.raises(DataError, match="unknown built-in dataset 'builtin:gsm8k/train'.*arithmetic"):
         resolve_data_file("builtin:gsm8k/train")
-    with pytest.raises(DataError, match="no split 'test'.*sft_train"):
-        resolve_data_file("builtin:arithmetic/test")
+    with pytest.raises(DataError, match="no split 'holdout'.*sft_train.*test"):
+        resolve_data_file("builtin:arithmetic/holdout")
     assert str(resolve_data_file("data/x.parquet")) == "data/x.parquet"
     assert not (tmp_path / "data").exists()
 

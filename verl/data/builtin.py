@@ -1,6 +1,7 @@
 """Resolve ``builtin:<task>/<split>`` dataset names to deterministic parquet files written by the project.
 
-``builtin:arithmetic/train`` and ``builtin:arithmetic/val`` (and ``sft_train``/``sft_val``, the same problems
+``builtin:arithmetic/train``, ``builtin:arithmetic/val`` and ``builtin:arithmetic/test`` (held out from training
+and from checkpoint selection: ``verl ship`` gates on it), and ``sft_train``/``sft_val`` (the same problems
 with a supervised ``response`` column) are written once per task spec into the cache
 directory (``$VERL_CACHE_DIR``, default ``~/.cache/verl-suite``) and reused; ``verl data arithmetic --out DIR``
 writes the same files where the user wants them. ``builtin:word_problems/train|val`` are the GSM8K-style stories
@@ -26,7 +27,8 @@ from verl.utils.fs import atomic_path, cache_dir
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_TASKS = ("arithmetic", "word_problems", "tool_arithmetic", "tool_word_problems")
 BUILTIN_SPLITS = ("train", "val", "sft_train", "sft_val")
-TASK_SPLITS = {"arithmetic": BUILTIN_SPLITS, "word_problems": ("train", "val"), "tool_arithmetic": BUILTIN_SPLITS,
+TASK_SPLITS = {"arithmetic": (*BUILTIN_SPLITS, "test"), "word_problems": ("train", "val"),
+               "tool_arithmetic": BUILTIN_SPLITS,
                "tool_word_problems": BUILTIN_SPLITS}
 # Generated tasks: task -> (module with generate_splits, its default spec).
 GENERATED = {"word_problems": (word_problems, word_problems.WordProblemSpec()),
@@ -43,7 +45,7 @@ def write_parquet(rows: list[dict], path: Path) -> Path:
 
 
 def write_arithmetic(out_dir: Path, spec: ArithmeticSpec | None = None) -> dict[str, Path]:
-    """Write ``train.parquet`` and ``val.parquet`` for the arithmetic task into ``out_dir``."""
+    """Write ``train``, ``val`` and ``test.parquet`` (and the SFT copies of train and val) into ``out_dir``."""
     spec = spec or ArithmeticSpec()
     splits = generate_splits(spec)
     # Supervised copies of the same problems carry a `response` in the mixed answer formats.

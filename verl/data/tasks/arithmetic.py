@@ -32,6 +32,7 @@ class ArithmeticSpec:
     ops: tuple[str, ...] = ("+",)
     num_train: int = 20000
     num_val: int = 256
+    num_test: int = 512  # held out from training and from checkpoint selection (verl ship's offline gate)
     seed: int = 1234
     answer_formats: tuple[tuple[str, float], ...] = field(default=SFT_ANSWER_FORMATS)
 
@@ -68,7 +69,8 @@ def _row(a: int, op: str, b: int, split: str, index: int) -> dict:
 
 
 def generate_splits(spec: ArithmeticSpec) -> dict[str, list[dict]]:
-    """Deterministic, disjoint train and validation problems for ``spec``."""
+    """Deterministic, disjoint train, validation and test problems for ``spec`` (the test split may fall short of
+    ``num_test`` when the operand space is nearly used up)."""
     rng = random.Random(spec.seed)
     seen: set[tuple[int, str, int]] = set()
     splits: dict[str, list[dict]] = {"val": [], "train": []}
@@ -87,6 +89,16 @@ def generate_splits(spec: ArithmeticSpec) -> dict[str, list[dict]]:
                 continue
             seen.add(problem)
             splits[split].append(_row(*problem, split=split, index=len(splits[split])))
+    # The test split comes last, from a generator of its own: val and train stay what they were without it.
+    test_rng, test = random.Random(f"{spec.seed}-test"), []
+    for _ in range(50 * spec.num_test + 1000):
+        if len(test) >= spec.num_test:
+            break
+        problem = (_operand(test_rng, spec), test_rng.choice(spec.ops), _operand(test_rng, spec))
+        if problem not in seen:
+            seen.add(problem)
+            test.append(_row(*problem, split="test", index=len(test)))
+    splits["test"] = test
     return splits
 
 
