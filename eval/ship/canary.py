@@ -1,28 +1,37 @@
 """The canary stage of ``verl ship``: ramp the route's traffic to the candidate and decide on live evidence.
 
-Each stage gives the candidate a share of the route (``PUT /admin/routes/R``, the incumbent keeps the rest), then
-reads the service's online records (``GET /admin/records``: every answered request, with the model that answered,
-its latency, error and, when the client sent the ``verl`` field, its rule reward) every ``poll_s``:
+Each stage gives the candidate a share of the route (``PUT /admin/routes/R``; the service answers with the config
+version the new weights carry), then reads the service's online records (``GET /admin/records``) every ``poll_s``.
+The records say, per request, which model answered, under which config version and for which (hashed) user it was
+routed, whether it failed, how long it took, and its reward — in the row, or in a reward row that arrives later and
+is joined by the completion id. ``eval.ship.units`` turns them into randomized units; on those:
 
-- **reward**: the always-valid sequential test of ``eval.ship.sequential`` on the rewards of both models — "worse"
-  rolls back at once, at any stage; the last stage promotes only on "non-inferior";
-- **guardrails**: the candidate's error rate above the incumbent's by more than ``max_error_increase``, or its p95
-  latency above ``slo_p95_ms`` (each once it has ``min_per_arm`` requests), rolls back;
-- a stage steps up once the candidate answered ``min_per_stage`` rewarded requests at it;
+- **reward** (``eval.ship.sequential.RewardTest``): "worse" rolls back at once, at any stage; the last stage
+  promotes only on "non-inferior";
+- **guardrails**, each a sequential test with its own share of alpha: the candidate's error rate above the
+  incumbent's by more than ``max_error_increase``; its missing-reward rate above the incumbent's by more than
+  ``max_missing_increase`` (an errored request, or a reward not in by ``reward_timeout_s``, is missing — never 0,
+  never dropped); its p95 latency above ``slo_p95_ms`` (a sequential quantile test). Any one rolls back;
+- a stage steps up once the candidate has ``min_per_stage`` rewarded units at it;
 - the **budgets** (requests, seconds) end the canary as inconclusive: the incumbent keeps the route.
 
-Every decision (and every stage change) goes to the audit log with its evidence and the service's config version.
+One alpha covers every decision (``CanarySettings.alpha_split``): rolling back identical models happens with
+probability <= alpha through any test (Bonferroni over the reward test, each guardrail and the shadow stage), and
+promoting a candidate worse by the margin with probability <= alpha (only the reward test promotes).
+
+Every decision (and every stage change) goes to the audit log with its evidence and the config version.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
-from eval.ship.sequential import SequentialTest
+from eval.ship.sequential import METHODS, ExceedanceTest, PairedWorseTest, RateIncreaseTest, RewardTest
+from eval.ship.units import Randomization
 
 Outcome = Literal["promote", "rollback", "inconclusive"]
 
@@ -33,34 +42,53 @@ class CanarySettings:
     min_per_stage: int = 40
     margin: float = 0.05
     alpha: float = 0.05
+    test: str = "betting"  # betting (rewards in [0, 1]) | mixture (asymptotic, any scale)
     min_per_arm: int = 30
     max_error_increase: float = 0.02
+    max_missing_increase: float = 0.02
     slo_p95_ms: float | None = None
+    reward_timeout_s: float = 60.0  # a reward not in by then is missing
     budget_requests: int = 10_000
     budget_s: float = 600.0
     poll_s: float = 1.0
+    shadow: bool = False  # a shadow stage runs first (it takes a share of alpha)
 
     def __post_init__(self) -> None:
         if not self.stages or any(not 0 < s < 1 for s in self.stages) or list(self.stages) != sorted(self.stages):
             raise ValueError(f"canary stages must rise within (0, 1), e.g. 0.05,0.25,0.5 (got {list(self.stages)}); "
                              "the last step to 100% is the promote")
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1) (got {self.alpha})")
+        if self.test not in METHODS:
+            raise ValueError(f"the test must be one of {', '.join(METHODS)} (got {self.test!r})")
+
+    def alpha_split(self) -> dict[str, float]:
+        """Each test's alpha. Rolling back: the reward test takes half; the guardrails that run (errors, missing
+        rewards, latency when an SLO is set) and the shadow stage share the other half equally. Promoting: only the
+        reward test's non-inferiority side promotes, so it has the whole alpha."""
+        others = ["errors", "missing_rewards"] + (["latency"] if self.slo_p95_ms is not None else []) + (
+            ["shadow"] if self.shadow else [])
+        split = {"reward_worse": self.alpha / 2, **{name: self.alpha / 2 / len(others) for name in others}}
+        return {**split, "reward_non_inferior": self.alpha}
 
 
 class RecordReader:
-    """New online records of two models since the canary started (each row once, also across fleet replicas).
-    ``shadow_of``: the model whose rows must be mirrored ones (the shadow stage); every other row must be real."""
+    """New online records since the canary started, each row once (also across fleet replicas)."""
 
-    def __init__(self, fetch: Any, since: float, models: tuple[str, str], shadow_of: str | None = None):
-        self.fetch, self.since, self.models, self.shadow_of = fetch, since, models, shadow_of
+    def __init__(self, fetch: Any, since: float):
+        self.fetch, self.since = fetch, since
         self.seen: set[tuple] = set()
 
     def new_rows(self) -> list[dict]:
         rows = []
         for row in self.fetch(self.since):
-            key = (row.get("time"), row.get("model"), row.get("prompt_id"), row.get("e2e_s"), row.get("replica"),
-                   row.get("shadow"))
-            wanted = row.get("model") in self.models and bool(row.get("shadow")) == (row.get("model") == self.shadow_of)
-            if wanted and key not in self.seen:
+            if row.get("id") is not None:
+                key = (row.get("kind"), row["id"], row.get("index"), row.get("shadow"), row.get("reward_source"),
+                       row.get("time"))
+            else:  # records written before rows had ids
+                key = (row.get("time"), row.get("model"), row.get("prompt_id"), row.get("e2e_s"), row.get("replica"),
+                       row.get("shadow"))
+            if key not in self.seen:
                 self.seen.add(key)
                 rows.append(row)
         return rows
@@ -68,105 +96,169 @@ class RecordReader:
 
 @dataclass
 class ArmTraffic:
-    """What one model's requests showed during the canary (rewards feed the sequential test separately)."""
+    """What one model's requests showed during the canary (for the evidence; the tests read units)."""
 
     requests: int = 0
     errors: int = 0
-    latencies_ms: list[float] = field(default_factory=list)
-
-    def add(self, row: dict) -> None:
-        self.requests += 1
-        if row.get("error"):
-            self.errors += 1
-        elif row.get("e2e_s") is not None:
-            self.latencies_ms.append(1000.0 * float(row["e2e_s"]))
-
-    @property
-    def error_rate(self) -> float:
-        return self.errors / self.requests if self.requests else 0.0
+    latencies_ms: list[np.ndarray] = field(default_factory=list)
 
     def p95_ms(self) -> float | None:
-        return float(np.percentile(self.latencies_ms, 95)) if self.latencies_ms else None
+        values = np.concatenate(self.latencies_ms) if self.latencies_ms else np.empty(0)
+        return float(np.percentile(values, 95)) if values.size else None
+
+    def summary(self) -> dict:
+        return {"requests": self.requests, "errors": self.errors,
+                "error_rate": self.errors / self.requests if self.requests else None, "p95_ms": self.p95_ms()}
+
+
+@dataclass
+class Unit:
+    candidate: bool
+    q: float
+    version: int
+    deadline: float  # wall time by which its reward must be in
+
+
+def request_rows(rows: list[dict], route: str) -> list[dict]:
+    """The route's request rows (not mirrors, not reward rows), in the order they were routed."""
+    mine = [r for r in rows if r.get("kind", "request") == "request" and r.get("route") == route
+            and not r.get("shadow")]
+    return sorted(mine, key=lambda r: r.get("arrival") or r.get("time") or 0.0)
 
 
 class Canary:
-    """The ramp loop. ``set_share(share)`` moves the route; ``fetch(since)`` returns records; ``audit(event)``
-    appends to the audit log; ``version()`` reads the service's config version (all injected by ``verl ship``)."""
+    """The ramp loop. ``set_share(share)`` moves the route and returns ``(config version, the route's weights)``;
+    ``fetch(since)`` returns records; ``audit(event)`` appends to the audit log (all injected by ``verl ship``, or
+    by ``eval.ship.simulate``'s simulated service)."""
 
-    def __init__(self, settings: CanarySettings, incumbent: str, candidate: str, set_share: Any, fetch: Any,
-                 audit: Any, version: Any, clock: Any = time.monotonic, sleep: Any = time.sleep):
-        self.settings, self.incumbent, self.candidate = settings, incumbent, candidate
-        self.set_share, self.audit, self.version, self.clock, self.sleep = set_share, audit, version, clock, sleep
-        self.reader = RecordReader(fetch, time.time(), (incumbent, candidate))
-        self.test = SequentialTest(margin=settings.margin, alpha=settings.alpha, min_per_arm=settings.min_per_arm)
-        self.traffic = {incumbent: ArmTraffic(), candidate: ArmTraffic()}
+    def __init__(self, settings: CanarySettings, incumbent: str, candidate: str, route: str, set_share: Any,
+                 fetch: Any, audit: Any, clock: Any = time.monotonic, sleep: Any = time.sleep, wall: Any = time.time):
+        self.settings, self.incumbent, self.candidate, self.route = settings, incumbent, candidate, route
+        self.set_share, self.fetch, self.audit = set_share, fetch, audit
+        self.clock, self.sleep, self.wall = clock, sleep, wall
+        self.alpha = settings.alpha_split()
         self.stage_log: list[dict] = []
+        self._fresh()
 
-    def evidence(self, stage: int) -> dict:
-        cand, inc = self.traffic[self.candidate], self.traffic[self.incumbent]
-        return {"stage": stage + 1, "share": self.settings.stages[stage], "reward": self.test.evidence(),
-                "candidate": {"requests": cand.requests, "error_rate": cand.error_rate, "p95_ms": cand.p95_ms()},
-                "incumbent": {"requests": inc.requests, "error_rate": inc.error_rate, "p95_ms": inc.p95_ms()},
-                "config_version": self.version()}
+    def _fresh(self) -> None:
+        """Evidence starts afresh (the canary after the shadow stage: mirrored rows are not its traffic)."""
+        s, a = self.settings, self.alpha
+        self.reader = RecordReader(self.fetch, self.wall())
+        self.assignment = Randomization(self.incumbent, self.candidate)
+        self.reward = RewardTest(margin=s.margin, alpha_rollback=a["reward_worse"],
+                                 alpha_promote=a["reward_non_inferior"], method=s.test, min_per_arm=s.min_per_arm)
+        self.errors = RateIncreaseTest(allowed=s.max_error_increase, alpha=a["errors"])
+        self.missing = RateIncreaseTest(allowed=s.max_missing_increase, alpha=a["missing_rewards"])
+        self.latency = ExceedanceTest(slo=s.slo_p95_ms, alpha=a["latency"]) if s.slo_p95_ms is not None else None
+        self.traffic = {self.incumbent: ArmTraffic(), self.candidate: ArmTraffic()}
+        self.pending: dict[tuple, Unit] = {}  # units waiting for their reward, by (completion id, index)
+        self.early: dict[tuple, float] = {}  # rewards whose request row has not been read yet
+        self.stage_version = -1
+        self.at_stage = 0  # the candidate's rewarded units at the current stage
+        self.units = 0
+
+    # ------------------------------------------------------------ reading records
+
+    def _take(self) -> None:
+        """Read new records into the tests."""
+        rows = self.reader.new_rows()
+        rewards, missing, failed = Columns(), Columns(), Columns()  # (arm, q, outcome) per unit
+        latencies: dict[str, list[float]] = {model: [] for model in self.traffic}
+        stage_version, timeout = self.stage_version, self.settings.reward_timeout_s
+
+        def rewarded(candidate: bool, q: float, version: int, value: float) -> None:
+            rewards.add(candidate, q, value)
+            missing.add(candidate, q, 0.0)
+            if candidate and version == stage_version:
+                self.at_stage += 1
+
+        for row in request_rows(rows, self.route):
+            model = row["model"]
+            version = row.get("config_version")
+            q = self.assignment.assign(version, model, row.get("user"))
+            traffic = self.traffic.get(model)
+            if traffic is None:
+                continue
+            traffic.requests += 1
+            error = bool(row.get("error"))
+            traffic.errors += error
+            if not error and row.get("e2e_s") is not None:
+                latencies[model].append(1000.0 * row["e2e_s"])
+            if q is None:
+                continue
+            self.units += 1
+            candidate = model == self.candidate
+            failed.add(candidate, q, float(error))
+            reward, expected = row.get("reward"), row.get("reward_expected")
+            if reward is not None and not error:
+                rewarded(candidate, q, version, float(reward))
+            elif error and expected:
+                missing.add(candidate, q, 1.0)
+            elif expected and row.get("id") is not None:
+                key = (row["id"], row.get("index", 0))
+                if key in self.early:
+                    rewarded(candidate, q, version, self.early.pop(key))
+                else:
+                    self.pending[key] = Unit(candidate, q, int(version), float(row.get("time") or self.wall()) +
+                                             timeout)
+        for row in rows:
+            if row.get("kind") != "reward" or row.get("shadow"):
+                continue
+            key = (row.get("id"), row.get("index", 0))
+            unit = self.pending.pop(key, None)
+            if unit is not None:
+                rewarded(unit.candidate, unit.q, unit.version, float(row["reward"]))
+            elif key not in self.early:
+                self.early[key] = float(row["reward"])
+        if self.pending:
+            now = self.wall()
+            for key in [k for k, u in self.pending.items() if u.deadline <= now]:
+                unit = self.pending.pop(key)
+                missing.add(unit.candidate, unit.q, 1.0)
+        self.reward.add(*rewards.arrays())
+        self.errors.add(*failed.arrays())
+        self.missing.add(*missing.arrays())
+        for model, values in latencies.items():
+            self.traffic[model].latencies_ms.append(np.asarray(values, dtype=np.float64))
+        if self.latency is not None:
+            self.latency.add(self.traffic[self.candidate].latencies_ms[-1])
+
+    # ------------------------------------------------------------ decisions
 
     def guardrail(self) -> str | None:
-        """Why the candidate breaks a guardrail, or None."""
-        cand, inc = self.traffic[self.candidate], self.traffic[self.incumbent]
-        s = self.settings
-        if cand.requests < s.min_per_arm:
-            return None
-        if cand.error_rate > inc.error_rate + s.max_error_increase:
-            return (f"error rate {cand.error_rate:.1%} against the incumbent's {inc.error_rate:.1%} "
-                    f"(allowed: +{s.max_error_increase:.1%})")
-        p95 = cand.p95_ms()
-        if s.slo_p95_ms is not None and p95 is not None and p95 > s.slo_p95_ms:
-            return f"p95 latency {p95:.0f} ms above the SLO {s.slo_p95_ms:g} ms"
+        """Why the candidate breaks a guardrail (its sequential test rejected), or None."""
+        if self.errors.rejected:
+            e = self.errors.evidence()
+            return (f"error rate {_pct(e['rate_candidate'])} against the incumbent's {_pct(e['rate_incumbent'])} "
+                    f"(allowed: +{self.settings.max_error_increase:.1%}; e-value {e['e_value']:.0f} >= "
+                    f"{e['threshold']:.0f})")
+        if self.missing.rejected:
+            e = self.missing.evidence()
+            return (f"missing rewards {_pct(e['rate_candidate'])} against the incumbent's "
+                    f"{_pct(e['rate_incumbent'])} (allowed: +{self.settings.max_missing_increase:.1%}; e-value "
+                    f"{e['e_value']:.0f} >= {e['threshold']:.0f})")
+        if self.latency is not None and self.latency.rejected:
+            e = self.latency.evidence()
+            return (f"p95 latency above the SLO {self.settings.slo_p95_ms:g} ms: {e['above_slo']} of {e['n']} "
+                    f"answers slower (e-value {e['e_value']:.0f} >= {e['threshold']:.0f})")
         return None
 
-    def _take(self) -> int:
-        """Read new records; returns how many rewarded candidate rows arrived."""
-        added = 0
-        for row in self.reader.new_rows():
-            self.traffic[row["model"]].add(row)
-            if row.get("reward") is not None and not row.get("error"):
-                arm = self.test.candidate if row["model"] == self.candidate else self.test.incumbent
-                arm.add([float(row["reward"])])
-                added += row["model"] == self.candidate
-        return added
+    def evidence(self, stage: int | str) -> dict:
+        share = self.settings.stages[stage] if isinstance(stage, int) else 0.0
+        guardrails = {"errors": self.errors.evidence(), "missing_rewards": self.missing.evidence()}
+        if self.latency is not None:
+            guardrails["latency"] = self.latency.evidence()
+        return {"stage": stage + 1 if isinstance(stage, int) else stage, "share": share,
+                "config_version": self.stage_version, "reward": self.reward.evidence(), "guardrails": guardrails,
+                "candidate": self.traffic[self.candidate].summary(),
+                "incumbent": self.traffic[self.incumbent].summary(),
+                "units": {"units": self.units, "pending_rewards": len(self.pending),
+                          "repeat_requests": self.assignment.repeats,
+                          "unknown_version": self.assignment.unknown_version},
+                "alpha": self.alpha}
 
-    def shadow(self, requests: int) -> tuple[bool, str, dict]:
-        """The shadow stage: the route's answers stay the incumbent's while a share of its requests is mirrored to
-        the candidate (set by the caller); the same test reads the mirrored rewards. Passes after ``requests``
-        rewarded mirrors without "worse" (or on "non-inferior"); fails on "worse" or a guardrail; the budgets
-        count as for the canary."""
-        s = self.settings
-        start = self.clock()
-        self.reader = RecordReader(self.reader.fetch, time.time(), (self.incumbent, self.candidate),
-                                   shadow_of=self.candidate)
-        while True:
-            self.sleep(s.poll_s)
-            self._take()
-            evidence = {**self.evidence(0), "stage": "shadow", "share": 0.0}
-            broken = self.guardrail()
-            if broken is not None:
-                return False, f"guardrail in shadow: {broken}", evidence
-            decision = self.test.decide()
-            if decision == "rollback":
-                return False, "in shadow, the candidate's reward is worse than the incumbent's", evidence
-            if self.test.candidate.n >= requests or decision == "non_inferior":
-                self._reset()
-                return True, f"{self.test_snapshot['n_candidate']} mirrored answers, reward not worse", evidence
-            used = sum(t.requests for t in self.traffic.values())
-            if used >= s.budget_requests or self.clock() - start >= s.budget_s:
-                return False, f"shadow budget spent ({used} requests) without enough mirrored rewards", evidence
-
-    def _reset(self) -> None:
-        """The canary starts its evidence afresh: shadow rows are not the traffic it decides on."""
-        self.test_snapshot = self.test.evidence()
-        self.test = SequentialTest(margin=self.settings.margin, alpha=self.settings.alpha,
-                                   min_per_arm=self.settings.min_per_arm)
-        self.traffic = {self.incumbent: ArmTraffic(), self.candidate: ArmTraffic()}
-        self.reader = RecordReader(self.reader.fetch, time.time(), (self.incumbent, self.candidate))
+    def _used(self) -> int:
+        return sum(t.requests for t in self.traffic.values())
 
     def run(self) -> tuple[Outcome, str, dict]:
         """Ramp until promote, rollback or a budget; returns (outcome, reason, evidence). The caller moves the
@@ -174,28 +266,129 @@ class Canary:
         s = self.settings
         start = self.clock()
         for stage, share in enumerate(s.stages):
-            self.set_share(share)
+            version, weights = self.set_share(share)
+            self.assignment.add_layout(version, weights)
+            self.stage_version, self.at_stage = int(version), 0
             self.audit({"event": "stage", **self.evidence(stage)})
-            at_stage = 0
             last = stage == len(s.stages) - 1
             while True:
                 self.sleep(s.poll_s)
-                at_stage += self._take()
-                decision = self.test.decide()
+                self._take()
                 broken = self.guardrail()
                 if broken is not None:
                     return "rollback", f"guardrail: {broken}", self.evidence(stage)
+                decision = self.reward.decide()
                 if decision == "rollback":
-                    return ("rollback", "the candidate's reward is worse than the incumbent's (the sequential test's "
-                            "interval lies below 0)", self.evidence(stage))
-                if at_stage >= s.min_per_stage and (not last or decision == "non_inferior"):
+                    e = self.reward.evidence()
+                    return ("rollback", f"the candidate's reward is worse than the incumbent's ({_strength(e)})",
+                            self.evidence(stage))
+                if self.at_stage >= s.min_per_stage and (not last or decision == "non_inferior"):
                     self.stage_log.append(self.evidence(stage))
                     if last:
-                        return ("promote", f"non-inferior: the reward difference's interval lies above "
-                                f"-{s.margin:g}", self.evidence(stage))
+                        return ("promote", f"non-inferior: the reward is not worse than the incumbent's by "
+                                f"{s.margin:g} or more ({_strength(self.reward.evidence(), 'non_inferior')})",
+                                self.evidence(stage))
                     break
-                used = sum(t.requests for t in self.traffic.values())
+                used = self._used()
                 if used >= s.budget_requests or self.clock() - start >= s.budget_s:
                     return ("inconclusive", f"budget spent ({used} requests, {self.clock() - start:.0f} s) without a "
                             "decision", self.evidence(stage))
         raise AssertionError("unreachable: the last stage returns")
+
+    # ------------------------------------------------------------ the shadow stage
+
+    def shadow(self, requests: int) -> tuple[bool, str, dict]:
+        """The shadow stage: the route's answers stay the incumbent's while a share of its requests is mirrored to
+        the candidate (set by the caller). Each mirrored request is a pair — the candidate's and the incumbent's
+        answer to the same request — so the tests are paired (``PairedWorseTest``) and take the shadow's share of
+        alpha, half for the reward, half for errors. Passes after ``requests`` rewarded pairs without "worse";
+        fails on "worse"; the budgets count as for the canary."""
+        s = self.settings
+        alpha = self.alpha["shadow"]
+        reward = PairedWorseTest(alpha=alpha / 2, scale=max(s.margin, 0.01))
+        errors = PairedWorseTest(alpha=alpha / 2, allowed=s.max_error_increase, scale=max(s.max_error_increase, 0.01))
+        pairs: dict[tuple, ShadowPair] = {}
+        start = self.clock()
+        used = 0
+
+        def evidence() -> dict:
+            return {"stage": "shadow", "share": 0.0, "reward": reward.evidence(), "errors": errors.evidence(),
+                    "alpha": alpha}
+
+        while True:
+            self.sleep(s.poll_s)
+            d_reward, d_error = [], []
+            for row in self.reader.new_rows():
+                if row.get("route") != self.route or row.get("id") is None:
+                    continue
+                mirrored = bool(row.get("shadow"))
+                if (row.get("model"), mirrored) not in ((self.candidate, True), (self.incumbent, False)):
+                    continue
+                pair = pairs.setdefault((row["id"], row.get("index", 0)), ShadowPair())
+                if row.get("kind") == "reward":
+                    pair.rewards[mirrored] = float(row["reward"])
+                else:
+                    used += not mirrored
+                    pair.errors[mirrored] = bool(row.get("error"))
+                    if row.get("reward") is not None:
+                        pair.rewards[mirrored] = float(row["reward"])
+                if len(pair.errors) == 2 and not pair.errors_counted:
+                    pair.errors_counted = True
+                    d_error.append(float(pair.errors[False]) - float(pair.errors[True]))
+                if len(pair.rewards) == 2:
+                    d_reward.append(pair.rewards[True] - pair.rewards[False])
+                    pairs.pop((row["id"], row.get("index", 0)))
+            reward.add(np.asarray(d_reward, dtype=np.float64))
+            errors.add(np.asarray(d_error, dtype=np.float64))
+            if errors.rejected:
+                return False, "in shadow, the candidate's error rate is above the incumbent's (paired test)", evidence()
+            if reward.rejected:
+                return (False, "in shadow, the candidate's reward is worse than the incumbent's (paired test)",
+                        evidence())
+            if reward.moments.n >= requests:
+                self._fresh()
+                return True, f"{reward.moments.n} mirrored answers, reward not worse", evidence()
+            if used >= s.budget_requests or self.clock() - start >= s.budget_s:
+                return False, f"shadow budget spent ({used} requests) without enough mirrored rewards", evidence()
+
+
+@dataclass
+class ShadowPair:
+    """A mirrored request's two answers, keyed by "mirrored?" (True: the candidate's)."""
+
+    errors: dict[bool, bool] = field(default_factory=dict)
+    rewards: dict[bool, float] = field(default_factory=dict)
+    errors_counted: bool = False
+
+
+class Columns(list):
+    """One poll's units for one test, as (arm: True for the candidate, q, outcome) tuples."""
+
+    def add(self, candidate: bool, q: float, y: float) -> None:
+        self.append((candidate, q, y))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not self:
+            return np.empty(0, dtype=bool), np.empty(0), np.empty(0)
+        table = np.asarray(self, dtype=np.float64)
+        return table[:, 0] > 0, table[:, 1], table[:, 2]
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def _strength(evidence: dict, side: str = "worse") -> str:
+    """One line of a reward decision's evidence."""
+    diff = evidence.get("difference")
+    counts = f"{evidence['n_candidate']}/{evidence['n_incumbent']}"
+    head = f"difference {diff:+.3f} over {counts} rewarded units" if diff is not None else "no rewarded units"
+    if evidence["method"] == "betting":
+        return f"{head}; e-value {evidence[f'e_{side}']:.0f} >= {evidence[f'threshold_{side}']:.0f}"
+    bound = evidence.get("upper" if side == "worse" else "lower")
+    return f"{head}; {'upper' if side == 'worse' else 'lower'} bound {bound:+.3f}"
+
+
+def settings_dict(settings: CanarySettings) -> dict:
+    """The settings and the alpha split, as the plan prints them."""
+    return {**asdict(settings), "alpha_split": settings.alpha_split()}
