@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.ship.canary import Canary, CanarySettings
+from eval.ship.canary import Canary, CanarySettings, settings_dict
 from eval.ship.gates import Gate, capacity_gate, guardrail_gate, quality_gate, training_trend, tripwire_gate
 from serve.promote import ADMIN_KEY_ENV, AdminClient, PromoteError, new_weights
 from verl.errors import ConfigError, VerlError
@@ -48,6 +48,7 @@ class ShipSettings:
     max_kl: float | None = None  # guardrail: the candidate's exact KL to its base (None: reported only)
     shadow_fraction: float = 0.0  # > 0: a shadow stage before the canary, mirroring this share of the route
     shadow_requests: int = 50
+    gate_data: list[str] | None = None  # offline gate prompts (default: a split the checkpoint selection never saw)
     dry_run: bool = False
 
 
@@ -104,21 +105,65 @@ def plan(settings: ShipSettings, client: AdminClient) -> dict:
             "route": {"name": settings.route, "weights": weights}, "config_version": state["version"],
             "full_models": [m["name"] for m in fulls],
             "gates": {"offline": settings.offline, "metric": settings.gate_metric, "margin": c.margin,
+                      "gate_data": gate_data(settings, run) if settings.offline else None,
                       "capacity": settings.capacity, "capacity_users": settings.capacity_users,
                       "slo_p95_ms": settings.slo_p95_ms},
-            "canary": asdict(c)}
+            "canary": settings_dict(c)}
+
+
+def gate_data(settings: ShipSettings, run: Path) -> dict:
+    """Which prompts judge the offline gate, and which chose the checkpoint. The run picked its best checkpoint on
+    its validation prompts, so gating on them again inflates the difference (the winner's curse): the gate uses
+    ``--gate-data``, else the built-in task's test split (never trained on, never used to choose), else — for the
+    user's own validation files — the validation prompts, flagged as biased."""
+    from eval.runner import load_run_config  # noqa: PLC0415
+
+    run_cfg, _, _ = load_run_config(run)
+    chose = list(run_cfg.data.val_files)
+    if settings.gate_data:
+        return {"judged_by": list(settings.gate_data), "chosen_by": chose, "independent": True}
+    tests = [held_out_split(name) for name in chose]
+    if all(t is not None for t in tests):
+        return {"judged_by": tests, "chosen_by": chose, "independent": True}
+    return {"judged_by": chose, "chosen_by": chose, "independent": False,
+            "warning": "the gate reuses the validation prompts that chose the checkpoint (the winner's curse "
+                       "inflates the difference): pass --gate-data FILE with prompts the run never saw"}
+
+
+def held_out_split(name: str) -> str | None:
+    """The built-in task's test split for a built-in validation split (``builtin:arithmetic/val`` ->
+    ``builtin:arithmetic/test``), or None."""
+    from verl.data.builtin import BUILTIN_PREFIX, TASK_SPLITS  # noqa: PLC0415
+
+    if not name.startswith(BUILTIN_PREFIX):
+        return None
+    task, _, split = name[len(BUILTIN_PREFIX):].partition("/")
+    if split != "val" or "test" not in TASK_SPLITS.get(task, ()):
+        return None
+    return f"{BUILTIN_PREFIX}{task}/test"
+
+
+OBSERVE_S = 900.0  # --dry-run plans with the route's last 15 minutes of records
+
+
+def dry_run_power(settings: ShipSettings, client: AdminClient, incumbent: str) -> dict:
+    """The canary's power and budget for the route's observed traffic (``eval.ship.power``)."""
+    from eval.ship.power import observe, power_plan  # noqa: PLC0415
+
+    rows = client.call("GET", "/records", params={"since": time.time() - OBSERVE_S})["records"]
+    return power_plan(observe(rows, settings.route, incumbent, settings.canary.slo_p95_ms), settings.canary)
 
 
 def offline_gates(settings: ShipSettings, shipping: dict, out: Path) -> list[Gate]:
-    """Quality, guardrails and the tripwire on the candidate run's validation prompts."""
+    """Quality, guardrails and the tripwire on prompts the checkpoint selection never saw (``gate_data``)."""
     from eval.compare import compare_pair, resolve_entry  # noqa: PLC0415
-    from eval.runner import EvalSettings, load_run_config, run_eval  # noqa: PLC0415
+    from eval.runner import EvalSettings, run_eval  # noqa: PLC0415
     from serve.service import resolve_adapter_dir  # noqa: PLC0415
 
     run = Path(shipping["candidate"]["run"])
-    run_cfg, _, _ = load_run_config(run)
-    data = list(run_cfg.data.val_files)
-    samples = settings.max_samples or run_cfg.data.val_max_samples
+    prompts = shipping["gates"]["gate_data"]
+    data = list(prompts["judged_by"])
+    samples = settings.max_samples
     evaluators = "accuracy,diversity,length"
     base = EvalSettings(data=data, max_samples=samples, evaluators=evaluators, quiet=True)
     # The candidate also gets its exact KL to its run's base model (a guardrail the incumbent need not share).
@@ -134,11 +179,14 @@ def offline_gates(settings: ShipSettings, shipping: dict, out: Path) -> list[Gat
                         resolve_entry(str(out / "candidate"), "best", base, None), settings.canary.alpha, 2000, 0)
     margin = settings.canary.margin
     trend = training_trend(run, shipping["candidate"]["step"])
-    return [quality_gate(pair, settings.gate_metric, margin), guardrail_gate(pair, margin, kl, settings.max_kl),
+    quality = quality_gate(pair, settings.gate_metric, margin)
+    quality.evidence["prompts"] = prompts
+    return [quality, guardrail_gate(pair, margin, kl, settings.max_kl),
             tripwire_gate(trend, pair, settings.gate_metric, margin)]
 
 
-def run_capacity(settings: ShipSettings, name: str, out: Path) -> Gate:
+def run_capacity(settings: ShipSettings, name: str, out: Path, max_failure_rate: float = 0.01) -> Gate:
+    """A short load test of model ``name`` alone: p95 within the SLO, failures within ``max_failure_rate``."""
     from loadtest.report import SLO  # noqa: PLC0415
     from loadtest.run import LoadTestConfig, run_loadtest  # noqa: PLC0415
 
@@ -146,9 +194,20 @@ def run_capacity(settings: ShipSettings, name: str, out: Path) -> Gate:
                             step_users=str(settings.capacity_users), step_time_s=settings.capacity_s,
                             step_settle_s=min(2.0, settings.capacity_s / 3), user_classes=["CompletionUser"],
                             extra_locust_args=["--model", name, "--num-prompts", "32"],
-                            slo=SLO(p95_ms=settings.slo_p95_ms))
+                            slo=SLO(p95_ms=settings.slo_p95_ms, max_failure_rate=max_failure_rate))
     report, _ = run_loadtest(config)
     return capacity_gate(report, settings.slo_p95_ms)
+
+
+def failure_allowance(settings: ShipSettings, client: AdminClient, incumbent: str) -> float:
+    """The capacity gate's failure limit: the incumbent's own error rate on the route over the last 15 minutes
+    (a service that fails 1% of requests fails them for the candidate too) plus ``--max-error-increase``, and at
+    least 1%."""
+    from eval.ship.power import observe  # noqa: PLC0415
+
+    rows = client.call("GET", "/records", params={"since": time.time() - OBSERVE_S})["records"]
+    base = observe(rows, settings.route, incumbent, None)["error_rate"]
+    return min(1.0, max(0.01, base + settings.canary.max_error_increase))
 
 
 def ship(settings: ShipSettings, say: Any = print) -> tuple[int, dict]:
@@ -163,8 +222,24 @@ def ship(settings: ShipSettings, say: Any = print) -> tuple[int, dict]:
     record: dict[str, Any] = {"ship_id": ship_id, "plan": shipping, "gates": [], "canary": None, "decision": None}
     cand, inc, route = shipping["candidate"]["name"], shipping["incumbent"]["name"], settings.route
     say(f"candidate {cand} ({shipping['candidate']['checkpoint']}) against incumbent {inc} on route {route}")
+    say("alpha split: " + ", ".join(f"{k} {v:.4g}" for k, v in shipping["canary"]["alpha_split"].items()))
+    gates = shipping["gates"]
+    if gates["gate_data"] is not None:
+        say(f"offline gate judged on {', '.join(gates['gate_data']['judged_by'])} (checkpoint chosen on "
+            f"{', '.join(gates['gate_data']['chosen_by'])})")
+        if gates["gate_data"].get("warning"):
+            say(f"warning: {gates['gate_data']['warning']}")
     if settings.dry_run:
+        shipping["power"] = dry_run_power(settings, client, inc)
         say(json.dumps(shipping, indent=1, default=str))
+        power = shipping["power"]
+        if "requests_for_80pct_power" in power:
+            say(f"power: a drop of the margin {settings.canary.margin:g} is rolled back with 80% power after "
+                f"{power['requests_for_80pct_power']:.0f} requests (~{power['minutes_for_80pct_power']:.1f} min at "
+                f"{power['observed']['rate_per_s']:.1f} requests/s); within the budget: "
+                f"{power['drop_rolled_back_within_budget']:.0%}")
+        if power.get("warning"):
+            say(f"warning: {power['warning']}")
         return EXIT_PROMOTED, record
     audit = AuditLog(out / "audit.jsonl", ship_id)
     audit({"event": "plan", **shipping})
@@ -201,22 +276,22 @@ def ship(settings: ShipSettings, say: Any = print) -> tuple[int, dict]:
     try:
         if settings.capacity:
             say(f"capacity gate: {settings.capacity_users} users on {cand} for {settings.capacity_s:g} s")
-            gate = run_capacity(settings, cand, out / "capacity")
+            gate = run_capacity(settings, cand, out / "capacity", failure_allowance(settings, client, inc))
             record["gates"].append(asdict(gate))
             audit({"event": "gate", **asdict(gate)})
             say(f"  capacity: {'pass' if gate.passed else 'FAIL'} - {gate.reason}")
             if not gate.passed:
                 return back_out("refused", f"capacity gate: {gate.reason}", gate.evidence)
 
-        def set_share(share: float) -> None:
+        def set_share(share: float) -> tuple[int, dict[str, float]]:
             weights = new_weights(original, cand, share)
-            client.call("PUT", f"/routes/{route}", json={"weights": weights})
-            say(f"canary: {cand} at {share:.0%} of route {route}")
+            state = client.call("PUT", f"/routes/{route}", json={"weights": weights})
+            say(f"canary: {cand} at {share:.0%} of route {route} (config version {state['version']})")
+            return int(state["version"]), state["routes"][route]
 
-        canary = Canary(settings.canary, inc, cand, set_share,
+        canary = Canary(settings.canary, inc, cand, route, set_share,
                         lambda since: client.call("GET", "/records", params={"since": since})["records"],
-                        lambda event: audit({"event": "canary", **event}),
-                        lambda: client.call("GET", "/state")["version"])
+                        lambda event: audit({"event": "canary", **event}))
         if settings.shadow_fraction > 0:
             say(f"shadow: mirroring {settings.shadow_fraction:.0%} of route {route} to {cand} (answers never "
                 "returned)")
@@ -261,26 +336,40 @@ def write_ship_report(out: Path, record: dict) -> None:
                 plan_["incumbent"].get("weights")]])
     doc.h("Gates")
     doc.table(["gate", "passed", "reason"], [[g["name"], g["passed"], g["reason"]] for g in record["gates"]])
+    prompts = plan_["gates"].get("gate_data")
+    if prompts:
+        doc.p(f"Offline gate prompts: judged on {', '.join(prompts['judged_by'])}; the checkpoint was chosen on "
+              f"{', '.join(prompts['chosen_by'])}" + ("." if prompts["independent"] else f" — {prompts['warning']}."))
+    doc.p("Alpha split (one budget for every decision): " + ", ".join(
+        f"{k} {v:.4g}" for k, v in plan_["canary"]["alpha_split"].items()) + ".")
     shadow = record.get("shadow")
     if shadow:
         doc.h("Shadow")
-        reward = shadow["evidence"]["reward"]
-        doc.p(f"{'Passed' if shadow['passed'] else 'Failed'}: {shadow['reason']} (mirrored candidate answers "
-              f"{reward['n_candidate']}, mean reward {reward['mean_candidate']} vs the incumbent's "
-              f"{reward['mean_incumbent']}, interval {reward['interval']}).")
+        reward, errors = shadow["evidence"]["reward"], shadow["evidence"]["errors"]
+        doc.p(f"{'Passed' if shadow['passed'] else 'Failed'}: {shadow['reason']} ({reward['n_pairs']} rewarded "
+              f"pairs, mean difference candidate - incumbent {fmt_num(reward['mean_difference'])}, e-value for "
+              f"'worse' {reward['e_value']:.3g} against {reward['threshold']:.0f}; errors e-value "
+              f"{errors['e_value']:.3g}).")
     canary = record.get("canary")
     if canary:
         doc.h("Canary")
         rows = []
         for ev in [*canary["stages"], canary["evidence"]]:
             reward = ev["reward"]
-            rows.append([ev["stage"], f"{ev['share']:.0%}", reward["n_candidate"], reward["n_incumbent"],
-                         reward["mean_candidate"], reward["mean_incumbent"], reward["interval"],
-                         ev["candidate"]["error_rate"], ev["candidate"]["p95_ms"], reward["decision"]])
-        doc.table(["stage", "share", "n cand", "n inc", "reward cand", "reward inc", "interval (cand - inc)",
-                   "cand errors", "cand p95 ms", "test"], rows)
-        doc.p(f"Outcome: {canary['outcome']} — {canary['reason']}. Test: normal-mixture confidence sequence "
-              "(mSPRT; always valid under continuous monitoring), see docs/shipping.md.")
+            rows.append([ev["stage"], f"{ev['share']:.0%}", ev["config_version"], reward["n_candidate"],
+                         reward["n_incumbent"], fmt_num(reward["mean_candidate"]), fmt_num(reward["mean_incumbent"]),
+                         fmt_num(reward["difference"]), reward_strength(reward), ev["units"]["pending_rewards"],
+                         fmt_num(ev["candidate"]["error_rate"]), fmt_num(ev["candidate"]["p95_ms"]),
+                         reward["decision"]])
+        doc.table(["stage", "share", "config version", "units cand", "units inc", "reward cand", "reward inc",
+                   "difference", "evidence", "rewards pending", "cand errors", "cand p95 ms", "test"], rows)
+        last = canary["evidence"]
+        doc.table(["guardrail", "candidate", "incumbent", "e-value", "threshold"],
+                  [[name, fmt_num(g.get("rate_candidate", g.get("share_above"))), fmt_num(g.get("rate_incumbent")),
+                    f"{g['e_value']:.3g}", f"{g['threshold']:.0f}"] for name, g in last["guardrails"].items()])
+        doc.p(f"Outcome: {canary['outcome']} — {canary['reason']}. Test: {last['reward']['test']}; units are requests "
+              f"whose arm was drawn at random ({last['units']['units']} units, {last['units']['repeat_requests']} "
+              "repeat requests of a user at the same stage not counted again); see docs/shipping.md.")
         quality = next((g for g in record["gates"] if g["name"] == "quality"), None)
         online = canary["evidence"]["reward"]["mean_candidate"]
         if quality and online is not None:
@@ -288,3 +377,17 @@ def write_ship_report(out: Path, record: dict) -> None:
             doc.p(f"Offline vs online: the candidate scored {offline:.3f} on the held-out prompts and "
                   f"{online:.3f} reward online (drift {online - offline:+.3f}).")
     doc.write(out, "ship_report")
+
+
+def fmt_num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g}"
+
+
+def reward_strength(reward: dict) -> str:
+    """The reward test's evidence in one cell: e-values (betting) or the bounds (mixture)."""
+    if reward["method"] == "betting":
+        return (f"e(worse) {reward['e_worse']:.3g}/{reward['threshold_worse']:.0f}, e(non-inferior) "
+                f"{reward['e_non_inferior']:.3g}/{reward['threshold_non_inferior']:.0f}")
+    if reward.get("lower") is None:
+        return "n/a"
+    return f"bounds {reward['lower']:+.3f} .. {reward['upper']:+.3f}"
