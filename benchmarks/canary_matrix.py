@@ -17,9 +17,10 @@ import argparse
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from eval.ship.simulate import matrix
+from eval.ship.simulate import cells, matrix, requests_for_power, simulate
 
 ALPHA = 0.05
 
@@ -45,6 +46,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def costs(sims: int, seed: int) -> str:
+    """What the alpha split and the exact test cost in power: requests by which 80% of 10-point drops (base case)
+    are rolled back, with the reward test at alpha/2 (the split) or at the whole alpha, by betting or the mixture."""
+    base = cells()[0]
+    lines = ["| reward test | its alpha | requests for 80% power | drop rolled back |", "|---|---|---|---|"]
+    for test in ("betting", "mixture"):
+        for alpha in (ALPHA, 2 * ALPHA):  # the split gives the reward test alpha / 2
+            cell = replace(base, settings=replace(base.settings, test=test, alpha=alpha))
+            dropped = simulate(cell, -0.10, sims, seed + 2)
+            lines.append(f"| {test} | {pct(alpha / 2)}{' (the split)' if alpha == ALPHA else ''} | "
+                         f"{requests_for_power(dropped):,.0f} | {pct(dropped['rollback'])} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sims", type=int, default=2000)
@@ -52,6 +67,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--cells", nargs="*", help="only cells whose name starts with one of these")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/canary_matrix.json"))
+    parser.add_argument("--no-costs", dest="costs", action="store_false", help="skip the power-cost table")
     args = parser.parse_args()
     started = time.perf_counter()
     rows = matrix(args.sims, args.seed, args.cells, args.workers)
@@ -68,6 +84,9 @@ def main() -> None:
     if "drop_rollback" in base:
         print(f"Base case: a 10-point drop is rolled back in {pct(base['drop_rollback'])} of ships, 80% of them by "
               f"{base['drop_requests_80']:,.0f} requests.")
+    if args.costs:
+        print("\nWhat the split and the exact test cost (base case, 10-point drop):\n")
+        print(costs(args.sims, args.seed))
 
 
 if __name__ == "__main__":

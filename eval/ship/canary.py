@@ -52,6 +52,7 @@ class CanarySettings:
     budget_s: float = 600.0
     poll_s: float = 1.0
     shadow: bool = False  # a shadow stage runs first (it takes a share of alpha)
+    capacity: bool = False  # a capacity gate runs first (it takes a share of alpha)
 
     def __post_init__(self) -> None:
         if not self.stages or any(not 0 < s < 1 for s in self.stages) or list(self.stages) != sorted(self.stages):
@@ -63,11 +64,12 @@ class CanarySettings:
             raise ValueError(f"the test must be one of {', '.join(METHODS)} (got {self.test!r})")
 
     def alpha_split(self) -> dict[str, float]:
-        """Each test's alpha. Rolling back: the reward test takes half; the guardrails that run (errors, missing
-        rewards, latency when an SLO is set) and the shadow stage share the other half equally. Promoting: only the
-        reward test's non-inferiority side promotes, so it has the whole alpha."""
+        """Each test's alpha. Turning a candidate away (rollback, or a refusal at the capacity gate or in shadow):
+        the reward test takes half; the guardrails that run (errors, missing rewards, latency when an SLO is set),
+        the capacity gate and the shadow stage share the other half equally. Promoting: only the reward test's
+        non-inferiority side promotes, so it has the whole alpha."""
         others = ["errors", "missing_rewards"] + (["latency"] if self.slo_p95_ms is not None else []) + (
-            ["shadow"] if self.shadow else [])
+            ["capacity"] if self.capacity else []) + (["shadow"] if self.shadow else [])
         split = {"reward_worse": self.alpha / 2, **{name: self.alpha / 2 / len(others) for name in others}}
         return {**split, "reward_non_inferior": self.alpha}
 

@@ -89,7 +89,8 @@ def register(app: typer.Typer, run_guarded) -> None:
                                         test=test, min_per_arm=min_per_arm, max_error_increase=max_error_increase,
                                         max_missing_increase=max_missing_increase, slo_p95_ms=slo_p95_ms,
                                         reward_timeout_s=reward_timeout_s, budget_requests=budget_requests,
-                                        budget_s=budget_s, poll_s=poll_s, shadow=shadow > 0)
+                                        budget_s=budget_s, poll_s=poll_s, shadow=shadow > 0,
+                                        capacity=capacity)
             except ValueError as exc:
                 raise ConfigError(f"verl ship: {exc}") from None
             if not 0.0 <= shadow <= 1.0:

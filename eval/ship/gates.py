@@ -11,7 +11,8 @@
   accuracy fell by more than the margin (against its own first validation, or against the incumbent): the reward was
   learnt, the task was not.
 - **capacity**: a short load test of the candidate (already loaded in the service, 0% of the route) at the planning
-  load; its p95 must be within the SLO and its failures within the limit.
+  load; refused when its p95 is significantly above the SLO or its failures significantly above the incumbent's
+  rate plus the allowed increase (binomial tests on the service's records of those requests, one look).
 
 Each returns a ``Gate`` with the numbers it decided on; ``verl ship`` refuses at the first that fails.
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from verl.utils.log import read_jsonl
 
@@ -114,15 +117,31 @@ def tripwire_gate(trend: dict[str, Any], pair: dict, metric: str, margin: float)
     return Gate("tripwire", True, f"training reward rose {reward['change']:+.3f} and held-out accuracy held", trend)
 
 
-def capacity_gate(report: dict, slo_p95_ms: float) -> Gate:
-    """``report``: the capacity report of the candidate's short load test."""
+def capacity_gate(report: dict, rows: list[dict], slo_p95_ms: float, allowance: float, alpha: float) -> Gate:
+    """``report``: the capacity report of the candidate's short load test (evidence); ``rows``: the service's records
+    of the candidate's requests during it. One look, two binomial tests at ``alpha / 2`` each: refused when the share
+    of answers slower than the SLO is significantly above 5% (its p95 is above the SLO), or its failure rate is
+    significantly above ``allowance``; a sample p95 a little over the SLO by chance is not a refusal."""
+    from scipy.stats import binom  # noqa: PLC0415
+
     steps = report.get("steps") or []
     keys = ("users", "requests", "latency_p95_ms", "failure_rate", "requests_per_s")
-    evidence = {"steps": [{k: s.get(k) for k in keys} for s in steps], "slo_p95_ms": slo_p95_ms}
-    failing = [s for s in steps if s.get("why_not")]
-    if not steps:
-        return Gate("capacity", False, "the load test measured no step", evidence)
-    if failing:
-        return Gate("capacity", False, f"at {failing[0]['users']} users: {'; '.join(failing[0]['why_not'])}", evidence)
-    worst = max(s["latency_p95_ms"] or 0 for s in steps)
-    return Gate("capacity", True, f"p95 {worst:.0f} ms within {slo_p95_ms:g} ms at the planning load", evidence)
+    answered = [r for r in rows if not r.get("error") and r.get("e2e_s") is not None]
+    slow = sum(1000.0 * r["e2e_s"] > slo_p95_ms for r in answered)
+    failed = sum(bool(r.get("error")) for r in rows)
+    p_slow = float(binom.sf(slow - 1, len(answered), 0.05)) if answered else 1.0
+    p_failed = float(binom.sf(failed - 1, len(rows), allowance)) if rows else 1.0
+    evidence = {"steps": [{k: s.get(k) for k in keys} for s in steps], "slo_p95_ms": slo_p95_ms,
+                "requests": len(rows), "above_slo": slow, "p_value_p95_above_slo": p_slow, "failed": failed,
+                "failure_allowance": allowance, "p_value_failures_above_allowance": p_failed, "alpha": alpha}
+    if not rows:
+        return Gate("capacity", False, "the load test's requests are not in the service's records", evidence)
+    p95 = float(np.percentile([1000.0 * r["e2e_s"] for r in answered], 95)) if answered else float("nan")
+    if p_slow < alpha / 2:
+        return Gate("capacity", False, f"p95 above the SLO {slo_p95_ms:g} ms: {slow} of {len(answered)} answers "
+                    f"slower (p = {p_slow:.2g} against 5%; sample p95 {p95:.0f} ms)", evidence)
+    if p_failed < alpha / 2:
+        return Gate("capacity", False, f"{failed} of {len(rows)} requests failed (p = {p_failed:.2g} against the "
+                    f"allowance {allowance:.1%})", evidence)
+    return Gate("capacity", True, f"{len(rows)} requests: p95 {p95:.0f} ms against the SLO {slo_p95_ms:g} ms ({slow} "
+                f"slower), {failed} failed (allowance {allowance:.1%}); neither significantly over", evidence)

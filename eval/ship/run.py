@@ -185,8 +185,9 @@ def offline_gates(settings: ShipSettings, shipping: dict, out: Path) -> list[Gat
             tripwire_gate(trend, pair, settings.gate_metric, margin)]
 
 
-def run_capacity(settings: ShipSettings, name: str, out: Path, max_failure_rate: float = 0.01) -> Gate:
-    """A short load test of model ``name`` alone: p95 within the SLO, failures within ``max_failure_rate``."""
+def capacity_run(settings: ShipSettings, client: AdminClient, name: str, out: Path,
+                 allowance: float = 0.01) -> tuple[dict, list[dict]]:
+    """A short load test of model ``name`` alone: its capacity report and the service's records of its requests."""
     from loadtest.report import SLO  # noqa: PLC0415
     from loadtest.run import LoadTestConfig, run_loadtest  # noqa: PLC0415
 
@@ -194,9 +195,12 @@ def run_capacity(settings: ShipSettings, name: str, out: Path, max_failure_rate:
                             step_users=str(settings.capacity_users), step_time_s=settings.capacity_s,
                             step_settle_s=min(2.0, settings.capacity_s / 3), user_classes=["CompletionUser"],
                             extra_locust_args=["--model", name, "--num-prompts", "32"],
-                            slo=SLO(p95_ms=settings.slo_p95_ms, max_failure_rate=max_failure_rate))
+                            slo=SLO(p95_ms=settings.slo_p95_ms, max_failure_rate=allowance))
+    started = time.time()
     report, _ = run_loadtest(config)
-    return capacity_gate(report, settings.slo_p95_ms)
+    rows = [r for r in client.call("GET", "/records", params={"since": started})["records"]
+            if r.get("kind", "request") == "request" and r.get("model") == name and r.get("route") is None]
+    return report, rows
 
 
 def failure_allowance(settings: ShipSettings, client: AdminClient, incumbent: str) -> float:
@@ -276,7 +280,10 @@ def ship(settings: ShipSettings, say: Any = print) -> tuple[int, dict]:
     try:
         if settings.capacity:
             say(f"capacity gate: {settings.capacity_users} users on {cand} for {settings.capacity_s:g} s")
-            gate = run_capacity(settings, cand, out / "capacity", failure_allowance(settings, client, inc))
+            allowance = failure_allowance(settings, client, inc)
+            report, rows = capacity_run(settings, client, cand, out / "capacity", allowance)
+            gate = capacity_gate(report, rows, settings.slo_p95_ms, allowance,
+                                 settings.canary.alpha_split()["capacity"])
             record["gates"].append(asdict(gate))
             audit({"event": "gate", **asdict(gate)})
             say(f"  capacity: {'pass' if gate.passed else 'FAIL'} - {gate.reason}")
@@ -354,7 +361,8 @@ def write_ship_report(out: Path, record: dict) -> None:
     if canary:
         doc.h("Canary")
         rows = []
-        for ev in [*canary["stages"], canary["evidence"]]:
+        # A promote's last stage is already in the stage log; a rollback or a budget ends mid-stage.
+        for ev in canary["stages"] + ([canary["evidence"]] if canary["outcome"] != "promote" else []):
             reward = ev["reward"]
             rows.append([ev["stage"], f"{ev['share']:.0%}", ev["config_version"], reward["n_candidate"],
                          reward["n_incumbent"], fmt_num(reward["mean_candidate"]), fmt_num(reward["mean_incumbent"]),

@@ -1,0 +1,76 @@
+"""The offline and capacity gates of ``verl ship`` (eval.ship.gates), by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def rows(slow: int, fast: int, failed: int, slo_ms: float = 1000.0) -> list[dict]:
+    """Records of a capacity run: answers slower and faster than the SLO, and failed requests."""
+    return ([{"e2e_s": 1.5 * slo_ms / 1000, "error": None}] * slow + [{"e2e_s": 0.5 * slo_ms / 1000, "error": None}]
+            * fast + [{"e2e_s": 0.1, "error": "queue_full: 429 at capacity"}] * failed)
+
+
+def test_capacity_gate_tests_p95_and_failures_on_the_records():
+    from eval.ship.gates import capacity_gate
+
+    report = {"steps": [{"users": 2, "requests": 100, "latency_p95_ms": 1010.0, "failure_rate": 0.02}]}
+    # 7 of 100 answers over the SLO: the sample p95 is above it, but 7% is not significantly above 5% (p ~ 0.23).
+    noisy = capacity_gate(report, rows(7, 93, 0), 1000.0, 0.03, 0.01)
+    assert noisy.passed and "neither significantly over" in noisy.reason
+    assert noisy.evidence["p_value_p95_above_slo"] == pytest.approx(0.234, abs=0.002)
+    slow = capacity_gate(report, rows(20, 80, 0), 1000.0, 0.03, 0.01)  # 20%: p ~ 1e-5
+    assert not slow.passed and "20 of 100 answers slower" in slow.reason
+    # 4 failures of 104 against an allowance of 3% is noise; 15 is not.
+    assert capacity_gate(report, rows(0, 100, 4), 1000.0, 0.03, 0.01).passed
+    failing = capacity_gate(report, rows(0, 100, 15), 1000.0, 0.03, 0.01)
+    assert not failing.passed and "15 of 115 requests failed" in failing.reason
+    assert not capacity_gate(report, [], 1000.0, 0.03, 0.01).passed  # no records: no evidence, no pass
+
+
+def test_reward_hacking_tripwire_reads_the_run_and_the_pair(tmp_path):
+    """Training reward up 0.6 while held-out accuracy fell 0.3 over the run: refused, with both numbers; the same
+    rise with accuracy holding passes; a flat reward never trips."""
+    from eval.ship.gates import training_trend, tripwire_gate
+    from verl.utils.log import RunLogger
+
+    def run(rewards: list[float], accuracy: list[tuple[int, float]]) -> dict:
+        path = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        path.mkdir()
+        logger = RunLogger(path / "verl_logs.jsonl")
+        for step, value in enumerate(rewards, 1):
+            logger.info("rollout", reward_mean=value)
+            logger.flush(step)
+        for step, value in accuracy:
+            logger.info("eval", accuracy=value)
+            logger.flush(step)
+        logger.close()
+        return training_trend(path, None)
+
+    pair = {"metrics": {"eval/accuracy": {"diff": 0.0}}}
+    hacked = run([0.1, 0.1, 0.1, 0.7, 0.7, 0.7], [(0, 0.5), (6, 0.2)])
+    assert hacked["train_reward"]["change"] == pytest.approx(0.6)
+    gate = tripwire_gate(hacked, pair, "eval/accuracy", 0.05)
+    assert not gate.passed and "rose +0.600" in gate.reason and "fell -0.300" in gate.reason
+    against_incumbent = tripwire_gate(run([0.1, 0.1, 0.1, 0.7, 0.7, 0.7], []),
+                                      {"metrics": {"eval/accuracy": {"diff": -0.2}}}, "eval/accuracy", 0.05)
+    assert not against_incumbent.passed and "against the incumbent" in against_incumbent.reason
+    assert tripwire_gate(run([0.1, 0.1, 0.1, 0.7, 0.7, 0.7], [(0, 0.5), (6, 0.8)]), pair, "eval/accuracy",
+                         0.05).passed
+    assert tripwire_gate(run([0.5] * 6, [(0, 0.5), (6, 0.1)]), pair, "eval/accuracy", 0.05).passed
+
+
+def test_guardrails_refuse_collapse_shrinking_and_kl():
+    from eval.ship.gates import guardrail_gate
+
+    def pair(div_diff: float, ci_high: float, cand_len: float) -> dict:
+        return {"metrics": {"eval/distinct_1": {"baseline": 0.9, "candidate": 0.9 + div_diff, "diff": div_diff,
+                                                 "ci_low": div_diff - 0.05, "ci_high": ci_high},
+                            "eval/response_length_mean": {"baseline": 8.0, "candidate": cand_len}}}
+
+    assert guardrail_gate(pair(-0.01, 0.02, 7.5), 0.05, kl=0.01).passed
+    assert "diversity collapsed" in guardrail_gate(pair(-0.5, -0.4, 7.5), 0.05).reason  # 0.4 vs 0.9
+    assert guardrail_gate(pair(-0.36, -0.32, 7.5), 0.05).passed  # 0.54 vs 0.9: terser, not collapsed
+    assert "shrank to 3.0 tokens" in guardrail_gate(pair(0.0, 0.02, 3.0), 0.05).reason
+    refused = guardrail_gate(pair(0.0, 0.02, 8.0), 0.05, kl=0.3, max_kl=0.1)
+    assert not refused.passed and "KL to the base model 0.3 above --max-kl 0.1" in refused.reason
