@@ -155,6 +155,7 @@ class Canary:
         self.traffic = {self.incumbent: ArmTraffic(), self.candidate: ArmTraffic()}
         self.pending: dict[tuple, Unit] = {}  # units waiting for their reward, by (completion id, index)
         self.early: dict[tuple, float] = {}  # rewards whose request row has not been read yet
+        self.read: set[tuple] = set()  # (completion id, index) of every request row read
         self.stage_version = -1
         self.at_stage = 0  # the candidate's rewarded units at the current stage
         self.units = 0
@@ -181,6 +182,7 @@ class Canary:
             traffic = self.traffic.get(model)
             if traffic is None:
                 continue
+            self.read.add((row.get("id"), row.get("index", 0)))
             traffic.requests += 1
             error = bool(row.get("error"))
             traffic.errors += error
@@ -210,8 +212,8 @@ class Canary:
             unit = self.pending.pop(key, None)
             if unit is not None:
                 rewarded(unit.candidate, unit.q, unit.version, float(row["reward"]))
-            elif key not in self.early:
-                self.early[key] = float(row["reward"])
+            elif key not in self.read:  # its request is still to come (a reward for a non-unit is not kept)
+                self.early.setdefault(key, float(row["reward"]))
         if self.pending:
             now = self.wall()
             for key in [k for k, u in self.pending.items() if u.deadline <= now]:
@@ -282,13 +284,13 @@ class Canary:
                 decision = self.reward.decide()
                 if decision == "rollback":
                     e = self.reward.evidence()
-                    return ("rollback", f"the candidate's reward is worse than the incumbent's ({_strength(e)})",
-                            self.evidence(stage))
+                    return ("rollback", f"the candidate's reward is worse than the incumbent's "
+                            f"({describe_reward(e, 'worse')})", self.evidence(stage))
                 if self.at_stage >= s.min_per_stage and (not last or decision == "non_inferior"):
                     self.stage_log.append(self.evidence(stage))
                     if last:
                         return ("promote", f"non-inferior: the reward is not worse than the incumbent's by "
-                                f"{s.margin:g} or more ({_strength(self.reward.evidence(), 'non_inferior')})",
+                                f"{s.margin:g} or more ({describe_reward(self.reward.evidence(), 'non_inferior')})",
                                 self.evidence(stage))
                     break
                 used = self._used()
@@ -380,15 +382,19 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
 
-def _strength(evidence: dict, side: str = "worse") -> str:
-    """One line of a reward decision's evidence."""
+def describe_reward(evidence: dict, side: str | None = None) -> str:
+    """A reward test's evidence in one line: the difference and its units, then each side's e-value against its
+    threshold (betting) or the bounds (mixture); ``side`` ("worse" or "non_inferior") names the one that decided."""
     diff = evidence.get("difference")
     counts = f"{evidence['n_candidate']}/{evidence['n_incumbent']}"
     head = f"difference {diff:+.3f} over {counts} rewarded units" if diff is not None else "no rewarded units"
     if evidence["method"] == "betting":
-        return f"{head}; e-value {evidence[f'e_{side}']:.0f} >= {evidence[f'threshold_{side}']:.0f}"
-    bound = evidence.get("upper" if side == "worse" else "lower")
-    return f"{head}; {'upper' if side == 'worse' else 'lower'} bound {bound:+.3f}"
+        sides = [side] if side else ["worse", "non_inferior"]
+        return head + "; " + ", ".join(f"e-value{'' if side else f' ({s})'} {evidence[f'e_{s}']:.3g} "
+                                       f"{'>=' if side else 'of'} {evidence[f'threshold_{s}']:.0f}" for s in sides)
+    if evidence.get("lower") is None:
+        return head
+    return f"{head}; bounds {evidence['lower']:+.3f} .. {evidence['upper']:+.3f}"
 
 
 def settings_dict(settings: CanarySettings) -> dict:

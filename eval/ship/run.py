@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eval.ship.canary import Canary, CanarySettings, settings_dict
+from eval.ship.canary import Canary, CanarySettings, describe_reward, settings_dict
 from eval.ship.gates import Gate, capacity_gate, guardrail_gate, quality_gate, training_trend, tripwire_gate
 from serve.promote import ADMIN_KEY_ENV, AdminClient, PromoteError, new_weights
 from verl.errors import ConfigError, VerlError
@@ -366,7 +366,7 @@ def write_ship_report(out: Path, record: dict) -> None:
             reward = ev["reward"]
             rows.append([ev["stage"], f"{ev['share']:.0%}", ev["config_version"], reward["n_candidate"],
                          reward["n_incumbent"], fmt_num(reward["mean_candidate"]), fmt_num(reward["mean_incumbent"]),
-                         fmt_num(reward["difference"]), reward_strength(reward), ev["units"]["pending_rewards"],
+                         fmt_num(reward["difference"]), describe_reward(reward), ev["units"]["pending_rewards"],
                          fmt_num(ev["candidate"]["error_rate"]), fmt_num(ev["candidate"]["p95_ms"]),
                          reward["decision"]])
         doc.table(["stage", "share", "config version", "units cand", "units inc", "reward cand", "reward inc",
@@ -389,13 +389,3 @@ def write_ship_report(out: Path, record: dict) -> None:
 
 def fmt_num(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3g}"
-
-
-def reward_strength(reward: dict) -> str:
-    """The reward test's evidence in one cell: e-values (betting) or the bounds (mixture)."""
-    if reward["method"] == "betting":
-        return (f"e(worse) {reward['e_worse']:.3g}/{reward['threshold_worse']:.0f}, e(non-inferior) "
-                f"{reward['e_non_inferior']:.3g}/{reward['threshold_non_inferior']:.0f}")
-    if reward.get("lower") is None:
-        return "n/a"
-    return f"bounds {reward['lower']:+.3f} .. {reward['upper']:+.3f}"
