@@ -220,108 +220,145 @@ def ship(settings: ShipSettings, say: Any = print) -> tuple[int, dict]:
     if not key:
         raise ConfigError(f"verl ship changes routes through the admin API: pass --admin-key or set {ADMIN_KEY_ENV}")
     client = AdminClient(settings.service, key, timeout=600)
-    shipping = plan(settings, client)
-    ship_id = uuid.uuid4().hex[:12]
-    out = settings.out or Path(shipping["candidate"]["run"]) / "ship" / ship_id
-    record: dict[str, Any] = {"ship_id": ship_id, "plan": shipping, "gates": [], "canary": None, "decision": None}
-    cand, inc, route = shipping["candidate"]["name"], shipping["incumbent"]["name"], settings.route
-    say(f"candidate {cand} ({shipping['candidate']['checkpoint']}) against incumbent {inc} on route {route}")
-    say("alpha split: " + ", ".join(f"{k} {v:.4g}" for k, v in shipping["canary"]["alpha_split"].items()))
-    gates = shipping["gates"]
-    if gates["gate_data"] is not None:
-        say(f"offline gate judged on {', '.join(gates['gate_data']['judged_by'])} (checkpoint chosen on "
-            f"{', '.join(gates['gate_data']['chosen_by'])})")
-        if gates["gate_data"].get("warning"):
-            say(f"warning: {gates['gate_data']['warning']}")
-    if settings.dry_run:
-        shipping["power"] = dry_run_power(settings, client, inc)
-        say(json.dumps(shipping, indent=1, default=str))
-        power = shipping["power"]
+    shipment = Shipment(settings, client, plan(settings, client), say)
+    shipment.announce()
+    return shipment.dry_run() if settings.dry_run else shipment.run()
+
+
+class Shipment:
+    """One ``verl ship``: the plan, the audit log and the ship record, and each stage as a method. Nothing in the
+    service changes before the offline gates pass; from the candidate's loading on, every way out puts the route
+    back (``back_out``) unless the canary promotes."""
+
+    def __init__(self, settings: ShipSettings, client: AdminClient, shipping: dict, say: Any):
+        self.settings, self.client, self.shipping, self.say = settings, client, shipping, say
+        self.ship_id = uuid.uuid4().hex[:12]
+        self.out = settings.out or Path(shipping["candidate"]["run"]) / "ship" / self.ship_id
+        self.record: dict[str, Any] = {"ship_id": self.ship_id, "plan": shipping, "gates": [], "canary": None,
+                                       "decision": None}
+        self.cand, self.inc = shipping["candidate"]["name"], shipping["incumbent"]["name"]
+        self.route = settings.route
+        self.original = dict(shipping["route"]["weights"])
+        self.audit: AuditLog | None = None
+
+    def announce(self) -> None:
+        shipping, say = self.shipping, self.say
+        say(f"candidate {self.cand} ({shipping['candidate']['checkpoint']}) against incumbent {self.inc} on route "
+            f"{self.route}")
+        say("alpha split: " + ", ".join(f"{k} {v:.4g}" for k, v in shipping["canary"]["alpha_split"].items()))
+        prompts = shipping["gates"]["gate_data"]
+        if prompts is not None:
+            say(f"offline gate judged on {', '.join(prompts['judged_by'])} (checkpoint chosen on "
+                f"{', '.join(prompts['chosen_by'])})")
+            if prompts.get("warning"):
+                say(f"warning: {prompts['warning']}")
+
+    def dry_run(self) -> tuple[int, dict]:
+        """Print the plan and the canary's power for the route's observed traffic; change nothing."""
+        power = self.shipping["power"] = dry_run_power(self.settings, self.client, self.inc)
+        self.say(json.dumps(self.shipping, indent=1, default=str))
         if "requests_for_80pct_power" in power:
-            say(f"power: a drop of the margin {settings.canary.margin:g} is rolled back with 80% power after "
-                f"{power['requests_for_80pct_power']:.0f} requests (~{power['minutes_for_80pct_power']:.1f} min at "
-                f"{power['observed']['rate_per_s']:.1f} requests/s); within the budget: "
-                f"{power['drop_rolled_back_within_budget']:.0%}")
+            self.say(f"power: a drop of the margin {self.settings.canary.margin:g} is rolled back with 80% power "
+                     f"after {power['requests_for_80pct_power']:.0f} requests (~{power['minutes_for_80pct_power']:.1f} "
+                     f"min at {power['observed']['rate_per_s']:.1f} requests/s); within the budget: "
+                     f"{power['drop_rolled_back_within_budget']:.0%}")
         if power.get("warning"):
-            say(f"warning: {power['warning']}")
-        return EXIT_PROMOTED, record
-    audit = AuditLog(out / "audit.jsonl", ship_id)
-    audit({"event": "plan", **shipping})
+            self.say(f"warning: {power['warning']}")
+        return EXIT_PROMOTED, self.record
 
-    def finish(decision: str, reason: str, evidence: dict | None = None) -> tuple[int, dict]:
-        record["decision"] = {"decision": decision, "reason": reason}
-        audit({"event": "decision", "decision": decision, "reason": reason, "evidence": evidence or {},
-               "config_version": client.call("GET", "/state")["version"]})
-        write_ship_report(out, record)
-        say(f"{decision}: {reason} (audit: {out / 'audit.jsonl'}, report: {out / 'ship_report.md'})")
-        return (EXIT_PROMOTED if decision == "promote" else EXIT_NOT_PROMOTED), record
+    def run(self) -> tuple[int, dict]:
+        self.audit = AuditLog(self.out / "audit.jsonl", self.ship_id)
+        self.audit({"event": "plan", **self.shipping})
+        if self.settings.offline:
+            self.say("offline gates: evaluating candidate and incumbent on the same prompts")
+            for gate in offline_gates(self.settings, self.shipping, self.out / "offline"):
+                if not self.gate(gate):
+                    return self.finish("refused", f"{gate.name} gate: {gate.reason}", gate.evidence)
+        self.load_candidate()
+        try:
+            if self.settings.capacity:
+                gate = self.capacity()
+                if not self.gate(gate):
+                    return self.back_out("refused", f"capacity gate: {gate.reason}", gate.evidence)
+            canary = Canary(self.settings.canary, self.inc, self.cand, self.route, self.set_share,
+                            lambda since: self.client.call("GET", "/records", params={"since": since})["records"],
+                            lambda event: self.audit({"event": "canary", **event}))
+            if self.settings.shadow_fraction > 0:
+                passed, reason, evidence = self.shadow(canary)
+                if not passed:
+                    return self.back_out("refused", f"shadow: {reason}", evidence)
+            outcome, reason, evidence = canary.run()
+            self.record["canary"] = {"outcome": outcome, "reason": reason, "evidence": evidence,
+                                     "stages": canary.stage_log}
+        except (PromoteError, VerlError, KeyboardInterrupt) as exc:
+            self.back_out("rollback", f"stopped by an error: {exc}")
+            raise
+        if outcome != "promote":
+            return self.back_out("rollback" if outcome == "rollback" else "inconclusive", reason, evidence)
+        self.client.call("PUT", f"/routes/{self.route}", json={"weights": new_weights(self.original, self.cand, 1.0)})
+        return self.finish("promote", f"{reason}; {self.inc} stays loaded: `verl promote --service "
+                           f"{self.settings.service} --route {self.route} --model {self.inc}` rolls back in one call",
+                           evidence)
 
-    if settings.offline:
-        say("offline gates: evaluating candidate and incumbent on the same prompts")
-        for gate in offline_gates(settings, shipping, out / "offline"):
-            record["gates"].append(asdict(gate))
-            audit({"event": "gate", **asdict(gate)})
-            say(f"  {gate.name}: {'pass' if gate.passed else 'FAIL'} - {gate.reason}")
-            if not gate.passed:
-                return finish("refused", f"{gate.name} gate: {gate.reason}", gate.evidence)
-    original = dict(shipping["route"]["weights"])
-    c = shipping["candidate"]
-    body = ({"name": cand, "adapter": c["checkpoint"], "base": c["base"]} if c["kind"] == "adapter"
-            else {"name": cand, "path": c["checkpoint"]})
-    state = client.call("POST", "/models", json=body)
-    record["candidate_lineage"] = next((m for m in state["models"] if m["name"] == cand), None)
-    audit({"event": "loaded", "model": record["candidate_lineage"], "config_version": state["version"]})
+    # ------------------------------------------------------------ stages
 
-    def back_out(decision: str, reason: str, evidence: dict | None = None) -> tuple[int, dict]:
-        client.call("PUT", f"/routes/{route}", json={"weights": original})
-        client.call("DELETE", f"/models/{cand}")
-        return finish(decision, reason, evidence)
+    def gate(self, gate: Gate) -> bool:
+        """Record a gate's result; True when it passed."""
+        self.record["gates"].append(asdict(gate))
+        self.audit({"event": "gate", **asdict(gate)})
+        self.say(f"  {gate.name}: {'pass' if gate.passed else 'FAIL'} - {gate.reason}")
+        return gate.passed
 
-    try:
-        if settings.capacity:
-            say(f"capacity gate: {settings.capacity_users} users on {cand} for {settings.capacity_s:g} s")
-            allowance = failure_allowance(settings, client, inc)
-            report, rows = capacity_run(settings, client, cand, out / "capacity", allowance)
-            gate = capacity_gate(report, rows, settings.slo_p95_ms, allowance,
-                                 settings.canary.alpha_split()["capacity"])
-            record["gates"].append(asdict(gate))
-            audit({"event": "gate", **asdict(gate)})
-            say(f"  capacity: {'pass' if gate.passed else 'FAIL'} - {gate.reason}")
-            if not gate.passed:
-                return back_out("refused", f"capacity gate: {gate.reason}", gate.evidence)
+    def load_candidate(self) -> None:
+        c = self.shipping["candidate"]
+        body = ({"name": self.cand, "adapter": c["checkpoint"], "base": c["base"]} if c["kind"] == "adapter"
+                else {"name": self.cand, "path": c["checkpoint"]})
+        state = self.client.call("POST", "/models", json=body)
+        self.record["candidate_lineage"] = next((m for m in state["models"] if m["name"] == self.cand), None)
+        self.audit({"event": "loaded", "model": self.record["candidate_lineage"], "config_version": state["version"]})
 
-        def set_share(share: float) -> tuple[int, dict[str, float]]:
-            weights = new_weights(original, cand, share)
-            state = client.call("PUT", f"/routes/{route}", json={"weights": weights})
-            say(f"canary: {cand} at {share:.0%} of route {route} (config version {state['version']})")
-            return int(state["version"]), state["routes"][route]
+    def capacity(self) -> Gate:
+        s = self.settings
+        self.say(f"capacity gate: {s.capacity_users} users on {self.cand} for {s.capacity_s:g} s")
+        allowance = failure_allowance(s, self.client, self.inc)
+        report, rows = capacity_run(s, self.client, self.cand, self.out / "capacity", allowance)
+        return capacity_gate(report, rows, s.slo_p95_ms, allowance, s.canary.alpha_split()["capacity"])
 
-        canary = Canary(settings.canary, inc, cand, route, set_share,
-                        lambda since: client.call("GET", "/records", params={"since": since})["records"],
-                        lambda event: audit({"event": "canary", **event}))
-        if settings.shadow_fraction > 0:
-            say(f"shadow: mirroring {settings.shadow_fraction:.0%} of route {route} to {cand} (answers never "
-                "returned)")
-            client.call("PUT", f"/shadow/{route}", json={"model": cand, "fraction": settings.shadow_fraction})
-            try:
-                passed, reason, evidence = canary.shadow(settings.shadow_requests)
-            finally:
-                client.call("DELETE", f"/shadow/{route}")
-            record["shadow"] = {"passed": passed, "reason": reason, "evidence": evidence}
-            audit({"event": "shadow", "passed": passed, "reason": reason, "evidence": evidence})
-            say(f"  shadow: {'pass' if passed else 'FAIL'} - {reason}")
-            if not passed:
-                return back_out("refused", f"shadow: {reason}", evidence)
-        outcome, reason, evidence = canary.run()
-        record["canary"] = {"outcome": outcome, "reason": reason, "evidence": evidence, "stages": canary.stage_log}
-    except (PromoteError, VerlError, KeyboardInterrupt) as exc:
-        back_out("rollback", f"stopped by an error: {exc}")
-        raise
-    if outcome != "promote":
-        return back_out("rollback" if outcome == "rollback" else "inconclusive", reason, evidence)
-    client.call("PUT", f"/routes/{route}", json={"weights": new_weights(original, cand, 1.0)})
-    return finish("promote", f"{reason}; {inc} stays loaded: `verl promote --service {settings.service} --route "
-                  f"{route} --model {inc}` rolls back in one call", evidence)
+    def shadow(self, canary: Canary) -> tuple[bool, str, dict]:
+        fraction = self.settings.shadow_fraction
+        self.say(f"shadow: mirroring {fraction:.0%} of route {self.route} to {self.cand} (answers never returned)")
+        self.client.call("PUT", f"/shadow/{self.route}", json={"model": self.cand, "fraction": fraction})
+        try:
+            passed, reason, evidence = canary.shadow(self.settings.shadow_requests)
+        finally:
+            self.client.call("DELETE", f"/shadow/{self.route}")
+        self.record["shadow"] = {"passed": passed, "reason": reason, "evidence": evidence}
+        self.audit({"event": "shadow", "passed": passed, "reason": reason, "evidence": evidence})
+        self.say(f"  shadow: {'pass' if passed else 'FAIL'} - {reason}")
+        return passed, reason, evidence
+
+    def set_share(self, share: float) -> tuple[int, dict[str, float]]:
+        """The canary's route move: the candidate at ``share``; returns the service's config version and weights."""
+        weights = new_weights(self.original, self.cand, share)
+        state = self.client.call("PUT", f"/routes/{self.route}", json={"weights": weights})
+        self.say(f"canary: {self.cand} at {share:.0%} of route {self.route} (config version {state['version']})")
+        return int(state["version"]), state["routes"][self.route]
+
+    # ------------------------------------------------------------ the way out
+
+    def finish(self, decision: str, reason: str, evidence: dict | None = None) -> tuple[int, dict]:
+        self.record["decision"] = {"decision": decision, "reason": reason}
+        self.audit({"event": "decision", "decision": decision, "reason": reason, "evidence": evidence or {},
+                    "config_version": self.client.call("GET", "/state")["version"]})
+        write_ship_report(self.out, self.record)
+        self.say(f"{decision}: {reason} (audit: {self.out / 'audit.jsonl'}, report: {self.out / 'ship_report.md'})")
+        return (EXIT_PROMOTED if decision == "promote" else EXIT_NOT_PROMOTED), self.record
+
+    def back_out(self, decision: str, reason: str, evidence: dict | None = None) -> tuple[int, dict]:
+        """Put the route's weights back as they were, unload the candidate, then finish."""
+        self.client.call("PUT", f"/routes/{self.route}", json={"weights": self.original})
+        self.client.call("DELETE", f"/models/{self.cand}")
+        return self.finish(decision, reason, evidence)
 
 
 def write_ship_report(out: Path, record: dict) -> None:
@@ -341,14 +378,7 @@ def write_ship_report(out: Path, record: dict) -> None:
                 lineage.get("weights")],
                ["incumbent", plan_["incumbent"]["name"], plan_["incumbent"].get("run"), plan_["incumbent"].get("step"),
                 plan_["incumbent"].get("weights")]])
-    doc.h("Gates")
-    doc.table(["gate", "passed", "reason"], [[g["name"], g["passed"], g["reason"]] for g in record["gates"]])
-    prompts = plan_["gates"].get("gate_data")
-    if prompts:
-        doc.p(f"Offline gate prompts: judged on {', '.join(prompts['judged_by'])}; the checkpoint was chosen on "
-              f"{', '.join(prompts['chosen_by'])}" + ("." if prompts["independent"] else f" — {prompts['warning']}."))
-    doc.p("Alpha split (one budget for every decision): " + ", ".join(
-        f"{k} {v:.4g}" for k, v in plan_["canary"]["alpha_split"].items()) + ".")
+    report_gates(doc, record)
     shadow = record.get("shadow")
     if shadow:
         doc.h("Shadow")
@@ -357,34 +387,49 @@ def write_ship_report(out: Path, record: dict) -> None:
               f"pairs, mean difference candidate - incumbent {fmt_num(reward['mean_difference'])}, e-value for "
               f"'worse' {reward['e_value']:.3g} against {reward['threshold']:.0f}; errors e-value "
               f"{errors['e_value']:.3g}).")
-    canary = record.get("canary")
-    if canary:
-        doc.h("Canary")
-        rows = []
-        # A promote's last stage is already in the stage log; a rollback or a budget ends mid-stage.
-        for ev in canary["stages"] + ([canary["evidence"]] if canary["outcome"] != "promote" else []):
-            reward = ev["reward"]
-            rows.append([ev["stage"], f"{ev['share']:.0%}", ev["config_version"], reward["n_candidate"],
-                         reward["n_incumbent"], fmt_num(reward["mean_candidate"]), fmt_num(reward["mean_incumbent"]),
-                         fmt_num(reward["difference"]), describe_reward(reward), ev["units"]["pending_rewards"],
-                         fmt_num(ev["candidate"]["error_rate"]), fmt_num(ev["candidate"]["p95_ms"]),
-                         reward["decision"]])
-        doc.table(["stage", "share", "config version", "units cand", "units inc", "reward cand", "reward inc",
-                   "difference", "evidence", "rewards pending", "cand errors", "cand p95 ms", "test"], rows)
-        last = canary["evidence"]
-        doc.table(["guardrail", "candidate", "incumbent", "e-value", "threshold"],
-                  [[name, fmt_num(g.get("rate_candidate", g.get("share_above"))), fmt_num(g.get("rate_incumbent")),
-                    f"{g['e_value']:.3g}", f"{g['threshold']:.0f}"] for name, g in last["guardrails"].items()])
-        doc.p(f"Outcome: {canary['outcome']} — {canary['reason']}. Test: {last['reward']['test']}; units are requests "
-              f"whose arm was drawn at random ({last['units']['units']} units, {last['units']['repeat_requests']} "
-              "repeat requests of a user at the same stage not counted again); see docs/shipping.md.")
-        quality = next((g for g in record["gates"] if g["name"] == "quality"), None)
-        online = canary["evidence"]["reward"]["mean_candidate"]
-        if quality and online is not None:
-            offline = quality["evidence"].get("candidate")
-            doc.p(f"Offline vs online: the candidate scored {offline:.3f} on the held-out prompts and "
-                  f"{online:.3f} reward online (drift {online - offline:+.3f}).")
+    if record.get("canary"):
+        report_canary(doc, record)
     doc.write(out, "ship_report")
+
+
+def report_gates(doc: Any, record: dict) -> None:
+    plan_ = record["plan"]
+    doc.h("Gates")
+    doc.table(["gate", "passed", "reason"], [[g["name"], g["passed"], g["reason"]] for g in record["gates"]])
+    prompts = plan_["gates"].get("gate_data")
+    if prompts:
+        doc.p(f"Offline gate prompts: judged on {', '.join(prompts['judged_by'])}; the checkpoint was chosen on "
+              f"{', '.join(prompts['chosen_by'])}" + ("." if prompts["independent"] else f" — {prompts['warning']}."))
+    doc.p("Alpha split (one budget for every decision): " + ", ".join(
+        f"{k} {v:.4g}" for k, v in plan_["canary"]["alpha_split"].items()) + ".")
+
+
+def report_canary(doc: Any, record: dict) -> None:
+    """The canary's stages, its guardrails, the outcome, and the offline-vs-online drift."""
+    canary = record["canary"]
+    doc.h("Canary")
+    rows = []
+    # A promote's last stage is already in the stage log; a rollback or a budget ends mid-stage.
+    for ev in canary["stages"] + ([canary["evidence"]] if canary["outcome"] != "promote" else []):
+        reward = ev["reward"]
+        rows.append([ev["stage"], f"{ev['share']:.0%}", ev["config_version"], fmt_num(reward["mean_candidate"]),
+                     fmt_num(reward["mean_incumbent"]), describe_reward(reward), ev["units"]["pending_rewards"],
+                     fmt_num(ev["candidate"]["error_rate"]), fmt_num(ev["candidate"]["p95_ms"]), reward["decision"]])
+    doc.table(["stage", "share", "config version", "reward cand", "reward inc", "evidence (cand - inc)",
+               "rewards pending", "cand errors", "cand p95 ms", "test"], rows)
+    last = canary["evidence"]
+    doc.table(["guardrail", "candidate", "incumbent", "e-value", "threshold"],
+              [[name, fmt_num(g.get("rate_candidate", g.get("share_above"))), fmt_num(g.get("rate_incumbent")),
+                f"{g['e_value']:.3g}", f"{g['threshold']:.0f}"] for name, g in last["guardrails"].items()])
+    doc.p(f"Outcome: {canary['outcome']} — {canary['reason']}. Test: {last['reward']['test']}; units are requests "
+          f"whose arm was drawn at random ({last['units']['units']} units, {last['units']['repeat_requests']} "
+          "repeat requests of a user at the same stage not counted again); see docs/shipping.md.")
+    quality = next((g for g in record["gates"] if g["name"] == "quality"), None)
+    online = last["reward"]["mean_candidate"]
+    if quality and online is not None:
+        offline = quality["evidence"].get("candidate")
+        doc.p(f"Offline vs online: the candidate scored {offline:.3f} on the held-out prompts and "
+              f"{online:.3f} reward online (drift {online - offline:+.3f}).")
 
 
 def fmt_num(value: float | None) -> str:

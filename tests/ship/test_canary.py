@@ -130,3 +130,23 @@ def test_dry_run_power_from_observed_records():
     tight = power_plan(observed, replace(SETTINGS, budget_requests=400), sims=40)
     assert "cannot reach 80% power" in tight["warning"]
     assert "no rewarded requests" in power_plan(observe([], "default", "inc", None), SETTINGS)["warning"]
+
+
+def test_ship_report_shows_stages_guardrails_prompts_and_the_alpha_split(tmp_path):
+    from eval.ship.canary import settings_dict
+    from eval.ship.run import write_ship_report
+
+    canary, _, _ = canary_for(Traffic(), -0.2, seed=3)
+    outcome, reason, evidence = canary.run()
+    record = {"plan": {"candidate": {"name": "cand"}, "incumbent": {"name": "inc"}, "canary": settings_dict(SETTINGS),
+                       "gates": {"gate_data": {"judged_by": ["builtin:arithmetic/test"],
+                                               "chosen_by": ["builtin:arithmetic/val"], "independent": True}}},
+              "gates": [{"name": "quality", "passed": True, "reason": "fine", "evidence": {"candidate": 0.5}}],
+              "canary": {"outcome": outcome, "reason": reason, "evidence": evidence, "stages": canary.stage_log},
+              "decision": {"decision": outcome, "reason": reason}}
+    write_ship_report(tmp_path, record)
+    text = (tmp_path / "ship_report.md").read_text()
+    assert "**Decision: rollback**" in text and "judged on builtin:arithmetic/test" in text
+    assert "reward_worse 0.025" in text and "| latency |" in text and "e-value (worse)" in text
+    assert text.count("| 1 | 5% |") == 1 and text.count("| 2 | 25% |") == 1  # each stage once, the last mid-way
+    assert (tmp_path / "ship.json").is_file() and (tmp_path / "ship_report.html").is_file()
