@@ -78,6 +78,9 @@ def test_output_paths_that_are_files_are_named_before_any_work(run, tmp_path):
     one_line_error(cli("export", "--ckpt", ckpt, "--to", str(a_file), "--force"), "--to", "is a file")
     one_line_error(cli("loadtest", "--out", str(a_file)), "--out", "is a file")
     assert a_file.read_text() == "x"
+    # Where nothing can be created at all (/proc refuses new entries, even to root): one line, no traceback.
+    one_line_error(cli("export", "--ckpt", ckpt, "--to", "/proc/verl-export"), "cannot write '/proc/verl-export'")
+    one_line_error(cli("export", "--ckpt", ckpt, "--to", "/proc/verl/export"), "'/proc/verl' cannot be created")
 
 
 @pytest.mark.parametrize(("flags", "needles"), [

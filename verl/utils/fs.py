@@ -99,8 +99,11 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
     With ``overwrite`` an existing ``path`` is replaced only after the new one is complete.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
+    ensure_writable_dir(path.parent, "the parent directory")
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
+    except OSError as exc:  # writable by mode bits, refused anyway (a read-only or special filesystem)
+        raise VerlError(f"cannot write '{path}': {exc.strerror}; pick a directory you can write to") from None
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
     try:
         yield tmp
