@@ -75,6 +75,28 @@ def plan_request(body: ChatCompletionRequest) -> ToolPlan:
     return plan
 
 
+# A schema is compiled into a grammar and checked by recursive code (jsonschema, llguidance): bound its shape first,
+# so a hostile one is a 400 naming the limit, not a RecursionError deep in a library.
+MAX_SCHEMA_DEPTH = 32
+MAX_SCHEMA_NODES = 10_000
+
+
+def check_schema_shape(schema: Any, param: str) -> None:
+    """Refuse (400) a JSON schema nested deeper than ``MAX_SCHEMA_DEPTH`` or with more than ``MAX_SCHEMA_NODES``
+    values; walked with an explicit stack (no recursion of our own)."""
+    stack, nodes = [(schema, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ApiError(400, f"{param} is nested more than {MAX_SCHEMA_DEPTH} levels deep; flatten it (the limit "
+                           "keeps grammar compilation bounded)", param=param)
+        if nodes > MAX_SCHEMA_NODES:
+            raise ApiError(400, f"{param} has more than {MAX_SCHEMA_NODES} values; shorten it", param=param)
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+
+
 def _check_tool_schemas(tools: list[dict[str, Any]]) -> None:
     from jsonschema import SchemaError  # noqa: PLC0415  (a request with tools pays for it, no other)
     from jsonschema.validators import validator_for  # noqa: PLC0415
@@ -89,6 +111,7 @@ def _check_tool_schemas(tools: list[dict[str, Any]]) -> None:
         parameters = function.get("parameters")
         if parameters is None:
             continue
+        check_schema_shape(parameters, f"tools[{i}].function.parameters")
         try:
             validator_for(parameters).check_schema(parameters)
         except SchemaError as exc:
@@ -108,6 +131,7 @@ def _response_format_grammar(body: ChatCompletionRequest) -> str | None:
         return json_grammar(None)
     schema = fmt.json_schema.schema_
     if schema is not None:
+        check_schema_shape(schema, "response_format.json_schema.schema")
         from jsonschema import SchemaError  # noqa: PLC0415
         from jsonschema.validators import validator_for  # noqa: PLC0415
 

@@ -161,6 +161,14 @@ def test_json_object_output_is_json_whenever_it_ends(client):
         assert choice.message.content.startswith("{")
 
 
+def nested(depth: int) -> dict:
+    """An object schema ``depth`` levels deep (issue 42: 200 levels ended in a RecursionError, a 500)."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 HISTORY = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
     {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "37*412"}'}}]},
            {"role": "tool", "tool_call_id": "call_1", "content": "15244"}]
@@ -184,6 +192,13 @@ HISTORY = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
      "response_format.json_schema.schema", "not a valid JSON Schema"),
     ({"response_format": {"type": "yaml"}}, None, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": nested(200)}}]},
+     "tools[0].function.parameters", "nested more than 32 levels deep"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": nested(200)}}},
+     "response_format.json_schema.schema", "nested more than 32 levels deep"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}}}}},
+     "response_format.json_schema.schema", "more than 10000 values"),
 ])
 def test_bad_tool_requests_are_400_in_openai_shape(agent, change, param, message):
     body = {"model": "tiny-agent", "messages": QUESTION, "max_tokens": 8, **change}
