@@ -43,7 +43,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import verl.config as config_module
 from eval.report import write_checkpoint_report, write_run_report
-from verl.config import DataConfig, RewardConfig, RolloutConfig, ValidationSampling, build_config, load_yaml
+from verl.config import (
+    DataConfig,
+    RewardConfig,
+    RolloutConfig,
+    SFTConfig,
+    ValidationSampling,
+    build_config,
+    load_yaml,
+)
 from verl.data.dataset import RLHFDataset
 from verl.errors import CheckpointError, ConfigError, VerlError
 from verl.evaluators import EvalBatch, Metric, build_evaluator, build_evaluators, run_evaluators
@@ -275,8 +283,28 @@ def load_run_config(run_dir: Path | None) -> tuple[Any, dict | None, list[str]]:
     try:
         return build_config(raw, str(run_dir / "config.yaml")), raw, []
     except ConfigError as exc:
+        sft = _sft_as_run_config(raw, run_dir)
+        if sft is not None:
+            return sft, raw, [f"{run_dir} is a `verl sft` run: its model, validation prompts, prompt/response lengths "
+                              "and seed are used; sampling is the evaluator's default (greedy)"]
         # A run from an older schema still has checkpoints worth evaluating; use defaults where it does not parse.
         return None, raw, [f"{run_dir / 'config.yaml'} does not match the current schema ({exc}); defaults used"]
+
+
+def _sft_as_run_config(raw: dict, run_dir: Path) -> Any:
+    """A ``verl sft`` run's config seen as a training run's (what evaluation reads from it), or None if it is not
+    one."""
+    try:
+        sft = build_config(raw, str(run_dir / "config.yaml"), schema=SFTConfig)
+    except ConfigError:
+        return None
+    d = sft.data
+    return build_config({"model": sft.model.model_dump(), "data": {
+        "val_files": d.val_files, "val_max_samples": d.val_max_samples, "prompt_key": d.prompt_key,
+        "ground_truth_key": d.ground_truth_key, "max_prompt_length": d.max_prompt_length,
+        "max_response_length": d.max_response_length, "arithmetic": d.arithmetic.model_dump()},
+        "rollout": {"multi_turn": sft.rollout.multi_turn.model_dump()}, "trainer": {"seed": sft.trainer.seed}},
+        f"{run_dir / 'config.yaml'} (a verl sft run)")
 
 
 def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: str | None) -> Resolved:

@@ -302,3 +302,16 @@ def test_watch_evaluates_checkpoints_as_they_land_and_equals_a_later_eval(tmp_pa
             later / f"global_step_{step}" / "samples.jsonl").read_bytes()
     bad = cli("eval", "--ckpt", str(run_dir / "checkpoints" / "global_step_1"), "--watch", ok=False)
     assert bad.exit_code != 0 and "--watch follows a run directory" in bad.output
+
+
+def test_eval_reads_an_sft_runs_config(tmp_path):
+    """A `verl sft` run's checkpoint is evaluated on the run's own validation prompts, with one note that says it
+    is an SFT run — not a wall of schema errors about the SFT config's keys (issue 42 item 7)."""
+    cli("sft", "--config", "configs/sft_tiny.yaml", "trainer.total_steps=2", "trainer.test_freq=0",
+        "data.val_max_samples=8", f"trainer.output_dir={tmp_path}", "trainer.experiment_name=s", "--quiet")
+    run = tmp_path / "verl-sft" / "s"
+    result = cli("eval", "--ckpt", str(run / "checkpoints" / "global_step_2"), "--out", str(tmp_path / "e"))
+    assert "does not match the current schema" not in result.output
+    assert "is a `verl sft` run" in " ".join(result.output.split())
+    report = json.loads((tmp_path / "e" / "results.json").read_text())
+    assert report["data"]["num_prompts"] == 8 and report["reference"] == "builtin:tiny-arith-base"  # the SFT run's
