@@ -25,6 +25,7 @@ import re
 import shutil
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +85,18 @@ def _build() -> Any:
     directory = cache_dir() / "torch_extensions" / f"cpu_kernels_{tag}"
     directory.mkdir(parents=True, exist_ok=True)
     name = f"verl_cpu_kernels_{tag}"
-    if not (directory / f"{name}.so").exists():  # say why the first forward pauses
+    built = (directory / f"{name}.so").exists()
+    compiler = os.environ.get("CXX", "c++")
+    if not built and shutil.which(compiler) is None:
+        # Said here in one line: torch's builder would first print its own multi-line compiler warning.
+        raise RuntimeError(f"no C++ compiler ({compiler}) on PATH")
+    if not built:  # say why the first forward pauses
         print(f"verl: building the CPU kernels in {directory} (once per machine, ~30 s)", file=sys.stderr, flush=True)
-    return cpp_extension.load(name=name, sources=[str(CSRC / source) for source in SOURCES],
-                              # -fno-trapping-math: lets GCC vectorize floor() (the exp in softmax and SiLU);
-                              # nothing here reads floating-point exception flags.
-                              extra_cflags=["-O3", "-fopenmp-simd", "-fno-trapping-math",
-                                            *ISA_FLAGS.get(capability, [])],
-                              extra_include_paths=[str(CSRC)], build_directory=str(directory), verbose=False)
+    with warnings.catch_warnings():  # torch's builder warns about compiler versions in paragraphs; failures raise
+        warnings.simplefilter("ignore")
+        return cpp_extension.load(name=name, sources=[str(CSRC / source) for source in SOURCES],
+                                  # -fno-trapping-math: lets GCC vectorize floor() (the exp in softmax and SiLU);
+                                  # nothing here reads floating-point exception flags.
+                                  extra_cflags=["-O3", "-fopenmp-simd", "-fno-trapping-math",
+                                                *ISA_FLAGS.get(capability, [])],
+                                  extra_include_paths=[str(CSRC)], build_directory=str(directory), verbose=False)
