@@ -76,7 +76,7 @@ def chat_prompts(model_dir: str, count: int = 64) -> list[str]:
 
 
 @dataclass
-class Target:
+class ServerUnderTest:
     name: str
     url: str
     proc: subprocess.Popen
@@ -97,7 +97,7 @@ class Target:
         return body["usage"]["completion_tokens"]
 
 
-def start(name: str, model_dir: str, max_tokens: int, batch: int, logs: Path) -> Target:
+def start(name: str, model_dir: str, max_tokens: int, batch: int, logs: Path) -> ServerUnderTest:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -128,10 +128,10 @@ def start(name: str, model_dir: str, max_tokens: int, batch: int, logs: Path) ->
         raise SystemExit(f"unknown server {name}; choose from {', '.join(SERVERS)}")
     log = logs / f"serve_bench_{name}.log"
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    return Target(name, f"http://127.0.0.1:{port}", proc, log)
+    return ServerUnderTest(name, f"http://127.0.0.1:{port}", proc, log)
 
 
-def wait_ready(target: Target, timeout: float = 600) -> float:
+def wait_ready(target: ServerUnderTest, timeout: float = 600) -> float:
     started, path = time.monotonic(), "/docs" if target.name in SIMPLE_APPS else "/health"
     while time.monotonic() - started < timeout:
         if target.proc.poll() is not None:
@@ -147,7 +147,7 @@ def wait_ready(target: Target, timeout: float = 600) -> float:
     raise SystemExit(f"{target.name} not ready after {timeout}s; see {target.log}")
 
 
-def stop(target: Target) -> None:
+def stop(target: ServerUnderTest) -> None:
     if target.proc.poll() is None:
         target.proc.send_signal(signal.SIGINT)
         try:
@@ -157,7 +157,7 @@ def stop(target: Target) -> None:
             target.proc.wait(30)
 
 
-async def run_level(target: Target, texts: list[str], clients: int, total: int, max_tokens: int) -> dict:
+async def run_level(target: ServerUnderTest, texts: list[str], clients: int, total: int, max_tokens: int) -> dict:
     """``clients`` closed-loop workers share ``total`` requests; returns throughput, latencies and token counts."""
     latencies: list[float] = []
     tokens: list[int] = []
@@ -179,7 +179,7 @@ async def run_level(target: Target, texts: list[str], clients: int, total: int, 
                 errors.append(f"{resp.status_code} {resp.text[:200]}")
                 continue
             latencies.append(elapsed)
-            tokens.append(Target.completion_tokens(target.name, prompt, resp.json()))
+            tokens.append(ServerUnderTest.completion_tokens(target.name, prompt, resp.json()))
 
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
         t0 = time.perf_counter()
@@ -232,7 +232,7 @@ def main() -> None:
                      "seed": args.seed, "servers": {}, "limits": machine_limits(model_dir, args)}
     # All servers stay up (idle ones use no CPU) and are measured one at a time, interleaved and in a rotating
     # order, so a neighbour's burst on this shared machine hits every server alike instead of one of them.
-    targets: dict[str, Target] = {}
+    targets: dict[str, ServerUnderTest] = {}
     try:
         for name in names:
             targets[name] = start(name, model_dir, args.max_tokens, args.batch, logs)

@@ -226,7 +226,7 @@ def is_run_default(resolved: Resolved, run_cfg: Any) -> bool:
 
 
 @dataclass
-class Target:
+class CheckpointRef:
     """What ``--ckpt`` named: a run dir, a checkpoint of a run, or a bare model (HF dir / builtin:NAME / hub id)."""
 
     kind: str  # "run" | "checkpoint" | "model"
@@ -246,18 +246,18 @@ def is_run_dir(path: Path) -> bool:
         (path / "checkpoints").is_dir() or (path / "verl_logs.jsonl").is_file())
 
 
-def resolve_target(spec: str | Path) -> Target:
+def resolve_target(spec: str | Path) -> CheckpointRef:
     text = str(spec)
     path = Path(text).expanduser()
     if path.is_dir():
         if is_run_dir(path):
-            return Target("run", str(path), run_dir=path)
+            return CheckpointRef("run", str(path), run_dir=path)
         if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
             run = path.parent.parent if path.parent.name == "checkpoints" else None
             match = STEP_DIR.match(path.name)
             if run is not None and (run / "config.yaml").is_file():
-                return Target("checkpoint", str(path), run_dir=run, step=int(match.group(1)) if match else None)
-            return Target("model", str(path))
+                return CheckpointRef("checkpoint", str(path), run_dir=run, step=int(match.group(1)) if match else None)
+            return CheckpointRef("model", str(path))
         if (path / "results.json").is_file():
             raise ConfigError(f"'{path}' holds evaluation results, not a model; `verl compare` reads those, "
                               "`verl eval --ckpt` needs a checkpoint or run directory")
@@ -266,12 +266,12 @@ def resolve_target(spec: str | Path) -> Target:
             "(config.yaml + checkpoints/); point --ckpt at <run> or <run>/checkpoints/global_step_N"
         )
     if text.startswith("builtin:"):
-        return Target("model", text)
+        return CheckpointRef("model", text)
     if path.exists():
         raise CheckpointError(f"--ckpt '{text}' is not a directory; give a checkpoint dir, a run dir or builtin:NAME")
     if looks_local(text):
         raise missing_dir_error(text, "--ckpt")
-    return Target("model", check_hub_id(text))  # a hub id: fails in seconds when the Hub cannot be asked
+    return CheckpointRef("model", check_hub_id(text))  # a hub id: fails in seconds when the Hub cannot be asked
 
 
 def load_run_config(run_dir: Path | None) -> tuple[Any, dict | None, list[str]]:
@@ -885,7 +885,7 @@ def tokenizer_source_for(path: str, run_cfg: Any) -> str:
     return path
 
 
-def evaluate_run_dir(target: Target, settings: EvalSettings, resolved: Resolved, run_cfg: Any, raw: dict | None,
+def evaluate_run_dir(target: CheckpointRef, settings: EvalSettings, resolved: Resolved, run_cfg: Any, raw: dict | None,
                   out: str | Path | None, console: Any) -> dict:
     run_dir = Path(target.path)
     checkpoints = list_checkpoints(run_dir)

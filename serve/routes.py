@@ -43,7 +43,7 @@ from serve.schemas import (
     TokenizeResponse,
     VersionResponse,
 )
-from serve.service import ERROR_RESPONSES, SSE_DOC, ApiError, SequenceSpec, Service, Target, require_api_key
+from serve.service import ERROR_RESPONSES, SSE_DOC, ApiError, Responder, SequenceSpec, Service, require_api_key
 from serve.streaming import run_to_completion, stream_response, usage_block, usage_chunk
 from serve.tool_calling import ToolCallStream, plan_request, response_message, uses_tools
 from verl.errors import ConfigError
@@ -340,7 +340,7 @@ def renders_tools(tokenizer: Any) -> bool:
     return True
 
 
-def tool_model_target(service: Service, body: ChatCompletionRequest, request: Request) -> Target | None:
+def tool_model_target(service: Service, body: ChatCompletionRequest, request: Request) -> Responder | None:
     """For a tool-calling request that names no model while the default model cannot render tools: the first
     served model that can (the default service serves builtin:tiny-agent for this), else None."""
     for name in service.registry.names():
@@ -350,7 +350,7 @@ def tool_model_target(service: Service, body: ChatCompletionRequest, request: Re
     return None
 
 
-def pick_target(service: Service, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Target:
+def pick_target(service: Service, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Responder:
     """The model that answers: ``body.model`` (a model or a route; none: the default), sticky per ``user`` (else
     the ``X-Verl-User`` header)."""
     return service.target(body.model, body.user or request.headers.get(USER_HEADER), body.verl)

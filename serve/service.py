@@ -109,7 +109,7 @@ class SequenceSpec:
 
 
 @dataclass
-class Target:
+class Responder:
     """Who answers one request and what is recorded about it: the model (picked directly or by ``route``) and the
     request's ``verl`` extension (a rule reward to score the response with)."""
 
@@ -495,7 +495,7 @@ class Service:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         return self.engine
 
-    def target(self, requested: str | None, user: str | None, online: VerlExtension | None = None) -> Target:
+    def target(self, requested: str | None, user: str | None, online: VerlExtension | None = None) -> Responder:
         """The model that answers a request naming ``requested`` (a model, a route, or None for the default)."""
         self.ready_engine()
         try:
@@ -514,10 +514,10 @@ class Service:
         if route is not None:
             weights = self.registry.routes[route]
             share = weights.get(model.name, 0.0) / (sum(w for w in weights.values() if w > 0) or 1.0)
-        return Target(model, route, online, user=user_hash(user), arrival=time.time(),
+        return Responder(model, route, online, user=user_hash(user), arrival=time.time(),
                       config_version=self.config_version, route_share=share)
 
-    def admit(self, sequences: int, target: Target | None = None, request_id: str | None = None) -> None:
+    def admit(self, sequences: int, target: Responder | None = None, request_id: str | None = None) -> None:
         """Reserve ``sequences`` slots or refuse: the queue never grows past ``max_queue_size``. A refusal at
         capacity is recorded as failed requests of ``target`` (the canary counts it against the model)."""
         if sequences > self.capacity:
@@ -537,10 +537,10 @@ class Service:
 
     def start_pumps(self, request_id: str, specs: list[SequenceSpec],
                     sink: Callable[[int, EngineOutput | BaseException], None], stream: bool,
-                    target: Target | None = None) -> list[asyncio.Task]:
+                    target: Responder | None = None) -> list[asyncio.Task]:
         """One task per sequence, reading the engine stream and passing each output to ``sink``."""
         if target is None:
-            target = Target(self.registry.models[self.model_name])
+            target = Responder(self.registry.models[self.model_name])
         arrival = time.perf_counter()
         tasks = []
         for spec in specs:
@@ -555,7 +555,7 @@ class Service:
         self._mirror(request_id, specs, stream, target)
         return tasks
 
-    def _mirror(self, request_id: str, specs: list[SequenceSpec], stream: bool, target: Target) -> None:
+    def _mirror(self, request_id: str, specs: list[SequenceSpec], stream: bool, target: Responder) -> None:
         """Shadow traffic: send a drawn share of a route's requests to its shadow model too. Its answers are
         recorded (``shadow: true``, scored like the user's) and dropped; it never takes a slot a user needs (no
         mirror when the queue lacks room) and never answers the user."""
@@ -566,7 +566,7 @@ class Service:
         if model is None or model.retiring or model is target.model or self.in_flight + len(specs) > self.capacity:
             return
         self.in_flight += len(specs)
-        mirror = Target(model, target.route, target.online, shadow=True, user=target.user, arrival=target.arrival,
+        mirror = Responder(model, target.route, target.online, shadow=True, user=target.user, arrival=target.arrival,
                         config_version=target.config_version, route_share=0.0)
         arrival = time.perf_counter()
         for spec in specs:
@@ -579,7 +579,7 @@ class Service:
             self.pumps.add(task)
             task.add_done_callback(self.pumps.discard)
 
-    async def _pump(self, target: Target, req: EngineRequest, request_id: str, index: int, timer: SequenceTimer,
+    async def _pump(self, target: Responder, req: EngineRequest, request_id: str, index: int, timer: SequenceTimer,
                     sink: Callable[[int, EngineOutput | BaseException], None]) -> None:
         finish, produced, error = "abort", 0, None
         text: list[str] = []
@@ -615,14 +615,14 @@ class Service:
             timer.on_finish(end, finish)
             self._record(target, req, request_id, index, timer, end, finish, produced, error, "".join(text))
 
-    def _inject_fault(self, target: Target) -> None:
+    def _inject_fault(self, target: Responder) -> None:
         """Test-only (``fault_error_rate``): fail a share of a model's requests as an engine would."""
         rates = self.settings.fault_error_rate
         rate = rates.get(target.name, rates.get("*", 0.0)) if isinstance(rates, dict) else rates
         if rate > 0 and random.random() < rate:
             raise RequestFailedError(f"injected fault (fault_error_rate {rate:g} for {target.name})")
 
-    def _record(self, target: Target, req: EngineRequest, request_id: str, index: int, timer: SequenceTimer,
+    def _record(self, target: Responder, req: EngineRequest, request_id: str, index: int, timer: SequenceTimer,
                 end: float, finish: str, produced: int, error: str | None, text: str) -> None:
         """One online record per finished sequence; the reward when the request asked for one."""
         reward = None
@@ -637,7 +637,7 @@ class Service:
         self._write_record(target, request_id, index, time.time(), len(req.prompt_token_ids), produced, timer.ttft,
                            end - timer.arrival, finish, error, reward, prompt_hash(req.prompt_token_ids))
 
-    def _write_record(self, target: Target, request_id: str | None, index: int, now: float, prompt_tokens: int,
+    def _write_record(self, target: Responder, request_id: str | None, index: int, now: float, prompt_tokens: int,
                       produced: int, ttft: float | None, e2e: float, finish: str, error: str | None,
                       reward: float | None, prompt_id: str | None = None) -> None:
         online = target.online

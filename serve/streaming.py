@@ -18,7 +18,7 @@ from serve.engines.base import (
     EngineOutput,
     RequestFailedError,
 )
-from serve.service import TIMEOUT_CANCEL, ApiError, SequenceResult, SequenceSpec, Service, Target, error_body
+from serve.service import TIMEOUT_CANCEL, ApiError, Responder, SequenceResult, SequenceSpec, Service, error_body
 
 # A child of uvicorn's logger: our lines appear in the server log with its format and level.
 log = logging.getLogger("uvicorn.error.serve")
@@ -33,7 +33,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def run_to_completion(service: Service, request: Request, request_id: str,
-                            specs: list[SequenceSpec], target: Target | None = None) -> list[SequenceResult]:
+                            specs: list[SequenceSpec], target: Responder | None = None) -> list[SequenceResult]:
     """Run every sequence to its end; 504 past the timeout; abort everything if the client disconnects."""
     results = [SequenceResult() for _ in specs]
 
@@ -113,7 +113,7 @@ def sse(obj: dict) -> str:
 def stream_response(service: Service, request_id: str, specs: list[SequenceSpec], prompt_tokens: int,
                     chunk: Callable[[int, str, EngineOutput | None], dict | None],
                     preamble: list[dict], include_usage: bool,
-                    usage_chunk: Callable[[dict], dict], target: Target | None = None) -> StreamingResponse:
+                    usage_chunk: Callable[[dict], dict], target: Responder | None = None) -> StreamingResponse:
     """SSE: ``preamble`` chunks, then one chunk per delta with text or a finish, optional usage, ``[DONE]``."""
     queue: asyncio.Queue = asyncio.Queue()
     tasks = service.start_pumps(request_id, specs, lambda index, out: queue.put_nowait((index, out)), stream=True,

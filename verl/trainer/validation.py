@@ -81,11 +81,10 @@ def sample_rows(batch: DataProto, texts: list[str], scores, limit: int, stride: 
 
 # ---------------------------------------------------------------------------------------------- evaluators
 
-VALIDATION_NEEDS = frozenset({"generations", "ground_truth", "rewards", "ref_logprobs", "tool_calls"})
-
-
 def check_validation_needs(evaluator: Any, label: str, config: VerlConfig) -> None:
-    """Refuse, with the fix, an evaluator whose inputs validation during training cannot compute."""
+    """Refuse, with the fix, an evaluator whose inputs this run's validation cannot compute. Validation computes
+    every input of ``verl.evaluators.batch.NEEDS`` (the one list; the registry refuses others), tool calls only in
+    multi-turn runs and reference log-probs only where a reference is loaded."""
     needs = evaluator_needs(evaluator)
     if "tool_calls" in needs and not config.rollout.multi_turn.enable:
         raise ConfigError(
@@ -97,12 +96,6 @@ def check_validation_needs(evaluator: Any, label: str, config: VerlConfig) -> No
             f"trainer.evaluators: '{label}' needs the reference model, which this run does not load "
             "(actor.use_kl_loss and algorithm.use_kl_in_reward are off); set reference.enable=true, or run "
             f"`verl eval --evaluators {label}` on the checkpoints"
-        )
-    missing = needs - VALIDATION_NEEDS
-    if missing:
-        raise ConfigError(
-            f"trainer.evaluators: '{label}' needs {sorted(missing)}, which validation during training does not "
-            f"compute; drop it there and run `verl eval --evaluators {label}` on the checkpoints"
         )
 
 
