@@ -77,8 +77,8 @@ def register(app: typer.Typer, run_guarded) -> None:
             from rich.console import Console
 
             from eval.runner import EvalSettings, run_eval
-            from verl.cli import quiet_hf
             from verl.utils.fs import ensure_writable_dir
+            from verl.utils.log import quiet_hf
 
             quiet_hf()
             if out is not None:  # before the model loads, not after the generation
@@ -146,8 +146,8 @@ def register(app: typer.Typer, run_guarded) -> None:
 
             from eval.compare import compare
             from eval.runner import EvalSettings
-            from verl.cli import quiet_hf
             from verl.utils.fs import ensure_writable_dir
+            from verl.utils.log import quiet_hf
 
             quiet_hf()
             if out is not None:

@@ -16,16 +16,19 @@ import pytest
 import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("verl", "eval", "serve", "loadtest")
-# verl's internal order (DESIGN §2): a module may import its own level or a lower one, never a higher one.
+PACKAGES = ("verl", "eval", "serve", "loadtest", "benchmarks")
+# Every module's level (DESIGN §2): a module may import — at its top, lazily, or by naming it in a string — its own
+# level or a lower one, never a higher one. verl's core first, in its internal order; then the service, the load
+# generator (it drives the service's clients), eval (its ship stage drives both), the faces, the benchmarks.
 VERL_LEVELS = {
-    "algos": 0, "protocol": 0, "utils": 0, "errors": 0,
-    "models": 1, "data": 1, "rewards": 1, "tracking": 1, "tools": 1,
-    "rollout": 2, "evaluators": 2, "workers": 3, "trainer": 4, "cli": 5,
+    "algos": 0, "protocol": 0, "utils": 0, "errors": 0, "config": 0, "config_aliases": 0,
+    "models": 1, "data": 1, "rewards": 1, "tracking": 1, "tools": 1, "dashboard": 1,
+    "rollout": 2, "evaluators": 2, "workers": 3, "trainer": 4,
 }
-# Modules whose place is fixed by someone else's habits: `python3 -m verl.trainer.main_ppo` is verl's launch line,
-# a command-line entry point (level 5) that has to live in the trainer package.
-MODULE_LEVELS = {"verl.trainer.main_ppo": 5}
+PACKAGE_LEVELS = {"serve": 6, "loadtest": 7, "eval": 8, "benchmarks": 10}
+# The faces: `verl` (verl.cli attaches every feature's commands) and `python3 -m verl.trainer.main_ppo`, verl's
+# launch line, which has to live in the trainer package.
+MODULE_LEVELS = {"verl.cli": 9, "verl.trainer.main_ppo": 9}
 # "a.b.c" or "a.b.c:Name": how a plug-in table or import_module names a module.
 MODULE_STRING = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?::[\w.]+)?")
 
@@ -136,22 +139,54 @@ def test_no_import_cycles_anywhere(graph):
     assert cycles(graph) == []
 
 
+def level(module: str) -> int | None:
+    """A module's level, or None when nothing gives it one."""
+    if module in MODULE_LEVELS:
+        return MODULE_LEVELS[module]
+    parts = module.split(".")
+    if parts[0] == "verl":
+        return VERL_LEVELS.get(parts[1]) if len(parts) > 1 else 0
+    return PACKAGE_LEVELS.get(parts[0])
+
+
+def upward(references: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, what it reaches above its level), for every such reference."""
+    return sorted((m, i) for m, deps in references.items() for i in deps
+                  if level(m) is not None and level(i) is not None and level(i) > level(m))
+
+
+def unleveled(modules: dict[str, object]) -> list[str]:
+    return sorted(m for m in modules if level(m) is None)
+
+
+def test_every_module_has_a_level(graph):
+    assert unleveled(graph) == []
+
+
 def test_verl_core_never_imports_eval_serve_or_loadtest(references):
-    bad = {(m, i) for m, deps in references.items() if m.startswith("verl.") and m != "verl.cli"
-           for i in deps if i.split(".")[0] in ("eval", "serve", "loadtest")}
+    bad = {(m, i) for m, deps in references.items() if m.startswith("verl.") and level(m) < 9
+           for i in deps if i.split(".")[0] in ("eval", "serve", "loadtest", "benchmarks")}
     assert bad == set()
 
 
-def test_verl_layers_only_import_downwards(references):
-    def level(module: str) -> int | None:
-        if module in MODULE_LEVELS:
-            return MODULE_LEVELS[module]
-        parts = module.split(".")
-        return VERL_LEVELS.get(parts[1]) if parts[0] == "verl" and len(parts) > 1 else None
+def test_layers_only_import_downwards(references):
+    assert upward(references) == []
 
-    upward = sorted((m, i) for m, deps in references.items() for i in deps
-                    if level(m) is not None and level(i) is not None and level(i) > level(m))
-    assert upward == []
+
+def test_the_layer_checks_fail_on_an_upward_lazy_import_an_importlib_string_and_a_new_package(tmp_path, references):
+    """Mutations: each one must be caught."""
+    modules = {**{m: Path() for m in references}, "eval.cli": Path()}
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("def f():\n    from eval.runner import run_eval\n")
+    assert upward({"verl.models.loader": imports_of("verl.models.loader", lazy, modules)}) == [
+        ("verl.models.loader", "eval.runner")]
+    named = tmp_path / "named.py"
+    named.write_text("import importlib\n\ndef f():\n    return importlib.import_module('serve.cli')\n")
+    assert upward({"verl.config": modules_named_in_strings("verl.config", named, modules)}) == [
+        ("verl.config", "serve.cli")]
+    assert upward({"serve.routes": {"eval.ship.run"}}) == [("serve.routes", "eval.ship.run")]
+    assert unleveled({**modules, "verl.newthing.core": Path(), "plugins.x": Path()}) == ["plugins.x",
+                                                                                         "verl.newthing.core"]
 
 
 def test_loading_a_model_never_trains_one(graph):

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from verl.config_aliases import map_verl_keys
 from verl.errors import ConfigError
+from verl.utils.target_spec import Target
 
 
 def _check_kl_estimator(value: str) -> str:
@@ -522,8 +523,6 @@ class TrainerConfig(Section):
     def _target_spelling(cls, value: str | None) -> str | None:
         if value is None or not str(value).strip():
             return None
-        from verl.trainer.target import Target  # noqa: PLC0415  (the trainer package imports this module)
-
         return Target.parse(str(value)).spec
 
     @model_validator(mode="after")

@@ -202,3 +202,11 @@ def say_once(message: str, label: str = "note") -> None:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     return [row for _, row in iter_jsonl(path)]
+
+
+def quiet_hf() -> None:
+    """Silence transformers' per-load progress bars; our own progress and logs say what is happening."""
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415  (heavy; only when a command loads models)
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
