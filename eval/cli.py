@@ -10,155 +10,159 @@ from typing import Annotated
 
 import typer
 
+from eval.ship.cli import register as register_ship
+from verl.utils.cli import run_guarded
 
-def register(app: typer.Typer, run_guarded) -> None:
-    from eval.ship.cli import register as register_ship
 
-    register_ship(app, run_guarded)
+def eval_command(
+    ckpt: Annotated[str, typer.Option("--ckpt", help="Checkpoint dir, run dir (every checkpoint), HF model dir "
+                                                     "or builtin:NAME.")],
+    data: Annotated[list[str] | None, typer.Option("--data", help="Parquet prompt file(s) or builtin:TASK/SPLIT; "
+                                                                  "default: the run's validation files.")] = None,
+    evaluators: Annotated[str | None, typer.Option(
+        "--evaluators", "-e", help="Comma-separated specs: reward,kl,diversity,accuracy,length,tools; options in "
+                                   "parentheses, e.g. diversity(ngrams=1;2;3, tokenize=chars); your own as "
+                                   "file.py:Class or module:Class. Default: all built-ins.")] = None,
+    n: Annotated[int | None, typer.Option("--n", help="Samples per prompt (pass@k / maj@k when > 1).")] = None,
+    temperature: Annotated[float | None, typer.Option("--temperature", help="0 = greedy (the run's validation "
+                                                                            "default).")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampling and bootstrap seed (default: the run's).")
+                    ] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Prompts per generate() call.")] = None,
+    max_prompt_length: Annotated[int | None, typer.Option(
+        "--max-prompt-length", help="Longest prompt in tokens after the chat template (default: the run's "
+                                    "data.max_prompt_length, else 64); longer ones are dropped and counted "
+                                    "in the notes.")] = None,
+    max_samples: Annotated[int | None, typer.Option("--max-samples", help="Evaluate the first N prompts.")
+                           ] = None,
+    reference: Annotated[str | None, typer.Option("--reference", help="Reference model for kl (default: the "
+                                                                      "run's model.path).")] = None,
+    tools: Annotated[str | None, typer.Option(
+        "--tools", help="Multi-turn (agent) rollouts with these built-in tools, comma-separated (calculator); "
+                        "default: as the run did (rollout.multi_turn).")] = None,
+    tool_config: Annotated[str | None, typer.Option(
+        "--tool-config", help="Multi-turn rollouts with the tools of this YAML file (verl's tool config).")
+                           ] = None,
+    max_turns: Annotated[int | None, typer.Option(
+        "--max-turns", help="Assistant turns per trajectory (default: the run's max_assistant_turns).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Output dir (default: <run>/eval/<checkpoint>).")
+                   ] = None,
+    select: Annotated[str, typer.Option("--select", help="Best checkpoint of a run dir by METRIC:max|min.")
+                      ] = "eval/accuracy:max",
+    bootstrap: Annotated[int, typer.Option("--bootstrap", help="Bootstrap replicates for CIs without a closed "
+                                                               "form.")] = 1000,
+    engine: Annotated[str, typer.Option("--engine", help="Rollout engine (hf; vllm when installed).")] = "hf",
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    threads: Annotated[int | None, typer.Option("--threads", help="torch threads (default: the run's).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Recompute even when results for the same weights and "
+                                                        "settings exist.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary lines.")] = False,
+    executor: Annotated[str, typer.Option("--executor", help="A run dir's checkpoints: local (one after "
+                                          "another) or ray (spread over --workers Ray workers).")] = "local",
+    workers: Annotated[int, typer.Option("--workers", help="With --executor ray: how many workers (one CPU "
+                                         "each; RAY_ADDRESS joins a cluster).")] = 1,
+    watch: Annotated[bool, typer.Option("--watch", help="--ckpt RUN: evaluate each checkpoint as it lands while "
+                                        "the run trains (the run dir may not exist yet); exits when the run "
+                                        "finishes, with the run summary and best.json.")] = False,
+) -> None:
+    """Evaluate a checkpoint (or every checkpoint of a run): metrics with 95% CIs, samples, report, plots."""
 
-    @app.command("eval")
-    def eval_command(
-        ckpt: Annotated[str, typer.Option("--ckpt", help="Checkpoint dir, run dir (every checkpoint), HF model dir "
-                                                         "or builtin:NAME.")],
-        data: Annotated[list[str] | None, typer.Option("--data", help="Parquet prompt file(s) or builtin:TASK/SPLIT; "
-                                                                      "default: the run's validation files.")] = None,
-        evaluators: Annotated[str | None, typer.Option(
-            "--evaluators", "-e", help="Comma-separated specs: reward,kl,diversity,accuracy,length,tools; options in "
-                                       "parentheses, e.g. diversity(ngrams=1;2;3, tokenize=chars); your own as "
-                                       "file.py:Class or module:Class. Default: all built-ins.")] = None,
-        n: Annotated[int | None, typer.Option("--n", help="Samples per prompt (pass@k / maj@k when > 1).")] = None,
-        temperature: Annotated[float | None, typer.Option("--temperature", help="0 = greedy (the run's validation "
-                                                                                "default).")] = None,
-        top_p: Annotated[float | None, typer.Option("--top-p")] = None,
-        top_k: Annotated[int | None, typer.Option("--top-k")] = None,
-        max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens")] = None,
-        seed: Annotated[int | None, typer.Option("--seed", help="Sampling and bootstrap seed (default: the run's).")
-                        ] = None,
-        batch_size: Annotated[int | None, typer.Option("--batch-size", help="Prompts per generate() call.")] = None,
-        max_prompt_length: Annotated[int | None, typer.Option(
-            "--max-prompt-length", help="Longest prompt in tokens after the chat template (default: the run's "
-                                        "data.max_prompt_length, else 64); longer ones are dropped and counted "
-                                        "in the notes.")] = None,
-        max_samples: Annotated[int | None, typer.Option("--max-samples", help="Evaluate the first N prompts.")
-                               ] = None,
-        reference: Annotated[str | None, typer.Option("--reference", help="Reference model for kl (default: the "
-                                                                          "run's model.path).")] = None,
-        tools: Annotated[str | None, typer.Option(
-            "--tools", help="Multi-turn (agent) rollouts with these built-in tools, comma-separated (calculator); "
-                            "default: as the run did (rollout.multi_turn).")] = None,
-        tool_config: Annotated[str | None, typer.Option(
-            "--tool-config", help="Multi-turn rollouts with the tools of this YAML file (verl's tool config).")
-                               ] = None,
-        max_turns: Annotated[int | None, typer.Option(
-            "--max-turns", help="Assistant turns per trajectory (default: the run's max_assistant_turns).")] = None,
-        out: Annotated[Path | None, typer.Option("--out", help="Output dir (default: <run>/eval/<checkpoint>).")
-                       ] = None,
-        select: Annotated[str, typer.Option("--select", help="Best checkpoint of a run dir by METRIC:max|min.")
-                          ] = "eval/accuracy:max",
-        bootstrap: Annotated[int, typer.Option("--bootstrap", help="Bootstrap replicates for CIs without a closed "
-                                                                   "form.")] = 1000,
-        engine: Annotated[str, typer.Option("--engine", help="Rollout engine (hf; vllm when installed).")] = "hf",
-        device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
-        threads: Annotated[int | None, typer.Option("--threads", help="torch threads (default: the run's).")] = None,
-        force: Annotated[bool, typer.Option("--force", help="Recompute even when results for the same weights and "
-                                                            "settings exist.")] = False,
-        quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary lines.")] = False,
-        executor: Annotated[str, typer.Option("--executor", help="A run dir's checkpoints: local (one after "
-                                              "another) or ray (spread over --workers Ray workers).")] = "local",
-        workers: Annotated[int, typer.Option("--workers", help="With --executor ray: how many workers (one CPU "
-                                             "each; RAY_ADDRESS joins a cluster).")] = 1,
-        watch: Annotated[bool, typer.Option("--watch", help="--ckpt RUN: evaluate each checkpoint as it lands while "
-                                            "the run trains (the run dir may not exist yet); exits when the run "
-                                            "finishes, with the run summary and best.json.")] = False,
-    ) -> None:
-        """Evaluate a checkpoint (or every checkpoint of a run): metrics with 95% CIs, samples, report, plots."""
+    def _run():
+        from rich.console import Console
 
-        def _run():
-            from rich.console import Console
+        from eval.runner import EvalSettings, run_eval
+        from verl.utils.fs import ensure_writable_dir
+        from verl.utils.log import quiet_hf
 
-            from eval.runner import EvalSettings, run_eval
-            from verl.utils.fs import ensure_writable_dir
-            from verl.utils.log import quiet_hf
+        quiet_hf()
+        if out is not None:  # before the model loads, not after the generation
+            ensure_writable_dir(out, "--out")
+        settings = EvalSettings(data=data or None, evaluators=evaluators, n=n, temperature=temperature,
+                                top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed,
+                                batch_size=batch_size, max_samples=max_samples, reference=reference,
+                                max_prompt_length=max_prompt_length,
+                                tools=[t.strip() for t in tools.split(",") if t.strip()] if tools else None,
+                                tool_config=tool_config, max_turns=max_turns,
+                                engine=engine, device=device, num_threads=threads, n_bootstrap=bootstrap,
+                                select=select, force=force, quiet=quiet, executor=executor, workers=workers)
+        if watch:
+            from eval.watch import watch_run
 
-            quiet_hf()
-            if out is not None:  # before the model loads, not after the generation
-                ensure_writable_dir(out, "--out")
-            settings = EvalSettings(data=data or None, evaluators=evaluators, n=n, temperature=temperature,
-                                    top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed,
-                                    batch_size=batch_size, max_samples=max_samples, reference=reference,
-                                    max_prompt_length=max_prompt_length,
-                                    tools=[t.strip() for t in tools.split(",") if t.strip()] if tools else None,
-                                    tool_config=tool_config, max_turns=max_turns,
-                                    engine=engine, device=device, num_threads=threads, n_bootstrap=bootstrap,
-                                    select=select, force=force, quiet=quiet, executor=executor, workers=workers)
-            if watch:
-                from eval.watch import watch_run
-
-                watch_run(ckpt, settings, out, Console(stderr=True))
-                return
-            run_eval(ckpt, settings, out, Console(stderr=True))
-
-        run_guarded(_run)
-
-    @app.command("compare")
-    def compare_command(
-        runs: Annotated[list[str] | None, typer.Argument(help="Two or more run dirs, checkpoint dirs or eval result "
-                                                              "dirs; the first is the baseline.")] = None,
-        ckpt: Annotated[str, typer.Option("--ckpt", help="Which checkpoint of a run dir: best, latest or "
-                                                         "global_step_N.")] = "best",
-        out: Annotated[Path | None, typer.Option("--out", help="Report dir (default: outputs/compare/A-vs-B).")
-                       ] = None,
-        alpha: Annotated[float, typer.Option("--alpha", help="Significance level of the verdicts.")] = 0.05,
-        metric: Annotated[str, typer.Option("--metric", help="Metric for 'best' and hyper-parameter importance.")
-                          ] = "eval/accuracy:max",
-        bootstrap: Annotated[int, typer.Option("--bootstrap", help="Paired bootstrap replicates.")] = 2000,
-        seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed when runs must be evaluated, and the "
-                                                               "bootstrap seed.")] = None,
-        data: Annotated[list[str] | None, typer.Option("--data", help="Prompts when runs must be evaluated.")] = None,
-        n: Annotated[int | None, typer.Option("--n", help="Samples per prompt when runs must be evaluated.")] = None,
-        temperature: Annotated[float | None, typer.Option("--temperature")] = None,
-        max_samples: Annotated[int | None, typer.Option("--max-samples")] = None,
-        max_prompt_length: Annotated[int | None, typer.Option("--max-prompt-length")] = None,
-        evaluators: Annotated[str | None, typer.Option("--evaluators", "-e")] = None,
-        quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
-        online: Annotated[str | None, typer.Option("--online", help="Instead of runs: the models of a running service "
-                                                   "(its URL) or its records_path JSONL file, compared from the "
-                                                   "service's per-request records.")] = None,
-        baseline: Annotated[str | None, typer.Option("--baseline", help="--online: the baseline model (default: "
-                                                     "the one with the most requests).")] = None,
-        models: Annotated[list[str] | None, typer.Option("--model", help="--online: compare only these models "
-                                                         "(repeatable).")] = None,
-        since: Annotated[float | None, typer.Option("--since", help="--online: only records after this Unix "
-                                                    "time.")] = None,
-        admin_key: Annotated[str | None, typer.Option("--admin-key", help="--online URL: the service's "
-                                                      "admin_api_key (default: $VERL_SERVE_ADMIN_API_KEY).")] = None,
-    ) -> None:
-        """Compare runs pairwise against the first: paired bootstrap CIs, McNemar, config diff, training curves.
-        With --online: the models a service serves side by side, from its records (reward, latency, errors)."""
-        if online is not None:
-            run_guarded(_compare_online, online, out, baseline, models, alpha, bootstrap, seed, since, admin_key)
+            watch_run(ckpt, settings, out, Console(stderr=True))
             return
-        if not runs or len(runs) < 2:
-            run_guarded(_usage_error, "verl compare needs at least two runs (A B ...), or --online URL|FILE")
+        run_eval(ckpt, settings, out, Console(stderr=True))
 
-        def _run():
-            from rich.console import Console
+    run_guarded(_run)
 
-            from eval.compare import compare
-            from eval.runner import EvalSettings
-            from verl.utils.fs import ensure_writable_dir
-            from verl.utils.log import quiet_hf
 
-            quiet_hf()
-            if out is not None:
-                ensure_writable_dir(out, "--out")
-            settings = EvalSettings(data=data or None, evaluators=evaluators, n=n, temperature=temperature,
-                                    seed=seed, max_samples=max_samples, select=metric, quiet=quiet,
-                                    max_prompt_length=max_prompt_length)
-            compare(runs, ckpt=ckpt, out=out, alpha=alpha, settings=settings, n_boot=bootstrap,
-                    seed=seed if seed is not None else 0, console=Console(stderr=True))
+def compare_command(
+    runs: Annotated[list[str] | None, typer.Argument(help="Two or more run dirs, checkpoint dirs or eval result "
+                                                          "dirs; the first is the baseline.")] = None,
+    ckpt: Annotated[str, typer.Option("--ckpt", help="Which checkpoint of a run dir: best, latest or "
+                                                     "global_step_N.")] = "best",
+    out: Annotated[Path | None, typer.Option("--out", help="Report dir (default: outputs/compare/A-vs-B).")
+                   ] = None,
+    alpha: Annotated[float, typer.Option("--alpha", help="Significance level of the verdicts.")] = 0.05,
+    metric: Annotated[str, typer.Option("--metric", help="Metric for 'best' and hyper-parameter importance.")
+                      ] = "eval/accuracy:max",
+    bootstrap: Annotated[int, typer.Option("--bootstrap", help="Paired bootstrap replicates.")] = 2000,
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed when runs must be evaluated, and the "
+                                                           "bootstrap seed.")] = None,
+    data: Annotated[list[str] | None, typer.Option("--data", help="Prompts when runs must be evaluated.")] = None,
+    n: Annotated[int | None, typer.Option("--n", help="Samples per prompt when runs must be evaluated.")] = None,
+    temperature: Annotated[float | None, typer.Option("--temperature")] = None,
+    max_samples: Annotated[int | None, typer.Option("--max-samples")] = None,
+    max_prompt_length: Annotated[int | None, typer.Option("--max-prompt-length")] = None,
+    evaluators: Annotated[str | None, typer.Option("--evaluators", "-e")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    online: Annotated[str | None, typer.Option("--online", help="Instead of runs: the models of a running service "
+                                               "(its URL) or its records_path JSONL file, compared from the "
+                                               "service's per-request records.")] = None,
+    baseline: Annotated[str | None, typer.Option("--baseline", help="--online: the baseline model (default: "
+                                                 "the one with the most requests).")] = None,
+    models: Annotated[list[str] | None, typer.Option("--model", help="--online: compare only these models "
+                                                     "(repeatable).")] = None,
+    since: Annotated[float | None, typer.Option("--since", help="--online: only records after this Unix "
+                                                "time.")] = None,
+    admin_key: Annotated[str | None, typer.Option("--admin-key", help="--online URL: the service's "
+                                                  "admin_api_key (default: $VERL_SERVE_ADMIN_API_KEY).")] = None,
+) -> None:
+    """Compare runs pairwise against the first: paired bootstrap CIs, McNemar, config diff, training curves.
+    With --online: the models a service serves side by side, from its records (reward, latency, errors)."""
+    if online is not None:
+        run_guarded(_compare_online, online, out, baseline, models, alpha, bootstrap, seed, since, admin_key)
+        return
+    if not runs or len(runs) < 2:
+        run_guarded(_usage_error, "verl compare needs at least two runs (A B ...), or --online URL|FILE")
 
-        run_guarded(_run)
+    def _run():
+        from rich.console import Console
+
+        from eval.compare import compare
+        from eval.runner import EvalSettings
+        from verl.utils.fs import ensure_writable_dir
+        from verl.utils.log import quiet_hf
+
+        quiet_hf()
+        if out is not None:
+            ensure_writable_dir(out, "--out")
+        settings = EvalSettings(data=data or None, evaluators=evaluators, n=n, temperature=temperature,
+                                seed=seed, max_samples=max_samples, select=metric, quiet=quiet,
+                                max_prompt_length=max_prompt_length)
+        compare(runs, ckpt=ckpt, out=out, alpha=alpha, settings=settings, n_boot=bootstrap,
+                seed=seed if seed is not None else 0, console=Console(stderr=True))
+
+    run_guarded(_run)
+
+
+def register(app: typer.Typer) -> None:
+    """Attach this module's commands to the ``verl`` app."""
+    register_ship(app)
+    app.command("eval")(eval_command)
+    app.command("compare")(compare_command)
 
 
 def _usage_error(message: str) -> None:

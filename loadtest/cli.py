@@ -11,6 +11,8 @@ from typing import Annotated
 
 import typer
 
+from verl.utils.cli import run_guarded
+
 SLO_HELP = "p95 latency SLO in ms (end-to-end, successful requests of every endpoint)."
 
 # The SLO options both commands take (a run judges its own report; loadtest-report judges saved CSVs).
@@ -24,106 +26,110 @@ TargetRps = Annotated[float | None, typer.Option(
     "--target-rps", help="A load to plan for: the report gives the replicas it needs at the per-replica rate.")]
 
 
-def register(app: typer.Typer, run_guarded) -> None:
-    @app.command("loadtest")
-    def loadtest_command(
-        out: Annotated[Path, typer.Option("--out", help="Output dir (CSVs, logs, report).")] = Path(
-            "outputs/loadtest"),
-        model: Annotated[str | None, typer.Option("--model", help="Model to serve (export dir or builtin:NAME; "
-                                                                  "default: the service's default).")] = None,
-        engine: Annotated[str | None, typer.Option("--engine", help="auto, transformers or vllm.")] = None,
-        max_users: Annotated[int, typer.Option("--max-users", help="Levels 1, 2, 4, ... up to this.")] = 8,
-        step_users: Annotated[str, typer.Option("--step-users", help="Explicit levels, e.g. 1,2,4,8,12.")] = "",
-        step_time: Annotated[float, typer.Option("--step-time", help="Seconds each level is held.")] = 20.0,
-        step_settle: Annotated[float, typer.Option(
-            "--step-settle", help="Seconds at the start of a level left out of its percentiles.")] = 5.0,
-        user_mix: Annotated[str, typer.Option("--user-mix", help="mixed (each user sends all three requests), "
-                                                                 "classes (one user class per endpoint) or agent "
-                                                                 "(tool-calling sessions, AgentUser).")] = "mixed",
-        users: Annotated[list[str] | None, typer.Option(
-            "--user", help="Run only these user classes (repeatable): GenerateUser, CompletionUser, "
-                           "ChatStreamUser, MixedUser.")] = None,
-        max_tokens: Annotated[int, typer.Option("--max-tokens", help="max_tokens per request.")] = 32,
-        slo_p95_ms: SloP95 = 1000.0,
-        slo_ttft_p95_ms: SloTtftP95 = None,
-        slo_session_p95_ms: SloSessionP95 = None,
-        max_failure_rate: MaxFailureRate = 0.01,
-        headroom: Headroom = 0.2,
-        locust_arg: Annotated[list[str] | None, typer.Option(
-            "--locust-arg", help="Extra Locust option, repeatable, e.g. --locust-arg=--wait-max=0.5.")] = None,
-        url: Annotated[str | None, typer.Option(
-            "--url", help="Test a running service (e.g. verl serve --replicas 2) instead of starting one; its "
-                          "/health gives the replicas for the per-replica line.")] = None,
-        api_key: Annotated[str | None, typer.Option(
-            "--api-key", envvar="VERL_SERVE_API_KEY", show_envvar=True,
-            help="The running service's key (--url), for the requests and /metrics.")] = None,
-        processes: Annotated[int, typer.Option(
-            "--processes", help="Locust worker processes generating the load (one core each).")] = 1,
-        target_rps: TargetRps = None,
-        quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the summary.")] = False,
-    ) -> None:
-        """Start the service on 127.0.0.1 (or test the one at --url), run a stepped Locust test, stop the service,
-        write a capacity report."""
+def loadtest_command(
+    out: Annotated[Path, typer.Option("--out", help="Output dir (CSVs, logs, report).")] = Path(
+        "outputs/loadtest"),
+    model: Annotated[str | None, typer.Option("--model", help="Model to serve (export dir or builtin:NAME; "
+                                                              "default: the service's default).")] = None,
+    engine: Annotated[str | None, typer.Option("--engine", help="auto, transformers or vllm.")] = None,
+    max_users: Annotated[int, typer.Option("--max-users", help="Levels 1, 2, 4, ... up to this.")] = 8,
+    step_users: Annotated[str, typer.Option("--step-users", help="Explicit levels, e.g. 1,2,4,8,12.")] = "",
+    step_time: Annotated[float, typer.Option("--step-time", help="Seconds each level is held.")] = 20.0,
+    step_settle: Annotated[float, typer.Option(
+        "--step-settle", help="Seconds at the start of a level left out of its percentiles.")] = 5.0,
+    user_mix: Annotated[str, typer.Option("--user-mix", help="mixed (each user sends all three requests), "
+                                                             "classes (one user class per endpoint) or agent "
+                                                             "(tool-calling sessions, AgentUser).")] = "mixed",
+    users: Annotated[list[str] | None, typer.Option(
+        "--user", help="Run only these user classes (repeatable): GenerateUser, CompletionUser, "
+                       "ChatStreamUser, MixedUser.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="max_tokens per request.")] = 32,
+    slo_p95_ms: SloP95 = 1000.0,
+    slo_ttft_p95_ms: SloTtftP95 = None,
+    slo_session_p95_ms: SloSessionP95 = None,
+    max_failure_rate: MaxFailureRate = 0.01,
+    headroom: Headroom = 0.2,
+    locust_arg: Annotated[list[str] | None, typer.Option(
+        "--locust-arg", help="Extra Locust option, repeatable, e.g. --locust-arg=--wait-max=0.5.")] = None,
+    url: Annotated[str | None, typer.Option(
+        "--url", help="Test a running service (e.g. verl serve --replicas 2) instead of starting one; its "
+                      "/health gives the replicas for the per-replica line.")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="VERL_SERVE_API_KEY", show_envvar=True,
+        help="The running service's key (--url), for the requests and /metrics.")] = None,
+    processes: Annotated[int, typer.Option(
+        "--processes", help="Locust worker processes generating the load (one core each).")] = 1,
+    target_rps: TargetRps = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the summary.")] = False,
+) -> None:
+    """Start the service on 127.0.0.1 (or test the one at --url), run a stepped Locust test, stop the service,
+    write a capacity report."""
 
-        def _run() -> None:
-            from rich.console import Console
+    def _run() -> None:
+        from rich.console import Console
 
-            from loadtest.render import summary_text
-            from loadtest.report import SLO
-            from loadtest.run import LoadTestConfig, run_loadtest
-            from verl.errors import ConfigError
+        from loadtest.render import summary_text
+        from loadtest.report import SLO
+        from loadtest.run import LoadTestConfig, run_loadtest
+        from verl.errors import ConfigError
 
-            if user_mix not in ("mixed", "classes", "agent"):
-                raise ConfigError(f"--user-mix must be mixed, classes or agent (got {user_mix!r})")
-            console = Console(stderr=True, highlight=False)
-            config = LoadTestConfig(
-                out_dir=out, model=model, engine=engine, max_users=max_users, step_users=step_users,
-                step_time_s=step_time, step_settle_s=step_settle, user_mix=user_mix, user_classes=users or [],
-                max_tokens=max_tokens, extra_locust_args=locust_arg or [],
-                slo=SLO(slo_p95_ms, max_failure_rate, slo_ttft_p95_ms, headroom, slo_session_p95_ms),
-                url=url, api_key=api_key if url else None, processes=processes, target_rps=target_rps,
-            )
-            try:
-                config.plan()
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            report, paths = run_loadtest(config, echo=None if quiet else (
-                lambda line: console.print(line, soft_wrap=True)))
-            console.print(summary_text(report), soft_wrap=True)
-            console.print(f"report: {paths['markdown']} (also .html, .json and plots in {out})")
+        if user_mix not in ("mixed", "classes", "agent"):
+            raise ConfigError(f"--user-mix must be mixed, classes or agent (got {user_mix!r})")
+        console = Console(stderr=True, highlight=False)
+        config = LoadTestConfig(
+            out_dir=out, model=model, engine=engine, max_users=max_users, step_users=step_users,
+            step_time_s=step_time, step_settle_s=step_settle, user_mix=user_mix, user_classes=users or [],
+            max_tokens=max_tokens, extra_locust_args=locust_arg or [],
+            slo=SLO(slo_p95_ms, max_failure_rate, slo_ttft_p95_ms, headroom, slo_session_p95_ms),
+            url=url, api_key=api_key if url else None, processes=processes, target_rps=target_rps,
+        )
+        try:
+            config.plan()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        report, paths = run_loadtest(config, echo=None if quiet else (
+            lambda line: console.print(line, soft_wrap=True)))
+        console.print(summary_text(report), soft_wrap=True)
+        console.print(f"report: {paths['markdown']} (also .html, .json and plots in {out})")
 
-        run_guarded(_run)
+    run_guarded(_run)
 
-    @app.command("loadtest-report")
-    def loadtest_report_command(
-        csv_prefix: Annotated[Path, typer.Argument(help="Locust's --csv prefix (out/run for out/run_stats.csv), "
-                                                        "one of its files, or their directory.")],
-        out: Annotated[Path | None, typer.Option("--out", help="Report dir (default: beside the CSVs).")] = None,
-        slo_p95_ms: SloP95 = 1000.0,
-        slo_ttft_p95_ms: SloTtftP95 = None,
-        slo_session_p95_ms: SloSessionP95 = None,
-        max_failure_rate: MaxFailureRate = 0.01,
-        headroom: Headroom = 0.2,
-        server_metrics: Annotated[Path | None, typer.Option(
-            "--server-metrics", help="The service's /metrics saved after the run (shown as a cross-check).")] = None,
-        no_plots: Annotated[bool, typer.Option("--no-plots", help="Skip the PNGs (no matplotlib needed).")] = False,
-        replicas: Annotated[int, typer.Option("--replicas", help="Replicas that served the test.")] = 1,
-        target_rps: TargetRps = None,
-    ) -> None:
-        """Capacity report (Markdown, HTML, JSON, PNG) from Locust's CSVs: per-step numbers and max users in SLO."""
 
-        def _run() -> None:
-            from rich.console import Console
+def loadtest_report_command(
+    csv_prefix: Annotated[Path, typer.Argument(help="Locust's --csv prefix (out/run for out/run_stats.csv), "
+                                                    "one of its files, or their directory.")],
+    out: Annotated[Path | None, typer.Option("--out", help="Report dir (default: beside the CSVs).")] = None,
+    slo_p95_ms: SloP95 = 1000.0,
+    slo_ttft_p95_ms: SloTtftP95 = None,
+    slo_session_p95_ms: SloSessionP95 = None,
+    max_failure_rate: MaxFailureRate = 0.01,
+    headroom: Headroom = 0.2,
+    server_metrics: Annotated[Path | None, typer.Option(
+        "--server-metrics", help="The service's /metrics saved after the run (shown as a cross-check).")] = None,
+    no_plots: Annotated[bool, typer.Option("--no-plots", help="Skip the PNGs (no matplotlib needed).")] = False,
+    replicas: Annotated[int, typer.Option("--replicas", help="Replicas that served the test.")] = 1,
+    target_rps: TargetRps = None,
+) -> None:
+    """Capacity report (Markdown, HTML, JSON, PNG) from Locust's CSVs: per-step numbers and max users in SLO."""
 
-            from loadtest.render import make_report, summary_text
-            from loadtest.report import SLO, FleetPlan, resolve_prefix
+    def _run() -> None:
+        from rich.console import Console
 
-            prefix = resolve_prefix(csv_prefix)
-            slo = SLO(slo_p95_ms, max_failure_rate, slo_ttft_p95_ms, headroom, slo_session_p95_ms)
-            report, paths = make_report(prefix, out or prefix.parent, slo, plots=not no_plots,
-                                        server_metrics=server_metrics, plan=FleetPlan(replicas, target_rps))
-            console = Console(stderr=True, highlight=False)
-            console.print(summary_text(report), soft_wrap=True)
-            console.print(f"report: {paths['markdown']} (also .html and .json)")
+        from loadtest.render import make_report, summary_text
+        from loadtest.report import SLO, FleetPlan, resolve_prefix
 
-        run_guarded(_run)
+        prefix = resolve_prefix(csv_prefix)
+        slo = SLO(slo_p95_ms, max_failure_rate, slo_ttft_p95_ms, headroom, slo_session_p95_ms)
+        report, paths = make_report(prefix, out or prefix.parent, slo, plots=not no_plots,
+                                    server_metrics=server_metrics, plan=FleetPlan(replicas, target_rps))
+        console = Console(stderr=True, highlight=False)
+        console.print(summary_text(report), soft_wrap=True)
+        console.print(f"report: {paths['markdown']} (also .html and .json)")
+
+    run_guarded(_run)
+
+
+def register(app: typer.Typer) -> None:
+    """Attach this module's commands to the ``verl`` app."""
+    app.command("loadtest")(loadtest_command)
+    app.command("loadtest-report")(loadtest_report_command)

@@ -199,3 +199,36 @@ def test_evaluators_have_one_home_and_pyproject_declares_no_builtins(graph):
     assert "verl.evaluators" not in entry_points
     assert "verl.evaluators.registry" in graph["verl.trainer.validation"] | graph["verl.evaluators"]
     assert not any(module.startswith("eval.evaluators") for module in graph)
+
+
+MAX_BODY_LINES = 80  # a function's body (its docstring and signature aside: a command's options may be long)
+
+
+def function_bodies(modules: dict[str, Path]) -> list[tuple[int, str]]:
+    """(body lines, "module:function") for every function, nested ones included."""
+    found = []
+    for name, file in modules.items():
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body
+                if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                    body = body[1:]  # the docstring
+                found.append((node.end_lineno - body[0].lineno + 1, f"{name}:{node.name}"))
+    return found
+
+
+def test_no_function_body_is_longer_than_80_lines():
+    long = sorted((n, f) for n, f in function_bodies(project_modules()) if n > MAX_BODY_LINES)
+    assert long == []
+
+
+def test_commands_are_module_level_functions():
+    """A feature's ``register(app)`` attaches commands defined at module level (importable, testable alone); it
+    defines none inside itself."""
+    nested = []
+    for name, file in project_modules().items():
+        for node in ast.parse(file.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name == "register":
+                nested += [f"{name}:{inner.name}" for inner in ast.walk(node) if inner is not node
+                           and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert nested == []

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from verl.errors import VerlError
+from verl.utils.cli import STATE, err, run_guarded
 from verl.utils.log import quiet_hf
 
 app = typer.Typer(
@@ -31,25 +31,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-err = Console(stderr=True, highlight=False)
-STATE = {"debug": False}
-
 # Extra CLI args are dotted overrides: `verl train actor.optim.lr=1e-5 --trainer.total_steps=10`.
 OVERRIDE_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
-
-
-def run_guarded(fn, *args, **kwargs):
-    """Call ``fn``; print a ``VerlError`` as one line (traceback only with --debug) and exit 1."""
-    try:
-        return fn(*args, **kwargs)
-    except VerlError as exc:
-        if STATE["debug"]:
-            raise
-        err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
-        raise typer.Exit(1) from None
-    except KeyboardInterrupt:
-        err.print("interrupted")
-        raise typer.Exit(130) from None
 
 
 @app.callback()
@@ -226,7 +209,7 @@ def register_subcommands() -> None:
     from verl.tracking.cli import register as register_tracking  # noqa: PLC0415
 
     for register in (register_tracking, register_dashboard, register_eval, register_serve, register_loadtest):
-        register(app, run_guarded)
+        register(app)
 
 
 def main() -> None:

@@ -7,32 +7,37 @@ from typing import Annotated
 
 import typer
 
+from verl.utils.cli import run_guarded
 
-def register(app: typer.Typer, run_guarded) -> None:
-    @app.command("dashboard", context_settings={"allow_extra_args": True})
-    def dashboard_command(
-        ctx: typer.Context,
-        log_dir: Annotated[list[Path], typer.Option(
-            "--log_dir", "--log-dir",
-            help="Run directory (or a directory of runs, or a verl_logs.jsonl); more runs may follow: --log_dir A B.")],
-        port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8265,
-        host: Annotated[str, typer.Option("--host", help="Interface to bind; 0.0.0.0 exposes the logs to the network.")
-                        ] = "127.0.0.1",
-        refresh: Annotated[float, typer.Option("--refresh", help="Seconds between browser refreshes.")] = 5.0,
-    ) -> None:
-        """Live dashboard: reward, KL, losses, length, throughput, eval accuracy; runs overlaid; latest samples."""
 
-        def _run() -> None:
-            from rich.console import Console
+def dashboard_command(
+    ctx: typer.Context,
+    log_dir: Annotated[list[Path], typer.Option(
+        "--log_dir", "--log-dir",
+        help="Run directory (or a directory of runs, or a verl_logs.jsonl); more runs may follow: --log_dir A B.")],
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8265,
+    host: Annotated[str, typer.Option("--host", help="Interface to bind; 0.0.0.0 exposes the logs to the network.")
+                    ] = "127.0.0.1",
+    refresh: Annotated[float, typer.Option("--refresh", help="Seconds between browser refreshes.")] = 5.0,
+) -> None:
+    """Live dashboard: reward, KL, losses, length, throughput, eval accuracy; runs overlaid; latest samples."""
 
-            from verl.dashboard.server import serve
-            from verl.errors import VerlError
+    def _run() -> None:
+        from rich.console import Console
 
-            extra = [a for a in ctx.args if a.startswith("-")]
-            if extra:
-                raise VerlError(f"unexpected option(s) {extra}; usage: verl dashboard --log_dir RUN [RUN2 ...] "
-                                "[--port 8265] [--host 127.0.0.1] [--refresh 5]")
-            paths = [*log_dir, *(Path(a) for a in ctx.args)]
-            serve(paths, host=host, port=port, refresh_seconds=refresh, console=Console(stderr=True, highlight=False))
+        from verl.dashboard.server import serve
+        from verl.errors import VerlError
 
-        run_guarded(_run)
+        extra = [a for a in ctx.args if a.startswith("-")]
+        if extra:
+            raise VerlError(f"unexpected option(s) {extra}; usage: verl dashboard --log_dir RUN [RUN2 ...] "
+                            "[--port 8265] [--host 127.0.0.1] [--refresh 5]")
+        paths = [*log_dir, *(Path(a) for a in ctx.args)]
+        serve(paths, host=host, port=port, refresh_seconds=refresh, console=Console(stderr=True, highlight=False))
+
+    run_guarded(_run)
+
+
+def register(app: typer.Typer) -> None:
+    """Attach this module's commands to the ``verl`` app."""
+    app.command("dashboard", context_settings={"allow_extra_args": True})(dashboard_command)
