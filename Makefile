@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 export VERL_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install install-dev install-real-model train test test-fast test-slow test-vllm test-all lint bench clean loadtest
+.PHONY: install install-dev install-real-model train test test-fast test-no-kernels test-slow test-vllm test-all lint bench clean loadtest
 
 # What running needs (`make train`): CPU torch, then the package with the run extra (trackers, eval, serve, load test).
 $(STAMP): pyproject.toml
@@ -45,6 +45,12 @@ test: install-dev
 # The edit loop: the default run without the end-to-end tests (real processes, servers, clusters, trainer runs).
 test-fast: install-dev
 	$(BIN)/python -m pytest -q $(XDIST) -m 'not slow and not vllm and not e2e' --durations=10
+
+# Models, rollouts, training and serving with the CPU kernels off: what a machine without a C++ compiler runs.
+test-no-kernels: install-dev
+	VERL_CPU_KERNELS=0 $(BIN)/python -m pytest -q $(XDIST) tests/test_rollout.py tests/test_slot_cache.py \
+		tests/test_token_log_probs.py tests/test_decode_attention.py tests/tools/test_agent_loop.py \
+		tests/serve/test_engine_hf.py
 
 test-slow: install-dev install-real-model
 	$(BIN)/python -m pytest -q -m slow --durations=15

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.decode_utils import left_padded_prompts, prefill_then_decode
+from tests.kernels import require_kernels
 from verl.models import decode_attention as kernel
 from verl.models.attention import NAME
-from verl.models.cpu_kernels import build_error, load_kernels
 from verl.models.loader import load_causal_lm, resolve_model_path
 
 
@@ -25,7 +25,7 @@ def left_padding_mask(rows: int, columns: int, generator: torch.Generator) -> to
 @pytest.mark.parametrize(("rows", "heads", "kv_heads", "columns", "head_dim"),
                          [(7, 4, 4, 33, 32), (5, 9, 3, 70, 64), (1, 2, 1, 5, 128), (16, 8, 2, 1, 64)])
 def test_kernel_equals_sdpa_on_padded_grouped_strided_caches(rows, heads, kv_heads, columns, head_dim) -> None:
-    assert load_kernels() is not None, f"the kernels did not build: {build_error()}"
+    require_kernels()
     generator = torch.Generator().manual_seed(rows * 100 + columns)
     # As the KV cache holds them: views of buffers with spare columns (and a spare row) after the used ones.
     key_buffer = torch.randn(rows + 1, kv_heads, columns + 9, head_dim, generator=generator)
@@ -64,7 +64,7 @@ def test_a_few_query_positions_per_row_attend_as_their_mask_rows_say(rows, heads
                                                                       head_dim) -> None:
     """An extend (a tool turn fed into rows' caches): each row's new ids attend causally to each other and to the
     row's real cached columns; each query position follows its own mask row, as SDPA does."""
-    assert load_kernels() is not None, f"the kernels did not build: {build_error()}"
+    require_kernels()
     generator = torch.Generator().manual_seed(rows * 100 + positions)
     key_buffer = torch.randn(rows + 1, kv_heads, columns + 5, head_dim, generator=generator)
     value_buffer = torch.randn(rows + 1, kv_heads, columns + 5, head_dim, generator=generator)
@@ -91,7 +91,7 @@ def test_a_few_query_positions_per_row_attend_as_their_mask_rows_say(rows, heads
 def test_rows_name_the_cache_rows_each_query_row_reads(positions, heads, kv_heads, head_dim) -> None:
     """A slot cache's step (``rows``): query row ``b`` attends to store row ``rows[b]``, in any order, skipping the
     store's other rows, exactly as the kernel over those rows gathered; a row outside the store is an error."""
-    assert load_kernels() is not None, f"the kernels did not build: {build_error()}"
+    require_kernels()
     generator = torch.Generator().manual_seed(positions * 10 + heads)
     slots, columns, count = 9, 24, 4
     key = torch.randn(slots, kv_heads, columns + 6, head_dim, generator=generator)[:, :, :columns]
@@ -111,10 +111,11 @@ def test_rows_name_the_cache_rows_each_query_row_reads(positions, heads, kv_head
         key[others], value[others] = float("nan"), float("nan")  # rows no query names are never read
         assert torch.equal(kernel.decode_attention(query, key, value, mask, 0.125, rows=rows), out)
         with pytest.raises(RuntimeError, match="outside the cache"):
-            load_kernels().decode_attention(query, key, value, mask, 0.125, torch.tensor([0, 1, 2, slots]))
+            require_kernels().decode_attention(query, key, value, mask, 0.125, torch.tensor([0, 1, 2, slots]))
 
 
 def test_kernel_steps_aside_where_it_does_not_apply(monkeypatch) -> None:
+    require_kernels()
     query, key = torch.randn(2, 4, 1, 32), torch.randn(2, 4, 6, 32)
     mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
     with torch.no_grad():
@@ -140,6 +141,7 @@ def test_every_decode_step_of_a_loaded_model_runs_the_kernel_with_sdpas_logits(m
     """Through ``load_causal_lm`` (trainer, eval, serving): the decode forwards (one new token per row over a
     left-padded cache) and a short prefill call the kernel once per layer, and their logits are SDPA's to float
     rounding."""
+    require_kernels()
     model = load_causal_lm(resolve_model_path(model_name)).eval()
     assert model.config._attn_implementation == NAME
     calls = []

@@ -13,17 +13,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from tests.decode_utils import left_padded_prompts, prefill_then_decode
+from tests.kernels import require_kernels
 from verl.models import fused_decoder
-from verl.models.cpu_kernels import build_error, load_kernels
 from verl.models.fused_decoder import fused_decoder_layers, use_fused_decoder
 from verl.models.loader import load_causal_lm, resolve_model_path
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    module = load_kernels()
-    assert module is not None, f"the CPU kernels did not build: {build_error()}"
-    return module
+    return require_kernels()
 
 
 def test_rope_is_hugging_faces_bit_for_bit(kernels) -> None:

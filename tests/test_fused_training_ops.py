@@ -10,11 +10,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaMLP, rotate_half
 
+from tests.kernels import require_kernels
 from verl.models.cpu_kernels import load_kernels
 from verl.models.rotary import _ORIGINALS, fused_apply_rotary_pos_emb, use_fused_rotary
 from verl.models.swiglu import use_fused_swiglu
 
-pytestmark = pytest.mark.skipif(load_kernels() is None, reason="verl's CPU kernels cannot be built here")
+
+@pytest.fixture(autouse=True)
+def _kernels():
+    require_kernels()
 
 
 def hugging_face_rope(q, k, cos, sin):

@@ -192,9 +192,10 @@ def data_gsm8k(
 @app.command("check-env")
 def check_env_command() -> None:
     """Check Python, torch, transformers and the optional parts; print the fix for each problem."""
+    from verl.models.cpu_kernels import status
     from verl.utils.env_check import check_env
 
-    ok = check_env()
+    ok = run_guarded(lambda: check_env(extra=[status()]))
     raise typer.Exit(0 if ok else 1)
 
 

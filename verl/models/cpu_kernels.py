@@ -12,7 +12,10 @@ dependency); it takes ~30 s once per machine and is cached under ``$VERL_CACHE_D
 directory named by Python, torch version and the CPU's vector instructions (as torch reports them), so a cache shared
 by machines of different CPUs never loads a foreign build. torch's builder rebuilds when a source changes. When
 the build fails, ``load_kernels()`` returns None (the reason logged once, ``build_error()`` returns it) and every
-caller runs torch's own operators.
+caller runs torch's own operators. One switch, ``VERL_CPU_KERNELS``: ``auto`` (default) as just said, ``0`` never
+builds or uses them, ``1`` makes a failed build an error. A compiler is optional: it buys speed on CPU (see the
+README's speed table), never different results beyond rounding. The build runs when a model is loaded on CPU
+(``verl.models.loader``), announced, before any training or benchmark clock starts.
 
     kernels = load_kernels()      # the extension module, or None
 """
@@ -31,6 +34,8 @@ from typing import Any
 
 import torch
 
+from verl.errors import ConfigError, ModelError
+from verl.utils.env_check import FAIL, OK, WARN, Check
 from verl.utils.fs import cache_dir
 
 log = logging.getLogger(__name__)
@@ -48,25 +53,69 @@ _module: Any = None
 _failed: str | None = None
 
 
+SWITCH = "VERL_CPU_KERNELS"  # auto (default): build, else torch's operators; 0: never build; 1: the build must work
+
+
+def switch() -> str:
+    value = os.environ.get(SWITCH, "auto").strip().lower() or "auto"
+    if value not in ("auto", "0", "1"):
+        raise ConfigError(f"{SWITCH}={value!r}: use auto (build them when a C++ compiler is here, else torch's "
+                          "operators), 0 (never) or 1 (required: fail when they cannot be built)")
+    return value
+
+
 def load_kernels() -> Any | None:
     """The compiled extension (built on the first call in a process tree; later processes load the build), or None
-    when it cannot be built here (the reason is logged once, and ``build_error()`` returns it)."""
+    when ``VERL_CPU_KERNELS=0`` or it cannot be built here (the reason is logged once, and ``build_error()`` returns
+    it). With ``VERL_CPU_KERNELS=1`` a failed build is an error instead."""
     global _module, _failed
     if _module is not None or _failed is not None:
         return _module
+    mode = switch()
     with _lock:
         if _module is not None or _failed is not None:
             return _module
+        if mode == "0":
+            _failed = f"turned off ({SWITCH}=0)"
+            return None
         try:
             _module = _build()
         except Exception as error:  # noqa: BLE001  (any build failure means: use torch's operators)
             _failed = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+            if mode == "1":
+                raise ModelError(f"{SWITCH}=1 but verl's CPU kernels cannot be built: {_failed}; install a C++ "
+                                 f"compiler, or set {SWITCH}=auto to run torch's operators instead") from None
             log.warning("verl's CPU kernels are unavailable, torch's operators run instead (%s)", _failed)
     return _module
 
 
 def build_error() -> str | None:
     return _failed
+
+
+def _where() -> tuple[Path, str]:
+    """The build's directory and module name: one per Python, torch (its C++ ABI) and instruction set."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", f"{python}_{torch.__version__}_{capability}").lower()
+    return cache_dir() / "torch_extensions" / f"cpu_kernels_{tag}", f"verl_cpu_kernels_{tag}"
+
+
+def status() -> Check:
+    """The kernels' line in ``verl check-env``, without building anything."""
+    mode = switch()
+    if mode == "0":
+        return Check(OK, "CPU kernels", f"off ({SWITCH}=0): torch's operators run", required=False)
+    directory, name = _where()
+    if (directory / f"{name}.so").exists():
+        return Check(OK, "CPU kernels", f"built ({directory})", required=False)
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return Check(FAIL if mode == "1" else WARN, "CPU kernels",
+                     f"cannot be built: no C++ compiler ({compiler}) on PATH; torch's operators run (a compiler is "
+                     "optional; it makes CPU decoding and updates faster)", "apt-get install g++", required=mode == "1")
+    return Check(OK, "CPU kernels", "not built yet: built once at the first model load on CPU (~1.5 min), then "
+                 "cached", required=False)
 
 
 def _build() -> Any:
@@ -79,12 +128,8 @@ def _build() -> Any:
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     capability = torch.backends.cpu.get_cpu_capability()
-    # A build is for one Python, one torch (its C++ ABI) and one instruction set: all three name its directory.
-    python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    tag = re.sub(r"[^A-Za-z0-9]+", "_", f"{python}_{torch.__version__}_{capability}").lower()
-    directory = cache_dir() / "torch_extensions" / f"cpu_kernels_{tag}"
+    directory, name = _where()
     directory.mkdir(parents=True, exist_ok=True)
-    name = f"verl_cpu_kernels_{tag}"
     built = (directory / f"{name}.so").exists()
     compiler = os.environ.get("CXX", "c++")
     if not built and shutil.which(compiler) is None:

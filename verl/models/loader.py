@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from verl.errors import ModelError
 from verl.models.attention import use_cpu_attention
+from verl.models.cpu_kernels import load_kernels
 from verl.models.fused_decoder import use_fused_decoder
 from verl.models.gguf import PACKAGED_MODELS, convert_gguf, packaged_gguf_path
 from verl.models.packed_linear import use_packed_linear
@@ -192,6 +193,8 @@ def load_causal_lm(
         raise ModelError(f"the weights in '{path}' are damaged ({exc}); the file was cut short or overwritten: "
                          "export or copy it again, or use another checkpoint") from None
     model = model.to(device)
+    if model.device.type == "cpu":
+        load_kernels()  # the one-time build (announced) happens here, before any step's or benchmark's clock starts
     # On CPU: attention over grouped K/V without per-head copies, and a decode kernel for one query position (the
     # other forwards are sdpa's); see verl/models/attention.py.
     use_cpu_attention(model)

@@ -118,9 +118,9 @@ def collect_checks() -> list[Check]:
     return checks
 
 
-def check_env(print_report: bool = True) -> bool:
-    """Print the report; True when every required part is fine."""
-    checks = collect_checks()
+def check_env(print_report: bool = True, extra: list[Check] | None = None) -> bool:
+    """Print the report (with ``extra`` checks from the layers above); True when every required part is fine."""
+    checks = collect_checks() + list(extra or [])
     if print_report:
         for check in checks:
             print(check.line())
