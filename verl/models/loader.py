@@ -28,14 +28,9 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from verl.errors import ModelError
-from verl.models.attention import use_cpu_attention
 from verl.models.cpu_kernels import load_kernels
-from verl.models.fused_decoder import use_fused_decoder
 from verl.models.gguf import PACKAGED_MODELS, convert_gguf, packaged_gguf_path
-from verl.models.packed_linear import use_packed_linear
-from verl.models.rms_norm import use_fused_rms_norm
-from verl.models.rotary import use_fused_rotary
-from verl.models.swiglu import use_fused_swiglu
+from verl.models.patches import apply_cpu_patches
 from verl.models.tiny import BUILTIN_SPECS, build_spec_tokenizer, build_tiny_model
 from verl.utils.fs import atomic_dir, cache_dir
 
@@ -195,22 +190,9 @@ def load_causal_lm(
     model = model.to(device)
     if model.device.type == "cpu":
         load_kernels()  # the one-time build (announced) happens here, before any step's or benchmark's clock starts
-    # On CPU: attention over grouped K/V without per-head copies, and a decode kernel for one query position (the
-    # other forwards are sdpa's); see verl/models/attention.py.
-    use_cpu_attention(model)
-    # fp32 on CPU: inside the generation loops, frozen linear layers multiply by oneDNN-packed weights (decode
-    # products 1.6-4.5x faster at 16 rows); see verl/models/packed_linear.py.
-    use_packed_linear(model)
-    # fp32 on CPU: RMSNorm as one autograd node with a hand-derived backward (same forward bits, ~2x faster
-    # forward + backward at training shapes); see verl/models/rms_norm.py.
-    use_fused_rms_norm(model)
-    # fp32 on CPU: SiLU(gate) * up and the rotary embedding as one autograd node each, one-pass kernels (same forward
-    # bits; ~2% of a SmolLM2 LoRA update); see verl/models/swiglu.py and verl/models/rotary.py.
-    use_fused_swiglu(model)
-    use_fused_rotary()
-    # fp32 on CPU, inside the generation loops: each decoder layer's norms, RoPE and SiLU as four fused calls
-    # (~5 ms of a 45 ms SmolLM2 decode step are those ops' dispatch); see verl/models/fused_decoder.py.
-    use_fused_decoder(model)
+    # On CPU in fp32: verl's faster forwards in place of some of transformers' (same numbers; each listed, with
+    # its switch and the transformers versions it was checked against, in verl/models/patches.py).
+    apply_cpu_patches(model)
     return model
 
 
