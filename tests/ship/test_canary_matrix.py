@@ -9,9 +9,9 @@ import pytest
 
 from eval.ship.simulate import cells, simulate
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # ~3 min alone on the 2-core box
 
-SIMS = 600
+SIMS = 400
 ALPHA = 0.05
 
 
@@ -19,7 +19,7 @@ def cell(prefix: str):
     return next(c for c in cells() if c.name.startswith(prefix))
 
 
-@pytest.mark.parametrize("prefix", ["base", "errors 1%", "both arms' p95", "sticky users", "reward rate drifts"])
+@pytest.mark.parametrize("prefix", ["base", "errors 1%", "sticky users", "reward rate drifts"])
 def test_identical_models_are_rarely_rolled_back(prefix: str):
     result = simulate(cell(prefix), 0.0, SIMS, seed=0)
     assert result["rollback"] <= ALPHA, (prefix, result["rollback"])
