@@ -117,17 +117,30 @@ def served_under_load(tmp_path: Path, *serve_args: str, replicas: int | None = N
         time.sleep(5)
         yield url
     finally:
-        if locust is not None:
-            os.killpg(locust.pid, signal.SIGINT)
-            locust.wait(60)
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(120)
+        # SIGTERM (both stop gracefully on it, Locust writing its CSVs): a shell's background job ignores SIGINT,
+        # and so would every process it starts.
+        try:
+            if locust is not None:
+                stop(locust, 60)
+        finally:
+            stop(server, 120)
     with open(f"{prefix}_stats.csv", newline="") as handle:
         aggregated = next(r for r in csv.DictReader(handle) if r["Name"] == "Aggregated")
     requests, failures = int(aggregated["Request Count"]), int(aggregated["Failure Count"])
     assert requests > 200 and failures <= 0.04 * requests, (requests, failures)  # the injected 1% only
     with open(f"{prefix}_failures.csv", newline="") as handle:
         assert all("500" in row["Error"] for row in csv.DictReader(handle))
+
+
+def stop(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM to the process group, then SIGKILL after ``grace`` seconds (never left running behind a test)."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        raise
 
 
 def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path):
