@@ -34,9 +34,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field, ValidationError
 
+from serve.auth import service_of
+from serve.errors import ApiError
 from serve.records import reward_row
 from serve.schemas import _Strict
-from serve.service import ApiError, Service, service_of
+from serve.service import Service
 from serve.settings import ModelEntry, ServeSettings
 
 ADMIN_PREFIX = "/admin"
@@ -107,13 +109,13 @@ def multiple_workers_problem(workers: int) -> str | None:
 
 
 def state(service: Service) -> dict:
-    registry = service.registry
+    registry = service.lifecycle.registry
     workers = 1 if service.fleet is not None else serving_processes()
     process = {"pid": os.getpid(), "workers": workers, "changes": multiple_workers_problem(workers) or "allowed"}
     if service.fleet is not None:
         process.update(replica=service.fleet.replica, node=service.fleet.node, replicas_live=service.fleet.live)
     return {
-        "version": service.config_version,
+        "version": service.lifecycle.config_version,
         "process": process,
         "models": [{"name": m.name, "kind": m.kind, "base": m.base, "source": m.source, "in_flight": m.in_flight,
                     "retiring": m.retiring, "engine": m.engine.name, **m.lineage.fields()}
@@ -143,22 +145,22 @@ def admin_router(service: Service) -> APIRouter:
 
     @router.put("/routes/{route}", dependencies=one_process)
     async def put_route(route: str, body: RouteWeights) -> dict:
-        await service.put_route(route, body.weights)
+        await service.changes.put_route(route, body.weights)
         return state(service)
 
     @router.delete("/routes/{route}", dependencies=one_process)
     async def delete_route(route: str) -> dict:
-        await service.delete_route(route)
+        await service.changes.delete_route(route)
         return state(service)
 
     @router.put("/shadow/{route}", dependencies=one_process)
     async def put_shadow(route: str, body: Shadow) -> dict:
-        await service.put_shadow(route, body.model, body.fraction)
+        service.shadow.put(route, body.model, body.fraction)
         return state(service)
 
     @router.delete("/shadow/{route}", dependencies=one_process)
     async def delete_shadow(route: str) -> dict:
-        service.delete_shadow(route)
+        service.shadow.delete(route)
         return state(service)
 
     @router.post("/models", dependencies=one_process)
@@ -167,12 +169,12 @@ def admin_router(service: Service) -> APIRouter:
             entry = ModelEntry(**body)
         except ValidationError as exc:
             raise ApiError(400, f"invalid model entry: {exc.errors()[0]['msg']}", param="name") from None
-        await service.add_model(entry)
+        await service.changes.add_model(entry)
         return state(service)
 
     @router.delete("/models/{name}", dependencies=one_process)
     async def unload_model(name: str) -> dict:
-        await service.remove_model(name)
+        await service.changes.remove_model(name)
         return state(service)
 
     @router.get("/records")

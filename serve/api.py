@@ -34,9 +34,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve import __version__
 from serve.admin import ADMIN_PREFIX, admin_router, check_admin_key, multiple_workers_problem, serving_processes
+from serve.auth import check_bearer
+from serve.errors import ApiError, error_body, error_response
 from serve.metrics import ServeMetrics
 from serve.routes import add_routes
-from serve.service import ApiError, Service, check_bearer, error_body, error_response
+from serve.service import Service
 from serve.settings import ServeSettings, load_settings
 
 # A child of uvicorn's logger: our lines appear in the server log with its format and level.
@@ -169,7 +171,7 @@ class ConfigVersionHeader:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        version = str(self.service.config_version).encode()  # the version when the request came in
+        version = str(self.service.lifecycle.config_version).encode()  # the version when the request came in
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -199,15 +199,10 @@ class FleetLink:
 
     async def join(self, service: Any) -> None:
         """Before the models load: serve the control plane's current state instead of the settings'."""
-        from serve.settings import ModelEntry  # noqa: PLC0415  (a cycle: the service imports this module)
-
         reply = await control_plane().get.remote()  # read only: it reports in once it serves this version
         state = reply["state"]
-        service.entries = [ModelEntry(**m) for m in state["models"]]
-        service.routes = dict(state["routes"])
-        service.model_name = service.entries[0].name
+        service.changes.join(state)
         self.active = self.prepared = int(state["version"])
-        service.config_version = self.active
         self.live = len(reply["replicas"])
 
     def start(self, service: Any) -> None:
@@ -260,7 +255,7 @@ class FleetLink:
             pending, state = reply["pending"], reply["state"]
             if pending is not None and pending["version"] > max(self.prepared, self.active):
                 try:
-                    await service.prepare_state(pending)
+                    await service.changes.prepare(pending)
                     self.prepared, self.error = pending["version"], None
                 except Exception as exc:
                     self.error = f"v{pending['version']}: {exc}"
@@ -268,7 +263,7 @@ class FleetLink:
                 continue
             if state["version"] > self.active or (pending is None and (self.prepared > self.active or self.error)):
                 # A new version, or a change rolled back after this replica loaded its models: serve the state.
-                await service.commit_state(state)
+                await service.changes.commit(state)
                 self.active = self.prepared = int(state["version"])
                 self.error = None
                 continue

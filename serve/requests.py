@@ -9,14 +9,18 @@ from serve.engines.base import (
     Engine,
     SamplingOptions,
 )
+from serve.errors import ApiError
+from serve.pumps import SequenceSpec
 from serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from serve.service import SEED_MODULUS, ApiError, SequenceSpec, Service
+from serve.service import Service
 from serve.tool_calling import ToolPlan, template_messages, uses_tools
 from verl.errors import ConfigError
 from verl.tools.templates import tool_chat_template
+
+SEED_MODULUS = 2**63  # torch generators take 64-bit seeds; seed + i for n > 1 must stay in range
 
 
 def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:

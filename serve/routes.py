@@ -12,12 +12,16 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from serve import __version__
+from serve.admission import Responder
+from serve.auth import require_api_key
 from serve.engines.base import (
     EngineOutput,
     SamplingOptions,
 )
+from serve.errors import ERROR_RESPONSES, SSE_DOC, ApiError
 from serve.logprobs import CompletionLogprobs, chat_logprobs, token_texts
 from serve.metrics import CONTENT_TYPE
+from serve.pumps import SequenceSpec
 from serve.requests import (
     chat_prompt,
     check_unsupported,
@@ -43,7 +47,7 @@ from serve.schemas import (
     TokenizeResponse,
     VersionResponse,
 )
-from serve.service import ERROR_RESPONSES, SSE_DOC, ApiError, Responder, SequenceSpec, Service, require_api_key
+from serve.service import Service
 from serve.streaming import run_to_completion, stream_response, usage_block, usage_chunk
 from serve.tool_calling import ToolCallStream, plan_request, response_message, uses_tools
 from verl.errors import ConfigError
@@ -65,11 +69,11 @@ def ops_router(service: Service) -> APIRouter:
     @router.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}}, tags=["ops"])
     async def health() -> JSONResponse:
         """200 when serving; 503 while loading, draining or when the engine died (no API key needed)."""
-        status, detail = service.health()
-        engine = service.engine.name if service.engine else None
-        fleet = service.fleet
-        body = HealthResponse(status=status, engine=engine, detail=detail, model=service.model_name,
-                              model_source=service.settings.model_source, version=service.config_version,
+        lifecycle, fleet = service.lifecycle, service.fleet
+        status, detail = lifecycle.health()
+        engine = lifecycle.engine.name if lifecycle.engine else None
+        body = HealthResponse(status=status, engine=engine, detail=detail, model=lifecycle.model_name,
+                              model_source=service.settings.model_source, version=lifecycle.config_version,
                               replicas=fleet.live if fleet is not None else None,
                               replica_versions=fleet.versions if fleet is not None else None).model_dump()
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
@@ -88,8 +92,9 @@ def ops_router(service: Service) -> APIRouter:
 
     @router.get("/version", response_model=VersionResponse, tags=["ops"], dependencies=protected)
     async def version() -> VersionResponse:
-        return VersionResponse(version=__version__, engine=service.engine.name if service.engine else "loading",
-                               model=service.model_name)
+        engine = service.lifecycle.engine
+        return VersionResponse(version=__version__, engine=engine.name if engine else "loading",
+                               model=service.lifecycle.model_name)
 
     return router
 
@@ -104,8 +109,8 @@ def openai_router(service: Service) -> APIRouter:
     async def models() -> dict:
         """Every served model (LoRA adapters name their base in ``parent``), then every route (``parent`` null,
         ``root`` the route's name): a client may send either in ``model``."""
-        service.ready_engine()
-        registry = service.registry
+        service.admission.ready_engine()
+        registry = service.lifecycle.registry
         source = "serve.models" if service.settings.models else service.settings.model_source
         cards = []
         for name in registry.names():
@@ -115,7 +120,7 @@ def openai_router(service: Service) -> APIRouter:
                           "max_model_len": m.engine.max_model_len, "source": source})  # never a local path
         for route in registry.routes:
             cards.append({"id": route, "object": "model", "created": service.created, "owned_by": "verl-suite",
-                          "root": route, "parent": None, "max_model_len": service.engine.max_model_len,
+                          "root": route, "parent": None, "max_model_len": service.lifecycle.engine.max_model_len,
                           "source": "serve.routes"})
         return {"object": "list", "data": cards}
 
@@ -154,7 +159,7 @@ def native_router(service: Service) -> APIRouter:
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
         """The tutorial-style endpoint: raw prompt in, generated text out (greedy unless ``temperature`` > 0); served
         by the `default` route when there is one, else the first model."""
-        target = service.target(None, request.headers.get(USER_HEADER))
+        target = service.admission.target(None, request.headers.get(USER_HEADER))
         engine = target.model.engine
         prompts = await asyncio.to_thread(encode_texts, engine, [body.prompt])
         max_tokens = plan_tokens(service, engine, prompts, body.max_new_tokens, "max_new_tokens", "prompt")
@@ -162,7 +167,7 @@ def native_router(service: Service) -> APIRouter:
         sampling = SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, seed=body.seed,
                                    stop=list(body.stop or []))
         request_id = f"gen-{uuid.uuid4().hex}"
-        service.admit(1, target, request_id)
+        service.admission.admit(1, target, request_id)
         [result] = await run_to_completion(service, request, request_id, [SequenceSpec(0, 0, prompts[0], sampling)],
                                            target)
         return JSONResponse({"response": "".join(result.text), "finish_reason": result.finish_reason,
@@ -174,7 +179,7 @@ def native_router(service: Service) -> APIRouter:
               tags=["utility"])
     async def tokenize(body: TokenizeRequest) -> dict:
         """Token ids of a raw prompt, or of chat messages after the chat template."""
-        engine = service.ready_engine()
+        engine = service.admission.ready_engine()
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
@@ -188,7 +193,7 @@ def native_router(service: Service) -> APIRouter:
     @router.post("/detokenize", response_model=DetokenizeResponse, dependencies=protected, responses=ERROR_RESPONSES,
               tags=["utility"])
     async def detokenize(body: DetokenizeRequest) -> dict:
-        engine = service.ready_engine()
+        engine = service.admission.ready_engine()
         vocab = len(engine.tokenizer)
         bad = [t for t in body.tokens if t >= vocab]
         if bad:
@@ -216,7 +221,7 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
     created = int(time.time())
     echoes = echo_texts(engine, body.prompt, prompts) if body.echo else None
     text_of = token_texts(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
-    service.admit(len(specs), target, request_id)
+    service.admission.admit(len(specs), target, request_id)
     if body.stream:
         started: dict[int, CompletionLogprobs] = {}
 
@@ -284,7 +289,7 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     text_of = token_texts(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
-    service.admit(len(specs), target, request_id)
+    service.admission.admit(len(specs), target, request_id)
     if body.stream:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": target.name}
 
@@ -343,14 +348,14 @@ def renders_tools(tokenizer: Any) -> bool:
 def tool_model_target(service: Service, body: ChatCompletionRequest, request: Request) -> Responder | None:
     """For a tool-calling request that names no model while the default model cannot render tools: the first
     served model that can (the default service serves builtin:tiny-agent for this), else None."""
-    for name in service.registry.names():
-        model = service.registry.models[name]
+    for name in service.lifecycle.registry.names():
+        model = service.lifecycle.registry.models[name]
         if model.kind == "model" and renders_tools(model.engine.tokenizer):
-            return service.target(name, body.user or request.headers.get(USER_HEADER), body.verl)
+            return service.admission.target(name, body.user or request.headers.get(USER_HEADER), body.verl)
     return None
 
 
 def pick_target(service: Service, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Responder:
     """The model that answers: ``body.model`` (a model or a route; none: the default), sticky per ``user`` (else
     the ``X-Verl-User`` header)."""
-    return service.target(body.model, body.user or request.headers.get(USER_HEADER), body.verl)
+    return service.admission.target(body.model, body.user or request.headers.get(USER_HEADER), body.verl)

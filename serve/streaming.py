@@ -12,13 +12,16 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from serve.admission import Responder
 from serve.engines.base import (
     EngineDeadError,
     EngineError,
     EngineOutput,
     RequestFailedError,
 )
-from serve.service import TIMEOUT_CANCEL, ApiError, Responder, SequenceResult, SequenceSpec, Service, error_body
+from serve.errors import ApiError, error_body
+from serve.pumps import TIMEOUT_CANCEL, SequenceResult, SequenceSpec
+from serve.service import Service
 
 # A child of uvicorn's logger: our lines appear in the server log with its format and level.
 log = logging.getLogger("uvicorn.error.serve")
@@ -51,8 +54,8 @@ async def run_to_completion(service: Service, request: Request, request_id: str,
         if out.finished:
             result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
 
-    pending = set(service.start_pumps(request_id, specs, sink, stream=False, target=target))
-    label = target.name if target is not None else service.model_name
+    pending = set(service.pumps.start(request_id, specs, sink, stream=False, target=target))
+    label = target.name if target is not None else service.lifecycle.model_name
     watcher = asyncio.create_task(_wait_disconnect(request))
     deadline = time.monotonic() + service.settings.request_timeout_s
     cancel_reason = None  # TIMEOUT_CANCEL: the unfinished sequences are recorded as timed out
@@ -116,9 +119,9 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
                     usage_chunk: Callable[[dict], dict], target: Responder | None = None) -> StreamingResponse:
     """SSE: ``preamble`` chunks, then one chunk per delta with text or a finish, optional usage, ``[DONE]``."""
     queue: asyncio.Queue = asyncio.Queue()
-    tasks = service.start_pumps(request_id, specs, lambda index, out: queue.put_nowait((index, out)), stream=True,
+    tasks = service.pumps.start(request_id, specs, lambda index, out: queue.put_nowait((index, out)), stream=True,
                                 target=target)
-    label = target.name if target is not None else service.model_name
+    label = target.name if target is not None else service.lifecycle.model_name
     deadline = time.monotonic() + service.settings.request_timeout_s
     state: dict[str, str | None] = {"cancel_reason": None}  # TIMEOUT_CANCEL: unfinished sequences timed out
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve.constrained import check_grammar, json_grammar, tool_call_grammar
+from serve.errors import ApiError
 from serve.schemas import ChatCompletionRequest, ChatMessage
-from serve.service import ApiError
 from verl.tools.calls import CALL_CLOSE, CALL_OPEN, ToolCall, parse_tool_calls
 
 

@@ -232,3 +232,27 @@ def test_commands_are_module_level_functions():
                 nested += [f"{name}:{inner.name}" for inner in ast.walk(node) if inner is not node
                            and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef))]
     assert nested == []
+
+
+# The service's roles (shared/DESIGN.md §7), one module each, below the composition that wires them (serve.service)
+# and the endpoints above it. A role never reaches the composition or an endpoint: each is testable alone.
+SERVICE_ROLES = ("serve.lifecycle", "serve.admission", "serve.shadow", "serve.pumps", "serve.changes",
+                 "serve.fleet_sync")
+SERVICE_ABOVE_ROLES = ("serve.service", "serve.requests", "serve.streaming", "serve.routes", "serve.admin",
+                       "serve.api", "serve.cli", "serve.fleet")
+MAX_SERVICE_LINES = 80
+
+
+def role_violations(references: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(role module, the composition or endpoint module it reaches)."""
+    return sorted((role, dep) for role in SERVICE_ROLES for dep in references.get(role, ())
+                  if dep in SERVICE_ABOVE_ROLES)
+
+
+def test_the_service_is_a_thin_composition_of_its_roles(references):
+    assert role_violations(references) == []
+    assert role_violations({"serve.pumps": {"serve.service"}}) == [("serve.pumps", "serve.service")]  # it can fail
+    tree = ast.parse((REPO / "serve" / "service.py").read_text())
+    [service] = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Service"]
+    assert service.end_lineno - service.lineno + 1 <= MAX_SERVICE_LINES
+    assert {n for n in references["serve.service"] if n.startswith("serve.")} >= set(SERVICE_ROLES)

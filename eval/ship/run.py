@@ -158,7 +158,7 @@ def offline_gates(settings: ShipSettings, shipping: dict, out: Path) -> list[Gat
     """Quality, guardrails and the tripwire on prompts the checkpoint selection never saw (``gate_data``)."""
     from eval.compare import compare_pair, resolve_entry  # noqa: PLC0415
     from eval.runner import EvalSettings, run_eval  # noqa: PLC0415
-    from serve.service import resolve_adapter_dir  # noqa: PLC0415
+    from serve.lifecycle import resolve_adapter_dir  # noqa: PLC0415
 
     run = Path(shipping["candidate"]["run"])
     prompts = shipping["gates"]["gate_data"]

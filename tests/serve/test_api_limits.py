@@ -135,7 +135,7 @@ def test_cors_is_off_by_default_and_on_when_configured(server):
 
 def test_engine_death_turns_health_and_requests_into_503():
     with run_server() as srv:
-        engine = srv.service.engine
+        engine = srv.service.lifecycle.engine
 
         def broken_scheduler() -> None:
             raise RuntimeError("injected fault in the engine loop itself")
@@ -172,7 +172,7 @@ def test_hostile_sampling_values_never_take_the_engine_down(path):
 
 def test_a_request_that_fails_alone_fails_alone_and_the_engine_goes_on():
     with run_server() as srv:
-        engine = srv.service.engine
+        engine = srv.service.lifecycle.engine
         real = engine._sample_rows
 
         def poisoned(logits, seqs):  # sampling raises for any batch holding the poisoned request

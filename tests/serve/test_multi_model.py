@@ -127,7 +127,7 @@ def test_adapters_share_decode_steps_and_match_generate_alone(multi, adapters) -
     generates alone with ``model.generate``."""
     jobs = [(name, prompt) for prompt in PROMPTS for name in ("tiny", "a", "b")]
     answers: dict[tuple[str, str], str] = {}
-    engine = multi.service.registry.models["tiny"].engine
+    engine = multi.service.lifecycle.registry.models["tiny"].engine
     steps_before = engine.mixed_adapter_steps
 
     def ask(name: str, prompt: str) -> None:

@@ -1,0 +1,128 @@
+"""Routing and admission: which model answers a request (``Responder``: a model picked directly or by a route's
+weights for a user) and whether there is room for it (a fixed number of sequence slots; the queue never grows past
+``max_queue_size``, a refusal is a 429 and a failed request in the records)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from serve.engines.base import Engine
+from serve.errors import ApiError
+from serve.lifecycle import ModelLifecycle
+from serve.metrics import ServeMetrics
+from serve.records import OnlineRecord, OnlineRecords, score, user_hash
+from serve.registry import ServedModel, UnknownModelError
+from serve.schemas import VerlExtension
+from serve.settings import ServeSettings
+from verl.errors import ConfigError
+
+
+@dataclass
+class Responder:
+    """Who answers one request and what is recorded about it: the model (picked directly or by ``route``) and the
+    request's ``verl`` extension (a rule reward to score the response with)."""
+
+    model: ServedModel
+    route: str | None = None
+    online: VerlExtension | None = None
+    shadow: bool = False  # a mirrored copy of a request (never returned)
+    user: str | None = None  # the routed user, hashed (serve.records.user_hash)
+    arrival: float | None = None  # wall clock when it was routed
+    config_version: int | None = None  # the models-and-routes version it was routed under
+    route_share: float | None = None  # the model's share of the route then
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    def headers(self) -> dict[str, str]:
+        """Response headers naming the variant that answered (and the route that chose it)."""
+        headers = {"X-Verl-Model": self.model.name, **self.model.lineage.headers()}
+        if self.route is not None:
+            headers["X-Verl-Route"] = self.route
+        return headers
+
+    def record(self, request_id: str | None, index: int, now: float, prompt_tokens: int, produced: int,
+               ttft: float | None, e2e: float, finish: str, error: str | None, reward: float | None,
+               prompt_id: str | None = None) -> OnlineRecord:
+        """The online record of one of this request's sequences (choice ``index``)."""
+        online = self.online
+        if online is not None and online.prompt_id:
+            prompt_id = online.prompt_id
+        return OnlineRecord(
+            time=now, model=self.name, route=self.route, prompt_id=prompt_id or "", prompt_tokens=prompt_tokens,
+            completion_tokens=produced, ttft_s=ttft, e2e_s=e2e, finish_reason=finish, error=error, reward=reward,
+            shadow=self.shadow, id=request_id, index=index, user=self.user, arrival=self.arrival,
+            config_version=self.config_version, route_share=self.route_share, reward_expected=online is not None,
+            reward_source=f"rule:{online.reward}" if online is not None else None, **self.model.lineage.fields())
+
+
+class Admission:
+    """Picks the responder of each request and holds the sequence slots (``in_flight`` of ``capacity``)."""
+
+    def __init__(self, settings: ServeSettings, lifecycle: ModelLifecycle, metrics: ServeMetrics,
+                 records: OnlineRecords):
+        self.settings, self.lifecycle, self.metrics, self.records = settings, lifecycle, metrics, records
+        self.capacity = settings.max_batch_size + settings.max_queue_size
+        self.in_flight = 0
+
+    def ready_engine(self) -> Engine:
+        """The primary model's engine, or the 503 while loading, draining or dead."""
+        status, detail = self.lifecycle.health()
+        if status != "ok" or self.lifecycle.engine is None:
+            self.metrics.rejected.labels(self.lifecycle.model_name, status).inc()
+            raise ApiError(503, f"service unavailable: {detail}", type="service_unavailable", code=status,
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        return self.lifecycle.engine
+
+    def target(self, requested: str | None, user: str | None, online: VerlExtension | None = None) -> Responder:
+        """The model that answers a request naming ``requested`` (a model, a route, or None for the default)."""
+        self.ready_engine()
+        registry = self.lifecycle.registry
+        try:
+            model, route = registry.pick(requested, user)
+        except UnknownModelError:
+            served = ", ".join([*registry.names(), *registry.routes]) or "none"
+            raise ApiError(404, f"The model '{requested}' does not exist (served models and routes: {served}; see "
+                           "/v1/models)", type="invalid_request_error", param="model",
+                           code="model_not_found") from None
+        if online is not None:
+            try:
+                score(online.reward, "", online.ground_truth)
+            except ConfigError as exc:
+                raise ApiError(400, f"verl.reward: {exc}", param="verl.reward") from None
+        share = None
+        if route is not None:
+            weights = registry.routes[route]
+            share = weights.get(model.name, 0.0) / (sum(w for w in weights.values() if w > 0) or 1.0)
+        return Responder(model, route, online, user=user_hash(user), arrival=time.time(),
+                         config_version=self.lifecycle.config_version, route_share=share)
+
+    def admit(self, sequences: int, target: Responder | None = None, request_id: str | None = None) -> None:
+        """Reserve ``sequences`` slots or refuse: the queue never grows past ``max_queue_size``. A refusal at
+        capacity is recorded as failed requests of ``target`` (the canary counts it against the model)."""
+        if sequences > self.capacity:
+            raise ApiError(400, f"the request needs {sequences} sequences (prompts x n) but this server holds at "
+                           f"most {self.capacity}; split it", param="n")
+        if self.in_flight + sequences > self.capacity:
+            self.metrics.rejected.labels(self.lifecycle.model_name, "queue_full").inc()
+            if target is not None:
+                now = time.time()
+                for index in range(sequences):
+                    self.records.add(target.record(request_id, index, now, 0, 0, None, now - (target.arrival or now),
+                                                   "abort", "queue_full: 429 at capacity", None))
+            raise ApiError(429, f"the server is at capacity ({self.in_flight} sequences in flight, limit "
+                           f"{self.capacity}); retry later", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        self.in_flight += sequences
+
+    def reserve_spare(self, sequences: int) -> bool:
+        """Take ``sequences`` slots only if they are free (work no client waits for: never a 429, never queued)."""
+        if self.in_flight + sequences > self.capacity:
+            return False
+        self.in_flight += sequences
+        return True
+
+    def release(self, sequences: int = 1) -> None:
+        self.in_flight -= sequences
