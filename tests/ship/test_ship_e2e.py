@@ -143,10 +143,17 @@ def stop(proc: subprocess.Popen, grace: float) -> None:
         raise
 
 
-def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path):
-    runs = tmp_path / "runs"
-    incumbent = train_lora(runs, "inc", "1e-3", steps=5)
-    bad, good = train_lora(runs, "bad", "2e-4", steps=2), train_lora(runs, "good", "1e-3")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The three LoRA runs both tests ship, trained once: the incumbent, a worse run and a sound one."""
+    root = tmp_path_factory.mktemp("runs")
+    return {"inc": train_lora(root, "inc", "1e-3", steps=5), "bad": train_lora(root, "bad", "2e-4", steps=2),
+            "good": train_lora(root, "good", "1e-3")}
+
+
+@pytest.mark.budget(245)
+def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path, runs):
+    incumbent, bad, good = runs["inc"], runs["bad"], runs["good"]
     (tmp_path / "serve.yaml").write_text(
         f"models:\n  - {{name: tiny, path: builtin:tiny-arith}}\n  - {{name: inc, adapter: {incumbent}}}\n"
         f"routes:\n  default: {{inc: 1.0}}\nadmin_api_key: {KEY}\nrecords_path: {tmp_path / 'records.jsonl'}\n"
@@ -215,12 +222,12 @@ def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path)
         assert lineage and all(r["run"] == "good" and r["step"] == 10 and len(r["weights"]) == 16 for r in lineage)
 
 
-def test_ship_on_the_fleet_every_replica_follows(tmp_path):
+@pytest.mark.budget(160)
+def test_ship_on_the_fleet_every_replica_follows(tmp_path, runs):
     """``verl ship`` against ``verl serve --replicas 2`` (a real local Ray cluster): the candidate is loaded on both
     replicas (the control plane's two-phase change), the canary reads the fleet's merged records, and the promote
     reaches every replica: state reads answered by both replicas show the candidate with the whole route."""
-    runs = tmp_path / "runs"
-    incumbent, good = train_lora(runs, "inc", "1e-3", steps=5), train_lora(runs, "good", "1e-3")
+    incumbent, good = runs["inc"], runs["good"]
     (tmp_path / "serve.yaml").write_text(
         f"models:\n  - {{name: tiny, path: builtin:tiny-arith}}\n  - {{name: inc, adapter: {incumbent}}}\n"
         f"routes:\n  default: {{inc: 1.0}}\nadmin_api_key: {KEY}\n" + FAULTS)
