@@ -32,6 +32,7 @@ def test_reuse_needs_matching_hashes(tmp_path):
     assert not gguf._reusable(target, "abc")
 
 
+@pytest.mark.budget(20)
 @pytest.mark.slow
 def test_smollm2_converts_once_and_loads_as_a_normal_hf_model(tmp_path, monkeypatch):
     pytest.importorskip("gguf")

@@ -30,24 +30,28 @@ def _train(tmp_path, name, *overrides):
     return first, last
 
 
+@pytest.mark.budget(40)
 def test_default_grpo_learns_the_format(tmp_path):
     first, last = _train(tmp_path, "grpo")
     assert first["accuracy"] < 0.6
     assert last["accuracy"] - first["accuracy"] >= 0.5
 
 
+@pytest.mark.budget(70)
 def test_ppo_with_critic_learns(tmp_path):
     first, last = _train(tmp_path, "ppo", "--config", "configs/ppo_tiny.yaml")
     assert first["accuracy"] < 0.6
     assert last["accuracy"] - first["accuracy"] >= 0.3
 
 
+@pytest.mark.budget(35)
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_plus_plus"])
 def test_other_estimators_learn(tmp_path, estimator):
     first, last = _train(tmp_path, estimator, f"algorithm.adv_estimator={estimator}")
     assert last["accuracy"] - first["accuracy"] >= 0.3
 
 
+@pytest.mark.budget(40)
 def test_lora_learns_and_checkpoints_keep_the_adapter(tmp_path):
     first, last = _train(tmp_path, "lora", "model.lora.rank=16", "model.lora.alpha=32", "actor.optim.lr=1e-3",
                          "trainer.total_steps=30")
@@ -61,6 +65,7 @@ def test_lora_learns_and_checkpoints_keep_the_adapter(tmp_path):
     assert hasattr(model, "peft_config")
 
 
+@pytest.mark.budget(55)
 def test_two_ray_workers_learn_like_the_local_executor(tmp_path):
     """Rollouts are seeded per prompt and gradients summed exactly, so the runs track each other closely."""
     pytest.importorskip("ray")
@@ -72,6 +77,7 @@ def test_two_ray_workers_learn_like_the_local_executor(tmp_path):
     assert abs(ray_last["accuracy"] - local_last["accuracy"]) <= 0.05
 
 
+@pytest.mark.budget(100)
 def test_the_tiny_agent_learns_to_use_the_calculator(tmp_path):
     """configs/agent_tiny.yaml: the warm start rarely calls the tool and never greedily; GRPO on multi-turn
     rollouts makes it call the calculator and answer with the result (held-out products, greedy)."""

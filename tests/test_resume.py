@@ -64,6 +64,7 @@ def test_resume_disable_and_explicit_path(tmp_path):
         LocalPPOTrainer(tiny_config(tmp_path, trainer={"resume": str(tmp_path)}), quiet=True).fit()
 
 
+@pytest.mark.budget(50)
 @pytest.mark.slow  # a real process killed mid-run, then the same command again: ~1 minute
 def test_sigkill_then_resume_auto(tmp_path):
     """Kill -9 while training; every checkpoint left is complete; the same command continues."""

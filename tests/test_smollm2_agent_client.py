@@ -47,6 +47,7 @@ def exported(tmp_path_factory) -> Path:
     return root / "export"
 
 
+@pytest.mark.budget(170)
 def test_openai_client_tool_loop_against_the_trained_smollm2(exported):
     from openai import OpenAI
 

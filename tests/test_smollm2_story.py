@@ -48,6 +48,7 @@ def story(tmp_path_factory) -> dict[str, Path]:
     return {"root": root, "run": root / "verl" / "short"}
 
 
+@pytest.mark.budget(50)
 def test_train_writes_a_lora_checkpoint_of_the_real_model(story):
     ckpt = story["run"] / "checkpoints" / "global_step_1"
     adapter = json.loads((ckpt / "adapter_config.json").read_text())
@@ -58,6 +59,7 @@ def test_train_writes_a_lora_checkpoint_of_the_real_model(story):
     assert rollout["prompt_length_mean"] > 40  # the chat template with SmolLM2's system prompt around the story
 
 
+@pytest.mark.budget(80)
 def test_eval_compare_export_serve_and_loadtest_the_trained_model(story):
     root, run = story["root"], story["run"]
     common = ["--data", "builtin:word_problems/val", "--max-samples", "8", "--max-new-tokens", "16"]

@@ -173,6 +173,7 @@ def test_users_and_run_time_on_the_command_line_mean_a_fixed_load(service, tmp_p
     assert users <= {"0", "1", "2"} and "2" in users
 
 
+@pytest.mark.budget(30)
 @pytest.mark.slow
 def test_verl_loadtest_command(tmp_path):
     """The one command: service up on loopback, stepped Locust run, service down, report (about 40 s)."""
@@ -232,6 +233,7 @@ def test_verl_loadtest_against_a_running_service_with_two_processes(service, tmp
     assert "needs" in result.stderr and "Per replica" in result.stderr
 
 
+@pytest.mark.budget(25)
 @pytest.mark.slow
 def test_distributed_locust_processes_aggregate_custom_entries(service, tmp_path):
     """``--processes 2`` (a master and two forked workers): the LLM entries each worker fires reach the master's
@@ -255,6 +257,7 @@ def test_distributed_locust_processes_aggregate_custom_entries(service, tmp_path
     assert report["totals"]["locust_aggregated_requests"] == count["Aggregated"]
 
 
+@pytest.mark.budget(25)
 @pytest.mark.slow
 def test_locust_master_and_workers_as_separate_processes(service, tmp_path):
     """``--master`` and two ``--worker`` processes started on their own (as on separate machines): the stepped

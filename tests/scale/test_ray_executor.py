@@ -102,6 +102,7 @@ def test_one_step_off_policy_over_ray_matches_the_local_executor(tmp_path):
     assert all(r["wait_rollout"] >= 0 for r in rows_by_step(remote.run_dir, "timing").values())
 
 
+@pytest.mark.budget(70)
 @pytest.mark.slow  # six worker processes on two cores: minutes
 def test_split_placement_ppo_with_critic_and_resume(tmp_path):
     from verl.trainer.ray import RayPPOTrainer
@@ -133,6 +134,7 @@ def test_placement_larger_than_the_cluster_fails_at_once(tmp_path):
         RayPPOTrainer(config, quiet=True)
 
 
+@pytest.mark.budget(35)
 @pytest.mark.slow
 def test_worker_failure_names_role_and_rank_and_keeps_the_checkpoint(tmp_path):
     from verl.trainer.callbacks import TrainerCallback
@@ -160,6 +162,7 @@ def compared_values(run_dir) -> dict[str, float]:
     return values
 
 
+@pytest.mark.budget(35)
 @pytest.mark.slow
 def test_fsdp_over_two_ray_workers_matches_the_local_executor(tmp_path):
     """FSDP2 (fully_shard over a gloo group of two CPU processes) computes the local executor's steps.

@@ -88,6 +88,7 @@ def control_plane_process() -> psutil.Process:
     raise AssertionError("no control-plane process")
 
 
+@pytest.mark.budget(85)
 def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -187,6 +188,7 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
         print(out[-3000:])
 
 
+@pytest.mark.budget(40)
 def test_replicas_on_two_ray_nodes_started_with_ray_start(tmp_path):
     """Item 6: a head and a worker node started with ``ray start`` (two raylets on this box stand in for two
     machines, one CPU each), ``verl serve --replicas 2 --ray-address``: one replica lands on each node, and a promote
@@ -227,6 +229,7 @@ def test_replicas_on_two_ray_nodes_started_with_ray_start(tmp_path):
         subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
 
 
+@pytest.mark.budget(135)
 def test_readme_fleet_block_runs_as_written(tmp_path):
     """README's "Serving on several replicas" commands, as written: only the port and the server's lifetime (wait
     for two replicas, stop at the end) are adapted to a test."""

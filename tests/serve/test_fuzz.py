@@ -64,6 +64,7 @@ def test_no_server_errors(case, fuzz_server):
     check_case(case, fuzz_server)
 
 
+@pytest.mark.budget(6)
 @pytest.mark.slow
 @thorough.parametrize()
 @hypothesis.settings(max_examples=40, **FUZZ)

@@ -25,6 +25,7 @@ def readme_block(heading: str) -> str:
     return re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
 
 
+@pytest.mark.budget(145)
 def test_readme_canary_loop_runs_as_written(tmp_path: Path) -> None:
     """The canary block, then on the same service the `verl ship` block: a third run promoted through the gates and
     the canary under a rewarded load, and run-b refused."""

@@ -19,6 +19,7 @@ def cell(prefix: str):
     return next(c for c in cells() if c.name.startswith(prefix))
 
 
+@pytest.mark.budget(40)
 @pytest.mark.parametrize("prefix", ["base", "errors 1%", "sticky users", "reward rate drifts"])
 def test_identical_models_are_rarely_rolled_back(prefix: str):
     result = simulate(cell(prefix), 0.0, SIMS, seed=0)
@@ -26,6 +27,7 @@ def test_identical_models_are_rarely_rolled_back(prefix: str):
     assert result["promote"] + result["rollback"] + result["inconclusive"] == pytest.approx(1.0)
 
 
+@pytest.mark.budget(40)
 @pytest.mark.parametrize("prefix", ["base", "0/1 at 95%"])
 def test_a_candidate_worse_by_the_margin_is_rarely_promoted(prefix: str):
     chosen = cell(prefix)
@@ -33,6 +35,7 @@ def test_a_candidate_worse_by_the_margin_is_rarely_promoted(prefix: str):
     assert result["promote"] <= ALPHA, (prefix, result["promote"])
 
 
+@pytest.mark.budget(25)
 def test_a_ten_point_drop_is_caught_within_the_budget():
     result = simulate(cell("base"), -0.10, 300, seed=2)
     assert result["rollback"] >= 0.95

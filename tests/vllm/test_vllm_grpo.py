@@ -19,6 +19,7 @@ from tests.trainer_utils import rows, run_cli  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
+@pytest.mark.budget(100)
 def test_grpo_with_vllm_rollouts_learns(tmp_path):
     start = time.perf_counter()
     result = run_cli(["train", "rollout.name=vllm", "trainer.total_steps=40", f"trainer.output_dir={tmp_path}",

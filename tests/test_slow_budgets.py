@@ -1,0 +1,42 @@
+"""The slow group's stated budgets (tests/conftest.py): every slow test has one, and they add up to at most
+SLOW_GROUP_BUDGET_S, read from a real collection of the slow group (nothing runs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, SLOW_GROUP_BUDGET_S
+
+pytestmark = pytest.mark.e2e  # a pytest subprocess
+
+
+def collect_budgets(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VERL_PRINT_BUDGETS": "1"})
+
+
+def test_every_slow_test_states_a_budget_and_they_fit_the_group():
+    done = collect_budgets("-m", "slow", "tests")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    budgets = [(float(line.split(" ", 2)[1]), line.split(" ", 2)[2]) for line in done.stdout.splitlines()
+               if line.startswith("BUDGET ")]
+    collected = [line for line in done.stdout.splitlines() if "::" in line and not line.startswith("BUDGET ")]
+    assert len(budgets) == len(collected) > 30  # one budget per collected test
+    assert sum(b for b, _ in budgets) <= SLOW_GROUP_BUDGET_S, sorted(budgets, reverse=True)[:5]
+
+
+def test_a_slow_test_without_a_budget_fails_collection(tmp_path):
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import pytest\n\n@pytest.mark.slow\ndef test_unbudgeted():\n    pass\n\n"
+                     "@pytest.mark.slow\n@pytest.mark.budget(5)\ndef test_budgeted():\n    pass\n")
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n")
+    done = collect_budgets("--rootdir", str(tmp_path), "-m", "slow", str(probe))
+    said = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "test_unbudgeted" in said and "@pytest.mark.budget(seconds)" in said
+    assert "test_budgeted" not in said.split("state their budget")[1]
