@@ -84,6 +84,7 @@ USER_WEIGHTS = {"GenerateUser": "generate_weight", "CompletionUser": "completion
 
 # Filled once per process at test start (prompt file read, chats rendered, model name looked up).
 STATE: dict[str, Any] = {"prompts": [], "model": None, "ready": False}
+FIRST_USERS_WAIT_S = 30.0  # the longest the first level waits for its users (the run's timeout has 90 s spare)
 
 FAILURES: dict[str, Any] = {"succeeded": False, "failed": 0, "first": None, "aborted": False}
 
@@ -232,6 +233,8 @@ def prepare(environment: Environment, **_: Any) -> None:
     """Load prompts and find the model name once; render chats as text through the server when asked."""
     options = environment.parsed_options
     STATE["ready"] = False
+    STATE.pop("first_users_running", None)  # a new test (the web UI's restart) waits for its users again
+    STATE.pop("first_users_wait_from", None)
     apply_options(environment)
     host = environment.host or DEFAULT_HOST
     headers = _auth_headers(options.api_key)
@@ -562,7 +565,7 @@ class StepShape(LoadTestShape):
 
     def tick(self) -> tuple[int, float] | None:
         options = self.runner.environment.parsed_options
-        if not STATE["ready"]:
+        if not STATE["ready"] or self.waiting_for_first_users():
             # test_start (waiting for /health, loading prompts) runs beside this greenlet: hold the clock at 0.
             self.reset_time()
         if options.load_shape == "fixed":
@@ -574,3 +577,15 @@ class StepShape(LoadTestShape):
         if users is None:
             return None
         return users, float(users)  # spawn a whole level at once: the level's time is for measuring, not ramping
+
+    def waiting_for_first_users(self) -> bool:
+        """True until the first users run (at most ``FIRST_USERS_WAIT_S``). With ``--processes`` the workers start
+        their users only after their own test_start (the /health wait, loading prompts: seconds on a busy box),
+        which the master does not wait for; the first level's time, and so its percentile window, starts then."""
+        if STATE.get("first_users_running"):
+            return False
+        since = STATE.setdefault("first_users_wait_from", time.monotonic())
+        if self.runner.user_count > 0 or time.monotonic() - since > FIRST_USERS_WAIT_S:
+            STATE["first_users_running"] = True
+            return False
+        return True

@@ -181,3 +181,33 @@ def test_step_defaults_agree_in_help_conf_docs_and_verl_loadtest():
     assert defaults["max-users"] == int(conf["max-users"]) == int(row.group(1)) == LoadTestConfig(out_dir=".").max_users
     assert defaults["step-time"] == float(conf["step-time"]) == float(step_row.group(1)) \
         == LoadTestConfig(out_dir=".").step_time_s
+
+
+def test_the_first_level_starts_its_clock_when_its_users_run():
+    """Workers of a distributed run start their users seconds after the master's test_start: the step shape holds
+    the first level's clock at 0 until users run (or FIRST_USERS_WAIT_S passed), so its percentile window is full."""
+    import subprocess
+    import sys
+
+    from loadtest.run import LOCUST_CONF
+
+    # Importing locust monkey-patches this process (gevent): drive the real StepShape in a child process.
+    probe = (
+        "import time, types\n"
+        "import loadtest.locustfile as lf\n"
+        "lf.STATE['ready'] = True\n"
+        "options = types.SimpleNamespace(load_shape='steps', step_users='2,4', step_time=20, step_settle=5,\n"
+        "                                max_users=None)\n"
+        "runner = types.SimpleNamespace(user_count=0, environment=types.SimpleNamespace(parsed_options=options))\n"
+        "shape = lf.StepShape(); shape.runner = runner\n"
+        "shape.start_time -= 15\n"  # 15 s have passed, but no user runs yet: the clock stays at 0
+        "held = (shape.tick(), round(shape.get_run_time()))\n"
+        "runner.user_count = 2; shape.start_time -= 15\n"  # users run; 15 s later the clock says so
+        "ran = (shape.tick(), round(shape.get_run_time()))\n"
+        "runner.user_count = 0; lf.STATE.pop('first_users_running')\n"
+        "lf.STATE['first_users_wait_from'] = time.monotonic() - lf.FIRST_USERS_WAIT_S - 1\n"
+        "print(held, ran, shape.waiting_for_first_users())\n")  # past the longest wait: it gives up holding
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          cwd=LOCUST_CONF.parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "((2, 2.0), 0) ((2, 2.0), 15) False"
