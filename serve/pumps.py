@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from serve.admission import Admission, Responder
 from serve.engines.base import EngineError, EngineOutput, EngineRequest, RequestFailedError, SamplingOptions
+from serve.lifecycle import ModelLifecycle
 from serve.metrics import SequenceTimer, ServeMetrics
 from serve.records import OnlineRecords, prompt_hash, score
-from serve.registry import ModelRegistry
 from serve.settings import ServeSettings
 from serve.shadow import ShadowTraffic
 
@@ -51,10 +51,10 @@ Sink = Callable[[int, EngineOutput | BaseException], None]
 class Pumps:
     """The running sequences (``tasks``) of every request, mirrors included."""
 
-    def __init__(self, settings: ServeSettings, registry: ModelRegistry, admission: Admission,
-                 shadow: ShadowTraffic, metrics: ServeMetrics, records: OnlineRecords, primary: Callable[[], str]):
-        self.settings, self.registry, self.admission, self.shadow = settings, registry, admission, shadow
-        self.metrics, self.records, self.primary = metrics, records, primary
+    def __init__(self, settings: ServeSettings, lifecycle: ModelLifecycle, admission: Admission,
+                 shadow: ShadowTraffic, metrics: ServeMetrics, records: OnlineRecords):
+        self.settings, self.lifecycle, self.admission, self.shadow = settings, lifecycle, admission, shadow
+        self.metrics, self.records = metrics, records
         self.tasks: set[asyncio.Task] = set()
 
     def start(self, request_id: str, specs: list[SequenceSpec], sink: Sink, stream: bool,
@@ -62,7 +62,7 @@ class Pumps:
         """One task per sequence (its slot already admitted), reading the engine stream and passing each output to
         ``sink``; a drawn share of a route's requests is mirrored to its shadow model too."""
         if target is None:
-            target = Responder(self.registry.models[self.primary()])
+            target = Responder(self.lifecycle.registry.models[self.lifecycle.model_name])
         tasks = self._spawn(target, request_id, request_id, specs, stream, sink)
         mirror = self.shadow.mirror_of(target, len(specs))
         if mirror is not None:

@@ -47,8 +47,7 @@ class Service:
         registry = self.lifecycle.registry
         self.admission = Admission(settings, self.lifecycle, self.metrics, self.records)
         self.shadow = ShadowTraffic(registry, self.admission, in_fleet=fleet is not None)
-        self.pumps = Pumps(settings, registry, self.admission, self.shadow, self.metrics, self.records,
-                           primary=lambda: self.lifecycle.model_name)
+        self.pumps = Pumps(settings, self.lifecycle, self.admission, self.shadow, self.metrics, self.records)
         self.changes: LocalChanges | FleetSync = (FleetSync(fleet, self.lifecycle) if fleet is not None
                                                   else LocalChanges(self.lifecycle))
         self._abort_timer: asyncio.TimerHandle | None = None
