@@ -121,12 +121,11 @@ def pytest_runtest_makereport(item, call) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    ran = {n: d for n, d in _DURATIONS.items() if n in _BUDGETS}
-    if not ran:
+    if not _DURATIONS:  # no budgeted (slow) test ran in this process
         return
-    over = sorted((d - _BUDGETS[n], n) for n, d in ran.items() if d > _BUDGETS[n])
-    stated = sum(_BUDGETS[n] for n in ran)
-    terminalreporter.write_line(f"slow tests: {sum(ran.values()):.0f} s run against {stated:.0f} s of stated budgets "
+    over = sorted((d - _BUDGETS[n], n) for n, d in _DURATIONS.items() if d > _BUDGETS[n])
+    ran, stated = sum(_DURATIONS.values()), sum(_BUDGETS[n] for n in _DURATIONS)
+    terminalreporter.write_line(f"slow tests: {ran:.0f} s run against {stated:.0f} s of stated budgets "
                                 f"({len(over)} over)")
     for excess, nodeid in over:
         terminalreporter.write_line(f"  over budget by {excess:.0f} s: {nodeid} ({_BUDGETS[nodeid]:g} s stated)")
