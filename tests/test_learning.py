@@ -66,6 +66,7 @@ def test_lora_learns_and_checkpoints_keep_the_adapter(tmp_path):
 
 
 @pytest.mark.budget(55)
+@pytest.mark.serial  # a Ray cluster: one at a time
 def test_two_ray_workers_learn_like_the_local_executor(tmp_path):
     """Rollouts are seeded per prompt and gradients summed exactly, so the runs track each other closely."""
     pytest.importorskip("ray")
@@ -77,16 +78,5 @@ def test_two_ray_workers_learn_like_the_local_executor(tmp_path):
     assert abs(ray_last["accuracy"] - local_last["accuracy"]) <= 0.05
 
 
-@pytest.mark.budget(100)
-def test_the_tiny_agent_learns_to_use_the_calculator(tmp_path):
-    """configs/agent_tiny.yaml: the warm start rarely calls the tool and never greedily; GRPO on multi-turn
-    rollouts makes it call the calculator and answer with the result (held-out products, greedy)."""
-    first, last = _train(tmp_path, "agent", "--config", "configs/agent_tiny.yaml")
-    assert first["tool_call_rate"] < 0.2 and first["accuracy"] < 0.2
-    assert last["accuracy"] - first["accuracy"] >= 0.4
-    assert last["tool_call_rate"] >= 0.8 and last["valid_call_rate"] >= 0.9
-    training = rows(tmp_path / "verl" / "agent" / "verl_logs.jsonl", "rollout")
-    early = sum(r["tool_call_rate"] for r in training[:5]) / 5
-    late = sum(r["tool_call_rate"] for r in training[-5:]) / 5
-    print(f"agent: rollout tool_call_rate {early:.2f} (first 5 steps) -> {late:.2f} (last 5)")
-    assert late - early >= 0.3
+# The tiny agent's learning claim (configs/agent_tiny.yaml) is checked on the README's own run of that config:
+# tests/test_readme_agents.py (one training, not two).

@@ -48,8 +48,19 @@ def test_readme_agent_story_runs_as_written(tmp_path: Path) -> None:
     for command in commands[:3]:
         run(command)
     run_dir = tmp_path / "outputs" / "verl" / "agent-a"
-    evals = [r for r in map(json.loads, (run_dir / "verl_logs.jsonl").read_text().splitlines()) if r["scope"] == "eval"]
-    assert evals[0]["accuracy"] < 0.2 and evals[-1]["accuracy"] >= 0.6  # the README's learning claim, loosely
+    logged = [json.loads(line) for line in (run_dir / "verl_logs.jsonl").read_text().splitlines()]
+    evals = [r for r in logged if r["scope"] == "eval"]
+    # The learning claim (this is also the tiny agent's learning test: configs/agent_tiny.yaml, trained once): the
+    # warm start rarely calls the tool and never greedily; GRPO on multi-turn rollouts makes it call the calculator
+    # and answer with the result (held-out products, greedy).
+    first, last = evals[0], evals[-1]
+    assert first["step"] == 0 and first["tool_call_rate"] < 0.2 and first["accuracy"] < 0.2
+    assert last["accuracy"] >= 0.6 and last["accuracy"] - first["accuracy"] >= 0.4
+    assert last["tool_call_rate"] >= 0.8 and last["valid_call_rate"] >= 0.9
+    training = [r for r in logged if r["scope"] == "rollout"]
+    early = sum(r["tool_call_rate"] for r in training[:5]) / 5
+    late = sum(r["tool_call_rate"] for r in training[-5:]) / 5
+    assert late - early >= 0.3, (early, late)
     # --n 4 --temperature 1 are not the run's validation settings: their results get their own directory.
     results = json.loads(next(run_dir.glob("eval/*/global_step_30/results.json")).read_text())
     assert results["metrics"]["eval/tool_call_rate"]["value"] > 0.8

@@ -18,7 +18,7 @@ import pytest
 from verl.errors import ModelError
 from verl.models import gguf
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.xdist_group("smollm2-story")]  # one run
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "builtin:smollm2-135m-instruct"

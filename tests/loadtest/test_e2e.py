@@ -34,7 +34,7 @@ from loadtest.render import make_report
 from loadtest.report import SLO, parse_server_metrics
 from loadtest.run import LOCUST_CONF, LOCUSTFILE, LoadTestConfig, http_get, local_service, locust_command, run_locust
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(170)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(170), pytest.mark.serial]  # timed load
 
 HTTP_NAMES = {"/generate", "/v1/completions", "/v1/chat/completions [stream]"}
 LEVELS, STEP_S, SETTLE_S = (1, 2, 4), 5, 2

@@ -13,7 +13,8 @@ from verl.errors import VerlError
 from verl.trainer.checkpoint import list_checkpoints, read_pointer
 from verl.trainer.local import LocalPPOTrainer
 
-pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+# A real process, server, cluster or trainer run: `make test-fast` skips it; Ray clusters run one at a time.
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 ray = pytest.importorskip("ray")
 

@@ -31,7 +31,7 @@ import pytest
 from tests.serve.helpers import REPO, BackgroundClients
 from verl.utils.net import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.serial]  # Ray, timed load
 
 ADMIN = {"Authorization": "Bearer fleet-admin"}
 

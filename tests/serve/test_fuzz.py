@@ -19,7 +19,8 @@ from serve.api import create_app
 from serve.settings import load_settings
 from tests.serve.helpers import TEST_SETTINGS, run_server
 
-pytestmark = pytest.mark.e2e  # a real process, server, cluster or trainer run: `make test-fast` skips it
+# A real process, server, cluster or trainer run: `make test-fast` skips it; its tests share one server.
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("fuzz")]
 
 # Short generations keep each fuzzed request cheap; the spec itself does not depend on the settings.
 FUZZ_SETTINGS = {**TEST_SETTINGS, "max_output_tokens": 8, "default_max_tokens": 4, "max_n": 2,

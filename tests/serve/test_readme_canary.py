@@ -16,7 +16,7 @@ import pytest
 from tests.serve.helpers import REPO
 from verl.utils.net import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.serial]  # timed load
 
 
 def readme_block(heading: str) -> str:

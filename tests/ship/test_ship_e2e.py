@@ -38,7 +38,7 @@ import pytest
 from tests.serve.helpers import REPO
 from verl.utils.net import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.serial]  # timed load
 
 KEY = "ship-admin"
 SHIP = ["--route", "default", "--admin-key", KEY, "--stages", "0.25,0.5", "--min-per-stage", "30", "--margin", "0.1",
