@@ -120,7 +120,9 @@ def test_stepped_run_csvs_and_report_agree(stepped_run):
         assert step["latency_p99_ms"] == float(end["e2e_latency_ms"]["99%"])
         assert step["ttft_p50_ms"] == float(end["ttft_ms"]["50%"])
         assert step["requests_per_s"] > 0 and step["output_tokens_per_s"] > 0 and step["failure_rate"] == 0
-        assert 1 <= step["window_s"] <= STEP_S - SETTLE_S
+        # Locust writes a history row about once a second; on a busy box it skips one now and then, and the
+        # window's base is then the row before (one second more, never less).
+        assert 1 <= step["window_s"] <= STEP_S - SETTLE_S + 1
 
     # The SLO search on real numbers: a 60 s p95 holds everywhere; no 1 ms p95 holds anywhere.
     cap = report["capacity"]
