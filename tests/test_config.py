@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from verl.config import SFTConfig, VerlConfig, build_config, dump_config, load_config, parse_overrides
+from verl.config import RMConfig, SFTConfig, VerlConfig, build_config, dump_config, load_config, parse_overrides
 from verl.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
 def test_shipped_configs_load(path):
     if path.stem.startswith("eval"):
         pytest.skip("eval configs have their own schema (verl eval)")
-    schema = SFTConfig if path.stem.startswith("sft") else VerlConfig
+    schema = SFTConfig if path.stem.startswith("sft") else RMConfig if path.stem.startswith("rm_") else VerlConfig
     cfg = load_config(path, schema=schema)
     assert isinstance(cfg, schema)
     assert cfg.trainer.experiment_name.startswith(path.stem)

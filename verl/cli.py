@@ -2,7 +2,9 @@
 
     verl train [--config FILE] [key=value ...]     RL post-training (GRPO by default, on the built-in task)
     verl sft [--config FILE] [key=value ...]       supervised warm start
+    verl rm [--config FILE] [key=value ...]        reward model on preference pairs
     verl data arithmetic --out DIR                 write the built-in task's parquet files
+    verl data pairs --model M --out DIR            preference pairs from a model's own answers
     verl check-env                                 what is installed, what is missing, how to fix it
 
 Errors a user can act on (``VerlError``) print as one line and exit 1; ``--debug`` shows the traceback.
@@ -130,6 +132,28 @@ def sft(
     run_guarded(_run)
 
 
+@app.command(context_settings=OVERRIDE_CONTEXT)
+def rm(
+    ctx: typer.Context,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: the tiny model on "
+                                                "the built-in arithmetic pairs).")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+) -> None:
+    """Train a reward model on preference pairs (Bradley-Terry). Extra args are key=value overrides."""
+
+    def _run():
+        from verl.config import RMConfig, load_config
+        from verl.trainer.rm import RewardModelTrainer
+
+        quiet_hf()
+        cfg = load_config(config, _split_overrides(list(ctx.args)), schema=RMConfig, default_name="rm_tiny")
+        trainer = RewardModelTrainer(cfg, quiet=quiet)
+        path = trainer.fit()
+        err.print(f"final checkpoint: {path}  best held-out pairwise accuracy: {trainer.best_accuracy:.3f}")
+
+    run_guarded(_run)
+
+
 data_app = typer.Typer(help="Write datasets in the trainer's parquet format.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
@@ -169,6 +193,39 @@ def data_word_problems(
 
         for name, rows in generate_splits(WordProblemSpec()).items():
             err.print(f"{name}: {write_parquet(rows, out / f'{name}.parquet')}")
+
+    run_guarded(_run)
+
+
+@data_app.command("pairs")
+def data_pairs(
+    model: Annotated[str, typer.Option("--model", help="The model that answers: a checkpoint dir or builtin:NAME.")],
+    data: Annotated[list[str], typer.Option("--data", help="Rule-scored prompts (parquet or builtin:TASK/SPLIT); "
+                                            "repeatable.")] = ["builtin:arithmetic/train"],  # noqa: B006
+    out: Annotated[Path, typer.Option("--out", help="Output directory (train.parquet, val.parquet).")] = Path(
+        "data/pairs"),
+    n: Annotated[int, typer.Option("--n", help="Answers sampled per prompt.")] = 4,
+    temperature: Annotated[float, typer.Option("--temperature")] = 1.0,
+    max_prompts: Annotated[int, typer.Option("--max-prompts", help="Prompts sampled (the first N).")] = 1000,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 16,
+    max_prompt_length: Annotated[int, typer.Option("--max-prompt-length", help="Longer prompts are skipped.")] = 64,
+    pairs_per_prompt: Annotated[int, typer.Option("--pairs-per-prompt")] = 1,
+    val_fraction: Annotated[float, typer.Option("--val-fraction", help="Share of prompts held out.")] = 0.1,
+    seed: int = 0,
+) -> None:
+    """Preference pairs from a model's own answers: correct (by the task's rule) chosen over incorrect, for `verl rm`
+    (an outcome reward model)."""
+
+    def _run():
+        from verl.trainer.self_pairs import sample_pairs, write_pairs
+
+        quiet_hf()
+        rows, stats = sample_pairs(model, data, n=n, temperature=temperature, max_prompts=max_prompts,
+                                   max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length,
+                                   pairs_per_prompt=pairs_per_prompt, seed=seed)
+        err.print(stats.line())
+        for name, path in write_pairs(rows, out, val_fraction, seed).items():
+            err.print(f"{name}: {path}")
 
     run_guarded(_run)
 

@@ -249,8 +249,37 @@ class CustomRewardConfig(Section):
 
 
 class RewardModelConfig(Section):
-    path: str | None = Field(None, description="AutoModelForSequenceClassification dir; scores whole responses.")
-    micro_batch_size: int = Field(64, ge=1)
+    path: str | None = Field(None, description="AutoModelForSequenceClassification dir (a `verl rm` checkpoint); "
+                             "scores whole responses in this process.")
+    url: str | None = Field(None, description="A reward model behind a URL, on vLLM's classification API "
+                            "(`verl serve` with a kind: reward model, or `vllm serve`): POST {url}/classify. "
+                            "OpenRLHF's --remote_rm_url.")
+    name: str | None = Field(None, description="The served reward model's name (the `model` field); default: the "
+                             "service's first reward model.")
+    score: Literal["probability", "logit"] = Field(
+        "probability", description="Which number is the reward: the classifier's probability (sigmoid of its logit, "
+        "in [0, 1]) or the logit itself.")
+    weight: float = Field(1.0, description="The reward model's weight in the reward.")
+    rule_weight: float = Field(0.0, description="The rule reward's weight beside a reward model (0: the reward "
+                               "model alone; the rule accuracy is logged either way where rows have answers).")
+    micro_batch_size: int = Field(64, ge=1, description="Texts per forward (path) or per request (url).")
+    max_concurrency: int = Field(4, ge=1, description="url: requests in flight.")
+    timeout_s: float = Field(30.0, gt=0.0, description="url: per request.")
+    max_retries: int = Field(3, ge=0, description="url: retries of a timeout, connection error, 429 or 5xx, with "
+                             "exponential backoff.")
+    backoff_s: float = Field(0.5, ge=0.0, description="url: the first retry's wait (doubling, with jitter).")
+    rate_limit: float = Field(0.0, ge=0.0, description="url: most requests per second (0: unlimited).")
+    api_key_env: str | None = Field(None, description="url: the environment variable holding the bearer token.")
+    max_failed_share: float = Field(0.25, ge=0.0, le=1.0, description="A step whose share of samples without a "
+                                    "reward (after retries) exceeds this stops with an error; below it, those "
+                                    "samples are masked out of the loss (their whole group for GRPO-like "
+                                    "estimators) and counted in reward/failed.")
+
+    @model_validator(mode="after")
+    def _one_model(self) -> RewardModelConfig:
+        if self.path and self.url:
+            raise ValueError("reward.model: give path (in process) or url (remote), not both")
+        return self
 
 
 class RewardConfig(Section):
@@ -613,7 +642,8 @@ class VerlConfig(Section):
     @property
     def needs_ground_truth(self) -> bool:
         """Rule rewards need every row's ground truth; a reward model or a custom function may not."""
-        return self.reward.model.path is None and self.reward.custom_reward.path is None
+        return (self.reward.model.path is None and self.reward.model.url is None
+                and self.reward.custom_reward.path is None)
 
     def resolve_total_steps(self, num_prompts: int) -> int:
         """``trainer.total_steps``; when only ``total_epochs`` is set, that many passes over ``num_prompts``
@@ -681,6 +711,55 @@ class SFTConfig(Section):
         default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=50, lr_scheduler="cosine", min_lr_ratio=0.1)
     )
     trainer: SFTTrainerConfig = Field(default_factory=SFTTrainerConfig)
+
+    def run_dir(self) -> Path:
+        assert self.trainer.experiment_name
+        return Path(self.trainer.output_dir) / self.trainer.project_name / self.trainer.experiment_name
+
+    def log_path(self) -> Path:
+        base = Path(self.trainer.log_dir) if self.trainer.log_dir else self.run_dir()
+        return base / "verl_logs.jsonl"
+
+
+class RMDataConfig(Section):
+    train_files: list[str] = Field(["builtin:arithmetic/pairs_train"], description="Parquet of preference pairs "
+                                   "(TRL's layout: prompt + chosen + rejected, or chosen/rejected conversations).")
+    val_files: list[str] = Field(["builtin:arithmetic/pairs_val"], description="Held-out pairs (pairwise "
+                                 "accuracy); empty disables validation.")
+    prompt_key: str = Field("prompt", description="The prompt column (absent: prompts implicit in the pairs).")
+    chosen_key: str = Field("chosen", description="The preferred answer (or whole conversation).")
+    rejected_key: str = Field("rejected", description="The other answer (or whole conversation).")
+    max_length: int = Field(64, ge=2, description="Prompt + answer tokens per side; longer pairs are dropped.")
+    batch_size: int = Field(32, ge=1, description="Pairs per optimizer step.")
+    train_max_samples: int | None = Field(None, ge=1, description="Train on the first N pairs only.")
+    val_max_samples: int | None = Field(512, ge=1, description="Held-out pairs scored at each validation.")
+    arithmetic: ArithmeticTaskConfig = Field(default_factory=ArithmeticTaskConfig)
+
+
+class RMTrainerConfig(Section):
+    output_dir: str = Field("outputs")
+    project_name: str = Field("verl-rm")
+    experiment_name: str | None = Field(None)
+    total_steps: int = Field(300, ge=1)
+    test_freq: int = Field(50, description="Validate every N steps (and at the end); <= 0 disables.")
+    save_freq: int = Field(-1, description="Checkpoint every N steps; <= 0 only at the end.")
+    seed: int = Field(0)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto")
+    num_threads: int = Field(1, ge=0)
+    logger: list[str] = Field(["console", "jsonl"])
+    log_dir: str | None = Field(None)
+    log_level: Literal["DEBUG", "INFO", "WARNING"] = Field("INFO")
+
+
+class RMConfig(Section):
+    """Reward-model training on preference pairs (Bradley-Terry): ``verl rm``."""
+
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(path="builtin:tiny-arith"))
+    data: RMDataConfig = Field(default_factory=RMDataConfig)
+    optim: OptimConfig = Field(
+        default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=20, lr_scheduler="cosine", min_lr_ratio=0.1)
+    )
+    trainer: RMTrainerConfig = Field(default_factory=RMTrainerConfig)
 
     def run_dir(self) -> Path:
         assert self.trainer.experiment_name

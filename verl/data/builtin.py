@@ -1,14 +1,15 @@
 """Resolve ``builtin:<task>/<split>`` dataset names to deterministic parquet files written by the project.
 
-``builtin:arithmetic/train``, ``builtin:arithmetic/val`` and ``builtin:arithmetic/test`` (held out from training
-and from checkpoint selection: ``verl ship`` gates on it), and ``sft_train``/``sft_val`` (the same problems
-with a supervised ``response`` column) are written once per task spec into the cache
-directory (``$VERL_CACHE_DIR``, default ``~/.cache/verl-suite``) and reused; ``verl data arithmetic --out DIR``
-writes the same files where the user wants them. ``builtin:word_problems/train|val`` are the GSM8K-style stories
-for real pretrained models (``verl.data.tasks.word_problems``); ``builtin:tool_arithmetic/train|val|sft_train|
-sft_val`` the products a model solves with the calculator tool (``verl.data.tasks.tool_arithmetic``);
-``builtin:tool_word_problems/...`` stories of several kinds with a calculator, for real models
-(``verl.data.tasks.tool_word_problems``).
+``builtin:arithmetic/train``, ``builtin:arithmetic/val`` and ``builtin:arithmetic/test`` (held out from training and
+from checkpoint selection: ``verl ship`` gates on it), ``sft_train``/``sft_val`` (the same problems with a
+supervised ``response`` column) and ``pairs_train``/``pairs_val`` (preference pairs for ``verl rm``;
+``pairs_near_val``: one-digit slips) are written once per task spec into the cache directory (``$VERL_CACHE_DIR``,
+default ``~/.cache/verl-suite``) and reused;
+``verl data arithmetic --out DIR`` writes the same files where the user wants them.
+``builtin:word_problems/train|val`` are the GSM8K-style stories for real pretrained models
+(``verl.data.tasks.word_problems``); ``builtin:tool_arithmetic/train|val|sft_train|sft_val`` the products a model
+solves with the calculator tool (``verl.data.tasks.tool_arithmetic``); ``builtin:tool_word_problems/...`` stories of
+several kinds with a calculator, for real models (``verl.data.tasks.tool_word_problems``).
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from verl.data.tasks import tool_arithmetic, tool_word_problems, word_problems
-from verl.data.tasks.arithmetic import ArithmeticSpec, generate_splits, sft_response
+from verl.data.tasks.arithmetic import ArithmeticSpec, generate_splits, preference_pairs, sft_response
 from verl.errors import DataError
 from verl.utils.fs import atomic_path, cache_dir
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_TASKS = ("arithmetic", "word_problems", "tool_arithmetic", "tool_word_problems")
 BUILTIN_SPLITS = ("train", "val", "sft_train", "sft_val")
-TASK_SPLITS = {"arithmetic": (*BUILTIN_SPLITS, "test"), "word_problems": ("train", "val"),
+TASK_SPLITS = {"arithmetic": (*BUILTIN_SPLITS, "test", "pairs_train", "pairs_val",
+                              "pairs_near_val"), "word_problems": ("train", "val"),
                "tool_arithmetic": BUILTIN_SPLITS,
                "tool_word_problems": BUILTIN_SPLITS}
 # Generated tasks: task -> (module with generate_splits, its default spec).
@@ -45,7 +47,8 @@ def write_parquet(rows: list[dict], path: Path) -> Path:
 
 
 def write_arithmetic(out_dir: Path, spec: ArithmeticSpec | None = None) -> dict[str, Path]:
-    """Write ``train``, ``val`` and ``test.parquet`` (and the SFT copies of train and val) into ``out_dir``."""
+    """Write ``train``, ``val`` and ``test.parquet``, the SFT copies of train and val, and preference pairs of them
+    (``pairs_train``, ``pairs_val``) into ``out_dir``."""
     spec = spec or ArithmeticSpec()
     splits = generate_splits(spec)
     # Supervised copies of the same problems carry a `response` in the mixed answer formats.
@@ -55,6 +58,11 @@ def write_arithmetic(out_dir: Path, spec: ArithmeticSpec | None = None) -> dict[
             {**row, "response": sft_response(row["reward_model"]["ground_truth"], rng, spec.answer_formats)}
             for row in splits[name]
         ]
+    # Preference pairs of the same problems for `verl rm` (correct vs a near miss, both in the strict format).
+    splits["pairs_train"] = preference_pairs(splits["train"], random.Random(f"{spec.seed}-pairs-train"))
+    splits["pairs_val"] = preference_pairs(splits["val"], random.Random(f"{spec.seed}-pairs-val"), per_problem=2)
+    splits["pairs_near_val"] = preference_pairs(splits["val"], random.Random(f"{spec.seed}-pairs-near"),
+                                                per_problem=2, near=True)
     return {name: write_parquet(rows, out_dir / f"{name}.parquet") for name, rows in splits.items()}
 
 

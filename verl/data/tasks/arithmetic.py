@@ -106,3 +106,38 @@ def sft_response(ground_truth: str, rng: random.Random, formats=SFT_ANSWER_FORMA
     """A supervised target for one problem, its format drawn from the mix in ``formats``."""
     templates, weights = zip(*formats, strict=True)
     return rng.choices(templates, weights=weights, k=1)[0].format(ground_truth)
+
+
+def near_miss(ground_truth: str, rng: random.Random) -> str:
+    """A wrong answer a solver could plausibly give: the true answer with one digit changed (a slip or a lost carry),
+    same length, no leading zero, sign kept."""
+    sign, digits = ("-", ground_truth[1:]) if ground_truth.startswith("-") else ("", ground_truth)
+    position = rng.randrange(len(digits))
+    low = 1 if position == 0 and len(digits) > 1 else 0
+    choices = [str(d) for d in range(low, 10) if str(d) != digits[position]]
+    return sign + digits[:position] + rng.choice(choices) + digits[position + 1:]
+
+
+def wrong_answer(ground_truth: str, rng: random.Random) -> str:
+    """A wrong answer of the right shape: a random number with as many digits as the true one (same sign, no leading
+    zero). Telling it apart needs the sum's size and leading digits, not an exact check of every digit."""
+    sign, digits = ("-", ground_truth[1:]) if ground_truth.startswith("-") else ("", ground_truth)
+    low, high = (0, 9) if len(digits) == 1 else (10 ** (len(digits) - 1), 10 ** len(digits) - 1)
+    while True:
+        candidate = sign + str(rng.randint(low, high))
+        if candidate != ground_truth:
+            return candidate
+
+
+def preference_pairs(rows: list[dict], rng: random.Random, per_problem: int = 1, near: bool = False) -> list[dict]:
+    """Preference pairs for reward-model training (TRL's prompt / chosen / rejected columns): the correct answer
+    preferred to a wrong one, both in the strict ``>> N`` format, so the pairs differ in correctness only. The wrong
+    answer is a same-length number (``wrong_answer``), or with ``near`` a one-digit slip (``near_miss``: the harder
+    check, reported apart)."""
+    pairs = []
+    for row in rows:
+        truth = row["reward_model"]["ground_truth"]
+        for _ in range(per_problem):
+            wrong = near_miss(truth, rng) if near else wrong_answer(truth, rng)
+            pairs.append({**row, "chosen": f">> {truth}", "rejected": f">> {wrong}"})
+    return pairs
