@@ -119,7 +119,9 @@ def state(service: Service) -> dict:
         "process": process,
         "models": [{"name": m.name, "kind": m.kind, "base": m.base, "source": m.source, "in_flight": m.in_flight,
                     "retiring": m.retiring, "engine": m.engine.name, **m.lineage.fields()}
-                   for m in registry.models.values()],
+                   for m in registry.models.values()]
+        + [{"name": name, "kind": "reward", "base": name, "source": scorer.source, "in_flight": 0, "retiring": False,
+            "engine": "transformers", **scorer.lineage.fields()} for name, scorer in service.lifecycle.scorers.items()],
         "routes": {route: dict(weights) for route, weights in registry.routes.items()},
         "shadows": {route: {"model": m, "fraction": f} for route, (m, f) in registry.shadows.items()},
     }

@@ -67,19 +67,31 @@ class Admission:
         self.capacity = settings.max_batch_size + settings.max_queue_size
         self.in_flight = 0
 
-    def ready_engine(self) -> Engine:
-        """The primary model's engine, or the 503 while loading, draining or dead."""
+    def ready(self) -> None:
+        """Nothing, or the 503 while loading, draining or dead."""
         status, detail = self.lifecycle.health()
-        if status != "ok" or self.lifecycle.engine is None:
+        if status != "ok":
             self.metrics.rejected.labels(self.lifecycle.model_name, status).inc()
             raise ApiError(503, f"service unavailable: {detail}", type="service_unavailable", code=status,
                            headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def ready_engine(self) -> Engine:
+        """The primary model's engine, or the 503 while loading, draining or dead (a 400 on a service that serves
+        only reward models: nothing here generates)."""
+        self.ready()
+        if self.lifecycle.engine is None:
+            raise ApiError(400, f"this service serves only reward models ({', '.join(self.lifecycle.scorers)}): "
+                           "score texts with POST /classify or /pooling", param="model", code="model_not_found")
         return self.lifecycle.engine
 
     def target(self, requested: str | None, user: str | None, online: VerlExtension | None = None) -> Responder:
         """The model that answers a request naming ``requested`` (a model, a route, or None for the default)."""
         self.ready_engine()
         registry = self.lifecycle.registry
+        if requested in self.lifecycle.scorers:
+            raise ApiError(400, f"'{requested}' is a reward model: it scores texts (POST /classify or /pooling) and "
+                           "does not generate; send chat and completion requests to a chat model or a route",
+                           param="model", code="wrong_model_kind")
         try:
             model, route = registry.pick(requested, user)
         except UnknownModelError:

@@ -56,10 +56,13 @@ class LocalChanges:
     async def add_model(self, entry: ModelEntry) -> None:
         """Load a full model (``entry.path``) or an adapter over a served model; 409 when the name is taken."""
         async with self._lock:
-            if entry.name in self.registry.models or entry.name in self.registry.routes:
+            if entry.name in self.registry.models or entry.name in self.registry.routes \
+                    or entry.name in self.lifecycle.scorers:
                 raise name_in_use(entry.name)
             try:
-                if entry.path is not None:
+                if entry.kind == "reward":
+                    await self.lifecycle.load_reward(entry.name, entry.path)
+                elif entry.path is not None:
                     await self.lifecycle.load_model(entry.name, entry.path)
                 else:
                     await self.lifecycle.load_adapter(entry.name, entry.adapter,
@@ -71,9 +74,9 @@ class LocalChanges:
     async def remove_model(self, name: str) -> None:
         """Stop routing to ``name``, let its requests finish, release it; the last model cannot go."""
         async with self._lock:
-            if name not in self.registry.models:
+            if name not in self.registry.models and name not in self.lifecycle.scorers:
                 raise no_such("model", name)
-            if len(self.registry.names()) == 1:
+            if len(self.registry.names()) + len(self.lifecycle.scorers) == 1:
                 raise last_model(name)
             try:
                 await self.lifecycle.unload(name)

@@ -45,9 +45,10 @@ class FleetSync:
         state = await self._state()
         if entry.name in {m["name"] for m in state["models"]} or entry.name in state["routes"]:
             raise name_in_use(entry.name)
-        added = ({"name": entry.name, "path": entry.path} if entry.path is not None else
+        added = ({"name": entry.name, "path": entry.path, "kind": entry.kind} if entry.path is not None else
                  {"name": entry.name, "adapter": entry.adapter,
-                  "base": entry.base or next(m["name"] for m in state["models"] if m.get("path"))})
+                  "base": entry.base or next(m["name"] for m in state["models"]
+                                             if m.get("path") and m.get("kind", "chat") == "chat")})
         await self._change({**state, "models": [*state["models"], added]})
 
     async def remove_model(self, name: str) -> None:
@@ -89,11 +90,14 @@ class FleetSync:
 
     async def prepare(self, state: dict) -> None:
         """Load what ``state`` adds (models, then adapters) without routing to it."""
-        loaded = set(self.registry.models)
-        fulls = [m for m in state["models"] if m.get("path") is not None]
+        loaded = set(self.registry.models) | set(self.lifecycle.scorers)
+        fulls = [m for m in state["models"] if m.get("path") is not None and m.get("kind", "chat") == "chat"]
         for m in fulls:
             if m["name"] not in loaded:
                 await self.lifecycle.load_model(m["name"], m["path"])
+        for m in state["models"]:
+            if m.get("kind") == "reward" and m["name"] not in loaded:
+                await self.lifecycle.load_reward(m["name"], m["path"])
         for m in state["models"]:
             if m.get("adapter") is not None and m["name"] not in loaded:
                 await self.lifecycle.load_adapter(m["name"], m["adapter"], m.get("base") or fulls[0]["name"])
@@ -108,6 +112,7 @@ class FleetSync:
         self.lifecycle.config_version = int(state["version"])
         gone = sorted((n for n in self.registry.names() if n not in wanted),
                       key=lambda n: self.registry.models[n].kind != "adapter")  # adapters before their base
+        gone += [n for n in self.lifecycle.scorers if n not in wanted]
         if gone:  # in the background: their requests finish first, and the switch is reported at once
             task = asyncio.create_task(self.lifecycle.unload_all(gone))
             self._background.add(task)

@@ -9,15 +9,19 @@ import json
 import logging
 from pathlib import Path
 
+import torch
+
 from serve import __version__
 from serve.engines import create_engine
 from serve.engines.base import Engine
+from serve.engines.reward import RewardScorer
 from serve.export import ADAPTER_CONFIG, select_checkpoint
 from serve.lineage import lineage_of
 from serve.metrics import ServeMetrics
 from serve.registry import ModelRegistry, ServedModel
 from serve.settings import ModelEntry, ServeSettings
 from verl.errors import ConfigError
+from verl.models.loader import pick_device
 from verl.utils.fs import atomic_write_json
 
 # A child of uvicorn's logger: our lines appear in the server log with its format and level.
@@ -33,6 +37,11 @@ def initial_models(settings: ServeSettings) -> tuple[list[ModelEntry], dict[str,
     return settings.model_entries(), dict(settings.routes), None
 
 
+def primary_name(entries: list[ModelEntry]) -> str:
+    """The primary model: the first chat model (the first entry when every model is a reward model)."""
+    return next((e.name for e in entries if e.kind == "chat"), entries[0].name)
+
+
 def read_state(path: Path) -> tuple[list[ModelEntry], dict[str, dict[str, float]]]:
     """The models and routes a previous run saved in ``state_path``; a damaged file is an error naming it."""
     try:
@@ -42,7 +51,7 @@ def read_state(path: Path) -> tuple[list[ModelEntry], dict[str, dict[str, float]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"the service state file {path} is damaged ({exc}); fix or delete it (the service then "
                           "starts from serve.yaml's models and routes)") from None
-    if not any(e.path is not None for e in entries):
+    if not any(e.path is not None for e in entries):  # reward models count: a scoring-only service
         raise ConfigError(f"the service state file {path} lists no full model; delete it")
     return entries, routes
 
@@ -75,8 +84,9 @@ class ModelLifecycle:
                  routes: dict[str, dict[str, float]], state_note: str | None = None):
         self.settings, self.metrics = settings, metrics
         self.entries, self.routes, self.state_note = entries, routes, state_note
-        self.model_name = entries[0].name  # the primary model: /health, /tokenize, /generate without a route
+        self.model_name = primary_name(entries)  # the primary model: /health, /tokenize, /generate without a route
         self.registry = ModelRegistry()
+        self.scorers: dict[str, RewardScorer] = {}  # reward models (kind: reward): /classify and /pooling
         self.engine: Engine | None = None  # the primary model's engine
         self.config_version = 1
         self.status = "loading"
@@ -85,7 +95,7 @@ class ModelLifecycle:
     def adopt(self, entries: list[ModelEntry], routes: dict[str, dict[str, float]], version: int) -> None:
         """Before loading: serve these models and routes at ``version`` instead (a fleet replica joining)."""
         self.entries, self.routes = entries, routes
-        self.model_name, self.config_version = entries[0].name, version
+        self.model_name, self.config_version = primary_name(entries), version
 
     def announce(self) -> None:
         """One prominent line naming the model and who chose it, so the built-in default is never served silently."""
@@ -111,11 +121,13 @@ class ModelLifecycle:
         first_full = self.default_base()
         try:
             for entry in self.entries:
-                if entry.path is not None:
+                if entry.kind == "reward":
+                    await self.load_reward(entry.name, entry.path)
+                elif entry.path is not None:
                     await self.load_model(entry.name, entry.path)
             for entry in self.entries:
                 if entry.adapter is not None:
-                    await self.load_adapter(entry.name, entry.adapter, entry.base or first_full)
+                    await self.load_adapter(entry.name, entry.adapter, entry.base or first_full or "")
             for route, weights in self.routes.items():
                 self.registry.set_route(route, weights)
         except Exception as exc:
@@ -142,11 +154,25 @@ class ModelLifecycle:
         log.info("verl serve: %s ready on the %s engine (context %d tokens)", name, engine.name, engine.max_model_len)
         return model
 
-    def default_base(self) -> str:
+    async def load_reward(self, name: str, path: str) -> RewardScorer:
+        """Serve the reward model (sequence classifier) at ``path`` as ``name`` on /classify and /pooling."""
+        if name in self.registry.models or name in self.registry.routes or name in self.scorers:
+            raise ConfigError(f"the name '{name}' is already in use")
+        scorer = await asyncio.to_thread(RewardScorer, path, getattr(torch, self.settings.dtype),
+                                         pick_device(self.settings.device))
+        scorer.lineage = await asyncio.to_thread(lineage_of, path)
+        self.scorers[name] = scorer
+        log.info("verl serve: reward model %s ready (%d class%s)", name, scorer.num_labels,
+                 "" if scorer.num_labels == 1 else "es")
+        return scorer
+
+    def default_base(self) -> str | None:
         """The full model an adapter without ``base`` applies to: the first one served (the first configured one
-        while loading)."""
+        while loading); None when no chat model is served."""
         fulls = self.registry.full_models()
-        return fulls[0].name if fulls else next(e.name for e in self.entries if e.path is not None)
+        if fulls:
+            return fulls[0].name
+        return next((e.name for e in self.entries if e.path is not None and e.kind == "chat"), None)
 
     async def load_adapter(self, name: str, path: str, base: str) -> ServedModel:
         """Serve the LoRA adapter at ``path`` as ``name`` over full model ``base``'s engine (not merged)."""
@@ -167,6 +193,10 @@ class ModelLifecycle:
 
     async def unload(self, name: str) -> None:
         """Stop routing to ``name``, let its requests finish (up to ``request_timeout_s``), then release it."""
+        if name in self.scorers:  # a reward model: scoring calls are short and hold no queue slot
+            await self.scorers.pop(name).shutdown()
+            log.info("verl serve: reward model %s unloaded", name)
+            return
         model = self.registry.retire(name)
         self.registry.shadows = {r: v for r, v in self.registry.shadows.items() if v[0] != name}
         try:
@@ -200,13 +230,15 @@ class ModelLifecycle:
             if not m.retiring:
                 models.append({"name": m.name, "path": m.source} if m.kind == "model"
                               else {"name": m.name, "adapter": m.source, "base": m.base})
+        models += [{"name": name, "path": scorer.source, "kind": "reward"} for name, scorer in self.scorers.items()]
         atomic_write_json(Path(self.settings.state_path), {"models": models, "routes": self.registry.routes})
 
     def health(self) -> tuple[str, str | None]:
         """``(status, detail)``: ``ok`` only while every full model's engine is alive."""
         if self.status == "ok":
             dead = [m.name for m in self.registry.full_models() if not m.engine.is_healthy()]
-            if dead or self.engine is None:
+            dead += [name for name, scorer in self.scorers.items() if not scorer.is_healthy()]
+            if dead or (self.engine is None and not self.scorers):
                 self.status = "dead"
                 self.detail = f"the engine worker of {', '.join(dead)} stopped" if dead else "no model is served"
         return self.status, self.detail
@@ -216,6 +248,6 @@ class ModelLifecycle:
             self.status, self.detail = "draining", "the server is shutting down"
 
     async def shutdown_engines(self) -> None:
-        engines = [m.engine for m in self.registry.full_models()]
+        engines = [m.engine for m in self.registry.full_models()] + list(self.scorers.values())
         await asyncio.gather(*(e.shutdown(self.settings.shutdown_timeout_s) for e in engines),
                              return_exceptions=True)

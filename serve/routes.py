@@ -34,6 +34,7 @@ from serve.requests import (
 from serve.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ClassificationResponse,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -43,10 +44,13 @@ from serve.schemas import (
     HealthResponse,
     ModelCard,
     ModelList,
+    PoolingResponse,
+    ScoreRequest,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )
+from serve.scoring import score_request
 from serve.service import Service
 from serve.streaming import run_to_completion, stream_response, usage_block, usage_chunk
 from serve.tool_calling import ToolCallStream, plan_request, response_message, uses_tools
@@ -55,8 +59,8 @@ from verl.tools.templates import tool_chat_template
 
 
 def add_routes(app: FastAPI, service: Service) -> None:
-    """Mount the three routers on ``app``."""
-    for router in (ops_router(service), openai_router(service), native_router(service)):
+    """Mount the four routers on ``app``."""
+    for router in (ops_router(service), openai_router(service), native_router(service), scoring_router(service)):
         app.include_router(router)
 
 
@@ -107,9 +111,10 @@ def openai_router(service: Service) -> APIRouter:
     @router.get("/v1/models", response_model=ModelList, dependencies=protected, responses=ERROR_RESPONSES,
              tags=["openai"])
     async def models() -> dict:
-        """Every served model (LoRA adapters name their base in ``parent``), then every route (``parent`` null,
-        ``root`` the route's name): a client may send either in ``model``."""
-        service.admission.ready_engine()
+        """Every served model (LoRA adapters name their base in ``parent``; ``kind`` says whether it generates,
+        ``chat``, or scores, ``reward``), then every route (``parent`` null, ``root`` the route's name): a client may
+        send either in ``model``."""
+        service.admission.ready()
         registry = service.lifecycle.registry
         source = "serve.models" if service.settings.models else service.settings.model_source
         cards = []
@@ -117,11 +122,16 @@ def openai_router(service: Service) -> APIRouter:
             m = registry.models[name]
             cards.append({"id": name, "object": "model", "created": m.created, "owned_by": "verl-suite",
                           "root": m.base, "parent": m.base if m.kind == "adapter" else None,
-                          "max_model_len": m.engine.max_model_len, "source": source})  # never a local path
+                          "max_model_len": m.engine.max_model_len, "source": source,  # never a local path
+                          "kind": "chat"})
+        for name, scorer in service.lifecycle.scorers.items():
+            cards.append({"id": name, "object": "model", "created": scorer.created, "owned_by": "verl-suite",
+                          "root": name, "parent": None, "max_model_len": scorer.max_model_len, "source": source,
+                          "kind": "reward"})
         for route in registry.routes:
             cards.append({"id": route, "object": "model", "created": service.created, "owned_by": "verl-suite",
                           "root": route, "parent": None, "max_model_len": service.lifecycle.engine.max_model_len,
-                          "source": "serve.routes"})
+                          "source": "serve.routes", "kind": "chat"})
         return {"object": "list", "data": cards}
 
     @router.get("/v1/models/{model_id}", response_model=ModelCard, dependencies=protected, responses=ERROR_RESPONSES,
@@ -199,6 +209,30 @@ def native_router(service: Service) -> APIRouter:
         if bad:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    return router
+
+
+def scoring_router(service: Service) -> APIRouter:
+    """Reward models on vLLM's pooling API: /classify (also /v1/classify, as SGLang names it) and /pooling."""
+    router = APIRouter()
+    protected = [Depends(require_api_key)]
+
+    @router.post("/classify", response_model=ClassificationResponse, dependencies=protected,
+                 responses=ERROR_RESPONSES, tags=["scoring"])
+    async def classify(body: ScoreRequest) -> dict:
+        """Score texts, token ids or a conversation with a reward model: per input the class probabilities (a
+        reward model's one class: the probability its answer is preferred) or, with use_activation=false, logits."""
+        return await score_request(service, body, "classify")
+
+    router.add_api_route("/v1/classify", classify, methods=["POST"], response_model=ClassificationResponse,
+                         dependencies=protected, responses=ERROR_RESPONSES, tags=["scoring"], include_in_schema=False)
+
+    @router.post("/pooling", response_model=PoolingResponse, dependencies=protected, responses=ERROR_RESPONSES,
+                 tags=["scoring"])
+    async def pooling(body: ScoreRequest) -> dict:
+        """vLLM's pooling endpoint for reward models: per input its pooled output, the head's values."""
+        return await score_request(service, body, "pooling")
 
     return router
 

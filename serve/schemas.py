@@ -353,6 +353,8 @@ class ModelCard(BaseModel):
     max_model_len: int
     source: str = Field(description="Where the served model was chosen: env VERL_SERVE_MODEL, a serve.yaml, "
                         "an argument, or default (the built-in model).")
+    kind: Literal["chat", "reward"] = Field("chat", description="chat: answers completions and chat "
+                                            "completions; reward: scores texts on /classify and /pooling.")
 
 
 class ModelList(BaseModel):
@@ -397,3 +399,65 @@ class HealthResponse(BaseModel):
                                  "control plane).")
     replica_versions: list[int] | None = Field(None, description="The versions the live replicas serve (one "
                                                "entry once a change has reached all of them).")
+
+
+# ---------------------------------------------------------------- reward models (vLLM's pooling API)
+
+
+class ScoreRequest(_Strict):
+    """vLLM's classification / pooling request: texts or token ids in ``input``, or a conversation in ``messages``
+    (rendered as the prompt through the chat template, then the last assistant message's text)."""
+
+    model: str | None = Field(None, description="A reward model (kind: reward); default: the first one served.")
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]] | None = Field(
+        None, description="A text, texts, token ids, or lists of token ids: one score each.")
+    messages: list[ChatMessage] | None = Field(None, description="One conversation to score (its last message the "
+                                               "assistant answer being judged).")
+    user: str | None = None
+    use_activation: StrictBool | None = Field(None, description="Sigmoid (one class) or softmax (several) on the "
+                                              "logits; default true. false: the raw logits.")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="Keep only the last N tokens of each input.")
+    add_special_tokens: StrictBool | None = Field(None, description="Add the tokenizer's special tokens to texts "
+                                                  "(default: true for `input`, false for `messages`).")
+    priority: int = Field(0, description="Accepted for vLLM compatibility; requests are scored in arrival order.")
+    encoding_format: Literal["float"] | None = Field(None, description="/pooling: only float lists.")
+    task: Literal["classify"] | None = Field(None, description="/pooling: the pooling task (reward models "
+                                             "classify).")
+
+
+class ScoreUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+    prompt_tokens_details: None = None
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str | None
+    probs: list[float] = Field(description="Per class: probabilities (or logits with use_activation=false).")
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: ScoreUsage
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float]
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: ScoreUsage

@@ -10,6 +10,7 @@ default. Every field documents itself in ``docs/serving.md`` (generated from the
 from __future__ import annotations
 
 import contextvars
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +48,9 @@ class ModelEntry(BaseModel):
         None, description="A PEFT LoRA adapter dir (adapter_config.json), served over `base` without merging.")
     base: str | None = Field(
         None, description="For an adapter: the name of the full model entry it applies to (default: the first).")
+    kind: Literal["chat", "reward"] = Field(
+        "chat", description="chat: generates (completions, chat); reward: a sequence classifier (`verl rm`'s "
+        "checkpoints) that scores texts on /classify and /pooling.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelEntry:
@@ -55,7 +59,23 @@ class ModelEntry(BaseModel):
                              "adapter dir)")
         if self.path is not None and self.base is not None:
             raise ValueError(f"model '{self.name}': 'base' applies to adapters only")
+        if self.kind == "reward" and self.path is None:
+            raise ValueError(f"model '{self.name}': a reward model is served from 'path' (a `verl rm` checkpoint or "
+                             "export), not as an adapter")
         return self
+
+
+def is_reward_model(path: str) -> bool:
+    """Whether ``path`` is a sequence classifier (a ``verl rm`` checkpoint or export): its config.json names a
+    ``*ForSequenceClassification`` architecture. Built-in names and GGUF files are generative models."""
+    config = Path(path).expanduser() / "config.json"
+    if path.startswith("builtin:") or not config.is_file():
+        return False
+    try:
+        architectures = json.loads(config.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any(str(a).endswith("ForSequenceClassification") for a in architectures)
 
 
 # Served beside the default model when no model is configured: its chat template renders tools (issue 25).
@@ -207,13 +227,19 @@ class ServeSettings(BaseSettings):
         duplicated = sorted({n for n in names if names.count(n) > 1})
         if duplicated:
             raise ValueError(f"models: the name '{duplicated[0]}' is used twice; names must be unique")
-        full = [m.name for m in self.models if m.path is not None]
-        if self.models and not full:
+        full = [m.name for m in self.models if m.path is not None and m.kind == "chat"]
+        if any(m.adapter is not None for m in self.models) and not full:
             raise ValueError("models: adapters need a full model to apply to; add an entry with 'path'")
         for m in self.models:
             if m.adapter is not None and m.base is not None and m.base not in full:
                 raise ValueError(f"models: '{m.name}' names base '{m.base}', which is not a full model entry "
                                  f"(full models: {', '.join(full)})")
+        reward = {m.name for m in self.models if m.kind == "reward"}
+        for route, weights in self.routes.items():
+            scorers = sorted(reward & set(weights))
+            if scorers:
+                raise ValueError(f"routes.{route}: '{scorers[0]}' is a reward model; routes send chat and "
+                                 "completion requests, which reward models do not answer")
         known = set(names) or {self.model_name()}
         for route, weights in self.routes.items():
             check_route(route, weights, known)
@@ -241,7 +267,8 @@ class ServeSettings(BaseSettings):
         answers tool-calling requests too (``DEFAULT_TOOL_MODEL``)."""
         if self.models:
             return list(self.models)
-        entries = [ModelEntry(name=self.model_name(), path=self.model)]
+        kind = "reward" if is_reward_model(self.model) else "chat"  # VERL_SERVE_MODEL=<a verl rm export>
+        entries = [ModelEntry(name=self.model_name(), path=self.model, kind=kind)]
         if self.model_source == "default" and not self.served_model_name:
             entries.append(ModelEntry(name=DEFAULT_TOOL_MODEL.split(":", 1)[1], path=DEFAULT_TOOL_MODEL))
         return entries
