@@ -143,8 +143,11 @@ def test_custom_reward_function(tmp_path):
     assert extras["chars"].tolist() == [float(len(t)) for t in texts]
 
 
-def test_reward_model_scores_responses(tmp_path):
-    """A tiny AutoModelForSequenceClassification built here scores whole prompt+response texts."""
+@pytest.mark.parametrize("score", ["probability", "logit"])
+def test_reward_model_scores_responses(tmp_path, score):
+    """A tiny AutoModelForSequenceClassification built here scores whole prompt+response texts: the reward is its
+    probability (sigmoid of the logit at the last token) or, on request, the logit; the rule's accuracy is logged
+    beside it (the rows have answers)."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from verl.models.tiny import build_char_tokenizer
@@ -157,16 +160,21 @@ def test_reward_model_scores_responses(tmp_path):
     rm_dir = tmp_path / "rm"
     rm.save_pretrained(rm_dir)
     tokenizer.save_pretrained(rm_dir)
-    trainer = LocalPPOTrainer(tiny_config(tmp_path, reward={"model": {"path": str(rm_dir)}}), quiet=True)
+    trainer = LocalPPOTrainer(tiny_config(tmp_path, reward={"model": {"path": str(rm_dir), "score": score}}),
+                              quiet=True)
     prompts = trainer.train_dataset.collate([0, 1])
     batch = trainer.roles.generate(prompts, trainer.train_sampling(1))
-    scores, _, texts = trainer.roles.compute_reward(batch)
+    scores, extras, texts = trainer.roles.compute_reward(batch)
+    assert {"rm_score", "acc", "rule_score"} <= set(extras)
     # Independently: score each full text with the RM, read the logit at the last token.
     expected = []
     for prompt, text in zip(batch.non_tensor["raw_prompt"], texts, strict=True):
         ids = tokenizer(prompt + text, return_tensors="pt", add_special_tokens=False)
         expected.append(rm(**ids).logits[0, 0].item())
-    torch.testing.assert_close(scores.sum(-1), torch.tensor(expected), atol=1e-5, rtol=1e-4)
+    expected = torch.tensor(expected)
+    if score == "probability":
+        expected = torch.sigmoid(expected)
+    torch.testing.assert_close(scores.sum(-1), expected, atol=1e-5, rtol=1e-4)
     mask = batch.batch["response_mask"]
     last = mask.sum(-1) - 1
     assert torch.equal(scores.nonzero()[:, 1], last[scores.sum(-1) != 0])

@@ -53,6 +53,8 @@ RENAMES: dict[str, str] = {
     "trainer.log_val_generations": "trainer.num_samples_to_log",
     "data.tool_config_path": "rollout.multi_turn.tool_config_path",
     "rollout.multi_turn": "rollout.multi_turn.enable",  # older verl: multi_turn: True
+    "remote_rm_url": "reward.model.url",  # OpenRLHF's --remote_rm_url
+    "reward.model.remote_rm_url": "reward.model.url",
 }
 
 # Keys with no effect here: GPU engine tuning, cluster shape, features of verl we do not have. Prefixes end in ".".

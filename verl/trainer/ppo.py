@@ -50,6 +50,7 @@ from verl.trainer.checkpoint import (
     write_checkpoint,
 )
 from verl.trainer.health import callbacks_from_config
+from verl.trainer.missing_rewards import Dropped, mask_missing_rewards
 from verl.trainer.resume import check_resumable, saved_config
 from verl.trainer.step_metrics import rollout_metrics
 from verl.trainer.target import TARGET_SCOPE, Target, TargetClock
@@ -265,6 +266,7 @@ class PPOTrainer:
                     batch.batch["reward_baselines"] = self._greedy_baseline(prompts).repeat_interleave(n)
             with self.timer("reward"):
                 scores, extras, texts = self.roles.compute_reward(batch)
+                scores, dropped = self._mask_missing_rewards(batch, scores)
                 batch.batch["token_level_scores"] = scores
             if self.needs_old_log_probs and "old_log_probs" not in batch.batch:  # off-policy: the behaviour's
                 with self.timer("old_log_prob"):
@@ -303,7 +305,24 @@ class PPOTrainer:
                         actor_metrics = self.roles.update_actor(batch, cfg.actor.ppo_mini_batch_size * n)
                     self.policy_version += 1
         self._log_samples(step, batch, texts)
-        return self._step_metrics(step, batch, rollout, actor_metrics, critic_metrics, kl_metrics)
+        metrics = self._step_metrics(step, batch, rollout, actor_metrics, critic_metrics, kl_metrics)
+        if self.config.reward.model.path or self.config.reward.model.url:
+            metrics.update(log.scoped("reward", dropped.metrics()))
+        return metrics
+
+    def _mask_missing_rewards(self, batch: DataProto, scores: torch.Tensor) -> tuple[torch.Tensor, Dropped]:
+        """Mask samples without a reward (and their groups, for group estimators) out of the step
+        (``verl.trainer.missing_rewards``); a ReMax baseline that is missing counts as its group's reward missing."""
+        baselines = batch.batch.get("reward_baselines")
+        if baselines is not None and bool(torch.isnan(baselines).any()):
+            scores = scores.clone()
+            scores[torch.isnan(baselines)] = float("nan")
+        cfg = self.config
+        source = f"reward model {cfg.reward.model.url or cfg.reward.model.path}"
+        scores, batch.batch["response_mask"], dropped = mask_missing_rewards(
+            scores, batch.batch["response_mask"], batch.non_tensor["uid"],
+            estimator_facts(cfg.algorithm.adv_estimator).needs_groups, cfg.reward.model.max_failed_share, source)
+        return scores, dropped
 
     # ------------------------------------------------------------------ pieces of the step
 

@@ -1,12 +1,20 @@
-"""The reward role: rule functions, a user's function, or a reward model, producing token-level scores.
+"""The reward role: rule functions, a user's function, or a reward model (in process, ``reward.model.path``, or
+behind a URL, ``reward.model.url``), producing token-level scores.
 
 Output of ``compute(batch)``: ``token_level_scores`` of shape ``(batch, response_len)``, zero except at each
 response's last valid token, which holds the sequence score; plus per-sample extras (``acc``,
 ``acc_flexible`` ...) as numpy arrays for logging.
+
+With a reward model the score is ``weight * rm + rule_weight * rule`` (``reward.model``; the rule term only where
+every row has an answer), the reward model's own score is the extra ``rm_score``, and where rows have answers the
+rule's extras (``acc``: the strict accuracy) are computed too, so the log shows the reward the policy is trained on
+beside the accuracy a checker gives. A sample whose reward model score could not be obtained (a remote model that
+timed out or answered garbage after its retries) scores NaN: missing, never 0 — the trainer masks it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +23,13 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
 from verl.config import RewardConfig
-from verl.errors import ModelError, VerlError
+from verl.errors import ConfigError, ModelError, VerlError
 from verl.models.loader import resolve_model_path
+from verl.models.sequence_scores import sequence_scores
 from verl.protocol import DataProto
 from verl.rewards.registry import get_reward_fn, load_custom_reward, reward_for_data_source
+from verl.rewards.remote import RemoteRewardModel, RemoteStats
+from verl.utils import log
 
 
 def response_lengths(batch: DataProto) -> torch.Tensor:
@@ -61,8 +72,19 @@ class RewardManager:
         self.config = config or RewardConfig()
         self.fn: Callable[..., Any] | None = None
         self.model = None
-        if self.config.model.path:
-            self._load_reward_model(self.config.model.path, device)
+        self.remote: RemoteRewardModel | None = None
+        self.remote_stats: RemoteStats | None = None  # the last compute's, for the step's reward/* metrics
+        rm = self.config.model
+        if rm.path:
+            self._load_reward_model(rm.path, device)
+        elif rm.url:
+            key = os.environ.get(rm.api_key_env) if rm.api_key_env else None
+            if rm.api_key_env and not key:
+                raise ConfigError(f"reward.model.api_key_env={rm.api_key_env}: that environment variable is not set")
+            self.remote = RemoteRewardModel(rm.url, rm.name, rm.score, batch_size=rm.micro_batch_size,
+                                            max_concurrency=rm.max_concurrency, timeout_s=rm.timeout_s,
+                                            max_retries=rm.max_retries, backoff_s=rm.backoff_s,
+                                            rate_limit=rm.rate_limit, api_key=key)
         elif self.config.custom_reward.path:
             self.fn = load_custom_reward(self.config.custom_reward.path, self.config.custom_reward.name)
         elif self.config.name != "auto":
@@ -85,12 +107,36 @@ class RewardManager:
     def compute(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, np.ndarray], list[str]]:
         """Return ``(token_level_scores (batch, response_len), extras {name: (batch,)}, response texts)``."""
         texts = decode_responses(self.tokenizer, batch)
-        if self.model is not None:
-            scores = self._score_with_model(batch, texts)
-            extras: dict[str, np.ndarray] = {}
+        if self.model is not None or self.remote is not None:
+            scores, extras = self._score_with_reward_model(batch, texts)
         else:
             scores, extras = self._score_with_rules(batch, texts)
         return place_at_last_token(scores, batch.batch["response_mask"]), extras, texts
+
+    def _score_with_reward_model(self, batch: DataProto,
+                                 texts: list[str]) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        """The reward model's score (weighted, plus the weighted rule where rows have answers); NaN where missing."""
+        rm = self.config.model
+        full = [f"{p}{r}" for p, r in zip(batch.non_tensor["raw_prompt"], texts, strict=True)]
+        if self.remote is not None:
+            values, stats = self.remote.score(full)
+            self.remote_stats = stats
+            log.info("reward", requests=stats.requests, retries=stats.retries, failed_batches=stats.failed_batches,
+                     **({"failure": "; ".join(stats.reasons)} if stats.reasons else {}))
+            rm_scores = torch.from_numpy(values).float()
+        else:
+            logits = self._score_with_model(full)
+            rm_scores = torch.sigmoid(logits) if rm.score == "probability" else logits
+        extras: dict[str, np.ndarray] = {"rm_score": rm_scores.numpy().astype(np.float32)}
+        scores = rm.weight * rm_scores
+        truths = batch.non_tensor.get("ground_truth")
+        if truths is not None and all(t is not None for t in truths):
+            rule_scores, rule_extras = self._score_with_rules(batch, texts)
+            extras.update(rule_extras)
+            extras["rule_score"] = rule_scores.numpy()
+            if rm.rule_weight:
+                scores = scores + rm.rule_weight * rule_scores
+        return scores, extras
 
     def _score_with_rules(self, batch: DataProto, texts: list[str]) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         sources = batch.non_tensor["data_source"]
@@ -117,14 +163,14 @@ class RewardManager:
         return torch.from_numpy(scores), {k: np.asarray(v, dtype=np.float32) for k, v in extras.items()}
 
     @torch.no_grad()
-    def _score_with_model(self, batch: DataProto, texts: list[str]) -> torch.Tensor:
-        prompts = batch.non_tensor["raw_prompt"]
-        full = [f"{p}{r}" for p, r in zip(prompts, texts, strict=True)]
+    def _score_with_model(self, full: list[str]) -> torch.Tensor:
+        """The in-process reward model's logits, (batch,), of prompt + response texts (right-padded, read at each
+        text's last token as ``verl rm`` trained it)."""
         device = next(self.model.parameters()).device
         out = []
         for start in range(0, len(full), self.config.model.micro_batch_size):
             enc = self.rm_tokenizer(full[start : start + self.config.model.micro_batch_size], return_tensors="pt",
                                     padding=True, add_special_tokens=False).to(device)
-            logits = self.model(**enc).logits
+            logits = sequence_scores(self.model, enc["input_ids"], enc["attention_mask"])
             out.append(logits[:, 0].float().cpu())
         return torch.cat(out)
