@@ -58,7 +58,7 @@ def score_inputs(scorer: RewardScorer, body: ScoreRequest, limit: int) -> list[l
     if not texts:
         raise ApiError(400, "'input' must not be empty", param="input")
     if len(texts) > limit:
-        raise ApiError(400, f"{len(texts)} inputs in one request; the limit is {limit} (max_prompts_per_request)",
+        raise ApiError(400, f"{len(texts)} inputs in one request; the limit is {limit} (max_score_inputs)",
                        param="input")
     vocab = len(scorer.tokenizer)
     for i, item in enumerate(texts):
@@ -75,7 +75,7 @@ def score_inputs(scorer: RewardScorer, body: ScoreRequest, limit: int) -> list[l
 async def score_request(service: Service, body: ScoreRequest, endpoint: Literal["classify", "pooling"]) -> dict:
     """The response body of one ``/classify`` or ``/pooling`` request."""
     name, scorer = pick_scorer(service, body.model)
-    ids = score_inputs(scorer, body, service.settings.max_prompts_per_request)
+    ids = score_inputs(scorer, body, service.settings.max_score_inputs)
     scored = await scorer.score(ids, body.use_activation)
     service.metrics.prompt_tokens.labels(name).inc(scored.prompt_tokens)
     usage = {"prompt_tokens": scored.prompt_tokens, "total_tokens": scored.prompt_tokens, "completion_tokens": 0,

@@ -145,6 +145,8 @@ class ServeSettings(BaseSettings):
     default_max_tokens: int = Field(64, ge=1, description="`max_tokens` when a request gives none.")
     max_n: int = Field(8, ge=1, description="Largest `n` (completions per prompt) a request may ask for.")
     max_prompts_per_request: int = Field(32, ge=1, description="Largest list of prompts in one /v1/completions call.")
+    max_score_inputs: int = Field(256, ge=1, description="Largest list of inputs in one /classify or /pooling call "
+                                  "(reward models: one forward per 32, no generation).")
     max_body_bytes: int = Field(
         2 * 1024 * 1024, ge=1024, description="Largest request body; bigger ones get 413 before they are read."
     )
