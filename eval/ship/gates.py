@@ -8,8 +8,9 @@
   mean response length must not shrink to under half the incumbent's, and the candidate's exact KL to its run's
   base model is reported (refused above ``--max-kl`` when given).
 - **reward-hacking tripwire**: the candidate run's training reward rose by more than the margin while its held-out
-  accuracy fell by more than the margin (against its own first validation, or against the incumbent): the reward was
-  learnt, the task was not.
+  accuracy fell by more than the margin (against its own first validation, its own peak before the candidate's
+  step, or the incumbent), or — when a reward model gave the reward — rose by ``RM_STALL_Z`` of its starting spread
+  while the rule's held-out accuracy did not rise: the reward was learnt, the task was not.
 - **capacity**: a short load test of the candidate (already loaded in the service, 0% of the route) at the planning
   load; refused when its p95 is significantly above the SLO or its failures significantly above the incumbent's
   rate plus the allowed increase (binomial tests on the service's records of those requests, one look).
@@ -79,15 +80,20 @@ def guardrail_gate(pair: dict, margin: float, kl: float | None = None, max_kl: f
 
 
 def training_trend(run_dir: Path | None, step: int | None) -> dict[str, Any]:
-    """The candidate run's training reward and held-out accuracy, first vs at the candidate's step."""
+    """The candidate run's training reward and held-out accuracy, first vs at the candidate's step. The reward's rise
+    is also given in units of its spread across a step's samples at the start (``z``: a reward model's scores have
+    units of their own), and whether a reward model gave it (``source``: rows with ``rm_score``); the accuracy's
+    peak up to the candidate's step."""
     if run_dir is None or not (Path(run_dir) / "verl_logs.jsonl").is_file():
         return {}
-    rewards, accuracy = [], []
+    rewards, spreads, accuracy, from_rm = [], [], [], False
     for row in read_jsonl(Path(run_dir) / "verl_logs.jsonl"):
         if step is not None and row.get("step", 0) > step:
             continue
         if row.get("scope") == "rollout" and isinstance(row.get("reward_mean"), (int, float)):
             rewards.append((row["step"], float(row["reward_mean"])))
+            spreads.append(float(row["reward_std"]) if isinstance(row.get("reward_std"), (int, float)) else None)
+            from_rm = from_rm or "rm_score" in row
         if row.get("scope") == "eval" and isinstance(row.get("accuracy"), (int, float)):
             accuracy.append((row["step"], float(row["accuracy"])))
     out: dict[str, Any] = {}
@@ -95,26 +101,45 @@ def training_trend(run_dir: Path | None, step: int | None) -> dict[str, Any]:
         k = max(1, min(3, len(rewards) // 2))  # a few steps at each end: one step's reward is noisy
         first = sum(v for _, v in rewards[:k]) / k
         last = sum(v for _, v in rewards[-k:]) / k
-        out["train_reward"] = {"first": first, "last": last, "change": last - first, "steps_averaged": k}
+        early = [v for v in spreads[:k] if v is not None]
+        spread = sum(early) / len(early) if early else 0.0
+        out["train_reward"] = {"first": first, "last": last, "change": last - first, "steps_averaged": k,
+                               "z": (last - first) / spread if spread > 1e-9 else None,
+                               "source": "rm" if from_rm else "rule"}
     if len(accuracy) >= 2:
+        peak_step, peak = max(accuracy, key=lambda item: item[1])
         out["heldout_accuracy"] = {"first": accuracy[0][1], "last": accuracy[-1][1],
-                                   "change": accuracy[-1][1] - accuracy[0][1]}
+                                   "change": accuracy[-1][1] - accuracy[0][1], "peak": peak, "peak_step": peak_step}
     return out
+
+
+# A reward model's reward rising by this many of its starting spreads while the rule's accuracy does not rise:
+# the reward model is being learnt, not the task.
+RM_STALL_Z = 2.0
 
 
 def tripwire_gate(trend: dict[str, Any], pair: dict, metric: str, margin: float) -> Gate:
     reward = trend.get("train_reward")
     if reward is None or reward["change"] <= margin:
         return Gate("tripwire", True, "training reward did not rise beyond the margin: nothing to trip on", trend)
+    rose = f"training reward rose {reward['change']:+.3f}"
     own = trend.get("heldout_accuracy")
     if own is not None and own["change"] < -margin:
-        return Gate("tripwire", False, f"reward-hacking tripwire: training reward rose {reward['change']:+.3f} while "
-                    f"held-out accuracy fell {own['change']:+.3f} over the run", trend)
+        return Gate("tripwire", False, f"reward-hacking tripwire: {rose} while held-out accuracy fell "
+                    f"{own['change']:+.3f} over the run", trend)
+    if own is not None and own["last"] < own["peak"] - margin:
+        return Gate("tripwire", False, f"reward-hacking tripwire: {rose} while held-out accuracy fell from its peak "
+                    f"{own['peak']:.3f} (step {own['peak_step']}) to {own['last']:.3f}", trend)
+    z = reward.get("z")
+    if (own is not None and reward.get("source") == "rm" and z is not None and z >= RM_STALL_Z
+            and own["change"] <= margin):
+        return Gate("tripwire", False, f"reward-hacking tripwire: the reward model's reward rose {z:.1f} times its "
+                    f"starting spread while the rule's held-out accuracy did not rise ({own['change']:+.3f})", trend)
     row = pair["metrics"].get(metric)
     if row is not None and row["diff"] < -margin:
-        return Gate("tripwire", False, f"reward-hacking tripwire: training reward rose {reward['change']:+.3f} but "
-                    f"held-out {metric} is {row['diff']:+.3f} against the incumbent", trend)
-    return Gate("tripwire", True, f"training reward rose {reward['change']:+.3f} and held-out accuracy held", trend)
+        return Gate("tripwire", False, f"reward-hacking tripwire: {rose} but held-out {metric} is "
+                    f"{row['diff']:+.3f} against the incumbent", trend)
+    return Gate("tripwire", True, f"{rose} and held-out accuracy held", trend)
 
 
 def capacity_gate(report: dict, rows: list[dict], slo_p95_ms: float, allowance: float, alpha: float) -> Gate:

@@ -74,3 +74,39 @@ def test_guardrails_refuse_collapse_shrinking_and_kl():
     assert "shrank to 3.0 tokens" in guardrail_gate(pair(0.0, 0.02, 3.0), 0.05).reason
     refused = guardrail_gate(pair(0.0, 0.02, 8.0), 0.05, kl=0.3, max_kl=0.1)
     assert not refused.passed and "KL to the base model 0.3 above --max-kl 0.1" in refused.reason
+
+
+def test_the_tripwire_knows_a_reward_model_being_gamed(tmp_path):
+    """The two shapes measured with an RM as the only reward (docs/rewards.md): accuracy up, then down from its peak
+    while the RM's reward held (refused at the last step, passed at the peak); and an RM's reward far above its
+    starting spread while the rule's accuracy stalls (refused). A rule-reward run with the same stall is not judged
+    by the spread rule (its reward is the rule)."""
+    from eval.ship.gates import training_trend, tripwire_gate
+    from verl.utils.log import RunLogger
+
+    def run(rewards: list[float], accuracy: list[tuple[int, float]], rm: bool = True, step: int | None = None):
+        path = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        path.mkdir()
+        logger = RunLogger(path / "verl_logs.jsonl")
+        for step_, value in enumerate(rewards, 1):
+            logger.info("rollout", reward_mean=value, reward_std=0.1, **({"rm_score": value} if rm else {}))
+            logger.flush(step_)
+        for step_, value in accuracy:
+            logger.info("eval", accuracy=value)
+            logger.flush(step_)
+        logger.close()
+        return training_trend(path, step)
+
+    pair = {"metrics": {"eval/accuracy": {"diff": 0.0}}}
+    rewards = [0.22, 0.3, 0.5, 0.9, 0.95, 0.97, 0.97, 0.97]
+    accuracy = [(0, 0.004), (2, 0.52), (4, 0.67), (6, 0.36), (8, 0.125)]
+    last = tripwire_gate(run(rewards, accuracy), pair, "eval/accuracy", 0.05)
+    assert not last.passed and "fell from its peak 0.670 (step 4) to 0.125" in last.reason
+    at_peak = run(rewards, accuracy, step=4)
+    assert at_peak["heldout_accuracy"]["peak"] == 0.67 and tripwire_gate(at_peak, pair, "eval/accuracy", 0.05).passed
+    stalled = run([0.1, 0.1, 0.1, 0.6, 0.6, 0.6], [(0, 0.01), (6, 0.03)])
+    assert stalled["train_reward"]["z"] == pytest.approx(5.0) and stalled["train_reward"]["source"] == "rm"
+    gate = tripwire_gate(stalled, pair, "eval/accuracy", 0.05)
+    assert not gate.passed and "rose 5.0 times its starting spread" in gate.reason
+    assert tripwire_gate(run([0.1, 0.1, 0.1, 0.6, 0.6, 0.6], [(0, 0.01), (6, 0.03)], rm=False), pair,
+                         "eval/accuracy", 0.05).passed
