@@ -701,6 +701,17 @@ class SFTRolloutConfig(Section):
                                         "with tool calls and for validating them as the RL rollout runs them.")
 
 
+def _run_dir(self) -> Path:
+    """<output_dir>/<project_name>/<experiment_name> of a one-model run (``verl sft``, ``verl rm``)."""
+    assert self.trainer.experiment_name
+    return Path(self.trainer.output_dir) / self.trainer.project_name / self.trainer.experiment_name
+
+
+def _log_path(self) -> Path:
+    base = Path(self.trainer.log_dir) if self.trainer.log_dir else self.run_dir()
+    return base / "verl_logs.jsonl"
+
+
 class SFTConfig(Section):
     """Supervised fine-tuning (the warm start before RL)."""
 
@@ -712,13 +723,8 @@ class SFTConfig(Section):
     )
     trainer: SFTTrainerConfig = Field(default_factory=SFTTrainerConfig)
 
-    def run_dir(self) -> Path:
-        assert self.trainer.experiment_name
-        return Path(self.trainer.output_dir) / self.trainer.project_name / self.trainer.experiment_name
-
-    def log_path(self) -> Path:
-        base = Path(self.trainer.log_dir) if self.trainer.log_dir else self.run_dir()
-        return base / "verl_logs.jsonl"
+    run_dir = _run_dir
+    log_path = _log_path
 
 
 class RMDataConfig(Section):
@@ -736,19 +742,10 @@ class RMDataConfig(Section):
     arithmetic: ArithmeticTaskConfig = Field(default_factory=ArithmeticTaskConfig)
 
 
-class RMTrainerConfig(Section):
-    output_dir: str = Field("outputs")
+class RMTrainerConfig(SFTTrainerConfig):
     project_name: str = Field("verl-rm")
-    experiment_name: str | None = Field(None)
     total_steps: int = Field(300, ge=1)
     test_freq: int = Field(50, description="Validate every N steps (and at the end); <= 0 disables.")
-    save_freq: int = Field(-1, description="Checkpoint every N steps; <= 0 only at the end.")
-    seed: int = Field(0)
-    device: Literal["auto", "cpu", "cuda"] = Field("auto")
-    num_threads: int = Field(1, ge=0)
-    logger: list[str] = Field(["console", "jsonl"])
-    log_dir: str | None = Field(None)
-    log_level: Literal["DEBUG", "INFO", "WARNING"] = Field("INFO")
 
 
 class RMConfig(Section):
@@ -761,13 +758,8 @@ class RMConfig(Section):
     )
     trainer: RMTrainerConfig = Field(default_factory=RMTrainerConfig)
 
-    def run_dir(self) -> Path:
-        assert self.trainer.experiment_name
-        return Path(self.trainer.output_dir) / self.trainer.project_name / self.trainer.experiment_name
-
-    def log_path(self) -> Path:
-        base = Path(self.trainer.log_dir) if self.trainer.log_dir else self.run_dir()
-        return base / "verl_logs.jsonl"
+    run_dir = _run_dir
+    log_path = _log_path
 
 
 # ---------------------------------------------------------------------------------------------- loading

@@ -27,16 +27,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
-from verl.config import RMConfig, dump_config
+from verl.config import RMConfig
 from verl.data.dataset import read_rows
 from verl.data.pairs import Pair, read_pair
 from verl.errors import DataError, ModelError
 from verl.models.loader import load_tokenizer, pick_device, resolve_model_path
 from verl.models.sequence_scores import sequence_scores
-from verl.tracking import create_trackers
 from verl.trainer.checkpoint import save_checkpoint, write_pointer
+from verl.trainer.run_dir import open_run
 from verl.utils import log
-from verl.utils.fs import atomic_write_text, ensure_writable_dir
 from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.optim import build_optimizer, build_scheduler
 
@@ -140,12 +139,7 @@ class RewardModelTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(params, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.trainer.total_steps)
-        self.run_dir = config.run_dir()
-        ensure_writable_dir(self.run_dir, "the run directory (trainer.output_dir)")
-        atomic_write_text(self.run_dir / "config.yaml", dump_config(config))
-        trackers = create_trackers(config.trainer.logger, total_steps=config.trainer.total_steps, quiet=quiet,
-                                   config=config, run_dir=self.run_dir)
-        self.logger = log.RunLogger(config.log_path(), trackers, config.trainer.log_level)
+        self.run_dir, self.logger = open_run(config, quiet)
         self.best_accuracy = -1.0
 
     def _with_lora(self, model):

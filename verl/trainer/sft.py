@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from verl.config import DataConfig, RewardConfig, SFTConfig, build_config, dump_config
+from verl.config import DataConfig, RewardConfig, SFTConfig, build_config
 from verl.data.dataset import RLHFDataset, get_nested, prompt_text, read_rows
 from verl.errors import ConfigError, DataError
 from verl.models.loader import load_causal_lm, load_tokenizer, pick_device
@@ -28,11 +28,11 @@ from verl.rollout.base import SamplingParams
 from verl.rollout.hf import HFRollout
 from verl.tools.registry import tools_for_row
 from verl.tools.templates import ConversationTokens, ToolPrompting
-from verl.tracking import create_trackers
 from verl.trainer.checkpoint import save_checkpoint
+from verl.trainer.run_dir import open_run
 from verl.trainer.validation import generate_and_score, validation_metrics
 from verl.utils import log
-from verl.utils.fs import atomic_dir, atomic_write_text, ensure_writable_dir
+from verl.utils.fs import atomic_dir
 from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.optim import build_optimizer, build_scheduler
 from verl.workers.reward import RewardManager
@@ -145,12 +145,7 @@ class SFTTrainer:
             self.engine = AgentRollout(self.engine, config.rollout.multi_turn, config.data.max_response_length)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.trainer.total_steps)
-        self.run_dir = config.run_dir()
-        ensure_writable_dir(self.run_dir, "the run directory (trainer.output_dir)")
-        atomic_write_text(self.run_dir / "config.yaml", dump_config(config))
-        trackers = create_trackers(config.trainer.logger, total_steps=config.trainer.total_steps, quiet=quiet,
-                                   config=config, run_dir=self.run_dir)
-        self.logger = log.RunLogger(config.log_path(), trackers, config.trainer.log_level)
+        self.run_dir, self.logger = open_run(config, quiet)
 
     def validate(self) -> dict[str, float]:
         assert self.val_data is not None
