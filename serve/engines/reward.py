@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from serve.lineage import Lineage
-from verl.data.dataset import prompt_text
+from verl.data.dataset import prompt_text, right_pad
 from verl.errors import ConfigError, DataError
 from verl.models.loader import load_tokenizer, resolve_model_path
 from verl.models.sequence_scores import sequence_scores
@@ -98,13 +98,7 @@ class RewardScorer:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         with self._lock, torch.no_grad():
             for start in range(0, len(ids), MICRO_BATCH):
-                chunk = ids[start:start + MICRO_BATCH]
-                width = max(len(x) for x in chunk)
-                input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-                mask = torch.zeros_like(input_ids)
-                for row, x in enumerate(chunk):
-                    input_ids[row, :len(x)] = torch.as_tensor(x)
-                    mask[row, :len(x)] = 1
+                input_ids, mask = right_pad(ids[start:start + MICRO_BATCH], pad)
                 logits = sequence_scores(self.model, input_ids.to(self.device), mask.to(self.device))
                 out.append(logits.float().cpu())
         return torch.cat(out)

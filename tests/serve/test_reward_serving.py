@@ -16,6 +16,7 @@ from jsonschema import Draft202012Validator
 from serve.settings import ServeSettings
 from tests.serve.helpers import run_server
 from verl.config import RMConfig, build_config
+from verl.data.dataset import right_pad
 from verl.trainer.rm import RewardModelTrainer
 
 pytestmark = pytest.mark.e2e  # real servers
@@ -45,11 +46,7 @@ def server(reward_model):
 
 def trainer_scores(trainer: RewardModelTrainer, texts: list[str]) -> list[float]:
     ids = [trainer.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    width = max(map(len, ids))
-    input_ids = torch.full((len(ids), width), trainer.tokenizer.pad_token_id)
-    mask = torch.zeros_like(input_ids)
-    for i, x in enumerate(ids):
-        input_ids[i, : len(x)], mask[i, : len(x)] = torch.as_tensor(x), 1
+    input_ids, mask = right_pad(ids, trainer.tokenizer.pad_token_id)
     with torch.no_grad():
         chosen, rejected = trainer.scores({"input_ids": torch.cat([input_ids, input_ids]),
                                            "attention_mask": torch.cat([mask, mask])})

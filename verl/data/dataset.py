@@ -100,6 +100,18 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
     return ids, mask
 
 
+def right_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists to the longest: ``(input_ids, attention_mask)`` each ``(batch, max_len)`` (what a
+    sequence classifier reads at each row's last attended token)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        mask[i, : len(seq)] = 1
+    return ids, mask
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counting only real tokens: ``(batch, seq)``; padding positions are 0."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask

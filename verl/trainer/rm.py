@@ -28,7 +28,7 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 from verl.config import RMConfig
-from verl.data.dataset import read_rows
+from verl.data.dataset import read_rows, right_pad
 from verl.data.pairs import Pair, read_pair
 from verl.errors import DataError, ModelError
 from verl.models.loader import load_tokenizer, pick_device, resolve_model_path
@@ -79,13 +79,7 @@ class PairData:
     def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """``input_ids`` and ``attention_mask``, (2 * batch, len), right-padded: the chosen sides of the pairs in
         order, then their rejected sides."""
-        sequences = [self.ids[i][0] for i in indices] + [self.ids[i][1] for i in indices]
-        width = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, tokens in enumerate(sequences):
-            ids[row, : len(tokens)] = torch.as_tensor(tokens)
-            mask[row, : len(tokens)] = 1
+        ids, mask = right_pad([self.ids[i][0] for i in indices] + [self.ids[i][1] for i in indices], self.pad_id)
         return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -114,7 +108,7 @@ def load_reward_model(path: str, dtype: str, device: torch.device, pad_token_id:
         raise ModelError(f"model.path: cannot build a reward model from '{path}': {exc}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    model.config.pad_token_id = pad_token_id  # the head reads the last token that is not padding
+    model.config.pad_token_id = pad_token_id  # transformers' own forward needs it; we read by the mask
     return model.to(device)
 
 

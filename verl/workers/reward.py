@@ -28,7 +28,7 @@ from verl.models.loader import resolve_model_path
 from verl.models.sequence_scores import sequence_scores
 from verl.protocol import DataProto
 from verl.rewards.registry import get_reward_fn, load_custom_reward, reward_for_data_source
-from verl.rewards.remote import RemoteRewardModel, RemoteStats
+from verl.rewards.remote import RemoteRewardModel
 from verl.utils import log
 
 
@@ -73,7 +73,6 @@ class RewardManager:
         self.fn: Callable[..., Any] | None = None
         self.model = None
         self.remote: RemoteRewardModel | None = None
-        self.remote_stats: RemoteStats | None = None  # the last compute's, for the step's reward/* metrics
         rm = self.config.model
         if rm.path:
             self._load_reward_model(rm.path, device)
@@ -120,7 +119,6 @@ class RewardManager:
         full = [f"{p}{r}" for p, r in zip(batch.non_tensor["raw_prompt"], texts, strict=True)]
         if self.remote is not None:
             values, stats = self.remote.score(full)
-            self.remote_stats = stats
             log.info("reward", requests=stats.requests, retries=stats.retries, failed_batches=stats.failed_batches,
                      **({"failure": "; ".join(stats.reasons)} if stats.reasons else {}))
             rm_scores = torch.from_numpy(values).float()
