@@ -127,13 +127,17 @@ def compare_command(
                                                      "(repeatable).")] = None,
     since: Annotated[float | None, typer.Option("--since", help="--online: only records after this Unix "
                                                 "time.")] = None,
+    reward_source: Annotated[str | None, typer.Option("--reward-source", help="--online: the rewards to compare: "
+                                                      "rule, feedback, rm:NAME or judge:NAME (needed when the "
+                                                      "records hold several).")] = None,
     admin_key: Annotated[str | None, typer.Option("--admin-key", help="--online URL: the service's "
                                                   "admin_api_key (default: $VERL_SERVE_ADMIN_API_KEY).")] = None,
 ) -> None:
     """Compare runs pairwise against the first: paired bootstrap CIs, McNemar, config diff, training curves.
     With --online: the models a service serves side by side, from its records (reward, latency, errors)."""
     if online is not None:
-        run_guarded(_compare_online, online, out, baseline, models, alpha, bootstrap, seed, since, admin_key)
+        run_guarded(_compare_online, online, out, baseline, models, alpha, bootstrap, seed, since, admin_key,
+                    reward_source)
         return
     if not runs or len(runs) < 2:
         run_guarded(_usage_error, "verl compare needs at least two runs (A B ...), or --online URL|FILE")
@@ -172,14 +176,17 @@ def _usage_error(message: str) -> None:
 
 
 def _compare_online(source: str, out: Path | None, baseline: str | None, models: list[str] | None, alpha: float,
-                    n_boot: int, seed: int | None, since: float | None, admin_key: str | None) -> None:
+                    n_boot: int, seed: int | None, since: float | None, admin_key: str | None,
+                    reward_source: str | None = None) -> None:
     from rich.console import Console
 
     from eval.online import compare_online
 
     out_dir = out or Path("outputs/compare/online")
-    report = compare_online(source, out_dir, baseline, models, alpha, n_boot, seed or 0, since, admin_key)
+    report = compare_online(source, out_dir, baseline, models, alpha, n_boot, seed or 0, since, admin_key,
+                            reward_source)
     console = Console()
+    console.print(f"rewards: {report['reward_source'] or 'none recorded'}")
     for name, s in report["models"].items():
         reward = "–" if s["reward_mean"] is None else f"{s['reward_mean']:.3f} (n={s['rewarded']})"
         e2e = "–" if s["e2e_mean"] is None else f"{s['e2e_mean']:.3f}"

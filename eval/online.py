@@ -171,9 +171,19 @@ def compare_latency(base: list[dict], cand: list[dict], field: str, alpha: float
 
 def compare_online(source: str, out: str | Path | None = None, baseline: str | None = None,
                    models: list[str] | None = None, alpha: float = 0.05, n_boot: int = 2000, seed: int = 0,
-                   since: float | None = None, admin_key: str | None = None) -> dict:
-    """Build the online A/B report; writes it to ``out`` when given and returns it."""
-    rows = join_rewards([r for r in load_records(source, admin_key) if since is None or r.get("time", 0) >= since])
+                   since: float | None = None, admin_key: str | None = None,
+                   reward_source: str | None = None) -> dict:
+    """Build the online A/B report; writes it to ``out`` when given and returns it. ``reward_source`` picks the
+    rewards compared (``rule``, ``feedback``, ``rm:NAME``, ``judge:NAME``; serve.records.source_matches); without
+    it the records must hold one source only — sources are never mixed."""
+    rows = [r for r in load_records(source, admin_key) if since is None or r.get("time", 0) >= since]
+    if reward_source is None:
+        sources = sorted({r["reward_source"] for r in rows if r.get("reward_source") and r.get("reward") is not None})
+        if len(sources) > 1:
+            raise ConfigError(f"{source} holds rewards from {len(sources)} sources ({', '.join(sources)}); they are "
+                              "not comparable: pick one with --reward-source (e.g. rule, feedback, rm:NAME)")
+        reward_source = sources[0] if sources else None
+    rows = join_rewards(rows, reward_source)
     per_model: dict[str, list[dict]] = {}
     for r in rows:
         per_model.setdefault(r["model"], []).append(r)
@@ -190,7 +200,8 @@ def compare_online(source: str, out: str | Path | None = None, baseline: str | N
         baseline = max(per_model, key=lambda m: len(per_model[m]))
     elif baseline not in per_model:
         raise ConfigError(f"--baseline {baseline}: no records (recorded: {', '.join(sorted(per_model))})")
-    report = {"source": source, "alpha": alpha, "baseline": baseline, "records": len(rows),
+    report = {"source": source, "reward_source": reward_source, "alpha": alpha, "baseline": baseline,
+              "records": len(rows),
               "models": {m: model_summary(rs) for m, rs in per_model.items()}, "comparisons": []}
     for model, rs in per_model.items():
         if model == baseline:
@@ -210,7 +221,8 @@ def compare_online(source: str, out: str | Path | None = None, baseline: str | N
 def write_report(out_dir: Path, report: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = Doc("verl compare --online — " + " vs ".join(report["models"]))
-    doc.p(f"From {report['records']} service records ({report['source']}). Baseline: **{report['baseline']}**; "
+    doc.p(f"From {report['records']} service records ({report['source']}); rewards from "
+          f"**{report.get('reward_source') or 'no source'}**. Baseline: **{report['baseline']}**; "
           f"differences are candidate − baseline; verdicts at α = {report['alpha']}. Reward is paired by prompt "
           "where both models answered the same prompts (McNemar for 0/1 outcomes), unpaired otherwise; latency "
           "is unpaired (bootstrap of the difference of means).")

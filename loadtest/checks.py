@@ -130,6 +130,7 @@ class ChatTurn:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    id: str = ""  # the completion's id (what feedback names)
 
 
 def check_chat_turn(body: bytes | str | None) -> ChatTurn:
@@ -161,7 +162,7 @@ def check_chat_turn(body: bytes | str | None) -> ChatTurn:
         if finish not in ("stop", "length"):
             raise BadResponse(f"'choices[0].finish_reason' must be stop or length; got {finish!r}")
     prompt, completion = _usage(data.get("usage"))
-    return ChatTurn(message, calls, finish, prompt, completion)
+    return ChatTurn(message, calls, finish, prompt, completion, str(data.get("id") or ""))
 
 
 class SSEReader:

@@ -38,8 +38,10 @@ def loadtest_command(
     step_settle: Annotated[float, typer.Option(
         "--step-settle", help="Seconds at the start of a level left out of its percentiles.")] = 5.0,
     user_mix: Annotated[str, typer.Option("--user-mix", help="mixed (each user sends all three requests), "
-                                                             "classes (one user class per endpoint) or agent "
-                                                             "(tool-calling sessions, AgentUser).")] = "mixed",
+                                                             "classes (one user class per endpoint), agent "
+                                                             "(tool-calling sessions, AgentUser) or feedback (chats "
+                                                             "without answers, then thumbs up/down: "
+                                                             "FeedbackUser).")] = "mixed",
     users: Annotated[list[str] | None, typer.Option(
         "--user", help="Run only these user classes (repeatable): GenerateUser, CompletionUser, "
                        "ChatStreamUser, MixedUser.")] = None,
@@ -73,8 +75,8 @@ def loadtest_command(
         from loadtest.run import LoadTestConfig, run_loadtest
         from verl.errors import ConfigError
 
-        if user_mix not in ("mixed", "classes", "agent"):
-            raise ConfigError(f"--user-mix must be mixed, classes or agent (got {user_mix!r})")
+        if user_mix not in ("mixed", "classes", "agent", "feedback"):
+            raise ConfigError(f"--user-mix must be mixed, classes, agent or feedback (got {user_mix!r})")
         console = Console(stderr=True, highlight=False)
         config = LoadTestConfig(
             out_dir=out, model=model, engine=engine, max_users=max_users, step_users=step_users,

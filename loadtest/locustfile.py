@@ -113,11 +113,11 @@ def add_arguments(parser: Any) -> None:
            help="Always generate max-tokens tokens (vLLM extension; OpenAI endpoints only), like vllm bench.")
     option("model", default="", help="Model name for the OpenAI endpoints (default: the first of /v1/models).")
     option("api-key", default="", is_secret=True, help="Bearer key when the server sets VERL_SERVE_API_KEY.")
-    option("user-mix", choices=["mixed", "classes", "route", "agent"], default="mixed",
+    option("user-mix", choices=["mixed", "classes", "route", "agent", "feedback"], default="mixed",
            help="mixed: every user sends all three requests by weight (MixedUser); classes: one user class per "
                 "endpoint, weighted (GenerateUser, CompletionUser, ChatStreamUser); route: RouteUser, a route's "
-                "traffic split per variant; agent: AgentUser, multi-turn tool-calling sessions. Naming classes "
-                "overrides this.")
+                "traffic split per variant; agent: AgentUser, multi-turn tool-calling sessions; feedback: "
+                "FeedbackUser, chats without answers and thumbs up/down sent later. Naming classes overrides this.")
     option("agent-tools", default="calculator",
            help="AgentUser: built-in tools (comma-separated) offered to the model and run client-side.")
     option("max-turns", type=int, default=4, help="AgentUser: assistant turns per session at most.")
@@ -126,6 +126,14 @@ def add_arguments(parser: Any) -> None:
     option("reward", default="",
            help="RouteUser: score each response with this rule reward (arithmetic, gsm8k, ...) against the prompt "
                 "file's ground truth (the `verl` extension field), so `verl compare --online` compares reward.")
+    option("feedback-share", type=float, default=0.5,
+           help="FeedbackUser: the share of answers a user gives feedback on (POST /v1/feedback).")
+    option("feedback-delay", type=float, default=2.0,
+           help="FeedbackUser: feedback comes this many seconds after the answer on average (exponential; the "
+                "user goes on meanwhile).")
+    option("feedback-rule", default="arithmetic",
+           help="FeedbackUser: how a simulated user judges an answer: thumbs up when this rule reward, against "
+                "the prompt file's answer, gives >= 0.5 (a person who knows the answer).")
     option("generate-weight", type=int, default=1, help="Relative weight of /generate requests (0 = none).")
     option("completion-weight", type=int, default=1, help="Relative weight of /v1/completions requests (0 = none).")
     option("chat-weight", type=int, default=1, help="Relative weight of streamed chat requests (0 = none).")
@@ -163,6 +171,9 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
         raise SystemExit(f"loadtest: --max-tokens must be >= 1 (got {options.max_tokens})")
     if options.max_turns < 1:
         raise SystemExit(f"loadtest: --max-turns must be >= 1 (got {options.max_turns})")
+    if not 0.0 <= options.feedback_share <= 1.0 or options.feedback_delay < 0:
+        raise SystemExit(f"loadtest: need 0 <= --feedback-share <= 1 and --feedback-delay >= 0 (got "
+                         f"{options.feedback_share}, {options.feedback_delay})")
     if options.num_prompts < 1:
         raise SystemExit(f"loadtest: --num-prompts must be >= 1 (got {options.num_prompts})")
     if options.wait_min < 0 or options.wait_max < options.wait_min:
@@ -192,6 +203,8 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
             user_class.weight = 1 if named or options.user_mix == "route" else 0
         elif user_class is AgentUser:
             user_class.weight = 1 if named or options.user_mix == "agent" else 0
+        elif user_class is FeedbackUser:
+            user_class.weight = 1 if named or options.user_mix == "feedback" else 0
     if not any(getattr(c, "weight", 1) > 0 for c in environment.user_classes):
         raise SystemExit("loadtest: no user class left to run (weights 0); check --user-mix and the --*-weight "
                          "options")
@@ -503,6 +516,65 @@ class AgentUser(LLMUser):
             return str(run(**json.loads(function["arguments"])))
         except Exception as exc:  # noqa: BLE001 - the tool's failure is the model's tool result, as in training
             return f"error: {type(exc).__name__}: {exc}"
+
+
+class FeedbackUser(LLMUser):
+    """Real users' traffic as a service sees it: chats (to ``--model``, else the service's default route) that carry
+    no answer, from a pool of end users, and — for ``--feedback-share`` of the answers, ``--feedback-delay`` seconds
+    later on average while the user goes on — a thumbs up or down (``POST /v1/feedback``). The simulated user knows
+    the prompt file's answer and judges with ``--feedback-rule``; the service never sees that answer, only the
+    verdict, as `verl ship --reward-source feedback` reads it. All users share one API key (or address), and the
+    service limits feedback per key (``feedback_rate_limit``): raise it on the service for a load test."""
+
+    FEEDBACK_NAME = "/v1/feedback"
+
+    @locust.task
+    def chat_then_feedback(self) -> None:
+        prompt = self.prompt()
+        body = self.openai_body(messages=list(prompt.messages),
+                                user=f"user-{random.randrange(max(1, self.options.route_user_pool))}")
+        body.pop("model", None)  # no model named: the service's default route (or its only model)
+        if self.options.model:
+            body["model"] = self.options.model
+        start = time.perf_counter()
+        with self.client.post("/v1/chat/completions", json=body, catch_response=True) as response:
+            latency = time.perf_counter() - start
+            variant = response.headers.get("X-Verl-Model") if response.headers else None
+            if variant:
+                response.request_meta["name"] = "/v1/chat/completions" + VARIANT_MARK + variant
+            if response.status_code != 200:
+                response.failure(error_message(response.status_code, response.content))
+                return
+            try:
+                turn = check_chat_turn(response.content)
+            except BadResponse as exc:
+                response.failure(str(exc))
+                return
+            response.success()
+        self.record(latency, turn.completion_tokens)
+        if variant:
+            self.fire("e2e_latency_ms" + VARIANT_MARK + variant, latency * 1000)
+        if prompt.ground_truth is None or not turn.id or random.random() >= self.options.feedback_share:
+            return
+        good = judge(self.options.feedback_rule, turn.message.get("content") or "", prompt.ground_truth)
+        delay = random.expovariate(1.0 / self.options.feedback_delay) if self.options.feedback_delay > 0 else 0.0
+        gevent.spawn_later(delay, self.send_feedback, turn.id, "up" if good else "down")
+
+    def send_feedback(self, completion_id: str, thumbs: str) -> None:
+        with self.client.post(self.FEEDBACK_NAME, json={"id": completion_id, "thumbs": thumbs, "source": "loadtest"},
+                              catch_response=True) as response:
+            if response.status_code != 200:
+                response.failure(error_message(response.status_code, response.content))
+            else:
+                response.success()
+
+
+def judge(rule: str, text: str, ground_truth: str) -> bool:
+    """The simulated user's verdict: the rule reward ``rule`` of ``text`` against the answer, >= 0.5."""
+    from verl.rewards import get_reward_fn  # noqa: PLC0415  (feedback runs only)
+
+    value = get_reward_fn(rule)("loadtest", text, str(ground_truth))
+    return float(value["score"] if isinstance(value, dict) else value) >= 0.5
 
 
 class GenerateUser(LLMUser):

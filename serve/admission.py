@@ -1,17 +1,20 @@
 """Routing and admission: which model answers a request (``Responder``: a model picked directly or by a route's
 weights for a user) and whether there is room for it (a fixed number of sequence slots; the queue never grows past
-``max_queue_size``, a refusal is a 429 and a failed request in the records)."""
+``max_queue_size``, a refusal is a 429 and a failed request in the records), and a per-key rate limit for calls that
+hold no slot (``RateLimiter``: users' feedback)."""
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from serve.engines.base import Engine
 from serve.errors import ApiError
 from serve.lifecycle import ModelLifecycle
 from serve.metrics import ServeMetrics
-from serve.records import OnlineRecord, OnlineRecords, score, user_hash
+from serve.records import RULE_SCORER_VERSION, OnlineRecord, OnlineRecords, clip_prompt, score, user_hash
 from serve.registry import ServedModel, UnknownModelError
 from serve.schemas import VerlExtension
 from serve.settings import ServeSettings
@@ -31,6 +34,8 @@ class Responder:
     arrival: float | None = None  # wall clock when it was routed
     config_version: int | None = None  # the models-and-routes version it was routed under
     route_share: float | None = None  # the model's share of the route then
+    prompt: Any = None  # the prompt as sent, kept only with record_texts (serve.records.clip_prompt)
+    not_for_training: bool = False  # the client's verl.not_for_training, or the service's setting
 
     @property
     def name(self) -> str:
@@ -45,17 +50,31 @@ class Responder:
 
     def record(self, request_id: str | None, index: int, now: float, prompt_tokens: int, produced: int,
                ttft: float | None, e2e: float, finish: str, error: str | None, reward: float | None,
-               prompt_id: str | None = None) -> OnlineRecord:
-        """The online record of one of this request's sequences (choice ``index``)."""
+               prompt_id: str | None = None, answer: str | None = None,
+               max_chars: int = 0) -> OnlineRecord:
+        """The online record of one of this request's sequences (choice ``index``); ``answer`` is kept only when
+        the prompt is (record_texts), cut at ``max_chars``."""
         online = self.online
         if online is not None and online.prompt_id:
             prompt_id = online.prompt_id
+        ruled = self.rule_scored
+        prompt, cut = clip_prompt(self.prompt, max_chars) if self.prompt is not None else (None, False)
+        if self.prompt is not None and answer is not None and len(answer) > max_chars:
+            answer, cut = answer[:max_chars], True
         return OnlineRecord(
             time=now, model=self.name, route=self.route, prompt_id=prompt_id or "", prompt_tokens=prompt_tokens,
             completion_tokens=produced, ttft_s=ttft, e2e_s=e2e, finish_reason=finish, error=error, reward=reward,
             shadow=self.shadow, id=request_id, index=index, user=self.user, arrival=self.arrival,
-            config_version=self.config_version, route_share=self.route_share, reward_expected=online is not None,
-            reward_source=f"rule:{online.reward}" if online is not None else None, **self.model.lineage.fields())
+            config_version=self.config_version, route_share=self.route_share, reward_expected=ruled,
+            reward_source=f"rule:{online.reward}" if ruled else None,
+            scorer_version=RULE_SCORER_VERSION if ruled else None, not_for_training=self.not_for_training,
+            prompt=prompt, answer=answer if self.prompt is not None else None, texts_truncated=cut,
+            **self.model.lineage.fields())
+
+    @property
+    def rule_scored(self) -> bool:
+        """The request carried an answer to score its response against (the `verl` field's ground_truth)."""
+        return self.online is not None and self.online.ground_truth is not None
 
 
 class Admission:
@@ -84,8 +103,10 @@ class Admission:
                            "score texts with POST /classify or /pooling", param="model", code="model_not_found")
         return self.lifecycle.engine
 
-    def target(self, requested: str | None, user: str | None, online: VerlExtension | None = None) -> Responder:
-        """The model that answers a request naming ``requested`` (a model, a route, or None for the default)."""
+    def target(self, requested: str | None, user: str | None, online: VerlExtension | None = None,
+               prompt: Any = None) -> Responder:
+        """The model that answers a request naming ``requested`` (a model, a route, or None for the default);
+        ``prompt`` is the prompt as sent (recorded only with record_texts)."""
         self.ready_engine()
         registry = self.lifecycle.registry
         if requested in self.lifecycle.scorers:
@@ -99,7 +120,7 @@ class Admission:
             raise ApiError(404, f"The model '{requested}' does not exist (served models and routes: {served}; see "
                            "/v1/models)", type="invalid_request_error", param="model",
                            code="model_not_found") from None
-        if online is not None:
+        if online is not None and online.ground_truth is not None:
             try:
                 score(online.reward, "", online.ground_truth)
             except ConfigError as exc:
@@ -109,7 +130,10 @@ class Admission:
             weights = registry.routes[route]
             share = weights.get(model.name, 0.0) / (sum(w for w in weights.values() if w > 0) or 1.0)
         return Responder(model, route, online, user=user_hash(user), arrival=time.time(),
-                         config_version=self.lifecycle.config_version, route_share=share)
+                         config_version=self.lifecycle.config_version, route_share=share,
+                         prompt=prompt if self.settings.record_texts else None,
+                         not_for_training=self.settings.records_not_for_training or bool(
+                             online is not None and online.not_for_training))
 
     def admit(self, sequences: int, target: Responder | None = None, request_id: str | None = None) -> None:
         """Reserve ``sequences`` slots or refuse: the queue never grows past ``max_queue_size``. A refusal at
@@ -138,3 +162,21 @@ class Admission:
 
     def release(self, sequences: int = 1) -> None:
         self.in_flight -= sequences
+
+
+class RateLimiter:
+    """A token bucket per key: ``rate`` calls per second, ``burst`` at once; the ``max_keys`` most recent keys."""
+
+    def __init__(self, rate: float, burst: int, max_keys: int = 10_000):
+        self.rate, self.burst, self.max_keys = rate, burst, max_keys
+        self.buckets: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
+
+    def allow(self, key: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        tokens, last = self.buckets.pop(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        allowed = tokens >= 1.0
+        self.buckets[key] = (tokens - 1.0 if allowed else tokens, now)
+        while len(self.buckets) > self.max_keys:
+            self.buckets.popitem(last=False)
+        return allowed

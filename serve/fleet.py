@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -58,17 +59,14 @@ def state_from_service(entries: list[Any], routes: dict[str, dict[str, float]]) 
 class ControlPlane:
     """The single source of truth for what the replicas serve (a Ray actor; its methods run on one event loop)."""
 
-    def __init__(self, initial: dict, state_path: str | None = None, records_path: str | None = None):
-        import ray  # noqa: PLC0415
-
+    def __init__(self, initial: dict, state_path: str | None = None, records_path: str | None = None,
+                 records_options: dict | None = None):
         from serve.records import OnlineRecords  # noqa: PLC0415  (imported in the actor's process)
 
         self.state_path = state_path
-        self.records = OnlineRecords(records_path)  # every replica's rows (records_path: one writer)
-        if ray.get_runtime_context().was_current_actor_reconstructed and records_path and Path(records_path).is_file():
-            # Restarted by Ray after a crash: the rows it held are in the file; keep serving them.
-            lines = Path(records_path).read_text().splitlines()[-self.records.rows.maxlen:]
-            self.records.rows.extend(json.loads(line) for line in lines if line.strip())
+        # Every replica's rows (records_path: one writer). A control plane restarted by Ray after a crash reads
+        # the rows it held back from the file, like any service that starts on an existing records file.
+        self.records = OnlineRecords(records_path, **(records_options or {}))
         saved = None
         if state_path and Path(state_path).is_file():
             saved = json.loads(Path(state_path).read_text())
@@ -101,6 +99,19 @@ class ControlPlane:
 
     async def records_since(self, since: float | None = None) -> list[dict]:
         return self.records.snapshot(since)
+
+    async def feedback(self, completion_id: str, index: int, score: float, source: str, comment: str | None,
+                       known: dict | None) -> dict:
+        """A user's feedback, sent to any replica (serve.feedback.accept on the fleet's records: one index, one
+        dedupe for the whole fleet). An id no replica has shipped yet may be in the answering replica's outbox:
+        it is looked up again after two polls."""
+        from serve.feedback import accept  # noqa: PLC0415
+
+        verdict = accept(self.records, completion_id, index, score, source, comment, known)
+        if verdict.outcome == "unknown_id":
+            await asyncio.sleep(2 * POLL_S)
+            verdict = accept(self.records, completion_id, index, score, source, comment, known)
+        return dataclasses.asdict(verdict)
 
     async def metrics_pages(self) -> dict[str, str]:
         """The live replicas' latest metrics pages (a dead replica's series leave with it, as a scrape target's
@@ -162,7 +173,7 @@ class ControlPlane:
 
 
 def control_plane(create_with: dict | None = None, state_path: str | None = None,
-                  records_path: str | None = None) -> Any:
+                  records_path: str | None = None, records_options: dict | None = None) -> Any:
     """The running control plane's handle; with ``create_with`` (the initial state), start it if absent."""
     import ray  # noqa: PLC0415  (only the fleet needs ray)
 
@@ -171,7 +182,7 @@ def control_plane(create_with: dict | None = None, state_path: str | None = None
     actor = ray.remote(ControlPlane).options(
         name=CONTROL_NAME, namespace=NAMESPACE, get_if_exists=True, max_restarts=-1, max_task_retries=-1,
         num_cpus=0, lifetime="detached")
-    return actor.remote(create_with, state_path, records_path)
+    return actor.remote(create_with, state_path, records_path, records_options)
 
 
 def _node_id() -> str | None:
@@ -222,6 +233,10 @@ class FleetLink:
 
     async def records(self, since: float | None = None) -> list[dict]:
         return await control_plane().records_since.remote(since)
+
+    async def feedback(self, completion_id: str, index: int, score: float, source: str, comment: str | None,
+                       known: dict | None) -> dict:
+        return await control_plane().feedback.remote(completion_id, index, score, source, comment, known)
 
     async def metrics_page(self, own: bytes) -> bytes:
         """Every live replica's series with a ``replica`` label; this replica's own page (``own``) is current, the
@@ -322,7 +337,7 @@ def build_app(args: dict) -> Any:
     settings = load_settings(config, load_in_background=False)
     state_path = settings.state_path or str(Path(tempfile.mkdtemp(prefix="verl-fleet-")) / "state.json")
     control_plane(create_with=state_from_service(settings.model_entries(), settings.routes), state_path=state_path,
-                  records_path=settings.records_path)
+                  records_path=settings.records_path, records_options=settings.records_options())
     return deployment(replicas, config, {}, float(args.get("cpus_per_replica", 1.0)))
 
 
@@ -348,7 +363,8 @@ def run_fleet(config: str | None, overrides: dict, replicas: int, ray_address: s
     initial = state_from_service(settings.model_entries(), settings.routes)
     # Without a configured state_path, a file of this run's own: a control plane that dies comes back from it.
     state_path = settings.state_path or str(Path(tempfile.mkdtemp(prefix="verl-fleet-")) / "state.json")
-    control = control_plane(create_with=initial, state_path=state_path, records_path=settings.records_path)
+    control = control_plane(create_with=initial, state_path=state_path, records_path=settings.records_path,
+                            records_options=settings.records_options())
     version = ray.get(control.get.remote())["state"]["version"]
     # One HTTP proxy, on the head node (Ray's default puts one on every node, each binding the same
     # port: behind a load balancer that is what you want, but two nodes on one host would collide).

@@ -86,6 +86,11 @@ class ServeMetrics:
         self.reward = Histogram(PREFIX + "request_reward", "Rule reward of responses whose request named one "
                                 "(the `verl` extension field), per model.", labels, buckets=REWARD_BUCKETS,
                                 registry=r)
+        self.feedback = Counter(PREFIX + "feedback", "POST /v1/feedback calls by the answering model (unknown: an id "
+                                "not found) and outcome (recorded, duplicate, conflict, unknown_id, expired, "
+                                "rate_limited, invalid).", [*labels, "outcome"], registry=r)
+        self.feedback_score = Histogram(PREFIX + "feedback_score", "Users' feedback scores (thumbs up 1, down 0), "
+                                        "per answering model.", labels, buckets=REWARD_BUCKETS, registry=r)
         self.info = Gauge(PREFIX + "server_info", "Constant 1, labelled with what is served.",
                           ["model_name", "engine", "version"], registry=r)
         self.model_name = model_name

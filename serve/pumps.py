@@ -99,7 +99,7 @@ class Pumps:
                 async for out in stream:
                     timer.on_output(time.perf_counter(), len(out.token_ids), out.scheduled_time, out.token_times)
                     produced = out.num_generated_tokens
-                    if target.online is not None:
+                    if target.rule_scored or target.prompt is not None:
                         text.append(out.text)
                     sink(index, out)
                     if out.finished:
@@ -136,7 +136,7 @@ class Pumps:
         """One online record per finished sequence; the reward when the request asked for one."""
         reward = None
         online = target.online
-        if online is not None and error is None and finish != "abort":
+        if online is not None and target.rule_scored and error is None and finish != "abort":
             try:
                 reward = score(online.reward, text, online.ground_truth)
             except (EngineError, ValueError, TypeError) as exc:  # a reward that cannot score this text: no reward
@@ -145,4 +145,5 @@ class Pumps:
                 self.metrics.reward.labels(target.name).observe(reward)
         self.records.add(target.record(request_id, index, time.time(), len(req.prompt_token_ids), produced,
                                        timer.ttft, end - timer.arrival, finish, error, reward,
-                                       prompt_hash(req.prompt_token_ids)))
+                                       prompt_hash(req.prompt_token_ids), answer=text,
+                                       max_chars=self.settings.record_texts_max_chars))

@@ -7,9 +7,16 @@ Two kinds of rows, both JSON objects:
   choice ``index``, the routed ``user`` (a hash, never the raw id), ``arrival`` and finish ``time``, the
   ``config_version`` and the answering model's ``route_share`` when it was routed, latencies, tokens, the finish
   reason, an ``error`` (an engine failure, a request refused at capacity, a timeout), ``reward_expected`` (the
-  request asked for a reward), its ``reward`` and ``reward_source`` when one was scored at once;
-- a **reward** row (``kind: "reward"``) for a reward that arrives later (a checker run afterwards, a judge, a user's
-  feedback), joined to its request row by ``(id, index)``, with its ``reward_source``. ``join_rewards`` folds them in.
+  request asked for a reward), its ``reward``, ``reward_source`` and ``scorer_version`` when one was scored at once,
+  ``not_for_training`` (the client's ``verl.not_for_training`` or the service's setting: never exported for
+  training), and — only where the service keeps texts (``record_texts``, off by default) — the ``prompt`` as sent
+  (chat messages, or the completion prompt) and the ``answer``;
+- a **reward** row (``kind: "reward"``) for a reward that arrives later (a checker run afterwards, a judge, a reward
+  model, a user's feedback: serve/feedback.py), joined to its request row by ``(id, index)``, with its
+  ``reward_source`` and ``scorer_version``. ``join_rewards`` folds them in, one source at a time.
+
+Rows are kept for ``records_retention_s`` (in memory, in the file — compacted at start and hourly — and in the
+completion index that feedback is checked against); older ones are dropped.
 
 Prometheus keeps the aggregates (``verl:request_reward`` and the latency histograms, labelled by model); pairing the
 same prompt across models needs the rows themselves, so the service also keeps the last ``keep`` rows in memory
@@ -23,15 +30,25 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from serve import __version__
 from verl.rewards import get_reward_fn
+from verl.utils.fs import atomic_path
+
+log = logging.getLogger("uvicorn.error.serve")
 
 KEEP_IN_MEMORY = 10_000
+RETENTION_S = 7 * 86_400.0  # the default records_retention_s
+MAX_COMPLETIONS = 200_000  # the default size of the completion index (feedback's look-up)
+COMPACT_EVERY_S = 3_600.0  # how often the records file is rewritten without rows past the retention
+FEEDBACK_SOURCE = "feedback"  # the reward_source of a user's feedback
+RULE_SCORER_VERSION = f"verl-serve-{__version__}"  # the rule rewards are the registry's of this version
 
 
 @dataclass
@@ -63,6 +80,11 @@ class OnlineRecord:
     route_share: float | None = None  # the answering model's share of the route then
     reward_expected: bool = False  # the request asked for a reward (the `verl` field)
     reward_source: str | None = None  # e.g. "rule:arithmetic"
+    scorer_version: str | None = None  # the version of what scored it (a rule: verl's version)
+    not_for_training: bool = False  # the client or the service said: never export this for training
+    prompt: Any = None  # record_texts only: the chat messages or the completion prompt, as sent
+    answer: str | None = None  # record_texts only: the generated text
+    texts_truncated: bool = False  # record_texts: the prompt or answer was cut at record_texts_max_chars
 
 
 def user_hash(user: str | None) -> str | None:
@@ -71,25 +93,68 @@ def user_hash(user: str | None) -> str | None:
 
 
 def reward_row(completion_id: str, index: int, reward: float, source: str, model: str | None = None,
-               route: str | None = None, shadow: bool = False, at: float | None = None) -> dict:
-    """A reward that arrived after its request (see the module docstring)."""
+               route: str | None = None, shadow: bool = False, at: float | None = None,
+               scorer_version: str | None = None, **extra: Any) -> dict:
+    """A reward that arrived after its request (see the module docstring); ``extra`` adds fields (feedback's
+    ``comment`` and ``feedback_source``, the answering model's lineage)."""
     return {"kind": "reward", "time": time.time() if at is None else at, "id": completion_id, "index": index,
-            "reward": float(reward), "reward_source": source, "model": model, "route": route, "shadow": shadow}
+            "reward": float(reward), "reward_source": source, "scorer_version": scorer_version, "model": model,
+            "route": route, "shadow": shadow, **extra}
 
 
-def join_rewards(rows: list[dict]) -> list[dict]:
-    """Request rows with the rewards that arrived later folded in (the latest row per ``(id, index, shadow)``
-    wins); reward rows whose request is not among ``rows`` are dropped."""
-    late = {(r.get("id"), r.get("index", 0), bool(r.get("shadow"))): r for r in rows if r.get("kind") == "reward"}
+def source_matches(recorded: str | None, wanted: str | None) -> bool:
+    """Whether a row's ``reward_source`` is the ``wanted`` one: equal, or ``wanted`` names its family (``rule``
+    matches ``rule:arithmetic``, ``rm`` any reward model); ``wanted`` None matches any source."""
+    if wanted is None:
+        return True
+    return recorded is not None and (recorded == wanted or recorded.startswith(wanted + ":"))
+
+
+def join_rewards(rows: list[dict], source: str | None = None) -> list[dict]:
+    """Request rows with their reward from ``source`` (``source_matches``; None: any): the request's own when it
+    matches, else the latest reward row that does, per ``(id, index, shadow)``. With a ``source``, a request row
+    whose own reward is another source's carries none — sources are never mixed. Reward rows whose request is not
+    among ``rows`` are dropped."""
+    late = {(r.get("id"), r.get("index", 0), bool(r.get("shadow"))): r for r in rows
+            if r.get("kind") == "reward" and source_matches(r.get("reward_source"), source)}
     out = []
     for row in rows:
         if row.get("kind", "request") != "request":
             continue
+        if row.get("reward") is not None and not source_matches(row.get("reward_source"), source):
+            row = {**row, "reward": None, "reward_source": None}
         extra = late.get((row.get("id"), row.get("index", 0), bool(row.get("shadow"))))
         if extra is not None and row.get("id") is not None and row.get("reward") is None:
             row = {**row, "reward": extra["reward"], "reward_source": extra.get("reward_source")}
         out.append(row)
     return out
+
+
+def clip_prompt(prompt: Any, max_chars: int) -> tuple[Any, bool]:
+    """``prompt`` (chat messages as dicts, a text, or a list of texts or token ids) within ``max_chars`` characters
+    of JSON, and whether it was cut: the latest messages are kept whole while they fit, then the earliest kept one's
+    text is cut from its start (the turn being answered matters most)."""
+    if len(json.dumps(prompt)) <= max_chars:
+        return prompt, False
+    if isinstance(prompt, str):
+        return prompt[:max_chars], True
+    if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
+        text = json.dumps(prompt)
+        return text[:max_chars], True
+    kept: list[dict] = []
+    room = max_chars - 2  # the list's brackets
+    for message in reversed(prompt):
+        size = len(json.dumps(message)) + 2  # with its separator
+        if size <= room:
+            kept.insert(0, message)
+            room -= size
+            continue
+        content = message.get("content")
+        keep = room - (size - len(content)) if isinstance(content, str) else 0  # the text's share of the room
+        if keep > 0:
+            kept.insert(0, {**message, "content": content[len(content) - keep:]})
+        break
+    return kept, True
 
 
 def prompt_hash(token_ids: list[int]) -> str:
@@ -103,36 +168,143 @@ def score(reward: str, text: str, ground_truth: Any) -> float:
     return float(value["score"] if isinstance(value, dict) else value)
 
 
+@dataclass
+class Completion:
+    """What the completion index keeps of an answered request: enough to accept feedback on it (and to give the
+    feedback row the answer's model, route and lineage) for as long as its records are kept."""
+
+    time: float
+    model: str | None
+    route: str | None
+    choices: int  # choice indices 0 .. choices - 1
+    lineage: dict
+    feedback: dict[tuple[int, str], float] = field(default_factory=dict)  # (index, feedback source) -> score
+
+
+class CompletionIndex:
+    """Completion id -> ``Completion`` for the last ``retention_s`` seconds, at most ``max_entries`` (the oldest go
+    first); ids dropped for either reason are remembered a while longer so feedback on them is told it came too late
+    rather than that the id is unknown."""
+
+    def __init__(self, retention_s: float = RETENTION_S, max_entries: int = MAX_COMPLETIONS):
+        self.retention_s, self.max_entries = retention_s, max_entries
+        self.entries: collections.OrderedDict[str, Completion] = collections.OrderedDict()
+        self.expired: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def note(self, row: dict) -> None:
+        """Index a request row (a client's answer: mirrors and rows without an id are not feedback targets), or
+        mark the feedback a reward row records."""
+        completion_id = row.get("id")
+        if completion_id is None or row.get("shadow"):
+            return
+        if row.get("kind", "request") == "request":
+            entry = self.entries.get(completion_id)
+            if entry is None:
+                entry = self.entries[completion_id] = Completion(
+                    float(row.get("arrival") or row.get("time") or time.time()), row.get("model"), row.get("route"),
+                    0, {k: row.get(k) for k in ("run", "step", "weights")})
+            entry.choices = max(entry.choices, int(row.get("index", 0)) + 1)
+            self._evict(time.time())
+        elif row.get("reward_source") == FEEDBACK_SOURCE and completion_id in self.entries:
+            key = (int(row.get("index", 0)), str(row.get("feedback_source")))
+            self.entries[completion_id].feedback[key] = float(row["reward"])
+
+    def get(self, completion_id: str) -> Completion | None:
+        self._evict(time.time())
+        return self.entries.get(completion_id)
+
+    def was_expired(self, completion_id: str) -> bool:
+        return completion_id in self.expired
+
+    def _evict(self, now: float) -> None:
+        while self.entries:
+            oldest_id, oldest = next(iter(self.entries.items()))
+            if len(self.entries) <= self.max_entries and oldest.time >= now - self.retention_s:
+                break
+            self.entries.popitem(last=False)
+            self.expired[oldest_id] = None
+        while len(self.expired) > self.max_entries:
+            self.expired.popitem(last=False)
+
+
 class OnlineRecords:
     """A bounded in-memory log of records, mirrored to a JSONL file when ``path`` is set.
 
     A replica of ``verl serve --replicas`` (``replica`` set) keeps no file: its rows wait in an outbox that each poll
     of the control plane drains (``drain``), and the control plane, one ``OnlineRecords`` for the whole fleet, keeps
-    them and writes ``records_path`` — one writer, every replica's rows, on whichever node it runs."""
+    them and writes ``records_path`` — one writer, every replica's rows, on whichever node it runs.
 
-    def __init__(self, path: str | None = None, keep: int = KEEP_IN_MEMORY, replica: str | None = None):
+    A file that exists is read back at start (rows within the retention: the window in memory and the completion
+    index), so a restarted service still takes feedback on what it answered before."""
+
+    def __init__(self, path: str | None = None, keep: int = KEEP_IN_MEMORY, replica: str | None = None,
+                 retention_s: float = RETENTION_S, max_completions: int = MAX_COMPLETIONS):
         self.rows: collections.deque[dict] = collections.deque(maxlen=keep)
         self.path = Path(path) if path else None
         self.replica = replica
+        self.retention_s = retention_s
+        self.index = CompletionIndex(retention_s, max_completions)
         self.outbox: collections.deque[dict] = collections.deque(maxlen=keep)
         self._lock = threading.Lock()
+        self._compacted = time.time()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.is_file():
+                self._load()
+
+    def _load(self) -> None:
+        """Read the file back (rows within the retention); rewrite it without the older ones."""
+        kept = self._compact()
+        for row in kept:
+            self.index.note(row)
+        self.rows.extend(kept[-(self.rows.maxlen or len(kept)):])
+
+    def _compact(self) -> list[dict]:
+        """Rewrite the file with only the rows within the retention (atomically: a crash leaves the old file) and
+        return them. Lines that do not parse (a torn last line after a crash) are dropped with a warning."""
+        assert self.path is not None
+        cutoff = time.time() - self.retention_s
+        kept, torn = [], 0
+        with self._lock:
+            for line in self.path.read_text().splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    torn += 1
+                    continue
+                if float(row.get("time") or 0.0) >= cutoff:
+                    kept.append(row)
+            with atomic_path(self.path) as tmp:
+                tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+            self._compacted = time.time()
+        if torn:
+            log.warning("verl serve: %d unreadable line(s) in %s dropped", torn, self.path)
+        return kept
 
     def add(self, record: OnlineRecord | dict) -> None:
         """A request record, or a reward row (``reward_row``)."""
         row = asdict(record) if isinstance(record, OnlineRecord) else dict(record)
         if self.replica is not None:
             row["replica"] = self.replica
-        self.rows.append(row)
+        self._keep([row])
         if self.replica is not None:
             self.outbox.append(row)
         self._write([row])
 
     def add_rows(self, rows: list[dict]) -> None:
         """Rows another process recorded (the control plane receiving a replica's outbox)."""
-        self.rows.extend(rows)
+        self._keep(rows)
         self._write(rows)
+
+    def _keep(self, rows: list[dict]) -> None:
+        self.rows.extend(rows)
+        for row in rows:
+            self.index.note(row)
+        cutoff = time.time() - self.retention_s
+        while self.rows and float(self.rows[0].get("time") or 0.0) < cutoff:
+            self.rows.popleft()
 
     def drain(self) -> list[dict]:
         """The rows recorded since the last drain (a replica's outbox), oldest first."""
@@ -146,6 +318,8 @@ class OnlineRecords:
             text = "".join(json.dumps(row) + "\n" for row in rows)
             with self._lock, self.path.open("a") as handle:
                 handle.write(text)
+            if time.time() - self._compacted > COMPACT_EVERY_S:
+                self._compact()
 
     def find(self, completion_id: str, index: int) -> dict | None:
         """The (non-mirrored) request row of a completion's choice still in memory, or None."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from typing import Any
@@ -19,6 +20,7 @@ from serve.engines.base import (
     SamplingOptions,
 )
 from serve.errors import ERROR_RESPONSES, SSE_DOC, ApiError
+from serve.feedback import take as take_feedback
 from serve.logprobs import CompletionLogprobs, chat_logprobs, token_texts
 from serve.metrics import CONTENT_TYPE
 from serve.pumps import SequenceSpec
@@ -39,6 +41,8 @@ from serve.schemas import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    FeedbackRequest,
+    FeedbackResponse,
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
@@ -59,8 +63,9 @@ from verl.tools.templates import tool_chat_template
 
 
 def add_routes(app: FastAPI, service: Service) -> None:
-    """Mount the four routers on ``app``."""
-    for router in (ops_router(service), openai_router(service), native_router(service), scoring_router(service)):
+    """Mount the five routers on ``app``."""
+    for router in (ops_router(service), openai_router(service), native_router(service), scoring_router(service),
+                   feedback_router(service)):
         app.include_router(router)
 
 
@@ -237,6 +242,24 @@ def scoring_router(service: Service) -> APIRouter:
     return router
 
 
+def feedback_router(service: Service) -> APIRouter:
+    """Users' feedback on answers (serve/feedback.py)."""
+    router = APIRouter()
+
+    @router.post("/v1/feedback", response_model=FeedbackResponse, responses=ERROR_RESPONSES, tags=["feedback"],
+                 dependencies=[Depends(require_api_key)])
+    async def feedback(body: FeedbackRequest, request: Request) -> FeedbackResponse:
+        """Score an answer: ``{"id": "<the completion's id>", "score": 0.0-1.0}`` or ``"thumbs": "up" | "down"``,
+        optional ``comment``, ``source`` and ``index``. Recorded once per answer and source, for as long as the
+        records are kept (records_retention_s); read back as rewards with ``reward_source: feedback``."""
+        given = request.headers.get("authorization")
+        key = ("key:" + hashlib.sha256(given.encode()).hexdigest()[:16] if given
+               else "addr:" + (request.client.host if request.client else "?"))
+        return await take_feedback(service, body, key)
+
+    return router
+
+
 async def create_completion(service: Service, body: CompletionRequest, request: Request) -> Response:
     """OpenAI-compatible text completion (``prompt`` may be text, texts, token ids or lists of them)."""
     check_unsupported(body)
@@ -385,11 +408,21 @@ def tool_model_target(service: Service, body: ChatCompletionRequest, request: Re
     for name in service.lifecycle.registry.names():
         model = service.lifecycle.registry.models[name]
         if model.kind == "model" and renders_tools(model.engine.tokenizer):
-            return service.admission.target(name, body.user or request.headers.get(USER_HEADER), body.verl)
+            return service.admission.target(name, body.user or request.headers.get(USER_HEADER), body.verl,
+                                            prompt_as_sent(body))
     return None
 
 
 def pick_target(service: Service, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Responder:
     """The model that answers: ``body.model`` (a model or a route; none: the default), sticky per ``user`` (else
     the ``X-Verl-User`` header)."""
-    return service.admission.target(body.model, body.user or request.headers.get(USER_HEADER), body.verl)
+    return service.admission.target(body.model, body.user or request.headers.get(USER_HEADER), body.verl,
+                                    prompt_as_sent(body))
+
+
+def prompt_as_sent(body: CompletionRequest | ChatCompletionRequest) -> Any:
+    """What the records keep of a request's prompt (with record_texts): the chat messages as JSON objects (without
+    unset fields), or the completion prompt."""
+    if isinstance(body, ChatCompletionRequest):
+        return [m.model_dump(exclude_none=True) for m in body.messages]
+    return body.prompt

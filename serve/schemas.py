@@ -77,11 +77,14 @@ class StreamOptions(_Strict):
 class VerlExtension(_Strict):
     """The ``verl`` field of a completion or chat request (with the openai client: ``extra_body={"verl": ...}``)."""
 
-    ground_truth: str | int | float = Field(description="The expected answer; the response is scored against it.")
+    ground_truth: str | int | float | None = Field(
+        None, description="The expected answer; the response is scored against it (none: no rule reward).")
     reward: str = Field("gsm8k", max_length=64, description="A registered rule reward (gsm8k, arithmetic, math, "
                         "exact_match) applied to the response text.")
     prompt_id: str | None = Field(None, max_length=256, description="Names the prompt for pairing across models "
                                   "(default: a hash of the prompt tokens).")
+    not_for_training: bool = Field(False, description="Never export this request or its answer for training "
+                                   "(`verl data from-records` leaves it out).")
 
 
 class _SamplingFields(_Strict):
@@ -461,3 +464,36 @@ class PoolingResponse(BaseModel):
     model: str
     data: list[PoolingData]
     usage: ScoreUsage
+
+
+class FeedbackRequest(_Strict):
+    """A user's verdict on one answer (``POST /v1/feedback``): a score in [0, 1] or thumbs up (1) / down (0)."""
+
+    id: str = Field(..., min_length=1, max_length=128, description="The completion's `id`, as the response gave it.")
+    index: StrictInt = Field(0, ge=0, description="The choice index (requests with n > 1).")
+    score: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description="The score, 0 (bad) to 1 "
+                                "(good); give this or `thumbs`.")
+    thumbs: Literal["up", "down"] | None = Field(None, description="Thumbs up (score 1) or down (score 0).")
+    comment: str | None = Field(None, description="Free text (at most feedback_max_comment_chars characters).")
+    source: str = Field("user", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$",
+                        description="Who gives it (a UI, a labelling team): one feedback per answer per source.")
+
+    @model_validator(mode="after")
+    def _one_verdict(self) -> FeedbackRequest:
+        if (self.score is None) == (self.thumbs is None):
+            raise ValueError("give either 'score' (0.0 to 1.0) or 'thumbs' ('up' or 'down'), exactly one of them")
+        return self
+
+    @property
+    def value(self) -> float:
+        return self.score if self.score is not None else (1.0 if self.thumbs == "up" else 0.0)
+
+
+class FeedbackResponse(BaseModel):
+    object: Literal["feedback"] = "feedback"
+    id: str
+    index: int
+    source: str
+    score: float = Field(description="The score recorded (thumbs: 1 or 0).")
+    model: str | None = Field(description="The model that gave the answer.")
+    duplicate: bool = Field(description="This feedback had been recorded before (sending it again changes nothing).")

@@ -124,6 +124,31 @@ class ServeSettings(BaseSettings):
         None, description="Append one JSON line per finished request (model, route, prompt hash, latency, tokens, "
         "reward) here, for `verl compare --online FILE`; the last 10000 are also kept in memory for /admin/records.",
     )
+    records_retention_s: float = Field(
+        7 * 86_400.0, gt=0, description="How long records are kept (in memory, in records_path, which is rewritten "
+        "without older rows at start and hourly) and so how long feedback on an answer is accepted.",
+    )
+    records_max_completions: int = Field(
+        200_000, ge=1, description="Answers whose ids are remembered for feedback (the oldest are forgotten first: "
+        "feedback on them then gets 410).",
+    )
+    record_texts: bool = Field(
+        False, description="Keep each request's prompt (chat messages or prompt, as sent) and its answer in the "
+        "records, for the data export and trace replay; off by default: texts may hold personal data.",
+    )
+    record_texts_max_chars: int = Field(
+        16_000, ge=0, description="record_texts: a prompt or answer longer than this is cut (and the row says so).",
+    )
+    records_not_for_training: bool = Field(
+        False, description="Mark every request not for training (as a client does with verl.not_for_training): "
+        "`verl data from-records` never exports them.",
+    )
+    feedback_rate_limit: float = Field(
+        20.0, gt=0, description="POST /v1/feedback calls per second per API key (or client address without one); "
+        "more get 429.",
+    )
+    feedback_burst: int = Field(40, ge=1, description="Feedback calls a key may send at once before the rate applies.")
+    feedback_max_comment_chars: int = Field(2_000, ge=0, description="Longest feedback comment accepted (a 400 after).")
 
     fault_error_rate: float | dict[str, float] = Field(
         0.0, description="Test-only fault injection: fail this share of requests as an engine error would (500, an "
@@ -262,6 +287,10 @@ class ServeSettings(BaseSettings):
         if path is not None:
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
+
+    def records_options(self) -> dict:
+        """``serve.records.OnlineRecords``' keyword arguments from these settings."""
+        return {"retention_s": self.records_retention_s, "max_completions": self.records_max_completions}
 
     def model_entries(self) -> list[ModelEntry]:
         """The models to serve: ``models``, or one entry made of ``model`` / ``served_model_name``. With nothing

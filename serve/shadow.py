@@ -4,6 +4,7 @@ the user."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 
@@ -46,5 +47,4 @@ class ShadowTraffic:
         model = self.registry.models.get(shadow[0])
         if model is None or model.retiring or model is target.model or not self.admission.reserve_spare(sequences):
             return None
-        return Responder(model, target.route, target.online, shadow=True, user=target.user, arrival=target.arrival,
-                         config_version=target.config_version, route_share=0.0)
+        return dataclasses.replace(target, model=model, shadow=True, route_share=0.0)

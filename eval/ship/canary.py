@@ -24,6 +24,7 @@ Every decision (and every stage change) goes to the audit log with its evidence 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -32,8 +33,11 @@ import numpy as np
 
 from eval.ship.sequential import METHODS, ExceedanceTest, PairedWorseTest, RateIncreaseTest, RewardTest
 from eval.ship.units import Randomization
+from serve.records import source_matches
 
 Outcome = Literal["promote", "rollback", "inconclusive"]
+# Where the rewards come from (DESIGN §13): a rule checker, users' feedback, a reward model or a judge.
+REWARD_SOURCE = re.compile(r"(rule|feedback|rm|judge)(:[\w.\-]+)?")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class CanarySettings:
     poll_s: float = 1.0
     shadow: bool = False  # a shadow stage runs first (it takes a share of alpha)
     capacity: bool = False  # a capacity gate runs first (it takes a share of alpha)
+    reward_source: str = "rule"  # the rewards decided on: rule, feedback, rm:NAME, judge:NAME (serve.records)
 
     def __post_init__(self) -> None:
         if not self.stages or any(not 0 < s < 1 for s in self.stages) or list(self.stages) != sorted(self.stages):
@@ -60,6 +65,12 @@ class CanarySettings:
                              "the last step to 100% is the promote")
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1) (got {self.alpha})")
+        if not REWARD_SOURCE.fullmatch(self.reward_source):
+            raise ValueError(f"the reward source must be rule, feedback, rm:NAME or judge:NAME (got "
+                             f"{self.reward_source!r})")
+        if self.shadow and self.reward_source.startswith("feedback"):
+            raise ValueError("a shadow stage cannot be judged by feedback: users never see a mirrored answer; use "
+                             "--reward-source rule, rm:NAME or judge:NAME, or no --shadow")
         if self.test not in METHODS:
             raise ValueError(f"the test must be one of {', '.join(METHODS)} (got {self.test!r})")
 
@@ -193,7 +204,7 @@ class Canary:
             self.units += 1
             candidate = model == self.candidate
             failed.add(candidate, q, float(error))
-            reward, expected = row.get("reward"), row.get("reward_expected")
+            reward, expected = self._own_reward(row)
             if reward is not None and not error:
                 rewarded(candidate, q, version, float(reward))
             elif error and expected:
@@ -206,7 +217,7 @@ class Canary:
                     self.pending[key] = Unit(candidate, q, int(version), float(row.get("time") or self.wall()) +
                                              timeout)
         for row in rows:
-            if row.get("kind") != "reward" or row.get("shadow"):
+            if row.get("kind") != "reward" or row.get("shadow") or not self._wanted(row):
                 continue
             key = (row.get("id"), row.get("index", 0))
             unit = self.pending.pop(key, None)
@@ -226,6 +237,18 @@ class Canary:
             self.traffic[model].latencies_ms.append(np.asarray(values, dtype=np.float64))
         if self.latency is not None:
             self.latency.add(self.traffic[self.candidate].latencies_ms[-1])
+
+    def _wanted(self, row: dict) -> bool:
+        """A reward row of the source decided on (serve.records.source_matches)."""
+        return source_matches(row.get("reward_source"), self.settings.reward_source)
+
+    def _own_reward(self, row: dict) -> tuple[float | None, bool]:
+        """A request row's reward from the source decided on (None when it has none, or another source's), and
+        whether one is expected: a rule reward only for requests that carried an answer; feedback, a reward model
+        or a judge can score any answer, so every answered request expects one (within ``reward_timeout_s``)."""
+        reward = row.get("reward") if self._wanted(row) else None
+        expected = bool(row.get("reward_expected")) if self.settings.reward_source.startswith("rule") else True
+        return reward, expected
 
     # ------------------------------------------------------------ decisions
 
@@ -253,6 +276,7 @@ class Canary:
         if self.latency is not None:
             guardrails["latency"] = self.latency.evidence()
         return {"stage": stage + 1 if isinstance(stage, int) else stage, "share": share,
+                "reward_source": self.settings.reward_source,
                 "config_version": self.stage_version, "reward": self.reward.evidence(), "guardrails": guardrails,
                 "candidate": self.traffic[self.candidate].summary(),
                 "incumbent": self.traffic[self.incumbent].summary(),
@@ -330,12 +354,14 @@ class Canary:
                     continue
                 pair = pairs.setdefault((row["id"], row.get("index", 0)), ShadowPair())
                 if row.get("kind") == "reward":
-                    pair.rewards[mirrored] = float(row["reward"])
+                    if self._wanted(row):
+                        pair.rewards[mirrored] = float(row["reward"])
                 else:
                     used += not mirrored
                     pair.errors[mirrored] = bool(row.get("error"))
-                    if row.get("reward") is not None:
-                        pair.rewards[mirrored] = float(row["reward"])
+                    own, _ = self._own_reward(row)
+                    if own is not None:
+                        pair.rewards[mirrored] = own
                 if len(pair.errors) == 2 and not pair.errors_counted:
                     pair.errors_counted = True
                     d_error.append(float(pair.errors[False]) - float(pair.errors[True]))

@@ -45,6 +45,9 @@ def ship_command(
     max_missing_increase: Annotated[float, typer.Option(
         "--max-missing-increase", help="Guardrail: the candidate's share of requests whose reward never came "
         "(errors, rewards past --reward-timeout-s) above the incumbent's by more rolls back.")] = 0.02,
+    reward_source: Annotated[str, typer.Option("--reward-source", help="The canary's rewards: rule (requests "
+                                               "that carry an answer), feedback (users' POST /v1/feedback), "
+                                               "rm:NAME or judge:NAME (a scorer's reward rows).")] = "rule",
     reward_timeout_s: Annotated[float, typer.Option("--reward-timeout-s", help="A reward not in this long after "
                                                     "its answer counts as missing.")] = 60.0,
     slo_p95_ms: Annotated[float, typer.Option("--slo-p95-ms", help="Guardrail (a sequential test that the "
@@ -90,7 +93,7 @@ def ship_command(
                                     max_missing_increase=max_missing_increase, slo_p95_ms=slo_p95_ms,
                                     reward_timeout_s=reward_timeout_s, budget_requests=budget_requests,
                                     budget_s=budget_s, poll_s=poll_s, shadow=shadow > 0,
-                                    capacity=capacity)
+                                    capacity=capacity, reward_source=reward_source)
         except ValueError as exc:
             raise ConfigError(f"verl ship: {exc}") from None
         if not 0.0 <= shadow <= 1.0:

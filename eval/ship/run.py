@@ -408,6 +408,10 @@ def report_canary(doc: Any, record: dict) -> None:
     """The canary's stages, its guardrails, the outcome, and the offline-vs-online drift."""
     canary = record["canary"]
     doc.h("Canary")
+    source = canary["evidence"].get("reward_source", "rule")
+    doc.p(f"Rewards from **{source}**" + {"rule": " (requests that carried an answer, scored by a rule).",
+                                          "feedback": " (users' feedback on the answers, POST /v1/feedback)."}.get(
+        source.split(":")[0], " (reward rows of that scorer)."))
     rows = []
     # A promote's last stage is already in the stage log; a rollback or a budget ends mid-stage.
     for ev in canary["stages"] + ([canary["evidence"]] if canary["outcome"] != "promote" else []):

@@ -47,6 +47,7 @@ class Traffic:
     candidate_error_rate: float | None = None  # the candidate's own error rate (default: error_rate)
     candidate_latency_factor: float = 1.0  # the candidate's latencies, times this
     candidate_missing: float = 0.0  # share of the candidate's rewards that never arrive
+    reward_source: str = "rule:simulated"  # "feedback", "rm:x", ...: requests carry no answer, rewards come later
 
     def mean(self) -> float:
         if self.reward == "beta":
@@ -165,15 +166,16 @@ class SimulatedService:
         finish = arrival + latency
         row = {"kind": "request", "id": rid, "index": 0, "time": finish, "arrival": arrival, "model": model,
                "route": self.route, "config_version": self.version, "user": user, "e2e_s": latency,
-               "error": "RequestFailedError: injected" if error else None, "reward_expected": asked,
-               "reward": None, "shadow": shadow}
+               "error": "RequestFailedError: injected" if error else None,
+               "reward_expected": asked and self.traffic.reward_source.startswith("rule"),
+               "reward": None, "reward_source": None, "shadow": shadow}
         if asked and not error:
             if delay is None:
-                row["reward"] = reward
+                row["reward"], row["reward_source"] = reward, self.traffic.reward_source
             elif math.isfinite(delay):
                 self.late.append((finish + delay, {"kind": "reward", "id": rid, "index": 0, "time": finish + delay,
                                                    "model": model, "route": self.route, "reward": reward,
-                                                   "reward_source": "rule:simulated", "shadow": shadow}))
+                                                   "reward_source": self.traffic.reward_source, "shadow": shadow}))
         self.outbox.append(row)
 
 

@@ -11,7 +11,9 @@ One scenario, in order, under a steady stream of completions:
 3. SIGKILL one replica: Ray Serve replaces it, the replacement joins at the current version (model ``b`` loaded, the
    promoted route), and the load loses at most the requests that replica had in flight;
 4. SIGKILL the control-plane actor: the routes in force stay in force, and the restarted actor resumes from its
-   state file (the next change gets the next version, not version 2).
+   state file (the next change gets the next version, not version 2);
+5. one record log and one metrics page for the fleet; users' feedback accepted on any replica for any replica's
+   answer, once per answer and source.
 """
 
 from __future__ import annotations
@@ -154,6 +156,25 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
         assert len({r["replica"] for r in rows}) >= 2
         assert load.ok * 0.9 <= len(answered) <= load.ok + 10, (len(answered), load.ok)
         assert len(records_path.read_text().splitlines()) == len(rows)
+
+        # 5b. Feedback on any replica for any replica's answer, once per answer and source for the whole fleet
+        # (the control plane decides); an answer given a moment ago is found too (its row may still be on its way).
+        by_replica = {}
+        for row in answered:
+            by_replica.setdefault(row["replica"], row["id"])
+        just_answered = httpx.post(url + "/v1/completions", json={"prompt": "2+5=", "max_tokens": 4}, timeout=60)
+        fresh_id = just_answered.json()["id"]
+        targets = [*by_replica.values(), fresh_id]
+        for attempt in range(2):
+            for completion_id in targets:
+                with httpx.Client(base_url=url, timeout=30) as client:  # a fresh connection: any replica
+                    given = client.post("/v1/feedback", json={"id": completion_id, "thumbs": "up"})
+                assert given.status_code == 200 and given.json()["duplicate"] is (attempt == 1), given.text
+        assert httpx.post(url + "/v1/feedback", json={"id": "cmpl-none", "score": 1}, timeout=30).status_code == 404
+        time.sleep(0.5)
+        with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as client:
+            late = [r for r in client.get("/admin/records").json()["records"] if r["kind"] == "reward"]
+        assert sorted(r["id"] for r in late) == sorted(targets) and {r["reward_source"] for r in late} == {"feedback"}
 
         # 6. One metrics page for the fleet: every live replica's series, labelled replica (name = pid-suffix).
         page = httpx.get(url + "/metrics", timeout=30).text

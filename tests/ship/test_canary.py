@@ -150,3 +150,26 @@ def test_ship_report_shows_stages_guardrails_prompts_and_the_alpha_split(tmp_pat
     assert "reward_worse 0.025" in text and "| latency |" in text and "e-value (worse)" in text
     assert text.count("| 1 | 5% |") == 1 and text.count("| 2 | 25% |") == 1  # each stage once, the last mid-way
     assert (tmp_path / "ship.json").is_file() and (tmp_path / "ship_report.html").is_file()
+
+
+def test_the_canary_decides_on_the_reward_source_it_is_told():
+    """Requests without answers; 60% of answers get users' feedback, seconds late. Read as feedback, a candidate 20
+    points worse is rolled back and an identical one promoted (equal feedback rates break no guardrail); read as
+    rule rewards — there are none — nothing is decided, and nothing of the feedback leaks in."""
+    traffic = Traffic(reward_source="feedback", delay_s=2.0, reward_share=0.6)
+    feedback = replace(SETTINGS, reward_source="feedback")
+    canary, _, _ = canary_for(traffic, -0.2, seed=3, settings=feedback)
+    outcome, reason, evidence = canary.run()
+    assert outcome == "rollback" and "reward is worse" in reason and evidence["reward_source"] == "feedback"
+    canary, _, _ = canary_for(traffic, 0.0, seed=3, settings=feedback)
+    outcome, reason, evidence = canary.run()
+    assert outcome == "promote", reason
+    missing = evidence["guardrails"]["missing_rewards"]
+    assert 0.3 < missing["rate_candidate"] < 0.5 and 0.3 < missing["rate_incumbent"] < 0.5
+    canary, _, _ = canary_for(traffic, -0.2, seed=3, settings=replace(SETTINGS, budget_requests=600))
+    outcome, reason, evidence = canary.run()
+    assert outcome == "inconclusive" and evidence["reward"]["n_candidate"] == 0 == evidence["reward"]["n_incumbent"]
+    with pytest.raises(ValueError, match="rule, feedback, rm:NAME or judge:NAME"):
+        CanarySettings(reward_source="users")
+    with pytest.raises(ValueError, match="users never see a mirrored answer"):
+        CanarySettings(reward_source="feedback", shadow=True)
