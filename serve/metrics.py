@@ -91,6 +91,11 @@ class ServeMetrics:
                                 "rate_limited, invalid).", [*labels, "outcome"], registry=r)
         self.feedback_score = Histogram(PREFIX + "feedback_score", "Users' feedback scores (thumbs up 1, down 0), "
                                         "per answering model.", labels, buckets=REWARD_BUCKETS, registry=r)
+        self.live_scores = Counter(PREFIX + "live_scores", "Answers drawn for live scoring (score_traffic) by the "
+                                   "answering model and outcome (scored, failed, dropped: the queue was full).",
+                                   [*labels, "outcome"], registry=r)
+        self.live_score = Histogram(PREFIX + "live_score", "The reward model's scores of live answers, per answering "
+                                    "model.", labels, buckets=REWARD_BUCKETS, registry=r)
         self.info = Gauge(PREFIX + "server_info", "Constant 1, labelled with what is served.",
                           ["model_name", "engine", "version"], registry=r)
         self.model_name = model_name

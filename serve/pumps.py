@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from serve.admission import Admission, Responder
 from serve.engines.base import EngineError, EngineOutput, EngineRequest, RequestFailedError, SamplingOptions
 from serve.lifecycle import ModelLifecycle
+from serve.live_scoring import Answer, LiveScoring
 from serve.metrics import SequenceTimer, ServeMetrics
 from serve.records import OnlineRecords, prompt_hash, score
 from serve.settings import ServeSettings
@@ -52,9 +53,9 @@ class Pumps:
     """The running sequences (``tasks``) of every request, mirrors included."""
 
     def __init__(self, settings: ServeSettings, lifecycle: ModelLifecycle, admission: Admission,
-                 shadow: ShadowTraffic, metrics: ServeMetrics, records: OnlineRecords):
+                 shadow: ShadowTraffic, metrics: ServeMetrics, records: OnlineRecords, live: LiveScoring):
         self.settings, self.lifecycle, self.admission, self.shadow = settings, lifecycle, admission, shadow
-        self.metrics, self.records = metrics, records
+        self.metrics, self.records, self.live = metrics, records, live
         self.tasks: set[asyncio.Task] = set()
 
     def start(self, request_id: str, specs: list[SequenceSpec], sink: Sink, stream: bool,
@@ -92,6 +93,7 @@ class Pumps:
                     sink: Sink) -> None:
         finish, produced, error = "abort", 0, None
         text: list[str] = []
+        scored = self.live.draws(target)
         try:
             self._inject_fault(target)
             stream = target.model.engine.generate(req)
@@ -99,7 +101,7 @@ class Pumps:
                 async for out in stream:
                     timer.on_output(time.perf_counter(), len(out.token_ids), out.scheduled_time, out.token_times)
                     produced = out.num_generated_tokens
-                    if target.rule_scored or target.prompt is not None:
+                    if target.rule_scored or target.prompt is not None or scored:
                         text.append(out.text)
                     sink(index, out)
                     if out.finished:
@@ -123,6 +125,8 @@ class Pumps:
             end = time.perf_counter()
             timer.on_finish(end, finish)
             self._record(target, req, request_id, index, timer, end, finish, produced, error, "".join(text))
+            if scored and error is None and finish != "abort":
+                self.live.offer(Answer(target, request_id, index, list(req.prompt_token_ids), "".join(text)))
 
     def _inject_fault(self, target: Responder) -> None:
         """Test-only (``fault_error_rate``): fail a share of a model's requests as an engine would."""

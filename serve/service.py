@@ -4,6 +4,7 @@
 - ``admission`` (serve/admission.py): which model answers a request, and whether there is a slot for it.
 - ``shadow`` (serve/shadow.py): mirrored traffic to a shadow model.
 - ``pumps`` (serve/pumps.py): one task per sequence from the engine to the endpoint, and its online record.
+- ``live_scoring`` (serve/live_scoring.py): a reward model scoring a sample of the answers in the background.
 - ``changes``: admin changes, in this process (serve/changes.py) or through a fleet's control plane
   (serve/fleet_sync.py).
 
@@ -22,6 +23,7 @@ from serve.admission import Admission, RateLimiter
 from serve.changes import LocalChanges
 from serve.fleet_sync import FleetSync
 from serve.lifecycle import ModelLifecycle, initial_models
+from serve.live_scoring import LiveScoring
 from serve.metrics import ServeMetrics
 from serve.pumps import Pumps
 from serve.records import OnlineRecords
@@ -48,7 +50,9 @@ class Service:
         registry = self.lifecycle.registry
         self.admission = Admission(settings, self.lifecycle, self.metrics, self.records)
         self.shadow = ShadowTraffic(registry, self.admission, in_fleet=fleet is not None)
-        self.pumps = Pumps(settings, self.lifecycle, self.admission, self.shadow, self.metrics, self.records)
+        self.live_scoring = LiveScoring(settings.score_traffic, self.lifecycle, self.records, self.metrics)
+        self.pumps = Pumps(settings, self.lifecycle, self.admission, self.shadow, self.metrics, self.records,
+                           self.live_scoring)
         self.changes: LocalChanges | FleetSync = (FleetSync(fleet, self.lifecycle) if fleet is not None
                                                   else LocalChanges(self.lifecycle))
         self._abort_timer: asyncio.TimerHandle | None = None
@@ -60,6 +64,7 @@ class Service:
 
     async def load(self) -> None:
         await self.lifecycle.load()
+        self.live_scoring.start()
 
     def begin_drain(self) -> None:
         """Refuse new work; abort what is still running after ``drain_grace_s + shutdown_timeout_s``."""
@@ -72,5 +77,6 @@ class Service:
 
     async def shutdown(self) -> None:
         self.begin_drain()
+        await self.live_scoring.stop()
         await self.lifecycle.shutdown_engines()
         self.pumps.abort_all()

@@ -65,6 +65,41 @@ class ModelEntry(BaseModel):
         return self
 
 
+class LiveScoringSettings(BaseModel):
+    """``score_traffic``: a reward model scores a sample of the answers the service gives (serve/live_scoring.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scorer: str = Field(min_length=1, description="A reward model served here (a `kind: reward` entry's name), or "
+                        "one behind a URL: `http://host:port#NAME` (its /classify). Rewards are recorded with "
+                        "`reward_source: rm:NAME`.")
+    fraction: float = Field(1.0, gt=0.0, le=1.0, description="The share of answered requests scored (drawn per "
+                            "request).")
+    routes: list[str] = Field(default_factory=list, description="Only requests to these routes (empty: every "
+                              "request).")
+    score: Literal["probability", "logit"] = Field("probability", description="The classifier's probability in "
+                                                   "[0, 1] (what the canary's betting test needs) or its logit.")
+    max_pending: int = Field(1024, ge=1, description="Answers waiting to be scored at most; more are not scored "
+                             "(counted as dropped): scoring never slows the answers down.")
+    batch_size: int = Field(16, ge=1, description="Answers scored in one forward (or one remote call).")
+    timeout_s: float = Field(30.0, gt=0, description="A remote scorer: seconds per call before a retry.")
+
+    @property
+    def remote(self) -> tuple[str, str | None] | None:
+        """(URL, model name) of a scorer behind a URL, else None."""
+        if "://" not in self.scorer:
+            return None
+        url, _, name = self.scorer.partition("#")
+        return url, name or None
+
+    @property
+    def source(self) -> str:
+        """The reward_source its rewards are recorded with."""
+        remote = self.remote
+        name = self.scorer if remote is None else (remote[1] or "remote")
+        return f"rm:{name}"
+
+
 def is_reward_model(path: str) -> bool:
     """Whether ``path`` is a sequence classifier (a ``verl rm`` checkpoint or export): its config.json names a
     ``*ForSequenceClassification`` architecture. Built-in names and GGUF files are generative models."""
@@ -146,6 +181,11 @@ class ServeSettings(BaseSettings):
     feedback_rate_limit: float = Field(
         20.0, gt=0, description="POST /v1/feedback calls per second per API key (or client address without one); "
         "more get 429.",
+    )
+    score_traffic: LiveScoringSettings | None = Field(
+        None, description="Score a sample of the answers with a reward model, in the background (never on a user's "
+        "latency path, never in a user's queue slot), into the records as `reward_source: rm:NAME`: "
+        "{scorer, fraction, routes, score, max_pending, batch_size}.",
     )
     feedback_burst: int = Field(40, ge=1, description="Feedback calls a key may send at once before the rate applies.")
     feedback_max_comment_chars: int = Field(2_000, ge=0, description="Longest feedback comment accepted (a 400 after).")
@@ -267,6 +307,11 @@ class ServeSettings(BaseSettings):
             if scorers:
                 raise ValueError(f"routes.{route}: '{scorers[0]}' is a reward model; routes send chat and "
                                  "completion requests, which reward models do not answer")
+        live = self.score_traffic
+        if live is not None and live.remote is None and self.models and live.scorer not in reward:
+            raise ValueError(f"score_traffic.scorer: '{live.scorer}' is not a reward model served here (kind: reward "
+                             f"entries: {', '.join(sorted(reward)) or 'none'}); add it to models, or give a URL "
+                             "(http://host:port#NAME)")
         known = set(names) or {self.model_name()}
         for route, weights in self.routes.items():
             check_route(route, weights, known)

@@ -44,6 +44,10 @@ KEY = "ship-admin"
 SHIP = ["--route", "default", "--admin-key", KEY, "--stages", "0.25,0.5", "--min-per-stage", "30", "--margin", "0.1",
         "--poll-s", "0.5", "--budget-s", "240", "--capacity-users", "2", "--capacity-s", "6"]
 FAULTS = "fault_error_rate: 0.01\n"  # 1% of every model's requests fail
+# Locust users whose requests carry the answer (RouteUser: the service scores each answer by the rule) ...
+ROUTE_USERS = ("--user-mix", "route", "--model", "default", "--reward", "arithmetic")
+# ... or users whose requests carry none (FeedbackUser): 60% of the answers get a thumbs up or down ~1 s later.
+FEEDBACK_USERS = ("--user-mix", "feedback", "--feedback-share", "0.6", "--feedback-delay", "1")
 
 
 def measured_slo(url: str, out: Path, *runs: Path) -> str:
@@ -88,10 +92,11 @@ def audit(out: Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def served_under_load(tmp_path: Path, *serve_args: str, replicas: int | None = None) -> Iterator[str]:
+def served_under_load(tmp_path: Path, *serve_args: str, replicas: int | None = None,
+                      users: tuple[str, ...] = ROUTE_USERS) -> Iterator[str]:
     """``verl serve`` with ``tmp_path/serve.yaml`` (and ``serve_args``), healthy (with ``replicas`` live), under a
-    Locust load on the default route whose answers carry rewards; yields the URL, and afterwards checks that the load
-    saw no failed request."""
+    Locust load on the default route (``users``: whose answers carry rewards, by default); yields the URL, and
+    afterwards checks that the load saw no failed request."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", *serve_args, "--config",
@@ -110,8 +115,8 @@ def served_under_load(tmp_path: Path, *serve_args: str, replicas: int | None = N
                 pass
             time.sleep(0.5)
         locust = subprocess.Popen(
-            [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest"), "--headless", "-H", url, "--user-mix",
-             "route", "--model", "default", "--reward", "arithmetic", "-u", "4", "-r", "4", "--run-time", "900s",
+            [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest"), "--headless", "-H", url, *users,
+             "-u", "4", "-r", "4", "--run-time", "900s",
              "--csv", str(prefix), "--num-prompts", "64"], cwd=REPO, stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT, start_new_session=True)
         time.sleep(5)
@@ -248,3 +253,63 @@ def test_ship_on_the_fleet_every_replica_follows(tmp_path, runs):
         assert len({r["process"]["pid"] for r in reads}) == 2
         assert all(r["routes"]["default"][name] == 1.0 and name in {m["name"] for m in r["models"]} for r in reads)
         assert len({r["replica"] for r in rows if r["model"] == name}) == 2  # both replicas served the candidate
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory) -> Path:
+    """A reward model for the built-in task, trained here as docs/rewards.md says, shortened (150 steps on 800
+    prompts' own-answer pairs and the built-in pairs: ~0.86 held-out pairwise accuracy in ~50 s)."""
+    root = tmp_path_factory.mktemp("judge")
+    pairs = verl("data", "pairs", "--model", "builtin:tiny-arith", "--out", str(root / "pairs"), "--max-prompts", "800",
+                 "--n", "4")
+    assert pairs.returncode == 0, pairs.stderr[-3000:]
+    trained = verl("rm", "--config", str(REPO / "configs" / "rm_tiny.yaml"),
+                   f"data.train_files=[{root / 'pairs' / 'train.parquet'},builtin:arithmetic/pairs_train]",
+                   f"data.val_files=[{root / 'pairs' / 'val.parquet'}]", "trainer.total_steps=150",
+                   "trainer.test_freq=150", f"trainer.output_dir={root}", "trainer.experiment_name=judge", "--quiet")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    return root / "verl-rm" / "judge" / "checkpoints" / "global_step_150"
+
+
+@pytest.mark.budget(240)
+def test_ship_on_traffic_without_answers_by_a_reward_model_and_by_feedback(tmp_path, runs, judge):
+    """Users whose requests carry no answer (FeedbackUser): the rule has nothing to score. The service's reward model
+    scores every answer in the background (``score_traffic``: rows of source ``rm:judge``) and the users rate 60% of
+    them a second later (``feedback``). On each source alone, ``verl ship`` rolls the worse run back and promotes
+    the sound one over the incumbent (the route is set back to the incumbent between the two sources)."""
+    incumbent, bad, good = runs["inc"], runs["bad"], runs["good"]
+    (tmp_path / "serve.yaml").write_text(
+        f"models:\n  - {{name: tiny, path: builtin:tiny-arith}}\n  - {{name: inc, adapter: {incumbent}}}\n"
+        f"  - {{name: judge, path: {judge}, kind: reward}}\nroutes:\n  default: {{inc: 1.0}}\nadmin_api_key: {KEY}\n"
+        f"records_path: {tmp_path / 'records.jsonl'}\nscore_traffic: {{scorer: judge, routes: [default]}}\n"
+        "feedback_rate_limit: 1000\nfeedback_burst: 1000\n" + FAULTS)
+    admin = {"Authorization": f"Bearer {KEY}"}
+    ship = [*SHIP, "--skip-offline", "--skip-capacity", "--reward-timeout-s", "20"]
+    # The margin is in the source's units: this short-trained RM's probabilities of the incumbent's answers (~22%
+    # right) and the worse run's (~0.4%) differ by ~0.05 on average, less than the rule's 0.1 margin; 0.03 is the
+    # margin that means "worse" on its scale (a better-trained RM spreads them further: docs/rewards.md).
+    rm_margin = ("--margin", "0.03")
+    outcomes = {}
+    with served_under_load(tmp_path, users=FEEDBACK_USERS) as url:
+        for source in ("rm:judge", "feedback"):
+            label = source.replace(":", "-")
+            for run, expected in ((bad, 10), (good, 0)):
+                out = tmp_path / f"{label}-{run.name}"
+                shipped = verl("ship", str(run), "--service", url, "--out", str(out), "--reward-source", source,
+                               "--name", f"{run.name}-{label}", *ship, *(rm_margin if source == "rm:judge" else ()))
+                assert shipped.returncode == expected, shipped.stderr[-3000:]
+                decision = audit(out)[-1]
+                outcomes[(source, run.name)] = decision["decision"]
+                assert decision["evidence"]["reward_source"] == source
+                print(source, run.name, decision["decision"], decision["reason"])
+            assert httpx.put(url + "/admin/routes/default", headers=admin, json={"weights": {"inc": 1.0}}
+                             ).status_code == 200
+        rows = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert outcomes == {("rm:judge", "bad"): "rollback", ("rm:judge", "good"): "promote",
+                        ("feedback", "bad"): "rollback", ("feedback", "good"): "promote"}
+    requests = [r for r in rows if r["kind"] == "request" and not r["shadow"]]
+    assert requests and not any(r["reward_expected"] or r["reward"] is not None for r in requests)
+    sources = {r["reward_source"] for r in rows if r["kind"] == "reward"}
+    assert sources == {"rm:judge", "feedback"}
+    report = (tmp_path / "feedback-good" / "ship_report.md").read_text()
+    assert "Rewards from **feedback**" in report and "Decision: promote" in report

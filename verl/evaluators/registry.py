@@ -36,6 +36,7 @@ from verl.evaluators.accuracy import Accuracy
 from verl.evaluators.base import Evaluator
 from verl.evaluators.batch import NEEDS, EvalBatch
 from verl.evaluators.diversity import Diversity
+from verl.evaluators.judge import Judge
 from verl.evaluators.kl import KL
 from verl.evaluators.length import Length
 from verl.evaluators.reward import Reward
@@ -62,6 +63,8 @@ def register_evaluator(name: str) -> Callable[[type], type]:
 
 for _builtin in BUILTIN_EVALUATORS:
     register_evaluator(_builtin.name)(_builtin)
+# Named only on request (it calls a judge model behind a URL): not among the defaults.
+register_evaluator(Judge.name)(Judge)
 
 
 def builtin_names() -> list[str]:
