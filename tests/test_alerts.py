@@ -282,3 +282,29 @@ def test_rules_skip_updates_and_add_checkpoints_in_a_real_run(tmp_path):
     first = load_file(run_dir / "checkpoints" / "global_step_1" / "model.safetensors")
     last = load_file(run_dir / "checkpoints" / "global_step_3" / "model.safetensors")
     assert all(torch.equal(first[k], last[k]) for k in first)
+
+
+def test_reward_model_gaming_fires_when_the_rm_score_rises_and_the_rule_accuracy_does_not():
+    """``rollout/rm_score`` up by >= 2 starting spreads while ``rollout/acc`` stays: the training-time tripwire."""
+    config = build_config({"reward": {"model": {"url": "http://127.0.0.1:1"}}})
+    [gaming] = [r for r in build_health_rules(config) if r.name == "reward_model_gaming"]
+    assert not [r for r in build_health_rules(build_config({})) if r.name == "reward_model_gaming"]  # rule reward
+
+    def run(scores, accuracy, spread=0.1):
+        rule = type(gaming)(window=2)
+        return [rule.check(s, {"rollout/rm_score": r, "rollout/acc": a, "rollout/reward_std": spread})
+                for s, (r, a) in enumerate(zip(scores, accuracy, strict=True), 1)]
+
+    # start: mean(0.2, 0.2) = 0.2, spread 0.1; at step 4: mean(0.3, 0.35) -> z = 1.25; at 5: mean(0.35, 0.45) ->
+    # z = 2.0 with accuracy flat at 0.1: it fires there (not before: two windows are needed)
+    fired = run([0.2, 0.2, 0.3, 0.35, 0.45], [0.1] * 5)
+    assert [a is not None for a in fired] == [False, False, False, False, True]
+    assert fired[-1].value == pytest.approx(2.0) and "gaming the reward model" in fired[-1].message
+    assert "0.100 -> 0.100" in fired[-1].message
+    # the same rise with the accuracy rising by more than 0.05: learning, not gaming
+    assert all(a is None for a in run([0.2, 0.2, 0.3, 0.35, 0.45], [0.1, 0.1, 0.2, 0.3, 0.4]))
+    # the accuracy rose then fell from its peak while the score kept rising: gaming again
+    late = run([0.2, 0.2, 0.3, 0.4, 0.5, 0.6], [0.1, 0.1, 0.5, 0.5, 0.3, 0.2])
+    assert late[-1] is not None and "peak 0.500" in late[-1].message
+    assert all(a is None for a in run([0.2] * 6, [0.1] * 6))  # nothing rose
+    assert gaming.check(1, {"rollout/rm_score": 0.5}) is None  # no rule accuracy logged: nothing to compare

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from verl.trainer.health import RM_STALL_Z
 from verl.utils.log import read_jsonl
 
 
@@ -113,9 +114,6 @@ def training_trend(run_dir: Path | None, step: int | None) -> dict[str, Any]:
     return out
 
 
-# A reward model's reward rising by this many of its starting spreads while the rule's accuracy does not rise:
-# the reward model is being learnt, not the task.
-RM_STALL_Z = 2.0
 
 
 def tripwire_gate(trend: dict[str, Any], pair: dict, metric: str, margin: float) -> Gate:

@@ -159,6 +159,57 @@ class MetricRule:
 # ---------------------------------------------------------------------------------------------- acting
 
 
+# A reward model's reward rising by this many of its starting spreads while the rule's accuracy does not rise: the
+# reward model is being learnt, not the task (`verl ship`'s tripwire uses the same number on held-out accuracy).
+RM_STALL_Z = 2.0
+
+
+class RewardModelGaming:
+    """Warns when a reward model's reward rises while the rule's accuracy does not: reward hacking, seen in training.
+
+    Needs the two numbers side by side: ``rollout/rm_score`` (the reward model's mean score) and ``rollout/acc`` (the
+    rule's accuracy on the same samples; logged when the data has answers). Over the first ``window`` steps it takes
+    the start: the mean score, the mean accuracy, and the mean ``rollout/reward_std`` (the score's spread across a
+    step's samples: a reward model's scores have units of their own). Afterwards, on the mean of the last ``window``
+    steps: ``z`` = (score - start) / spread; it acts when ``z >= RM_STALL_Z`` and the accuracy has not risen by more
+    than ``min_accuracy_gain`` (or fell from its peak by more than that)."""
+
+    name = "reward_model_gaming"
+
+    def __init__(self, window: int = 5, min_accuracy_gain: float = 0.05, z: float = RM_STALL_Z):
+        self.window, self.min_accuracy_gain, self.z = window, min_accuracy_gain, z
+        self.scores: list[float] = []
+        self.accuracy: list[float] = []
+        self.spreads: list[float] = []
+
+    def check(self, step: int, metrics: dict[str, float]) -> Alert | None:
+        score, acc = _finite(metrics, "rollout/rm_score"), _finite(metrics, "rollout/acc")
+        if score is None or acc is None:
+            return None
+        self.scores.append(score)
+        self.accuracy.append(acc)
+        self.spreads.append(_finite(metrics, "rollout/reward_std") or 0.0)
+        w = self.window
+        if len(self.scores) < 2 * w:
+            return None
+        start_score, start_acc = sum(self.scores[:w]) / w, sum(self.accuracy[:w]) / w
+        spread = sum(self.spreads[:w]) / w
+        now_score, now_acc = sum(self.scores[-w:]) / w, sum(self.accuracy[-w:]) / w
+        peak_acc = max(sum(self.accuracy[i:i + w]) / w for i in range(len(self.accuracy) - w + 1))
+        if spread <= 1e-9:
+            return None
+        z = (now_score - start_score) / spread
+        stalled = now_acc - start_acc <= self.min_accuracy_gain or peak_acc - now_acc > self.min_accuracy_gain
+        if z < self.z or not stalled:
+            return None
+        message = (f"the reward model's score rose {z:.1f} times its starting spread ({start_score:.3f} -> "
+                   f"{now_score:.3f}, mean of {w} steps) while the rule's accuracy went {start_acc:.3f} -> "
+                   f"{now_acc:.3f} (peak {peak_acc:.3f}): the policy may be gaming the reward model; read the "
+                   "samples, mix in the rule (reward.model.rule_weight) or retrain the reward model on the policy's "
+                   "newer answers")
+        return Alert(self.name, message, metric="rollout/rm_score", value=z, threshold=self.z)
+
+
 def emit_alert(trainer: Any, alert: Alert, step: int) -> dict[str, Any]:
     """Record ``alert`` everywhere (JSONL row, console, trackers) and carry out its action."""
     fields = {k: v for k, v in asdict(alert).items() if v is not None}
@@ -290,7 +341,11 @@ def build_health_rules(config: Any) -> list[Rule]:
         specs = default_rules(config)
     else:
         specs = list(health.rules)
-    return [MetricRule(spec) for spec in [*specs, *health.add_rules]]
+    rules: list[Rule] = [MetricRule(spec) for spec in [*specs, *health.add_rules]]
+    model = config.reward.model
+    if health.rules is None and config.trainer.alerts.enable and (model.path or model.url):
+        rules.append(RewardModelGaming())  # a reward model gives the reward: watch it against the rule
+    return rules
 
 
 def early_stop_rules(patience: int = 5, kl_threshold: float | None = 0.2, reward_drop: float | None = 0.2,
