@@ -271,7 +271,7 @@ def judge(tmp_path_factory) -> Path:
     return root / "verl-rm" / "judge" / "checkpoints" / "global_step_150"
 
 
-@pytest.mark.budget(240)
+@pytest.mark.budget(150)
 def test_ship_on_traffic_without_answers_by_a_reward_model_and_by_feedback(tmp_path, runs, judge):
     """Users whose requests carry no answer (FeedbackUser): the rule has nothing to score. The service's reward model
     scores every answer in the background (``score_traffic``: rows of source ``rm:judge``) and the users rate 60% of
