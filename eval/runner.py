@@ -854,9 +854,29 @@ def parse_select(select: str) -> tuple[str, str]:
     return metric, mode
 
 
+def reward_model_checkpoint(target: CheckpointRef) -> Path | None:
+    """The checkpoint dir when ``target`` is (or a run whose checkpoints are) a reward model, else None."""
+    path = Path(target.path)
+    candidates = sorted(path.glob("checkpoints/global_step_*/config.json")) if target.kind == "run" else [
+        path / "config.json"]
+    for config in candidates[:1]:
+        if config.is_file():
+            architectures = json.loads(config.read_text()).get("architectures") or []
+            if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+                return config.parent
+    return None
+
+
 def run_eval(ckpt: str | Path, settings: EvalSettings, out: str | Path | None = None, console: Any = None) -> dict:
     """Evaluate a checkpoint, a bare model or every checkpoint of a run. Returns the results (or run summary)."""
     target = resolve_target(ckpt)
+    reward_model = reward_model_checkpoint(target)
+    if reward_model is not None:
+        # Loaded as a causal LM it would "generate" from a random head and score 0: refuse, and say what works.
+        raise ConfigError(f"'{ckpt}' is a reward model (a `verl rm` checkpoint: a sequence classifier, not a "
+                          "generator); `verl eval` evaluates generators. Its held-out pairwise accuracy is in its "
+                          "run's log (eval/pairwise_accuracy in verl_logs.jsonl); to judge a policy with it, serve it "
+                          "(kind: reward) and run `verl eval --ckpt POLICY -e \"judge(model=URL#NAME)\"`")
     run_cfg, raw, notes = load_run_config(target.run_dir)
     if console is not None and notes and not settings.quiet:
         for note in notes:

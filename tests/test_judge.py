@@ -212,4 +212,10 @@ def test_verl_eval_with_our_served_reward_model_as_the_judge(tmp_path, reward_mo
     metrics = results["metrics"]
     assert 0.0 < metrics["eval/judge_score"]["value"] < 1.0 and metrics["eval/judge_missing"]["value"] == 0.0
     assert "eval/judge_agreement" in metrics and "eval/judge_kappa" in metrics
+    # The reward model itself is not a generator: `verl eval` on it says so in one line (it used to load it as a
+    # causal LM with a random head and report accuracy 0).
+    refused = subprocess.run([sys.executable, "-m", "verl.cli", "eval", "--ckpt", str(path), "--max-samples", "4"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "is a reward model" in refused.stderr and "judge(model=URL#NAME)" in \
+        refused.stderr and "Traceback" not in refused.stderr
 

@@ -61,10 +61,11 @@ def register_evaluator(name: str) -> Callable[[type], type]:
     return decorator
 
 
-for _builtin in BUILTIN_EVALUATORS:
+# Shipped too, but run only when named: they need something the run does not have (a judge model behind a URL).
+ON_REQUEST_EVALUATORS: tuple[type[Evaluator], ...] = (Judge,)
+
+for _builtin in (*BUILTIN_EVALUATORS, *ON_REQUEST_EVALUATORS):
     register_evaluator(_builtin.name)(_builtin)
-# Named only on request (it calls a judge model behind a URL): not among the defaults.
-register_evaluator(Judge.name)(Judge)
 
 
 def builtin_names() -> list[str]:
