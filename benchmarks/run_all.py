@@ -59,6 +59,7 @@ BENCHES: dict[str, list[str]] = {
     # in nearly all: pass --model <its checkpoint> for the all-calls case recorded in RESULTS.md.
     "agent-rollout": [PY, "benchmarks/agent_rollout.py"],
     "time-to-target": [PY, "benchmarks/time_to_target.py", "--seeds", "1", "2", "3"],
+    "rm-smollm2": [PY, "benchmarks/rm_smollm2.py", "--seeds", "1", "2", "3"],
     "canary-matrix": [PY, "benchmarks/canary_matrix.py", "--sims", "2000", "--workers", "2"],
 }
 

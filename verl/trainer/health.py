@@ -172,7 +172,9 @@ class RewardModelGaming:
     the start: the mean score, the mean accuracy, and the mean ``rollout/reward_std`` (the score's spread across a
     step's samples: a reward model's scores have units of their own). Afterwards, on the mean of the last ``window``
     steps: ``z`` = (score - start) / spread; it acts when ``z >= RM_STALL_Z`` and the accuracy has not risen by more
-    than ``min_accuracy_gain`` (or fell from its peak by more than that)."""
+    than ``min_accuracy_gain``, or fell from its peak by more than that and by more than half its rise from the start.
+    Measured on SmolLM2 (benchmarks/rm_smollm2.py): with the peak rule alone (a fall of 0.05) it warned in three runs
+    that went on to 67-80% held-out accuracy, on dips of a 16-sample rollout accuracy."""
 
     name = "reward_model_gaming"
 
@@ -199,7 +201,10 @@ class RewardModelGaming:
         if spread <= 1e-9:
             return None
         z = (now_score - start_score) / spread
-        stalled = now_acc - start_acc <= self.min_accuracy_gain or peak_acc - now_acc > self.min_accuracy_gain
+        # Fallen from the peak: by more than the noise floor and by more than half of what it had gained (a step's
+        # rule accuracy is a few samples' worth: a small dip after a real rise is not gaming).
+        fell = peak_acc - now_acc > max(self.min_accuracy_gain, 0.5 * (peak_acc - start_acc))
+        stalled = now_acc - start_acc <= self.min_accuracy_gain or fell
         if z < self.z or not stalled:
             return None
         message = (f"the reward model's score rose {z:.1f} times its starting spread ({start_score:.3f} -> "
