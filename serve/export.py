@@ -38,7 +38,7 @@ import transformers
 import yaml
 from peft import PeftConfig, PeftModel
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
 from serve import __version__
 from serve.lineage import EXPORT_FILE
@@ -50,6 +50,7 @@ from verl.utils.log import read_jsonl
 
 SCHEMA = "verl-suite/export/v1"
 DEFAULT_METRIC = "eval/accuracy:max"
+REWARD_MODEL_METRIC = "eval/pairwise_accuracy:max"  # what `verl rm` validates on
 # Files copied from a checkpoint only if the tokenizer did not write them itself (tokenizer.save_pretrained does).
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -122,7 +123,23 @@ def select_checkpoint(run_dir: str | Path, select: str = "best", metric: str | N
         return Selection(by_step[step], step, select, run)
     if select != "best":
         raise ConfigError(f"--select '{select}' must be best, latest or global_step_N")
+    if metric is None and is_sequence_classifier(checkpoints[-1][1]):
+        metric = REWARD_MODEL_METRIC  # a `verl rm` run: its checkpoints are ranked by held-out pairwise accuracy
     return _select_best(run, by_step, metric, logs)
+
+
+def is_sequence_classifier(ckpt: Path) -> bool:
+    """Whether the checkpoint's config.json names a ``*ForSequenceClassification`` (a `verl rm` checkpoint)."""
+    config = ckpt / "config.json"
+    if not config.is_file():
+        return False
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    return any(str(a).endswith("ForSequenceClassification") for a in architectures)
+
+
+def model_class(ckpt: Path) -> Any:
+    """The transformers Auto class that loads ``ckpt`` whole: a reward model keeps its score head."""
+    return AutoModelForSequenceClassification if is_sequence_classifier(ckpt) else AutoModelForCausalLM
 
 
 def _select_best(run: Path, by_step: dict[int, Path], metric: str | None, logs: str | Path | None) -> Selection:
@@ -287,7 +304,7 @@ def load_for_export(ckpt: Path, base: str | None = None, dtype: str = "auto") ->
         else:
             if not (ckpt / "config.json").is_file():
                 raise ModelError(f"'{ckpt}' is not a model checkpoint (no config.json or {ADAPTER_CONFIG})")
-            model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch_dtype, use_safetensors=True)
+            model = model_class(ckpt).from_pretrained(str(ckpt), dtype=torch_dtype, use_safetensors=True)
     except (OSError, ValueError) as exc:
         is_lora = (ckpt / ADAPTER_CONFIG).is_file()
         hint = " (for a LoRA checkpoint whose base moved, pass --base PATH)" if is_lora else ""
@@ -313,7 +330,7 @@ def config_hash(run_dir: Path | None, ckpt: Path) -> tuple[str | None, str | Non
 
 def _verify(model: Any, export_dir: Path, tokenizer: Any) -> float:
     """Reload the written model and compare logits with the in-memory one; returns the max abs difference."""
-    reloaded = AutoModelForCausalLM.from_pretrained(str(export_dir), dtype="auto", use_safetensors=True).eval()
+    reloaded = model_class(export_dir).from_pretrained(str(export_dir), dtype="auto", use_safetensors=True).eval()
     text = "1 + 2 = 3. The quick brown fox."
     ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :32]
     if ids.numel() == 0:
@@ -400,7 +417,10 @@ def export_model(target: str | Path, selection: Selection, force: bool = False, 
 
 
 def _complete_generation_config(model: Any, tokenizer: Any) -> None:
-    """Make sure generation stops at the tokenizer's eos and pads with its pad token, whatever training left."""
+    """Make sure generation stops at the tokenizer's eos and pads with its pad token, whatever training left (a
+    reward model does not generate: it gets none)."""
+    if not hasattr(model, "generation_config"):
+        return
     config = model.generation_config or GenerationConfig()
     if config.eos_token_id is None and tokenizer.eos_token_id is not None:
         config.eos_token_id = tokenizer.eos_token_id

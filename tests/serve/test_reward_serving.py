@@ -13,10 +13,13 @@ import pytest
 import torch
 from jsonschema import Draft202012Validator
 
-from serve.settings import ServeSettings
+from serve.engines.reward import RewardScorer
+from serve.export import run_export, select_checkpoint
+from serve.settings import ServeSettings, is_reward_model
 from tests.serve.helpers import run_server
 from verl.config import RMConfig, build_config
 from verl.data.dataset import right_pad
+from verl.errors import VerlError
 from verl.trainer.rm import RewardModelTrainer
 
 pytestmark = pytest.mark.e2e  # real servers
@@ -142,3 +145,20 @@ def test_settings_refuse_a_reward_model_in_a_route_or_as_an_adapter(reward_model
     with pytest.raises(ValueError, match="a reward model is served from 'path'"):
         ServeSettings(models=[{"name": "chat", "path": "builtin:tiny-arith"},
                               {"name": "judge", "adapter": str(path), "kind": "reward"}])
+
+
+def test_verl_export_keeps_a_reward_model_a_reward_model(reward_model, tmp_path) -> None:
+    """`verl export` of a `verl rm` run writes a sequence classifier (it used to write the backbone as a causal LM
+    and drop the score head), verified by reloading it, and served as a reward model from there."""
+    path, trainer = reward_model
+    run = path.parent.parent
+    exported, selection = run_export(tmp_path / "rm-export", run=run, select="latest")
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"][0].endswith("ForSequenceClassification") and is_reward_model(str(exported))
+    pair = trainer.val_data.pairs[0]
+    text = pair.prompt + pair.chosen
+    scorer = RewardScorer(str(exported))
+    logits = scorer._forward(scorer.encode([text], False, None))
+    assert float(logits[0, 0]) == pytest.approx(trainer_scores(trainer, [text])[0], abs=1e-4)
+    with pytest.raises(VerlError, match="eval/pairwise_accuracy"):  # best: by held-out pairwise accuracy (none here)
+        select_checkpoint(run, "best")
