@@ -1,7 +1,7 @@
 """Routing and admission: which model answers a request (``Responder``: a model picked directly or by a route's
 weights for a user) and whether there is room for it (a fixed number of sequence slots; the queue never grows past
 ``max_queue_size``, a refusal is a 429 and a failed request in the records), and a per-key rate limit for calls that
-hold no slot (``RateLimiter``: users' feedback)."""
+hold no slot (``PerKeyRateLimit``: users' feedback)."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ class Admission:
         self.in_flight -= sequences
 
 
-class RateLimiter:
+class PerKeyRateLimit:
     """A token bucket per key: ``rate`` calls per second, ``burst`` at once; the ``max_keys`` most recent keys."""
 
     def __init__(self, rate: float, burst: int, max_keys: int = 10_000):

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from serve import __version__
-from serve.admission import Admission, RateLimiter
+from serve.admission import Admission, PerKeyRateLimit
 from serve.changes import LocalChanges
 from serve.fleet_sync import FleetSync
 from serve.lifecycle import ModelLifecycle, initial_models
@@ -45,7 +45,7 @@ class Service:
         # A replica ships its rows to the control plane, which writes records_path for the whole fleet.
         self.records = (OnlineRecords(settings.records_path, **settings.records_options()) if fleet is None
                         else OnlineRecords(None, replica=fleet.replica, **settings.records_options()))
-        self.feedback_limiter = RateLimiter(settings.feedback_rate_limit, settings.feedback_burst)
+        self.feedback_limiter = PerKeyRateLimit(settings.feedback_rate_limit, settings.feedback_burst)
         self.lifecycle = ModelLifecycle(settings, self.metrics, entries, routes, note)
         registry = self.lifecycle.registry
         self.admission = Admission(settings, self.lifecycle, self.metrics, self.records)

@@ -105,7 +105,8 @@ class Endpoint:
 
 
 class JudgeClient:
-    """Chat completions, /v1/completions and /classify against one service, with retries and a thread pool."""
+    """Chat completions and /v1/completions against one service, with retries and a thread pool (a reward model is
+    asked through ``verl.rewards.remote.RemoteRewardModel``, the trainer's client)."""
 
     def __init__(self, endpoint: Endpoint, api_key: str | None, timeout_s: float, max_retries: int,
                  concurrency: int):
@@ -158,13 +159,6 @@ class JudgeClient:
             return str(data["choices"][0]["text"]) if data else None
         except (KeyError, IndexError, TypeError):
             return None
-
-    def classify(self, texts: list[str]) -> list[float]:
-        data = self._post("/classify", {"input": texts, "add_special_tokens": False, "use_activation": True})
-        try:
-            return [float(item["probs"][0]) for item in data["data"]] if data else [math.nan] * len(texts)
-        except (KeyError, IndexError, TypeError, ValueError):
-            return [math.nan] * len(texts)
 
     def map(self, fn: Any, items: list) -> list:
         with concurrent.futures.ThreadPoolExecutor(self.concurrency) as pool:
@@ -234,9 +228,20 @@ class Judge(Evaluator):
         return self._result(batch, scores, extra, kind)
 
     def _pointwise(self, client: JudgeClient, kind: str, batch: EvalBatch) -> np.ndarray:
-        if kind == "reward":
-            texts = [p + r for p, r in zip(batch.prompts, batch.responses, strict=True)]
-            return np.asarray(client.classify(texts), dtype=np.float64)
+        if kind == "reward":  # the client the trainer and the live scorer use (DESIGN §13): NaN where missing
+            import os  # noqa: PLC0415
+
+            from verl.rewards.remote import RemoteRewardModel  # noqa: PLC0415
+
+            key = os.environ.get(self.api_key_env) if self.api_key_env else None
+            remote = RemoteRewardModel(self.endpoint.url, model=self.endpoint.model, score="probability",
+                                       timeout_s=self.timeout_s, max_retries=self.max_retries,
+                                       max_concurrency=self.concurrency, api_key=key)
+            try:
+                values, _ = remote.score([p + r for p, r in zip(batch.prompts, batch.responses, strict=True)])
+            finally:
+                remote.close()
+            return np.asarray(values, dtype=np.float64)
 
         def one(i: int) -> float:
             open_, close = markers("answer")
