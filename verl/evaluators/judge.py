@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
 import re
 import secrets
 from dataclasses import dataclass
@@ -208,8 +209,6 @@ class Judge(Evaluator):
         return file.read_text()
 
     def _client(self, endpoint: Endpoint) -> JudgeClient:
-        import os  # noqa: PLC0415
-
         key = os.environ.get(self.api_key_env) if self.api_key_env else None
         return JudgeClient(endpoint, key, self.timeout_s, self.max_retries, self.concurrency)
 
@@ -229,8 +228,6 @@ class Judge(Evaluator):
 
     def _pointwise(self, client: JudgeClient, kind: str, batch: EvalBatch) -> np.ndarray:
         if kind == "reward":  # the client the trainer and the live scorer use (DESIGN §13): NaN where missing
-            import os  # noqa: PLC0415
-
             from verl.rewards.remote import RemoteRewardModel  # noqa: PLC0415
 
             key = os.environ.get(self.api_key_env) if self.api_key_env else None
