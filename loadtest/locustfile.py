@@ -377,9 +377,11 @@ class LLMUser(FastHttpUser):
             body["verl"] = {"ground_truth": prompt.ground_truth, "reward": self.options.reward}
         self.post_checked("/v1/completions", body, check_completion, by_variant=True)
 
-    def post_checked(self, path: str, body: dict[str, Any], check: Any, by_variant: bool = False) -> None:
-        """POST, validate with ``check``, record the LLM entries for a success. ``by_variant``: name the entries
-        after the model that answered (the ``X-Verl-Model`` header: ``/v1/completions @b``), which must be there."""
+    def post_checked(self, path: str, body: dict[str, Any], check: Any, by_variant: bool = False,
+                     require_variant: bool = True) -> Any:
+        """POST, validate with ``check``, record the LLM entries for a success; returns what ``check`` returned, or
+        None for a failed request. ``by_variant``: name the entries after the model that answered (the
+        ``X-Verl-Model`` header: ``/v1/completions @b``), which must be there unless not ``require_variant``."""
         start = time.perf_counter()
         variant = None
         with self.client.post(path, json=body, catch_response=True) as response:
@@ -390,19 +392,20 @@ class LLMUser(FastHttpUser):
                     response.request_meta["name"] = path + VARIANT_MARK + variant
             if response.status_code != 200:
                 response.failure(error_message(response.status_code, response.content))
-                return
+                return None
             try:
                 result = check(response.content)
             except BadResponse as exc:
                 response.failure(str(exc))
-                return
-            if by_variant and not variant:
+                return None
+            if by_variant and require_variant and not variant:
                 response.failure("no X-Verl-Model header: the server does not name the variant (not a route?)")
-                return
+                return None
             response.success()
         self.record(latency, result.completion_tokens)
         if variant:
             self.fire("e2e_latency_ms" + VARIANT_MARK + variant, latency * 1000)
+        return result
 
     # ------------------------------------------------------------ the three requests (tasks of the classes below)
 
@@ -536,25 +539,10 @@ class FeedbackUser(LLMUser):
         body.pop("model", None)  # no model named: the service's default route (or its only model)
         if self.options.model:
             body["model"] = self.options.model
-        start = time.perf_counter()
-        with self.client.post("/v1/chat/completions", json=body, catch_response=True) as response:
-            latency = time.perf_counter() - start
-            variant = response.headers.get("X-Verl-Model") if response.headers else None
-            if variant:
-                response.request_meta["name"] = "/v1/chat/completions" + VARIANT_MARK + variant
-            if response.status_code != 200:
-                response.failure(error_message(response.status_code, response.content))
-                return
-            try:
-                turn = check_chat_turn(response.content)
-            except BadResponse as exc:
-                response.failure(str(exc))
-                return
-            response.success()
-        self.record(latency, turn.completion_tokens)
-        if variant:
-            self.fire("e2e_latency_ms" + VARIANT_MARK + variant, latency * 1000)
-        if prompt.ground_truth is None or not turn.id or random.random() >= self.options.feedback_share:
+        turn = self.post_checked("/v1/chat/completions", body, check_chat_turn, by_variant=True,
+                                 require_variant=False)
+        if turn is None or prompt.ground_truth is None or not turn.id or random.random() >= \
+                self.options.feedback_share:
             return
         good = judge(self.options.feedback_rule, turn.message.get("content") or "", prompt.ground_truth)
         delay = random.expovariate(1.0 / self.options.feedback_delay) if self.options.feedback_delay > 0 else 0.0
