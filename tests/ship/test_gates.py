@@ -11,6 +11,27 @@ def rows(slow: int, fast: int, failed: int, slo_ms: float = 1000.0) -> list[dict
             * fast + [{"e2e_s": 0.1, "error": "queue_full: 429 at capacity"}] * failed)
 
 
+def logged_trend(root, rewards: list[float], accuracy: list[tuple[int, float]], step: int | None = None,
+                 spread: float | None = None, rm: bool = False) -> dict:
+    """``training_trend`` (up to ``step``) of a new run under ``root`` whose log holds these rollout rewards — with
+    their spread ``reward_std`` and a reward model's ``rm_score`` when asked — and these held-out accuracies."""
+    from eval.ship.gates import training_trend
+    from verl.utils.log import RunLogger
+
+    path = root / f"run{len(list(root.iterdir()))}"
+    path.mkdir()
+    logger = RunLogger(path / "verl_logs.jsonl")
+    for at, value in enumerate(rewards, 1):
+        extra = ({"reward_std": spread} if spread is not None else {}) | ({"rm_score": value} if rm else {})
+        logger.info("rollout", reward_mean=value, **extra)
+        logger.flush(at)
+    for at, value in accuracy:
+        logger.info("eval", accuracy=value)
+        logger.flush(at)
+    logger.close()
+    return training_trend(path, step)
+
+
 def test_capacity_gate_tests_p95_and_failures_on_the_records():
     from eval.ship.gates import capacity_gate
 
@@ -31,21 +52,10 @@ def test_capacity_gate_tests_p95_and_failures_on_the_records():
 def test_reward_hacking_tripwire_reads_the_run_and_the_pair(tmp_path):
     """Training reward up 0.6 while held-out accuracy fell 0.3 over the run: refused, with both numbers; the same
     rise with accuracy holding passes; a flat reward never trips."""
-    from eval.ship.gates import training_trend, tripwire_gate
-    from verl.utils.log import RunLogger
+    from eval.ship.gates import tripwire_gate
 
     def run(rewards: list[float], accuracy: list[tuple[int, float]]) -> dict:
-        path = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
-        path.mkdir()
-        logger = RunLogger(path / "verl_logs.jsonl")
-        for step, value in enumerate(rewards, 1):
-            logger.info("rollout", reward_mean=value)
-            logger.flush(step)
-        for step, value in accuracy:
-            logger.info("eval", accuracy=value)
-            logger.flush(step)
-        logger.close()
-        return training_trend(path, None)
+        return logged_trend(tmp_path, rewards, accuracy)
 
     pair = {"metrics": {"eval/accuracy": {"diff": 0.0}}}
     hacked = run([0.1, 0.1, 0.1, 0.7, 0.7, 0.7], [(0, 0.5), (6, 0.2)])
@@ -81,21 +91,10 @@ def test_the_tripwire_knows_a_reward_model_being_gamed(tmp_path):
     while the RM's reward held (refused at the last step, passed at the peak); and an RM's reward far above its
     starting spread while the rule's accuracy stalls (refused). A rule-reward run with the same stall is not judged
     by the spread rule (its reward is the rule)."""
-    from eval.ship.gates import training_trend, tripwire_gate
-    from verl.utils.log import RunLogger
+    from eval.ship.gates import tripwire_gate
 
     def run(rewards: list[float], accuracy: list[tuple[int, float]], rm: bool = True, step: int | None = None):
-        path = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
-        path.mkdir()
-        logger = RunLogger(path / "verl_logs.jsonl")
-        for step_, value in enumerate(rewards, 1):
-            logger.info("rollout", reward_mean=value, reward_std=0.1, **({"rm_score": value} if rm else {}))
-            logger.flush(step_)
-        for step_, value in accuracy:
-            logger.info("eval", accuracy=value)
-            logger.flush(step_)
-        logger.close()
-        return training_trend(path, step)
+        return logged_trend(tmp_path, rewards, accuracy, step=step, spread=0.1, rm=rm)
 
     pair = {"metrics": {"eval/accuracy": {"diff": 0.0}}}
     rewards = [0.22, 0.3, 0.5, 0.9, 0.95, 0.97, 0.97, 0.97]
