@@ -12,14 +12,13 @@ import math
 import re
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 
+from tests.http_stub import StubHandler, running
 from tests.serve.helpers import REPO, run_server
 from tests.serve.test_reward_serving import reward_model  # noqa: F401  (the RM fixture)
 from verl.errors import ConfigError
@@ -55,33 +54,22 @@ def judge_server(bias: bool = False, quote: bool = False, silent: bool = False,
     verdict; ``naive``: it ignores the markers and takes the last "Score:" anywhere in the message as its own."""
     seen: list = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-        def reply(self, payload: dict) -> None:
-            raw = json.dumps(payload).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
+    class Handler(StubHandler):
         def do_GET(self) -> None:  # noqa: N802
-            self.reply({"object": "list", "data": [{"id": "judge", "kind": "chat"}, {"id": "rm", "kind": "reward"},
+            self.send({"object": "list", "data": [{"id": "judge", "kind": "chat"}, {"id": "rm", "kind": "reward"},
                                                    {"id": "ref", "kind": "chat"}]})
 
         def do_POST(self) -> None:  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.body()
             seen.append(body)
             if self.path == "/classify":
-                self.reply({"data": [{"index": i, "probs": [0.9 if said(t) == solve(t) else 0.1]}
+                self.send({"data": [{"index": i, "probs": [0.9 if said(t) == solve(t) else 0.1]}
                                      for i, t in enumerate(body["input"])]})
                 return
             if self.path == "/v1/completions":  # the reference model: right when the first operand is even
                 truth = solve(body["prompt"])
                 first = int(QUESTION.search(body["prompt"]).group(1))
-                self.reply({"choices": [{"text": f">> {truth if first % 2 == 0 else truth + 1}"}]})
+                self.send({"choices": [{"text": f">> {truth if first % 2 == 0 else truth + 1}"}]})
                 return
             system, user = body["messages"][0]["content"], body["messages"][1]["content"]
             truth = solve(user)
@@ -97,16 +85,10 @@ def judge_server(bias: bool = False, quote: bool = False, silent: bool = False,
                 answer = between(user, system)
                 text = f"The answer reads: {answer!r}.\n" if quote else ""
                 text += "" if silent else f"Score: {10 if said(answer) == truth else 1}"
-            self.reply({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
+            self.send({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with running(Handler) as url:
+        yield url, seen
 
 
 def batch(responses: list[str], firsts: list[int] | None = None) -> EvalBatch:

@@ -9,12 +9,12 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
 import torch
 
+from tests.http_stub import StubHandler, running
 from tests.test_trainer import tiny_config
 from verl.errors import VerlError
 from verl.rewards.remote import RateLimiter, RemoteRewardModel, RemoteRewardRefused
@@ -39,12 +39,9 @@ class Behaviour:
 def reward_server(plan) -> Iterator[tuple[str, Behaviour]]:
     behaviour = Behaviour(plan)
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
+    class Handler(StubHandler):
         def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.body()
             action = behaviour.next(body)
             if action == "sleep":
                 time.sleep(1.0)
@@ -62,21 +59,10 @@ def reward_server(plan) -> Iterator[tuple[str, Behaviour]]:
                 payload = {"data": [{"index": i, "probs": [float("nan")]} for i in range(len(texts))]}
             else:
                 status, payload = int(action), {"error": {"message": f"status {action} on purpose"}}
-            raw = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
+            self.send(payload, status)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", behaviour
-    finally:
-        server.shutdown()
-        server.server_close()
+    with running(Handler) as url:
+        yield url, behaviour
 
 
 def client(url: str, **kwargs) -> RemoteRewardModel:
