@@ -856,15 +856,11 @@ def parse_select(select: str) -> tuple[str, str]:
 
 def reward_model_checkpoint(target: CheckpointRef) -> Path | None:
     """The checkpoint dir when ``target`` is (or a run whose checkpoints are) a reward model, else None."""
+    from serve.settings import is_reward_model  # noqa: PLC0415  (the one test of a reward-model checkpoint)
+
     path = Path(target.path)
-    candidates = sorted(path.glob("checkpoints/global_step_*/config.json")) if target.kind == "run" else [
-        path / "config.json"]
-    for config in candidates[:1]:
-        if config.is_file():
-            architectures = json.loads(config.read_text()).get("architectures") or []
-            if any(str(a).endswith("ForSequenceClassification") for a in architectures):
-                return config.parent
-    return None
+    candidates = sorted(path.glob("checkpoints/global_step_*")) if target.kind == "run" else [path]
+    return candidates[0] if candidates and is_reward_model(str(candidates[0])) else None
 
 
 def run_eval(ckpt: str | Path, settings: EvalSettings, out: str | Path | None = None, console: Any = None) -> dict:

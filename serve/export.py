@@ -42,6 +42,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from serve import __version__
 from serve.lineage import EXPORT_FILE
+from serve.settings import is_reward_model
 from verl.errors import CheckpointError, ConfigError, ModelError, VerlError
 from verl.models.loader import DTYPES, missing_dir_error, resolve_model_path
 from verl.trainer.checkpoint import META, STEP_DIR, checkpoint_root, list_checkpoints, read_pointer
@@ -123,23 +124,14 @@ def select_checkpoint(run_dir: str | Path, select: str = "best", metric: str | N
         return Selection(by_step[step], step, select, run)
     if select != "best":
         raise ConfigError(f"--select '{select}' must be best, latest or global_step_N")
-    if metric is None and is_sequence_classifier(checkpoints[-1][1]):
+    if metric is None and is_reward_model(str(checkpoints[-1][1])):
         metric = REWARD_MODEL_METRIC  # a `verl rm` run: its checkpoints are ranked by held-out pairwise accuracy
     return _select_best(run, by_step, metric, logs)
 
 
-def is_sequence_classifier(ckpt: Path) -> bool:
-    """Whether the checkpoint's config.json names a ``*ForSequenceClassification`` (a `verl rm` checkpoint)."""
-    config = ckpt / "config.json"
-    if not config.is_file():
-        return False
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    return any(str(a).endswith("ForSequenceClassification") for a in architectures)
-
-
 def model_class(ckpt: Path) -> Any:
     """The transformers Auto class that loads ``ckpt`` whole: a reward model keeps its score head."""
-    return AutoModelForSequenceClassification if is_sequence_classifier(ckpt) else AutoModelForCausalLM
+    return AutoModelForSequenceClassification if is_reward_model(str(ckpt)) else AutoModelForCausalLM
 
 
 def _select_best(run: Path, by_step: dict[int, Path], metric: str | None, logs: str | Path | None) -> Selection:
