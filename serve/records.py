@@ -264,7 +264,7 @@ class OnlineRecords:
         return them. Lines that do not parse (a torn last line after a crash) are dropped with a warning."""
         assert self.path is not None
         cutoff = time.time() - self.retention_s
-        kept, torn = [], 0
+        kept, dropped, torn = [], 0, 0
         with self._lock:
             for line in self.path.read_text().splitlines():
                 if not line.strip():
@@ -276,8 +276,11 @@ class OnlineRecords:
                     continue
                 if float(row.get("time") or 0.0) >= cutoff:
                     kept.append(row)
-            with atomic_path(self.path) as tmp:
-                tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+                else:
+                    dropped += 1
+            if dropped or torn:  # nothing past the retention and nothing torn: the file stays as it is
+                with atomic_path(self.path) as tmp:
+                    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
             self._compacted = time.time()
         if torn:
             log.warning("verl serve: %d unreadable line(s) in %s dropped", torn, self.path)
