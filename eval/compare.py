@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from eval import plots
+from eval.pairwise import DEFAULT_SELECT, PairEvaluation, check_settings, rm_config_of
 from eval.report import Doc, fmt, ordered_metrics, training_curves
 from eval.runner import (
     EvalSettings,
@@ -44,16 +45,21 @@ from eval.runner import (
     load_samples,
     parse_select,
     resolve_settings,
+    resolve_target,
     results_root,
+    reward_model_checkpoint,
 )
 from eval.stats import mcnemar, paired_resample, pearson, permutation_importance
 from verl.errors import CheckpointError, ConfigError, VerlError
 from verl.evaluators import build_evaluator
 from verl.trainer.checkpoint import list_checkpoints, read_pointer
+from verl.trainer.rm import VALIDATION_METRIC
 from verl.trainer.target import read_target
 from verl.utils.fs import atomic_write_json, ensure_writable_dir
 
-CURVE_METRICS = ["rollout/reward_mean", "eval/accuracy", "ppo/kl_div", "rollout/response_length_mean"]
+# A reward model's run (`verl rm`) logs the last two.
+CURVE_METRICS = ["rollout/reward_mean", "eval/accuracy", "ppo/kl_div", "rollout/response_length_mean",
+                 "eval/pairwise_accuracy", "train/loss"]
 # Config keys that name a run rather than change it.
 IGNORED_KEYS = {"trainer.experiment_name", "trainer.output_dir", "trainer.log_dir", "trainer.logger",
                 "trainer.project_name", "trainer.resume"}
@@ -116,19 +122,29 @@ def resolve_entry(spec: str, ckpt: str, settings: EvalSettings, console: Any) ->
         results = load_results(path)
         run_dir = Path(results["run_dir"]) if results.get("run_dir") else None
         return Entry(_entry_name(results, run_dir, path), path, results, load_samples(path), run_dir, "given")
+    target = resolve_target(path) if path.is_dir() else None
+    reward_model = target is not None and reward_model_checkpoint(target) is not None
     if is_run_dir(path):
         run_dir = path
-        checkpoint, how = choose_checkpoint(run_dir, ckpt, settings.select)
+        select = settings.select
+        if reward_model and select == DEFAULT_SELECT:  # a `verl rm` run: its best is by pairwise accuracy
+            select = VALIDATION_METRIC
+        checkpoint, how = choose_checkpoint(run_dir, ckpt, select)
     elif path.is_dir() and (path / "config.json").is_file() and path.parent.name == "checkpoints":
         run_dir, checkpoint, how = path.parent.parent, path, "given"
     else:
         raise VerlError(f"'{spec}' is not an eval result dir (results.json), a run dir (config.yaml + checkpoints/) "
                         "or a checkpoint dir (<run>/checkpoints/global_step_N)")
-    run_cfg, raw, _ = load_run_config(run_dir if (run_dir / "config.yaml").is_file() else None)
-    resolved = resolve_settings(settings, run_cfg, settings.reference)
-    # Results under other data/sampling settings live in their own directory: an earlier evaluation is kept.
-    out_dir = results_root(run_dir, resolved, run_cfg) / checkpoint.name
-    evaluation = Evaluation(settings, resolved, run_cfg, raw, str(checkpoint), console)
+    if reward_model:  # scored on preference pairs, not sampled (eval.pairwise)
+        check_settings(settings, spec)
+        evaluation = PairEvaluation(settings, *rm_config_of(run_dir), console)
+        out_dir = evaluation.results_root(run_dir) / checkpoint.name
+    else:
+        run_cfg, raw, _ = load_run_config(run_dir if (run_dir / "config.yaml").is_file() else None)
+        resolved = resolve_settings(settings, run_cfg, settings.reference)
+        # Results under other data/sampling settings live in their own directory: an earlier evaluation is kept.
+        out_dir = results_root(run_dir, resolved, run_cfg) / checkpoint.name
+        evaluation = Evaluation(settings, resolved, run_cfg, raw, str(checkpoint), console)
     step = int(checkpoint.name.rsplit("_", 1)[-1]) if checkpoint.name.startswith("global_step_") else None
     results = evaluation.evaluate(str(checkpoint), out_dir, checkpoint.name, step, run_dir)
     return Entry(_entry_name(results, run_dir, out_dir), out_dir, results, load_samples(out_dir), run_dir, how)
@@ -294,7 +310,8 @@ def experiment_row(entry: Entry) -> dict[str, Any]:
     n = flat.get("rollout.n")
     best_acc, best_step = extreme("eval/accuracy", np.argmax)
     max_kl, _ = extreme("ppo/kl_div", np.argmax)
-    eval_metric = entry.results["metrics"].get("eval/accuracy", {})
+    metrics = entry.results["metrics"]
+    eval_metric = metrics.get("eval/accuracy") or metrics.get(VALIDATION_METRIC) or {}  # a policy's, a reward model's
     target = read_target(entry.run_dir) if entry.run_dir is not None else None
     if target is not None:
         time_to_target = f"{target['minutes']:.2f} min (step {target['step']})"
@@ -305,7 +322,7 @@ def experiment_row(entry: Entry) -> dict[str, Any]:
         "algorithm": flat.get("algorithm.adv_estimator"),
         # The actor's optimizer is always AdamW (verl.workers.optim); weight decay is what varies.
         "optimizer": f"AdamW (wd {flat.get('actor.optim.weight_decay')})" if flat else None,
-        "lr": flat.get("actor.optim.lr"),
+        "lr": flat.get("actor.optim.lr", flat.get("optim.lr")),  # a policy's run, a reward model's
         "batch": f"{batch}×{n}" if batch is not None else None,
         "kl_coef": kl_coef,
         "steps": curves["rollout/reward_mean"][0][-1] if "rollout/reward_mean" in curves else None,

@@ -20,12 +20,13 @@ from verl.utils.log import read_jsonl
 
 # Metrics shown first (in this order) in tables and plots; the rest follow alphabetically.
 MAIN_METRICS = ("eval/accuracy", "eval/accuracy_flexible", "eval/reward_mean", "eval/kl_exact", "eval/kl_k1",
-                "eval/kl_k3", "eval/response_length_mean", "eval/distinct_1", "eval/distinct_2", "eval/self_bleu")
+                "eval/kl_k3", "eval/response_length_mean", "eval/distinct_1", "eval/distinct_2", "eval/self_bleu",
+                "eval/pairwise_accuracy", "eval/margin", "eval/loss")
 
 
 # The run-dir table and metric-vs-step plot show these (when present).
 RUN_TABLE_METRICS = ("eval/accuracy", "eval/accuracy_flexible", "eval/reward_mean", "eval/kl_exact",
-                     "eval/response_length_mean", "eval/distinct_1")
+                     "eval/response_length_mean", "eval/distinct_1", "eval/pairwise_accuracy", "eval/margin")
 
 
 @dataclass
@@ -208,6 +209,32 @@ def write_checkpoint_report(out_dir: Path, results: dict, samples: list[dict]) -
     doc.write(out_dir)
 
 
+def write_pair_report(out_dir: Path, results: dict, samples: list[dict], limit: int = 10) -> None:
+    """A reward model's report (``eval.pairwise``): what was scored, the metrics, and the pairs it ranks worst."""
+    doc = Doc(f"verl eval — reward model {results['label']}")
+    d = results["data"]
+    doc.p(f"Reward model `{results['checkpoint']}` (model hash `{results['model_hash']}`"
+          + (f", step {results['step']}" if results.get("step") is not None else "")
+          + f") on {d['num_pairs']} preference pairs from {', '.join(f'`{f}`' for f in d['files'])} "
+          f"(max_length {d['max_length']} tokens a side).")
+    doc.h("Metrics")
+    metrics_table(doc, results["metrics"])
+    doc.p("pairwise_accuracy: share of pairs scored r(chosen) > r(rejected), ties wrong; margin: mean "
+          "r(chosen) − r(rejected); loss: Bradley–Terry −log σ(margin). SE over pairs; 95% CI = value ± 1.96·SE "
+          "(clipped to [0, 1] for the accuracy).")
+    doc.ul(results.get("notes", []))
+    t = results["timing"]
+    doc.p(f"Scoring {fmt(t['scoring_seconds'], 3)} s ({fmt(t['pairs_per_second'], 4)} pairs/s), total "
+          f"{fmt(t['total_seconds'], 3)} s on {results['device']}.")
+    doc.h("Pairs ranked worst")
+    worst = sorted(samples, key=lambda r: r["margin"])[:limit]
+    doc.table(["prompt (end)", "chosen", "rejected", "r(chosen)", "r(rejected)", "margin"],
+              [[r["prompt"][-60:], r["chosen"][:60], r["rejected"][:60], fmt(r["reward_chosen"]),
+                fmt(r["reward_rejected"]), fmt(r["margin"])] for r in worst])
+    doc.p("Every pair with its scores: `samples.jsonl`; all numbers: `results.json`.")
+    doc.write(out_dir)
+
+
 def trajectories_section(doc: Doc, samples: list[dict], limit: int = 6) -> None:
     """Whole agent trajectories, readable: the question, the text of every turn (tool results included), then each
     call with its arguments and result; those with tool calls first."""
@@ -252,8 +279,10 @@ def write_run_report(out_dir: Path, summary: dict, run_dir: Path) -> None:
     best = summary["best"]
     doc = Doc(f"verl eval — run {Path(run_dir).name}")
     s = summary["sampling"]
-    doc.p(f"Run `{run_dir}`: {len(checkpoints)} checkpoints, n={s['n']} per prompt, temperature={s['temperature']}, "
-          f"seed={s['seed']}. Best by `{best['metric']}:{best['mode']}`: **{best['label']}** "
+    scored_on = (f"n={s['n']} per prompt, temperature={s['temperature']}, seed={s['seed']}" if s is not None else
+                 f"a reward model scored on {summary['data']['num_pairs']} preference pairs")
+    doc.p(f"Run `{run_dir}`: {len(checkpoints)} checkpoints, {scored_on}. Best by `{best['metric']}:{best['mode']}`: "
+          f"**{best['label']}** "
           f"({fmt(best['value'])}, 95% CI [{fmt(best['ci95'][0])}, {fmt(best['ci95'][1])}]) — written to `best.json`.")
     names = ordered_metrics(set().union(*(c["metrics"] for c in checkpoints)))
     preferred = [n for n in RUN_TABLE_METRICS if n in names]

@@ -760,10 +760,15 @@ def _jsonable(value: Any) -> Any:
 
 def _prompt_ids(dataset: Any, prompt_key: str) -> list[str]:
     """A stable id per dataset row from the prompt's *content* (before any chat template), so two models with
-    different templates still pair up; a repeated prompt gets ``#2``, ``#3`` ..."""
+    different templates still pair up."""
+    return content_ids([row.get(prompt_key) for row in dataset.rows])
+
+
+def content_ids(values: list[Any]) -> list[str]:
+    """A stable id per value from its content (sha1 of its JSON); a repeated value gets ``#2``, ``#3`` ..."""
     ids, seen = [], {}
-    for row in dataset.rows:
-        content = json.dumps(_jsonable(row.get(prompt_key)), sort_keys=True, ensure_ascii=False)
+    for value in values:
+        content = json.dumps(_jsonable(value), sort_keys=True, ensure_ascii=False)
         base = hashlib.sha1(content.encode()).hexdigest()[:16]
         seen[base] = seen.get(base, 0) + 1
         ids.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
@@ -866,13 +871,11 @@ def reward_model_checkpoint(target: CheckpointRef) -> Path | None:
 def run_eval(ckpt: str | Path, settings: EvalSettings, out: str | Path | None = None, console: Any = None) -> dict:
     """Evaluate a checkpoint, a bare model or every checkpoint of a run. Returns the results (or run summary)."""
     target = resolve_target(ckpt)
-    reward_model = reward_model_checkpoint(target)
-    if reward_model is not None:
-        # Loaded as a causal LM it would "generate" from a random head and score 0: refuse, and say what works.
-        raise ConfigError(f"'{ckpt}' is a reward model (a `verl rm` checkpoint: a sequence classifier, not a "
-                          "generator); `verl eval` evaluates generators. Its held-out pairwise accuracy is in its "
-                          "run's log (eval/pairwise_accuracy in verl_logs.jsonl); to judge a policy with it, serve it "
-                          "(kind: reward) and run `verl eval --ckpt POLICY -e \"judge(model=URL#NAME)\"`")
+    if reward_model_checkpoint(target) is not None:
+        # A sequence classifier does not generate: it is scored on preference pairs instead.
+        from eval.pairwise import evaluate_reward_model  # noqa: PLC0415  (it builds on this module)
+
+        return evaluate_reward_model(target, settings, out, console)
     run_cfg, raw, notes = load_run_config(target.run_dir)
     if console is not None and notes and not settings.quiet:
         for note in notes:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eval.pairwise import PairEvaluation, check_settings, evaluate_reward_model, rm_config_of
 from eval.runner import (
     EvalSettings,
     Evaluation,
@@ -28,6 +29,7 @@ from eval.runner import (
     start_ray,
     tokenizer_source_for,
 )
+from serve.settings import is_reward_model
 from verl.errors import CheckpointError, ConfigError, VerlError
 from verl.tracking.follow import LogFollower
 from verl.trainer.checkpoint import list_checkpoints
@@ -65,7 +67,7 @@ def watch_run(run_dir: str | Path, settings: EvalSettings, out: str | Path | Non
     resolved.notes.extend(notes)
     out_dir = Path(out) if out is not None else results_root(run_dir, resolved, run_cfg)
     follower = LogFollower(run_dir / "verl_logs.jsonl")
-    evaluation: Evaluation | None = None
+    evaluation: Evaluation | PairEvaluation | None = None
     done: set[int] = set()
     finished, last_activity = False, time.monotonic()
     ray_started = False
@@ -81,6 +83,10 @@ def watch_run(run_dir: str | Path, settings: EvalSettings, out: str | Path | Non
                 last_activity = time.monotonic()
             # Listed after reading the log: the trainer writes its last checkpoint before "finished".
             new = [(step, path) for step, path in list_checkpoints(run_dir) if step not in done]
+            if new and evaluation is None and is_reward_model(str(new[0][1])):  # a `verl rm` run: scored on pairs
+                check_settings(settings, str(run_dir))
+                evaluation = PairEvaluation(settings, *rm_config_of(run_dir), console)
+                out_dir = Path(out) if out is not None else evaluation.results_root(run_dir)
             if new and settings.executor == "ray":
                 ray_started = start_ray(settings.workers) or ray_started
                 evaluate_on_ray(new, settings, resolved, run_cfg, raw, tokenizer_source_for(str(new[0][1]), run_cfg),
@@ -116,6 +122,8 @@ def watch_run(run_dir: str | Path, settings: EvalSettings, out: str | Path | Non
         raise CheckpointError(f"run '{run_dir}' finished without a checkpoint (trainer.save_freq); nothing to evaluate")
     _say(console, settings, f"{run_dir.name} finished; {len(done)} checkpoint(s) evaluated while it ran")
     # Every checkpoint's results exist now: the run summary and best.json, as `verl eval --ckpt RUN` writes them.
+    if isinstance(evaluation, PairEvaluation):
+        return evaluate_reward_model(resolve_target(run_dir), settings, out, console)
     return evaluate_run_dir(resolve_target(run_dir), dataclasses.replace(settings, executor="local"), resolved, run_cfg,
                          raw, out, console)
 

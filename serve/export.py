@@ -46,12 +46,13 @@ from serve.settings import is_reward_model
 from verl.errors import CheckpointError, ConfigError, ModelError, VerlError
 from verl.models.loader import DTYPES, missing_dir_error, resolve_model_path
 from verl.trainer.checkpoint import META, STEP_DIR, checkpoint_root, list_checkpoints, read_pointer
+from verl.trainer.rm import VALIDATION_METRIC
 from verl.utils.fs import atomic_dir, atomic_write_json
 from verl.utils.log import read_jsonl
 
 SCHEMA = "verl-suite/export/v1"
 DEFAULT_METRIC = "eval/accuracy:max"
-REWARD_MODEL_METRIC = "eval/pairwise_accuracy:max"  # what `verl rm` validates on
+REWARD_MODEL_METRIC = f"{VALIDATION_METRIC}:max"  # a `verl rm` run's checkpoints: by what it validates on
 # Files copied from a checkpoint only if the tokenizer did not write them itself (tokenizer.save_pretrained does).
 ADAPTER_CONFIG = "adapter_config.json"
 

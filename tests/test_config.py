@@ -195,3 +195,14 @@ def test_the_agent_warm_start_recipe_is_the_shipped_config():
     recipe = build_config(AGENT_WARM_START, schema=SFTConfig)
     recipe.trainer.experiment_name = shipped.trainer.experiment_name  # named after the file and the time
     assert recipe == shipped
+
+
+def test_a_partly_given_section_keeps_the_commands_own_defaults_for_the_rest():
+    # verl rm / verl sft set their own optimizer and model defaults; giving one key of the section keeps the rest
+    # (it used to rebuild the section from the class defaults: lr 1e-4, constant schedule, another model).
+    rm = build_config({"optim": {"warmup_steps": 1}}, schema=RMConfig)
+    assert (rm.optim.lr, rm.optim.warmup_steps, rm.optim.lr_scheduler, rm.optim.min_lr_ratio) == (1e-3, 1, "cosine",
+                                                                                                  0.1)
+    sft = build_config({"model": {"lora": {"rank": 8}}}, schema=SFTConfig)
+    assert sft.model.path == "builtin:tiny-arith-base" and sft.model.lora.rank == 8
+    assert build_config({"optim": {"lr": 5e-4}}, schema=RMConfig).optim.lr == 5e-4

@@ -37,6 +37,23 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _given_keys_over_the_sections_own_defaults(cls, data: Any) -> Any:
+        """A sub-section whose defaults differ from its class's (``default_factory=lambda: OptimConfig(lr=1e-3,
+        ...)``) keeps them when the user gives only some of its keys: ``optim: {warmup_steps: 5}`` in a ``verl rm``
+        config must not put the learning rate back to OptimConfig's own default."""
+        if not isinstance(data, dict):
+            return data
+        merged = dict(data)
+        for name, info in cls.model_fields.items():
+            given = merged.get(name)
+            if isinstance(given, dict) and info.default_factory is not None:
+                default = info.default_factory()
+                if isinstance(default, Section):
+                    merged[name] = {**default.model_dump(exclude_unset=True), **given}
+        return merged
+
 
 # ---------------------------------------------------------------------------------------------- model
 

@@ -31,7 +31,7 @@ from verl.config import RMConfig
 from verl.data.dataset import read_rows, right_pad
 from verl.data.pairs import Pair, read_pair
 from verl.errors import DataError, ModelError
-from verl.models.loader import load_tokenizer, pick_device, resolve_model_path
+from verl.models.loader import DTYPES, load_tokenizer, pick_device, resolve_model_path
 from verl.models.sequence_scores import sequence_scores
 from verl.trainer.checkpoint import save_checkpoint, write_pointer
 from verl.trainer.run_dir import open_run
@@ -39,7 +39,7 @@ from verl.utils import log
 from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.optim import build_optimizer, build_scheduler
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+VALIDATION_METRIC = "eval/pairwise_accuracy"  # what `verl rm` validates on, and ranks its checkpoints by
 
 
 class PairData:
@@ -96,6 +96,25 @@ def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, floa
             "reward_chosen": float(chosen.float().mean()), "reward_rejected": float(rejected.float().mean())}
 
 
+def pair_scores(model, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) scores, each (pairs,), of a ``PairData.batch`` (chosen sides first, then rejected)."""
+    logits = sequence_scores(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))[:, 0]
+    half = logits.shape[0] // 2
+    return logits[:half], logits[half:]
+
+
+@torch.no_grad()
+def score_pairs(model, data: PairData, device: torch.device, batch_size: int = 64
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) scores, each (len(data),), of every pair of ``data``, ``batch_size`` pairs a forward."""
+    chosen, rejected = [], []
+    for start in range(0, len(data), batch_size):
+        c, r = pair_scores(model, data.batch(list(range(start, min(start + batch_size, len(data))))), device)
+        chosen.append(c)
+        rejected.append(r)
+    return torch.cat(chosen), torch.cat(rejected)
+
+
 def load_reward_model(path: str, dtype: str, device: torch.device, pad_token_id: int):
     """A sequence-classification model with one output from ``path`` (a causal LM checkpoint gets a new, seeded
     head; a reward model keeps its own)."""
@@ -144,22 +163,15 @@ class RewardModelTrainer:
 
     def scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) scores, each (pairs,), of a ``PairData.batch``."""
-        logits = sequence_scores(self.model, batch["input_ids"].to(self.device),
-                                 batch["attention_mask"].to(self.device))[:, 0]
-        half = logits.shape[0] // 2
-        return logits[:half], logits[half:]
+        return pair_scores(self.model, batch, self.device)
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         assert self.val_data is not None
         self.model.eval()
-        chosen, rejected = [], []
-        for start in range(0, len(self.val_data), 64):
-            c, r = self.scores(self.val_data.batch(list(range(start, min(start + 64, len(self.val_data))))))
-            chosen.append(c)
-            rejected.append(r)
+        chosen, rejected = score_pairs(self.model, self.val_data, self.device)
         self.model.train()
-        metrics = pair_metrics(torch.cat(chosen), torch.cat(rejected))
+        metrics = pair_metrics(chosen, rejected)
         metrics["pairwise_accuracy"] = metrics.pop("accuracy")
         return metrics
 
@@ -169,7 +181,7 @@ class RewardModelTrainer:
             model = copy.deepcopy(self.model).merge_and_unload()
         path = save_checkpoint(self.run_dir, step, model, self.tokenizer, {"step": step, "kind": "reward_model"},
                                metrics)
-        accuracy = metrics.get("eval/pairwise_accuracy")
+        accuracy = metrics.get(VALIDATION_METRIC)
         if accuracy is not None and accuracy > self.best_accuracy:
             self.best_accuracy = accuracy
             write_pointer(self.run_dir, path, "best")
@@ -205,6 +217,8 @@ class RewardModelTrainer:
         try:
             with progress:
                 task = progress.add_task("rm", total=cfg.total_steps)
+                # started / finished, as the policy trainer logs them: the dashboard and `verl eval --watch` read them
+                self.logger.event("train", step=0, status="started", run_dir=str(self.run_dir))
                 self.logger.log_step(0, {"data/train_pairs": len(self.train_data),
                                          "data/dropped_pairs": self.train_data.num_dropped,
                                          **(log.scoped("eval", self.validate()) if validating else {})})
@@ -221,6 +235,7 @@ class RewardModelTrainer:
                         last_path = self._save(step, metrics)
                     self.logger.log_step(step, metrics)
                     progress.advance(task)
+                self.logger.event("train", step=cfg.total_steps, status="finished", reason="total_steps")
         finally:
             log.set_active(None)
             self.logger.close()

@@ -169,6 +169,8 @@ class SFTTrainer:
         try:
             with progress:
                 task = progress.add_task("sft", total=cfg.total_steps)
+                # started / finished, as the policy trainer logs them: the dashboard and `verl eval --watch` read them
+                self.logger.event("train", step=0, status="started", run_dir=str(self.run_dir))
                 if self.val_data is not None and cfg.test_freq > 0:
                     self.logger.set_step(0)
                     self.logger.log_step(0, log.scoped("eval", self.validate()))
@@ -197,6 +199,7 @@ class SFTTrainer:
                                         {"step": step, "optimizer": self.optimizer.state_dict()})
                     self.logger.log_step(step, metrics)
                     progress.advance(task)
+                self.logger.event("train", step=cfg.total_steps, status="finished", reason="total_steps")
         finally:
             log.set_active(None)
             self.logger.close()
