@@ -1,14 +1,17 @@
-"""Scoring live traffic (``score_traffic``): a reward model scores a sample of the answers the service gives, in
-the background, and each score becomes a reward row (``reward_source: rm:NAME``) beside its request — what
-``verl ship --reward-source rm:NAME`` and ``verl compare --online --reward-source rm:NAME`` decide on when users'
-requests carry no answer.
+"""Scoring live traffic (``score_traffic``): a reward model or a chat judge scores a sample of the answers the
+service gives, in the background, and each score becomes a reward row (``reward_source: rm:NAME`` / ``judge:NAME``)
+beside its request — what ``verl ship --reward-source rm:NAME`` and ``verl compare --online --reward-source ...``
+decide on when users' requests carry no answer.
 
 Never on a user's path: a sequence is drawn when it starts (``draws``), its answer is queued when it finishes
 (``offer``: a bounded queue; full, the answer is not scored and counted ``dropped``), and one task scores the queue
 in batches — on a reward model served here (its own thread, no generation slot) or behind a URL
-(``verl.rewards.remote.RemoteRewardModel``: retries, backoff; in a worker thread). What is scored is what the
-trainer sends a reward model: the prompt as the policy saw it (its chat template, decoded from the prompt's token
-ids) followed by the answer. A score that could not be obtained is recorded as nothing (counted ``failed``), never
+(``verl.rewards.remote.RemoteRewardModel``: retries, backoff; in a worker thread). What a reward model scores is
+what the trainer sends one: the prompt as the policy saw it (its chat template, decoded from the prompt's token
+ids) followed by the answer. A chat judge (``judge:URL#NAME``, always behind a URL: it generates, and would take the
+served models' slots) reads the conversation as text and the answer between nonce markers, by the evaluator's
+pointwise rubric (``verl.evaluators.judge.PointwiseRubric``), and its ``Score: N`` on ``scale`` maps to [0, 1].
+A score that could not be obtained is recorded as nothing (counted ``failed``), never
 as 0. Mirrored answers (the shadow stage) are scored too: the shadow stage pairs them with the incumbent's.
 """
 
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
+import os
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -51,13 +56,30 @@ class LiveScoring:
         self.config, self.lifecycle, self.records, self.metrics = config, lifecycle, records, metrics
         self.queue: asyncio.Queue[Answer] | None = None
         self.task: asyncio.Task | None = None
-        self.remote: Any = None
+        self.remote: Any = None  # a reward model behind a URL
+        self.judge: Any = None  # a chat judge behind a URL: (its client, the rubric)
         if config is not None and config.remote is not None:
-            from verl.rewards.remote import RemoteRewardModel  # noqa: PLC0415  (a remote scorer only)
-
             url, name = config.remote
-            self.remote = RemoteRewardModel(url, model=name, score=config.score, batch_size=config.batch_size,
-                                            timeout_s=config.timeout_s)
+            key = os.environ.get(config.api_key_env) if config.api_key_env else None
+            if config.is_judge:
+                from verl.evaluators.judge import (  # noqa: PLC0415  (a judge only)
+                    Endpoint,
+                    JudgeClient,
+                    PointwiseRubric,
+                    load_rubric,
+                )
+
+                rubric = PointwiseRubric(load_rubric(config.rubric, "pointwise", "score_traffic"), *config.scale,
+                                         config.max_tokens)
+                endpoint = Endpoint.parse(config.scorer.removeprefix("judge:"), "score_traffic.scorer")
+                client = JudgeClient(endpoint, key, config.timeout_s, max_retries=2,
+                                     concurrency=config.batch_size)
+                self.judge = client, rubric
+            else:
+                from verl.rewards.remote import RemoteRewardModel  # noqa: PLC0415  (a remote scorer only)
+
+                self.remote = RemoteRewardModel(url, model=name, score=config.score, batch_size=config.batch_size,
+                                                timeout_s=config.timeout_s, api_key=key)
 
     def start(self) -> None:
         if self.config is not None:
@@ -71,6 +93,15 @@ class LiveScoring:
                 await self.task
         if self.remote is not None:
             self.remote.close()
+        if self.judge is not None:
+            self.judge[0].close()
+
+    @property
+    def judge_version(self) -> str:
+        """A chat judge's version: its address and the hash of its rubric (another rubric is another scorer)."""
+        assert self.config is not None and self.judge is not None
+        digest = hashlib.sha256(self.judge[1].text.encode()).hexdigest()[:12]
+        return f"{self.config.scorer.removeprefix('judge:')} rubric {digest}"
 
     def draws(self, target: Responder) -> bool:
         """Whether this request's answers are to be scored (drawn when it starts, so its text is kept)."""
@@ -110,10 +141,16 @@ class LiveScoring:
 
     async def _score(self, batch: list[Answer]) -> tuple[list[float], str | None]:
         """One score per answer (NaN where none), and the scorer's version."""
-        texts = [answer.target.model.engine.tokenizer.decode(answer.prompt_ids, skip_special_tokens=False)
-                 + answer.text for answer in batch]
         config = self.config
         assert config is not None
+        if self.judge is not None:  # the conversation as text (no special tokens) is the question it judges
+            client, rubric = self.judge
+            items = [(answer.target.model.engine.tokenizer.decode(answer.prompt_ids, skip_special_tokens=True),
+                      answer.text) for answer in batch]
+            values = await asyncio.to_thread(client.map, lambda item: rubric.ask(client, *item), items)
+            return [float(v) for v in values], self.judge_version
+        texts = [answer.target.model.engine.tokenizer.decode(answer.prompt_ids, skip_special_tokens=False)
+                 + answer.text for answer in batch]
         if self.remote is not None:
             values, _ = await asyncio.to_thread(self.remote.score, texts)
             return [float(v) for v in values], config.scorer

@@ -66,30 +66,62 @@ class ModelEntry(BaseModel):
 
 
 class LiveScoringSettings(BaseModel):
-    """``score_traffic``: a reward model scores a sample of the answers the service gives (serve/live_scoring.py)."""
+    """``score_traffic``: a reward model or a chat judge scores a sample of the answers the service gives
+    (serve/live_scoring.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    scorer: str = Field(min_length=1, description="A reward model served here (a `kind: reward` entry's name), or "
-                        "one behind a URL: `http://host:port#NAME` (its /classify). Rewards are recorded with "
-                        "`reward_source: rm:NAME`.")
+    scorer: str = Field(min_length=1, description="A reward model served here (a `kind: reward` entry's name), one "
+                        "behind a URL (`http://host:port#NAME`, its /classify), or a chat model judging by a rubric "
+                        "behind a URL (`judge:http://host:port#NAME`, its /v1/chat/completions). Rewards are "
+                        "recorded with `reward_source: rm:NAME` or `judge:NAME`.")
     fraction: float = Field(1.0, gt=0.0, le=1.0, description="The share of answered requests scored (drawn per "
                             "request).")
     routes: list[str] = Field(default_factory=list, description="Only requests to these routes (empty: every "
                               "request).")
-    score: Literal["probability", "logit"] = Field("probability", description="The classifier's probability in "
-                                                   "[0, 1] (what the canary's betting test needs) or its logit.")
+    score: Literal["probability", "logit"] = Field("probability", description="A reward model: the classifier's "
+                                                   "probability in [0, 1] (what the canary's betting test needs) or "
+                                                   "its logit.")
+    rubric: str | None = Field(None, description="A chat judge: the rubric file (pointwise: {open} and {close} "
+                               "name the answer's markers, {low} and {high} the scale); default: the built-in one.")
+    scale: tuple[float, float] = Field((1.0, 10.0), description="A chat judge: the rubric's score scale, mapped to "
+                                       "[0, 1].")
+    max_tokens: int = Field(256, ge=1, description="A chat judge: tokens of its reply (its reasoning, then "
+                            "`Score: N`).")
+    api_key_env: str | None = Field(None, description="A scorer behind a URL: the environment variable holding "
+                                    "its API key.")
     max_pending: int = Field(1024, ge=1, description="Answers waiting to be scored at most; more are not scored "
                              "(counted as dropped): scoring never slows the answers down.")
-    batch_size: int = Field(16, ge=1, description="Answers scored in one forward (or one remote call).")
-    timeout_s: float = Field(30.0, gt=0, description="A remote scorer: seconds per call before a retry.")
+    batch_size: int = Field(16, ge=1, description="Answers scored in one forward (or one remote call); a chat "
+                            "judge: answers judged at once.")
+    timeout_s: float = Field(30.0, gt=0, description="A scorer behind a URL: seconds per call before a retry.")
+
+    @model_validator(mode="after")
+    def _check(self) -> LiveScoringSettings:
+        if self.is_judge and "://" not in self.scorer:
+            raise ValueError(f"score_traffic.scorer: '{self.scorer}': a chat judge generates, and would take the "
+                             "served models' slots from users; serve it apart and give its URL: "
+                             "judge:http://host:port#NAME")
+        if self.rubric is not None and not self.is_judge:
+            raise ValueError("score_traffic.rubric applies to a chat judge (scorer: judge:URL#NAME); a reward model "
+                             "needs none")
+        if self.rubric is not None and not Path(self.rubric).expanduser().is_file():
+            raise ValueError(f"score_traffic.rubric: {self.rubric} is not a file")
+        if not self.scale[0] < self.scale[1]:
+            raise ValueError(f"score_traffic.scale: {list(self.scale)} must be [LOW, HIGH] with LOW < HIGH")
+        return self
+
+    @property
+    def is_judge(self) -> bool:
+        return self.scorer.startswith("judge:")
 
     @property
     def remote(self) -> tuple[str, str | None] | None:
-        """(URL, model name) of a scorer behind a URL, else None."""
-        if "://" not in self.scorer:
+        """(URL, model name) of a scorer behind a URL (a reward model's or a judge's), else None."""
+        where = self.scorer.removeprefix("judge:")
+        if "://" not in where:
             return None
-        url, _, name = self.scorer.partition("#")
+        url, _, name = where.partition("#")
         return url, name or None
 
     @property
@@ -97,7 +129,7 @@ class LiveScoringSettings(BaseModel):
         """The reward_source its rewards are recorded with."""
         remote = self.remote
         name = self.scorer if remote is None else (remote[1] or "remote")
-        return f"rm:{name}"
+        return f"judge:{name}" if self.is_judge else f"rm:{name}"
 
 
 def is_reward_model(path: str) -> bool:
@@ -183,9 +215,9 @@ class ServeSettings(BaseSettings):
         "more get 429.",
     )
     score_traffic: LiveScoringSettings | None = Field(
-        None, description="Score a sample of the answers with a reward model, in the background (never on a user's "
-        "latency path, never in a user's queue slot), into the records as `reward_source: rm:NAME`: "
-        "{scorer, fraction, routes, score, max_pending, batch_size}.",
+        None, description="Score a sample of the answers with a reward model or a chat judge, in the background "
+        "(never on a user's latency path, never in a user's queue slot), into the records as `reward_source: "
+        "rm:NAME` / `judge:NAME`: {scorer, fraction, routes, score, rubric, scale, max_pending, batch_size}.",
     )
     feedback_burst: int = Field(40, ge=1, description="Feedback calls a key may send at once before the rate applies.")
     feedback_max_comment_chars: int = Field(2_000, ge=0, description="Longest feedback comment accepted (a 400 after).")

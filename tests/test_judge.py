@@ -155,6 +155,29 @@ def test_missing_verdicts_are_missing_not_zero_and_length_correlation() -> None:
     assert result.metrics["judge_length_corr"].value == pytest.approx(1 / math.sqrt(3))
 
 
+def test_calibration_against_human_labels_in_a_file(tmp_path) -> None:
+    """labels=FILE: answers people labelled; the judge (right sums 10, wrong 1) is asked on each and its verdicts
+    are compared with the people's. The people disagree with the rule on one of five (they liked a wrong '>> 11'):
+    the judge says (1, 0, 1, 0, 1), the people (1, 1, 1, 0, 1): agreement p_o = 0.8, chance p_e = 0.6 * 0.8 +
+    0.4 * 0.2 = 0.56, kappa = (0.8 - 0.56) / (1 - 0.56)."""
+    rows = [{"prompt": f"{a}+7=", "response": r, "label": label}
+            for a, r, label in ((2, ">> 9", 1), (3, ">> 11", True), (4, ">> 11", 1.0), (5, ">> 3", 0), (6, ">> 13", 1))]
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with judge_server() as (url, _):
+        result = run(f"judge(model={url}#judge, labels={labels})", batch([">> 9"]))
+    m = result.metrics
+    assert m["judge_human_agreement"].value == pytest.approx(0.8) and m["judge_human_agreement"].n == 5
+    assert m["judge_human_kappa"].value == pytest.approx(0.24 / 0.44)
+    assert any("5 human-labelled answers" in note for note in result.notes)
+    labels.write_text(json.dumps({"prompt": "1+1=", "answer": ">> 2", "label": 1}) + "\n")
+    with pytest.raises(ConfigError, match=r"labels=.*row 0: needs prompt, response and label \(it has: answer"):
+        build_evaluators(f"judge(model=http://127.0.0.1:1#j, labels={labels})")
+    labels.write_text(json.dumps({"prompt": "1+1=", "response": ">> 2", "label": "good"}) + "\n")
+    with pytest.raises(ConfigError, match=r"row 0: label 'good' must be 1/0"):
+        build_evaluators(f"judge(model=http://127.0.0.1:1#j, labels={labels})")
+
+
 def test_pairwise_both_orders_swap_consistency_and_a_reward_model_as_judge() -> None:
     # Reference answers are right for even first operands (2, 4) and wrong for odd ones (3, 5).
     responses = [">> 9", ">> 10", ">> 12", ">> 99"]  # right, right, wrong, wrong; first operands 2, 3, 4, 5

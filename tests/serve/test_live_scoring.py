@@ -6,14 +6,17 @@ user's answer and never a 0."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from serve.records import join_rewards
 from tests.serve.helpers import run_server
 from tests.serve.test_reward_serving import reward_model  # noqa: F401  (the module's RM fixture)
+from tests.test_judge import between, judge_server, said, solve
 from verl.utils.net import free_port
 
 pytestmark = pytest.mark.e2e  # real servers
@@ -108,3 +111,49 @@ def test_a_scorer_that_is_not_a_served_reward_model_is_refused_at_start() -> Non
 
     with pytest.raises(ConfigError, match="score_traffic.scorer: 'nope' is not a reward model served here"):
         load_settings(models=[{"name": "chat", "path": "builtin:tiny-arith"}], score_traffic={"scorer": "nope"})
+
+
+def test_a_chat_judge_behind_a_url_scores_the_answers_by_its_rubric(tmp_path) -> None:
+    """`scorer: judge:URL#NAME`: the judge (a stub that follows the rubric's protocol: 10 for a right sum, 1 for a
+    wrong one) reads the question and the answer between the markers; its score on 1..10 lands as a reward row of
+    source judge:NAME, 1.0 for the right answers and 0.0 for the wrong ones, and the online A/B report reads it."""
+    from eval.online import compare_online
+
+    records = tmp_path / "records.jsonl"
+    models = [{"name": "a", "path": "builtin:tiny-arith"}, {"name": "b", "path": "builtin:tiny-arith"}]
+    with judge_server() as (judge_url, seen), run_server(
+            models=models, routes={"default": {"a": 0.5, "b": 0.5}}, record_texts=True, records_path=str(records),
+            score_traffic={"scorer": f"judge:{judge_url}#judge", "batch_size": 4}) as srv:
+        answers = {chat(srv.url, p)["id"]: p for p in PROMPTS * 2}
+        rows = rewards(srv.app.state.service, len(answers))
+        requests = {r["id"]: r for r in srv.app.state.service.records.snapshot() if r["kind"] == "request"}
+        metrics = httpx.get(srv.url + "/metrics").text
+    assert sorted(r["id"] for r in rows) == sorted(answers)
+    for row in rows:
+        right = said(requests[row["id"]]["answer"]) == solve(answers[row["id"]])
+        assert row["reward_source"] == "judge:judge" and row["reward"] == (1.0 if right else 0.0)
+        assert row["scorer_version"].startswith(f"{judge_url}#judge rubric ")
+    report = compare_online(str(records), reward_source="judge:judge")
+    assert report["reward_source"] == "judge:judge"
+    for name, summary in report["models"].items():
+        judged = [r["reward"] for r in rows if r["model"] == name]
+        assert summary["rewarded"] == len(judged) and summary["reward_mean"] == pytest.approx(np.mean(judged))
+    asked = [body for body in seen if "messages" in body]
+    assert len(asked) == len(answers) and all(b["model"] == "judge" for b in asked)
+    recorded = {requests[i]["answer"] for i in answers}
+    for body in asked:  # the conversation (as text) is the question; the answer alone lies between the markers
+        question, answer = body["messages"][1]["content"].split("[Answer]")
+        assert any(p in question for p in PROMPTS) and "<|" not in question
+        assert between(answer, body["messages"][0]["content"]).strip("\n") in recorded
+    scored = re.findall(r'verl:live_scores_total\{model_name="[ab]",outcome="scored"\} (\d+)', metrics)
+    assert sum(int(float(n)) for n in scored) == len(answers)
+
+
+def test_a_chat_judge_must_be_behind_a_url_and_its_rubric_must_exist(tmp_path) -> None:
+    from serve.settings import load_settings
+    from verl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="a chat judge generates.*judge:http://host:port#NAME"):
+        load_settings(score_traffic={"scorer": "judge:chat"})
+    with pytest.raises(ConfigError, match="score_traffic.rubric: .*nope.txt is not a file"):
+        load_settings(score_traffic={"scorer": "judge:http://127.0.0.1:1#j", "rubric": str(tmp_path / "nope.txt")})

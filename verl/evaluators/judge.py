@@ -17,7 +17,9 @@ the judge's reply. An answer cannot close the block early (it does not know the 
 A reply with no readable verdict is **missing** (NaN: ``judge_missing``), never a 0. Where labels exist — the rule's
 strict correctness against the ground truth — the result carries the judge's calibration (``judge_agreement``,
 Cohen's ``judge_kappa``), and always its correlation with answer length (``judge_length_corr``, Spearman) and, in
-pairwise mode, ``judge_swap_consistency`` (the share of pairs whose two orders agree: 1 - position bias).
+pairwise mode, ``judge_swap_consistency`` (the share of pairs whose two orders agree: 1 - position bias). With
+``labels=FILE`` (answers people labelled: prompt, response, label), the judge is asked on those too and compared
+with the people (``judge_human_agreement``, ``judge_human_kappa``).
 
 The prompts and the parsing are our own; the conventions (a 1-10 scale, ``[[A]]``/``[[B]]``/``[[C]]``, judging both
 orders, random delimiters) are those of MT-bench's judge prompts, AlpacaEval, and "spotlighting" against prompt
@@ -27,6 +29,7 @@ injection.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import math
 import os
 import re
@@ -166,18 +169,84 @@ class JudgeClient:
             return list(pool.map(fn, items))
 
 
+def load_rubric(path: str | None, mode: str, owner: str = "judge") -> str:
+    """The rubric text at ``path``, or the built-in one of ``mode`` (pointwise / pairwise)."""
+    if path is None:
+        return POINTWISE_RUBRIC if mode == "pointwise" else PAIRWISE_RUBRIC
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{owner}: rubric={path} is not a file (a text file with the judge's instructions; "
+                          "{open} and {close} name the answer's markers, {low} and {high} the scale)")
+    return file.read_text()
+
+
+def read_labelled(path: str) -> list[tuple[str, str, float]]:
+    """Human-labelled answers for a judge's calibration: a parquet or JSONL file whose rows have ``prompt``,
+    ``response`` and ``label`` (1 / 0, true / false, or a score in [0, 1]; >= 0.5 is a good answer)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"judge: labels={path} is not a file (parquet or JSONL rows of prompt, response, label)")
+    try:
+        if file.suffix == ".parquet":
+            import pyarrow.parquet as pq  # noqa: PLC0415  (a labelled file only)
+
+            rows = pq.read_table(file).to_pylist()
+        else:
+            rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    except Exception as exc:  # noqa: BLE001 - an unreadable file is one line, naming it
+        raise ConfigError(f"judge: labels={path} cannot be read as parquet or JSONL: {exc}") from None
+    out = []
+    for number, row in enumerate(rows):
+        where = f"judge: labels={path} row {number}"
+        if not isinstance(row, dict) or not all(k in row for k in ("prompt", "response", "label")):
+            have = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+            raise ConfigError(f"{where}: needs prompt, response and label (it has: {have})")
+        label = row["label"]
+        if isinstance(label, bool) or (isinstance(label, (int, float)) and 0.0 <= float(label) <= 1.0):
+            out.append((str(row["prompt"]), str(row["response"]), float(label)))
+        else:
+            raise ConfigError(f"{where}: label {label!r} must be 1/0, true/false or a score in [0, 1]")
+    if not out:
+        raise ConfigError(f"judge: labels={path} has no rows")
+    return out
+
+
+@dataclass
+class PointwiseRubric:
+    """One answer judged alone on a ``low``..``high`` scale, mapped to [0, 1] (the evaluator's pointwise mode, and
+    the service's live scoring with a chat judge)."""
+
+    text: str
+    low: float = 1.0
+    high: float = 10.0
+    max_tokens: int = 256
+
+    def messages(self, question: str, answer: str) -> list[dict]:
+        """The judge's conversation: the rubric (with fresh markers) and the question, the answer between them."""
+        open_, close = markers("answer")
+        system = self.text.format(open=open_, close=close, low=_fmt(self.low), high=_fmt(self.high))
+        user = f"[Question]\n{question}\n\n[Answer]\n{open_}\n{answer}\n{close}"
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+    def ask(self, client: JudgeClient, question: str, answer: str) -> float:
+        """The judge's score in [0, 1]; NaN when it gave none (no reply, or no readable score)."""
+        reply = client.chat(self.messages(question, answer), self.max_tokens)
+        return math.nan if reply is None else parse_score(reply, self.low, self.high)
+
+
 class Judge(Evaluator):
     """See the module docstring."""
 
     name = "judge"
     needs = frozenset({"generations", "ground_truth"})
     directions = {"judge_score": True, "judge_win_rate": True, "judge_missing": False, "judge_agreement": True,
-                  "judge_kappa": True, "judge_length_corr": None, "judge_swap_consistency": True}
+                  "judge_kappa": True, "judge_length_corr": None, "judge_swap_consistency": True,
+                  "judge_human_agreement": True, "judge_human_kappa": True}
 
     def __init__(self, model: str | None = None, rubric: str | None = None, mode: str = "pointwise",
                  reference: str | None = None, scale: list[float] | None = None, max_tokens: int = 256,
                  api_key_env: str | None = None, timeout_s: float = 60.0, max_retries: int = 2,
-                 concurrency: int = 4):
+                 concurrency: int = 4, labels: str | None = None):
         if model is None:
             raise ConfigError("judge needs model=URL#NAME: the judge's service and model, e.g. "
                               "judge(model=http://127.0.0.1:8000#judge)")
@@ -186,27 +255,20 @@ class Judge(Evaluator):
         if mode == "pairwise" and reference is None:
             raise ConfigError("judge(mode=pairwise) needs reference=URL#NAME: the model whose answers the "
                               "candidate's are judged against")
+        if labels is not None and mode != "pointwise":
+            raise ConfigError("judge: labels=FILE holds answers judged one at a time; use it with mode=pointwise")
+        self.labelled = read_labelled(labels) if labels is not None else None
         low, high = (float(x) for x in (scale or [1, 10]))
         if not low < high:
             raise ConfigError(f"judge: scale must be LOW;HIGH with LOW < HIGH (got {scale})")
         self.endpoint = Endpoint.parse(model, "model")
         self.reference = Endpoint.parse(reference, "reference") if reference is not None else None
-        self.rubric = self._rubric(rubric, mode)
+        self.rubric = load_rubric(rubric, mode)
         self.mode, self.low, self.high, self.max_tokens = mode, low, high, int(max_tokens)
         self.api_key_env, self.timeout_s = api_key_env, float(timeout_s)
         self.max_retries, self.concurrency = int(max_retries), int(concurrency)
         self.options = {k: v for k, v in {"model": model, "rubric": rubric, "mode": mode, "reference": reference,
-                                          "scale": scale}.items() if v is not None}
-
-    @staticmethod
-    def _rubric(path: str | None, mode: str) -> str:
-        if path is None:
-            return POINTWISE_RUBRIC if mode == "pointwise" else PAIRWISE_RUBRIC
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"judge: rubric={path} is not a file (a text file with the judge's instructions; "
-                              "{open} and {close} name the answer's markers, {low} and {high} the scale)")
-        return file.read_text()
+                                          "scale": scale, "labels": labels}.items() if v is not None}
 
     def _client(self, endpoint: Endpoint) -> JudgeClient:
         key = os.environ.get(self.api_key_env) if self.api_key_env else None
@@ -219,14 +281,36 @@ class Judge(Evaluator):
         try:
             kind = client.kind()
             if self.mode == "pointwise":
-                scores, extra = self._pointwise(client, kind, batch), {}
+                scores, extra = self._pointwise(client, kind, batch.prompts, batch.responses), {}
             else:
                 scores, extra = self._pairwise(client, kind, batch)
+            human = (self._pointwise(client, kind, [r[0] for r in self.labelled], [r[1] for r in self.labelled])
+                     if self.labelled is not None else None)
         finally:
             client.close()
-        return self._result(batch, scores, extra, kind)
+        result = self._result(batch, scores, extra, kind)
+        if human is not None:
+            self._human_calibration(result, human)
+        return result
 
-    def _pointwise(self, client: JudgeClient, kind: str, batch: EvalBatch) -> np.ndarray:
+    def _human_calibration(self, result: EvalResult, scores: np.ndarray) -> None:
+        """The judge against people: its verdicts (score >= 0.5) on the human-labelled answers of ``labels=FILE``
+        against their labels (>= 0.5 is good), over the answers it gave a verdict on."""
+        labels = np.array([r[2] for r in self.labelled], dtype=np.float64)
+        valid = ~np.isnan(scores)
+        if not valid.any():
+            result.notes.append(f"judge: no verdict on any of the {len(labels)} human-labelled answers")
+            return
+        said, truth = scores[valid] >= 0.5, labels[valid] >= 0.5
+        n = int(valid.sum())
+        result.metrics["judge_human_agreement"] = _scalar("judge_human_agreement", float(np.mean(said == truth)), n,
+                                                          self.spec)
+        result.metrics["judge_human_kappa"] = _scalar("judge_human_kappa", cohen_kappa(said, truth), n, self.spec)
+        result.notes.append(f"judge: calibrated against {len(labels)} human-labelled answers "
+                            f"({self.options['labels']}); {len(labels) - n} without a verdict")
+
+    def _pointwise(self, client: JudgeClient, kind: str, prompts: list[str], responses: list[str]) -> np.ndarray:
+        """One score in [0, 1] per (prompt, response); NaN where the judge gave none."""
         if kind == "reward":  # the client the trainer and the live scorer use (DESIGN §13): NaN where missing
             from verl.rewards.remote import RemoteRewardModel  # noqa: PLC0415
 
@@ -235,20 +319,14 @@ class Judge(Evaluator):
                                        timeout_s=self.timeout_s, max_retries=self.max_retries,
                                        max_concurrency=self.concurrency, api_key=key)
             try:
-                values, _ = remote.score([p + r for p, r in zip(batch.prompts, batch.responses, strict=True)])
+                values, _ = remote.score([p + r for p, r in zip(prompts, responses, strict=True)])
             finally:
                 remote.close()
             return np.asarray(values, dtype=np.float64)
 
-        def one(i: int) -> float:
-            open_, close = markers("answer")
-            system = self.rubric.format(open=open_, close=close, low=_fmt(self.low), high=_fmt(self.high))
-            user = f"[Question]\n{batch.prompts[i]}\n\n[Answer]\n{open_}\n{batch.responses[i]}\n{close}"
-            reply = client.chat([{"role": "system", "content": system}, {"role": "user", "content": user}],
-                                self.max_tokens)
-            return math.nan if reply is None else parse_score(reply, self.low, self.high)
-
-        return np.asarray(client.map(one, list(range(len(batch)))), dtype=np.float64)
+        rubric = PointwiseRubric(self.rubric, self.low, self.high, self.max_tokens)
+        return np.asarray(client.map(lambda i: rubric.ask(client, prompts[i], responses[i]),
+                                     list(range(len(prompts)))), dtype=np.float64)
 
     def _pairwise(self, client: JudgeClient, kind: str, batch: EvalBatch) -> tuple[np.ndarray, dict]:
         if kind == "reward":
