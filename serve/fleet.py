@@ -51,7 +51,7 @@ SETTLE_S = 10.0  # after one replica failed a phase, how long the others get to 
 
 def state_from_service(entries: list[Any], routes: dict[str, dict[str, float]]) -> dict:
     """The fleet state for configured ``ModelEntry`` items and routes (as ``Service.save_state`` writes them)."""
-    models = [{"name": e.name, "path": e.path} if e.path is not None
+    models = [{"name": e.name, "path": e.path, "kind": e.kind} if e.path is not None  # kind: a reward model stays one
               else {"name": e.name, "adapter": e.adapter, "base": e.base} for e in entries]
     return {"models": models, "routes": {r: dict(w) for r, w in routes.items()}}
 

@@ -31,6 +31,7 @@ import psutil
 import pytest
 
 from tests.serve.helpers import REPO, BackgroundClients
+from tests.serve.test_reward_serving import reward_model  # noqa: F401  (the RM fixture)
 from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.serial]  # Ray, timed load
@@ -90,19 +91,33 @@ def control_plane_process() -> psutil.Process:
     raise AssertionError("no control-plane process")
 
 
-@pytest.mark.budget(85)
-def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_path):
+@pytest.mark.budget(90)
+def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_path, reward_model):  # noqa: F811
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     records_path = tmp_path / "records.jsonl"
+    # A reward model beside the chat model, on every replica (issue 43: "in one service and in a fleet").
+    models = [{"name": "tiny-arith", "path": "builtin:tiny-arith"},
+              {"name": "judge", "path": str(reward_model[0]), "kind": "reward"}]
     env = {**os.environ, "VERL_SERVE_ADMIN_API_KEY": "fleet-admin", "VERL_SERVE_STATE_PATH": str(tmp_path / "s.json"),
-           "VERL_SERVE_RECORDS_PATH": str(records_path), "PYTHONUNBUFFERED": "1"}
+           "VERL_SERVE_RECORDS_PATH": str(records_path), "VERL_SERVE_MODELS": json.dumps(models),
+           "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", "--replicas", "2", "--port", str(port)],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         health = wait_for(lambda: (h := httpx.get(url + "/health", timeout=5).json())["replicas"] == 2 and h, 240,
                           "two live replicas")
         assert health["status"] == "ok" and health["replica_versions"] == [1]
+        # 0. The reward model is served by every replica: the same scores on fresh connections, whichever answers.
+        classified, pids = set(), set()
+        for _ in range(8):
+            with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as client:
+                kinds = {m["id"]: m.get("kind") for m in client.get("/v1/models").json()["data"]}
+                reply = client.post("/classify", json={"model": "judge", "input": ["What is 2+3? >> 5"]})
+                pids.add(client.get("/admin/state").json()["process"]["pid"])
+            assert kinds["judge"] == "reward" and kinds["tiny-arith"] != "reward" and reply.status_code == 200
+            classified.add(round(reply.json()["data"][0]["probs"][0], 6))
+        assert len(classified) == 1 and len(pids) == 2, (classified, pids)
         with Load(url) as load:
             # 1. A promote reaches every replica.
             promoted = verl("promote", "--service", url, "--model", "b", "--path", "builtin:tiny-arith",
@@ -120,7 +135,8 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
             bad = verl("promote", "--service", url, "--model", "c", "--path", str(tmp_path / "missing"))
             assert bad.returncode == 1 and "rolled back, serving version 3" in bad.stderr, bad.stderr
             assert bad.stderr.count("prepare failed") == 1 and bad.stderr.count("no such directory") == 2
-            assert state(url)["version"] == 3 and [m["name"] for m in state(url)["models"]][-1] == "b"
+            names = [m["name"] for m in state(url)["models"]]
+            assert state(url)["version"] == 3 and "b" in names and "c" not in names
 
             # 3. SIGKILL one replica: Ray Serve replaces it, at the current version.
             victim = reads[0]["process"]["pid"]
