@@ -34,16 +34,14 @@ from typing import Any
 import numpy as np
 
 from eval import plots
-from eval.pairwise import DEFAULT_SELECT, PairEvaluation, check_settings, rm_config_of
+from eval.pairwise import PairEvaluation, check_settings, rm_config_of
 from eval.report import Doc, fmt, ordered_metrics, training_curves
+from eval.results import DEFAULT_SELECT, load_results, load_samples, parse_select
 from eval.runner import (
     EvalSettings,
     Evaluation,
     is_run_dir,
-    load_results,
     load_run_config,
-    load_samples,
-    parse_select,
     resolve_settings,
     resolve_target,
     results_root,

@@ -29,15 +29,14 @@ import numpy as np
 import torch.nn.functional as F
 
 from eval.report import write_pair_report, write_run_report
-from eval.runner import (
+from eval.results import (
+    DEFAULT_SELECT,
     METRIC_PREFIX,
     SCHEMA,
-    CheckpointRef,
-    EvalSettings,
-    _reusable,
     content_ids,
     model_hash,
     parse_select,
+    reusable_results,
     select_best,
     versions,
     write_results,
@@ -52,7 +51,6 @@ from verl.utils.fs import atomic_write_json
 from verl.utils.seeding import set_num_threads
 
 KIND = "reward_model"
-DEFAULT_SELECT = EvalSettings().select  # a policy's default; a reward model's runs are ranked by VALIDATION_METRIC
 # Per pair: metric -> (samples.jsonl column, higher is better, a 0/1 outcome).
 PAIR_METRICS: dict[str, tuple[str, bool | None, bool]] = {
     "pairwise_accuracy": ("correct", True, True),
@@ -68,7 +66,7 @@ POLICY_ONLY = {"evaluators": "-e", "n": "--n", "temperature": "--temperature", "
                "max_prompt_length": "--max-prompt-length"}
 
 
-def check_settings(settings: EvalSettings, what: str) -> None:
+def check_settings(settings: Any, what: str) -> None:
     """Refuse, in one line, flags that only mean something for a generator."""
     given = [flag for name, flag in POLICY_ONLY.items() if getattr(settings, name) is not None]
     if settings.engine != "hf":
@@ -95,7 +93,7 @@ class PairEvaluation:
     """Scores checkpoints of one reward model on one set of pairs (the data are tokenized once, by the first
     checkpoint's tokenizer; a run's checkpoints share it)."""
 
-    settings: EvalSettings
+    settings: Any  # eval.runner.EvalSettings: the flags that apply to pairs (data, max_samples, batch_size, ...)
     config: RMConfig
     raw_config: dict | None = None  # the run's config.yaml, as written (compare diffs it)
     console: Any = None
@@ -139,7 +137,7 @@ class PairEvaluation:
         """Score every pair with the reward model at ``model_path``; write and return ``results.json``'s content."""
         t0 = time.perf_counter()
         digest = model_hash(model_path)
-        cached = _reusable(out_dir, self.fingerprint, digest) if not self.settings.force else None
+        cached = reusable_results(out_dir, self.fingerprint, digest) if not self.settings.force else None
         if cached is not None:
             self._say(f"{label}: reusing {out_dir / 'results.json'} (same weights and pairs; --force recomputes)")
             return cached
@@ -208,9 +206,9 @@ def summary_line(results: dict) -> str:
     return ", ".join(parts)
 
 
-def evaluate_reward_model(target: CheckpointRef, settings: EvalSettings, out: str | Path | None,
-                          console: Any) -> dict:
-    """``verl eval --ckpt`` on a reward model: one checkpoint (or exported model), or every checkpoint of a run."""
+def evaluate_reward_model(target: Any, settings: Any, out: str | Path | None, console: Any) -> dict:
+    """``verl eval --ckpt`` on a reward model: one checkpoint (or exported model), or every checkpoint of a run
+    (``target``: eval.runner's CheckpointRef; ``settings``: its EvalSettings)."""
     check_settings(settings, target.path)
     evaluation = PairEvaluation(settings, *rm_config_of(target.run_dir), console)
     if target.kind != "run":

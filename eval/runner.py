@@ -23,11 +23,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib.metadata as md
 import importlib.util
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,7 +40,22 @@ from pydantic import TypeAdapter, ValidationError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import verl.config as config_module
+from eval.pairwise import evaluate_reward_model
 from eval.report import write_checkpoint_report, write_run_report
+from eval.results import (
+    DEFAULT_SELECT,
+    METRIC_PREFIX,
+    SCHEMA,
+    content_ids,
+    jsonable,
+    load_samples,
+    model_hash,
+    parse_select,
+    reusable_results,
+    select_best,
+    versions,
+    write_results,
+)
 from verl.config import (
     DataConfig,
     RewardConfig,
@@ -53,7 +66,7 @@ from verl.config import (
     load_yaml,
 )
 from verl.data.dataset import RLHFDataset
-from verl.errors import CheckpointError, ConfigError, VerlError
+from verl.errors import CheckpointError, ConfigError
 from verl.evaluators import EvalBatch, Metric, build_evaluator, build_evaluators, run_evaluators
 from verl.evaluators.kl_terms import compute_kl_terms
 from verl.evaluators.registry import BUILTIN_EVALUATORS, evaluator_needs, split_specs
@@ -64,20 +77,15 @@ from verl.models.loader import (
     looks_local,
     missing_dir_error,
     pick_device,
-    resolve_model_path,
 )
 from verl.protocol import DataProto
 from verl.rollout.agent_loop import AgentRollout
 from verl.rollout.base import SamplingParams, get_rollout_factory, pad_responses
 from verl.tools.templates import ToolPrompting
 from verl.trainer.checkpoint import STEP_DIR, list_checkpoints
-from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
+from verl.utils.fs import atomic_write_json
 from verl.utils.seeding import set_num_threads
 from verl.workers.reward import RewardManager, decode_responses
-
-SCHEMA = "verl-eval/1"
-METRIC_PREFIX = "eval/"
-
 
 # ---------------------------------------------------------------------------------------------- settings
 
@@ -105,7 +113,7 @@ class EvalSettings:
     num_threads: int | None = None
     n_bootstrap: int = 1000
     kl_micro_batch_size: int = 32
-    select: str = "eval/accuracy:max"
+    select: str = DEFAULT_SELECT
     # Multi-turn (agent) rollouts: None = as the run did (rollout.multi_turn); tools or a tool config turn them on.
     tools: list[str] | None = None
     tool_config: str | None = None
@@ -416,24 +424,6 @@ def _split(requested: str | list[str]) -> list[str]:
 # ---------------------------------------------------------------------------------------------- models
 
 
-def model_hash(path: str) -> str:
-    """sha256 (first 16 hex) of the weight files, so results name exactly which weights they describe."""
-    try:
-        local = Path(resolve_model_path(path))
-    except VerlError:
-        local = Path(path)
-    files = sorted(local.glob("*.safetensors")) + sorted(local.glob("*.bin")) if local.is_dir() else []
-    digest = hashlib.sha256()
-    if not files:
-        digest.update(path.encode())
-    for file in files:
-        digest.update(file.name.encode())
-        with file.open("rb") as fh:
-            for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:16]
-
-
 def load_policy(path: str, run_cfg: Any, device: Any, dtype: str) -> Any:
     """The model at ``path``; a LoRA checkpoint (adapter files only) is applied to its base and merged."""
     local = Path(path)
@@ -445,19 +435,6 @@ def load_policy(path: str, run_cfg: Any, device: Any, dtype: str) -> Any:
         base = load_causal_lm(base_path, dtype, device)
         return PeftModel.from_pretrained(base, str(local)).merge_and_unload()
     return load_causal_lm(path, dtype, device)
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in ("verl-suite", "torch", "transformers", "numpy"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- the evaluation
 
 
 class Evaluation:
@@ -531,7 +508,7 @@ class Evaluation:
         evaluators, assemble and write ``results.json`` (+ samples, report); returns its content."""
         t0 = time.perf_counter()
         digest = model_hash(model_path)
-        cached = _reusable(out_dir, self.resolved.fingerprint, digest) if not self.settings.force else None
+        cached = reusable_results(out_dir, self.resolved.fingerprint, digest) if not self.settings.force else None
         if cached is not None:
             self._say(f"{label}: reusing {out_dir / 'results.json'} (same weights and settings; --force recomputes)")
             if ensure_report(out_dir, cached):
@@ -673,14 +650,14 @@ class Evaluation:
             seen[int(index[i])] = k + 1
             row = {"prompt_id": self.prompt_ids[int(index[i])], "index": int(index[i]), "sample": k,
                    "prompt": str(batch.non_tensor["raw_prompt"][i]), "response": text,
-                   "ground_truth": _jsonable(batch.non_tensor["ground_truth"][i]),
+                   "ground_truth": jsonable(batch.non_tensor["ground_truth"][i]),
                    "data_source": str(batch.non_tensor["data_source"][i]), "response_length": int(lengths[i])}
             if scores is not None:
                 row["reward"] = float(scores[i])
             if "tool_trace" in batch.non_tensor:  # an agent trajectory: its turns and calls, structured
                 row["turns"] = int(batch.non_tensor["num_turns"][i])
                 row["finish_reason"] = str(batch.non_tensor["finish_reason"][i])
-                row["tool_trace"] = _jsonable(list(batch.non_tensor["tool_trace"][i]))
+                row["tool_trace"] = jsonable(list(batch.non_tensor["tool_trace"][i]))
             for name, column in columns.items():
                 if name in row:  # e.g. response_length: the base field already holds it (as an int)
                     continue
@@ -746,75 +723,10 @@ def summary_line(results: dict) -> str:
     return ", ".join(parts)
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, (list, tuple, np.ndarray)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return str(value)
-
-
 def _prompt_ids(dataset: Any, prompt_key: str) -> list[str]:
     """A stable id per dataset row from the prompt's *content* (before any chat template), so two models with
     different templates still pair up."""
     return content_ids([row.get(prompt_key) for row in dataset.rows])
-
-
-def content_ids(values: list[Any]) -> list[str]:
-    """A stable id per value from its content (sha1 of its JSON); a repeated value gets ``#2``, ``#3`` ..."""
-    ids, seen = [], {}
-    for value in values:
-        content = json.dumps(_jsonable(value), sort_keys=True, ensure_ascii=False)
-        base = hashlib.sha1(content.encode()).hexdigest()[:16]
-        seen[base] = seen.get(base, 0) + 1
-        ids.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
-    return ids
-
-
-# ---------------------------------------------------------------------------------------------- files
-
-
-def write_results(out_dir: Path, results: dict, samples: list[dict]) -> None:
-    ensure_writable_dir(out_dir, "the eval output dir (--out)")
-    atomic_write_text(out_dir / "samples.jsonl",
-                      "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in samples))
-    atomic_write_json(out_dir / "results.json", results)  # last: its presence means the directory is complete
-
-
-def load_results(path: str | Path) -> dict:
-    file = Path(path)
-    file = file / "results.json" if file.is_dir() else file
-    if not file.is_file():
-        raise VerlError(f"no results.json in '{file.parent}'; run `verl eval --ckpt ...` first")
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise VerlError(f"{file} is not valid JSON (line {exc.lineno}): delete it and re-run verl eval") from None
-    if data.get("schema") != SCHEMA:
-        raise VerlError(f"{file} has schema {data.get('schema')!r}, expected {SCHEMA!r}; re-run verl eval")
-    return data
-
-
-def load_samples(path: str | Path) -> list[dict]:
-    file = Path(path)
-    file = file / "samples.jsonl" if file.is_dir() else file
-    if not file.is_file():
-        raise VerlError(f"no samples.jsonl in '{file.parent}'; re-run `verl eval` to write it")
-    rows = []
-    for number, line in enumerate(file.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise VerlError(f"{file} row {number} is not valid JSON; re-run verl eval to rewrite it") from None
-        if "prompt_id" not in rows[-1]:
-            raise VerlError(f"{file} row {number} has no prompt_id; it was not written by verl eval")
-    return rows
 
 
 REPORT_FILES = ("report.md", "report.html", "length_hist.png")
@@ -834,31 +746,6 @@ def ensure_report(out_dir: Path, results: dict) -> bool:
     return True
 
 
-def _reusable(out_dir: Path, fingerprint: str, digest: str) -> dict | None:
-    try:
-        results = load_results(out_dir)
-    except VerlError:
-        return None
-    if results.get("settings_fingerprint") == fingerprint and results.get("model_hash") == digest and \
-            (out_dir / "samples.jsonl").is_file():
-        return results
-    return None
-
-
-# ---------------------------------------------------------------------------------------------- entry points
-
-
-def parse_select(select: str) -> tuple[str, str]:
-    metric, _, mode = select.partition(":")
-    mode = mode or "max"
-    if mode not in ("max", "min"):
-        raise ConfigError(f"--select '{select}': the mode after ':' must be max or min")
-    metric = metric.strip()
-    if not metric.startswith(METRIC_PREFIX):
-        metric = METRIC_PREFIX + metric
-    return metric, mode
-
-
 def reward_model_checkpoint(target: CheckpointRef) -> Path | None:
     """The checkpoint dir when ``target`` is (or a run whose checkpoints are) a reward model, else None."""
     from serve.settings import is_reward_model  # noqa: PLC0415  (the one test of a reward-model checkpoint)
@@ -873,8 +760,6 @@ def run_eval(ckpt: str | Path, settings: EvalSettings, out: str | Path | None = 
     target = resolve_target(ckpt)
     if reward_model_checkpoint(target) is not None:
         # A sequence classifier does not generate: it is scored on preference pairs instead.
-        from eval.pairwise import evaluate_reward_model  # noqa: PLC0415  (it builds on this module)
-
         return evaluate_reward_model(target, settings, out, console)
     run_cfg, raw, notes = load_run_config(target.run_dir)
     if console is not None and notes and not settings.quiet:
@@ -1000,20 +885,6 @@ def evaluate_on_ray(checkpoints: list[tuple[int, Path]], settings: EvalSettings,
         for r in results:
             console.print(f"{r['label']}: " + summary_line(r), highlight=False, soft_wrap=True)
     return results
-
-
-def select_best(per_checkpoint: list[dict], metric: str, mode: str) -> dict:
-    """The checkpoint with the best ``metric`` (ties: the earlier step, so a plateau picks the cheaper model)."""
-    scored = [(r["metrics"][metric]["value"], r) for r in per_checkpoint
-              if r["metrics"].get(metric, {}).get("value") is not None]
-    if not scored:
-        raise VerlError(f"no checkpoint has a value for {metric}")
-    sign = 1.0 if mode == "max" else -1.0
-    value, best = max(scored, key=lambda item: (sign * item[0], -(item[1]["step"] or 0)))
-    m = best["metrics"][metric]
-    return {"label": best["label"], "step": best["step"], "checkpoint": best["checkpoint"], "metric": metric,
-            "mode": mode, "value": value, "se": m.get("se"), "ci95": [m.get("ci_low"), m.get("ci_high")],
-            "model_hash": best["model_hash"]}
 
 
 if __name__ == "__main__":  # pragma: no cover

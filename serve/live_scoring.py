@@ -10,7 +10,7 @@ in batches — on a reward model served here (its own thread, no generation slot
 what the trainer sends one: the prompt as the policy saw it (its chat template, decoded from the prompt's token
 ids) followed by the answer. A chat judge (``judge:URL#NAME``, always behind a URL: it generates, and would take the
 served models' slots) reads the conversation as text and the answer between nonce markers, by the evaluator's
-pointwise rubric (``verl.evaluators.judge.PointwiseRubric``), and its ``Score: N`` on ``scale`` maps to [0, 1].
+pointwise rubric (``verl.rewards.judge.PointwiseRubric``), and its ``Score: N`` on ``scale`` maps to [0, 1].
 A score that could not be obtained is recorded as nothing (counted ``failed``), never
 as 0. Mirrored answers (the shadow stage) are scored too: the shadow stage pairs them with the incumbent's.
 """
@@ -62,7 +62,7 @@ class LiveScoring:
             url, name = config.remote
             key = os.environ.get(config.api_key_env) if config.api_key_env else None
             if config.is_judge:
-                from verl.evaluators.judge import (  # noqa: PLC0415  (a judge only)
+                from verl.rewards.judge import (  # noqa: PLC0415  (a judge only)
                     Endpoint,
                     JudgeClient,
                     PointwiseRubric,

@@ -23,7 +23,8 @@ from tests.serve.helpers import REPO, run_server
 from tests.serve.test_reward_serving import reward_model  # noqa: F401  (the RM fixture)
 from verl.errors import ConfigError
 from verl.evaluators import EvalBatch, build_evaluators
-from verl.evaluators.judge import cohen_kappa, parse_score, parse_verdict
+from verl.evaluators.judge import cohen_kappa
+from verl.rewards.judge import parse_score, parse_verdict
 
 QUESTION = re.compile(r"(\d+)\s*([+*-])\s*(\d+)\s*=")
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from eval.compare import compare, config_diff, per_prompt
-from eval.runner import SCHEMA, write_results
+from eval.results import SCHEMA, write_results
 from eval.stats import mcnemar
 
 

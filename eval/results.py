@@ -1,0 +1,158 @@
+"""Evaluation results on disk and their identities, shared by the policy evaluation (``eval.runner``) and the
+reward-model one (``eval.pairwise``): ``results.json`` / ``samples.jsonl`` written atomically and read back with
+clear errors, the weights' hash, content ids that pair prompts across models, reuse, and the best checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from verl.errors import ConfigError, VerlError
+from verl.models.loader import resolve_model_path
+from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
+
+SCHEMA = "verl-eval/1"
+METRIC_PREFIX = "eval/"
+# A policy's runs are ranked by it unless --select says otherwise; a reward model's by its pairwise accuracy.
+DEFAULT_SELECT = "eval/accuracy:max"
+
+
+def model_hash(path: str) -> str:
+    """sha256 (first 16 hex) of the weight files, so results name exactly which weights they describe."""
+    try:
+        local = Path(resolve_model_path(path))
+    except VerlError:
+        local = Path(path)
+    files = sorted(local.glob("*.safetensors")) + sorted(local.glob("*.bin")) if local.is_dir() else []
+    digest = hashlib.sha256()
+    if not files:
+        digest.update(path.encode())
+    for file in files:
+        digest.update(file.name.encode())
+        with file.open("rb") as fh:
+            for chunk in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("verl-suite", "torch", "transformers", "numpy"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the evaluation
+
+
+def jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    return str(value)
+
+
+def content_ids(values: list[Any]) -> list[str]:
+    """A stable id per value from its content (sha1 of its JSON); a repeated value gets ``#2``, ``#3`` ..."""
+    ids, seen = [], {}
+    for value in values:
+        content = json.dumps(jsonable(value), sort_keys=True, ensure_ascii=False)
+        base = hashlib.sha1(content.encode()).hexdigest()[:16]
+        seen[base] = seen.get(base, 0) + 1
+        ids.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def write_results(out_dir: Path, results: dict, samples: list[dict]) -> None:
+    ensure_writable_dir(out_dir, "the eval output dir (--out)")
+    atomic_write_text(out_dir / "samples.jsonl",
+                      "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in samples))
+    atomic_write_json(out_dir / "results.json", results)  # last: its presence means the directory is complete
+
+
+def load_results(path: str | Path) -> dict:
+    file = Path(path)
+    file = file / "results.json" if file.is_dir() else file
+    if not file.is_file():
+        raise VerlError(f"no results.json in '{file.parent}'; run `verl eval --ckpt ...` first")
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise VerlError(f"{file} is not valid JSON (line {exc.lineno}): delete it and re-run verl eval") from None
+    if data.get("schema") != SCHEMA:
+        raise VerlError(f"{file} has schema {data.get('schema')!r}, expected {SCHEMA!r}; re-run verl eval")
+    return data
+
+
+def load_samples(path: str | Path) -> list[dict]:
+    file = Path(path)
+    file = file / "samples.jsonl" if file.is_dir() else file
+    if not file.is_file():
+        raise VerlError(f"no samples.jsonl in '{file.parent}'; re-run `verl eval` to write it")
+    rows = []
+    for number, line in enumerate(file.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise VerlError(f"{file} row {number} is not valid JSON; re-run verl eval to rewrite it") from None
+        if "prompt_id" not in rows[-1]:
+            raise VerlError(f"{file} row {number} has no prompt_id; it was not written by verl eval")
+    return rows
+
+
+def reusable_results(out_dir: Path, fingerprint: str, digest: str) -> dict | None:
+    try:
+        results = load_results(out_dir)
+    except VerlError:
+        return None
+    if results.get("settings_fingerprint") == fingerprint and results.get("model_hash") == digest and \
+            (out_dir / "samples.jsonl").is_file():
+        return results
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+
+
+def parse_select(select: str) -> tuple[str, str]:
+    metric, _, mode = select.partition(":")
+    mode = mode or "max"
+    if mode not in ("max", "min"):
+        raise ConfigError(f"--select '{select}': the mode after ':' must be max or min")
+    metric = metric.strip()
+    if not metric.startswith(METRIC_PREFIX):
+        metric = METRIC_PREFIX + metric
+    return metric, mode
+
+
+def select_best(per_checkpoint: list[dict], metric: str, mode: str) -> dict:
+    """The checkpoint with the best ``metric`` (ties: the earlier step, so a plateau picks the cheaper model)."""
+    scored = [(r["metrics"][metric]["value"], r) for r in per_checkpoint
+              if r["metrics"].get(metric, {}).get("value") is not None]
+    if not scored:
+        raise VerlError(f"no checkpoint has a value for {metric}")
+    sign = 1.0 if mode == "max" else -1.0
+    value, best = max(scored, key=lambda item: (sign * item[0], -(item[1]["step"] or 0)))
+    m = best["metrics"][metric]
+    return {"label": best["label"], "step": best["step"], "checkpoint": best["checkpoint"], "metric": metric,
+            "mode": mode, "value": value, "se": m.get("se"), "ci95": [m.get("ci_low"), m.get("ci_high")],
+            "model_hash": best["model_hash"]}
