@@ -26,7 +26,7 @@ from verl.evaluators import EvalBatch, build_evaluators
 from verl.evaluators.judge import cohen_kappa
 from verl.rewards.judge import parse_score, parse_verdict
 
-QUESTION = re.compile(r"(\d+)\s*([+*-])\s*(\d+)\s*=")
+QUESTION = re.compile(r"(\d+)\s*([+*-])\s*(\d+)\s*[=?]")  # "2+7=" and "What is 2+7?"
 
 
 def solve(text: str) -> int:

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tests.http_stub import StubHandler, running
+from tests.test_judge import judge_server
 from tests.test_trainer import tiny_config
-from verl.errors import VerlError
+from verl.errors import ConfigError, VerlError
 from verl.rewards.remote import RateLimiter, RemoteRewardModel, RemoteRewardRefused
 from verl.trainer.local import LocalPPOTrainer
 
@@ -167,3 +168,31 @@ def test_a_remote_rm_that_keeps_failing_stops_the_step_with_one_line(tmp_path):
         with pytest.raises(VerlError, match=r"8 of 8 samples \(100%\) got no reward") as info:
             trainer.fit()
     assert url in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_chat_judge_behind_a_url_is_the_reward_and_a_silent_one_stops_the_step(tmp_path):
+    """reward.model.kind=judge: a chat model scores each answer by the rubric (the stub judge: 10 for a right sum, 1
+    for a wrong one), so the reward is the rule's accuracy, 1.0 or 0.0; a judge that never gives a score costs no
+    silent rewards: the step stops with one line naming the judge."""
+    with judge_server() as (url, seen):
+        trainer = remote_trainer(tmp_path, url, kind="judge", name="judge", timeout_s=30.0)
+        prompts = trainer.train_dataset.collate([0, 1, 2, 3])
+        batch = trainer.roles.generate(prompts, trainer.train_sampling(1))
+        scores, extras, texts = trainer.roles.compute_reward(batch)
+        assert extras["rm_score"].tolist() == extras["acc"].tolist() == scores.sum(-1).tolist()
+        assert len([b for b in seen if "messages" in b]) == len(texts) == 8
+    with judge_server(silent=True) as (url, _):
+        trainer = remote_trainer(tmp_path / "silent", url, kind="judge", name="judge", timeout_s=30.0)
+        with pytest.raises(VerlError, match=r"8 of 8 samples \(100%\) got no reward") as info:
+            trainer.fit()
+    assert f"judge {url}" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_judge_reward_needs_a_url_and_an_existing_rubric(tmp_path):
+    from verl.config import build_config
+
+    with pytest.raises(ConfigError, match="reward.model.kind=judge needs reward.model.url"):
+        build_config({"reward": {"model": {"kind": "judge"}}})
+    with pytest.raises(ConfigError, match="reward.model.rubric: .*missing.txt is not a file"):
+        build_config({"reward": {"model": {"kind": "judge", "url": "http://127.0.0.1:1",
+                                           "rubric": str(tmp_path / "missing.txt")}}})

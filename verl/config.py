@@ -270,7 +270,16 @@ class RewardModelConfig(Section):
                              "scores whole responses in this process.")
     url: str | None = Field(None, description="A reward model behind a URL, on vLLM's classification API "
                             "(`verl serve` with a kind: reward model, or `vllm serve`): POST {url}/classify. "
-                            "OpenRLHF's --remote_rm_url.")
+                            "OpenRLHF's --remote_rm_url. With kind: judge, a chat model behind an OpenAI-compatible "
+                            "URL that scores by a rubric (POST {url}/v1/chat/completions).")
+    kind: Literal["classifier", "judge"] = Field(
+        "classifier", description="What is behind the URL: a reward model (classifier) or a chat model judging "
+        "each answer by `rubric` on `scale`, its `Score: N` mapped to [0, 1] (judge).")
+    rubric: str | None = Field(None, description="kind: judge: the rubric file ({open}/{close}: the answer's "
+                               "markers, {low}/{high}: the scale); default: the built-in pointwise rubric.")
+    scale: list[float] = Field([1.0, 10.0], min_length=2, max_length=2, description="kind: judge: the rubric's "
+                               "score scale [LOW, HIGH].")
+    judge_max_tokens: int = Field(256, ge=1, description="kind: judge: tokens of the judge's reply.")
     name: str | None = Field(None, description="The served reward model's name (the `model` field); default: the "
                              "service's first reward model.")
     score: Literal["probability", "logit"] = Field(
@@ -296,6 +305,13 @@ class RewardModelConfig(Section):
     def _one_model(self) -> RewardModelConfig:
         if self.path and self.url:
             raise ValueError("reward.model: give path (in process) or url (remote), not both")
+        if self.kind == "judge" and not self.url:
+            raise ValueError("reward.model.kind=judge needs reward.model.url: a chat model behind an "
+                             "OpenAI-compatible URL (e.g. http://127.0.0.1:8000, with reward.model.name)")
+        if self.rubric is not None and not Path(self.rubric).expanduser().is_file():
+            raise ValueError(f"reward.model.rubric: {self.rubric} is not a file")
+        if not self.scale[0] < self.scale[1]:
+            raise ValueError(f"reward.model.scale: {self.scale} must be [LOW, HIGH] with LOW < HIGH")
         return self
 
 

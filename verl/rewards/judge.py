@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from verl.errors import ConfigError
 
 POINTWISE_RUBRIC = """You are an impartial judge. Rate the quality of one answer to a question: is it correct,
@@ -174,3 +176,23 @@ class PointwiseRubric:
 
 def _fmt(value: float) -> str:
     return f"{value:g}"
+
+
+class RemoteJudge:
+    """A chat judge as a reward (``reward.model.kind: judge``): each (question, answer) judged pointwise by
+    ``rubric``, ``concurrency`` calls in flight, each retried ``max_retries`` times; NaN where no score came back
+    (the trainer masks and counts it, never a 0). ``score`` returns the scores and how many were missing."""
+
+    def __init__(self, url: str, model: str | None, rubric: PointwiseRubric, api_key: str | None = None,
+                 timeout_s: float = 60.0, max_retries: int = 2, concurrency: int = 4):
+        self.client = JudgeClient(Endpoint.parse(url if model is None else f"{url}#{model}", "reward.model.url"),
+                                  api_key, timeout_s, max_retries, concurrency)
+        self.rubric = rubric
+
+    def score(self, questions: list[str], answers: list[str]) -> tuple[np.ndarray, int]:
+        values = np.asarray(self.client.map(lambda qa: self.rubric.ask(self.client, *qa),
+                                            list(zip(questions, answers, strict=True))), dtype=np.float64)
+        return values, int(np.isnan(values).sum())
+
+    def close(self) -> None:
+        self.client.close()

@@ -318,7 +318,8 @@ class PPOTrainer:
             scores = scores.clone()
             scores[torch.isnan(baselines)] = float("nan")
         cfg = self.config
-        source = f"reward model {cfg.reward.model.url or cfg.reward.model.path}"
+        model = cfg.reward.model
+        source = f"{'judge' if model.kind == 'judge' else 'reward model'} {model.url or model.path}"
         scores, batch.batch["response_mask"], dropped = mask_missing_rewards(
             scores, batch.batch["response_mask"], batch.non_tensor["uid"],
             estimator_facts(cfg.algorithm.adv_estimator).needs_groups, cfg.reward.model.max_failed_share, source)

@@ -27,6 +27,7 @@ from verl.errors import ConfigError, ModelError, VerlError
 from verl.models.loader import resolve_model_path
 from verl.models.sequence_scores import sequence_scores
 from verl.protocol import DataProto
+from verl.rewards.judge import PointwiseRubric, RemoteJudge, load_rubric
 from verl.rewards.registry import get_reward_fn, load_custom_reward, reward_for_data_source
 from verl.rewards.remote import RemoteRewardModel
 from verl.utils import log
@@ -73,6 +74,7 @@ class RewardManager:
         self.fn: Callable[..., Any] | None = None
         self.model = None
         self.remote: RemoteRewardModel | None = None
+        self.judge: RemoteJudge | None = None
         rm = self.config.model
         if rm.path:
             self._load_reward_model(rm.path, device)
@@ -80,10 +82,16 @@ class RewardManager:
             key = os.environ.get(rm.api_key_env) if rm.api_key_env else None
             if rm.api_key_env and not key:
                 raise ConfigError(f"reward.model.api_key_env={rm.api_key_env}: that environment variable is not set")
-            self.remote = RemoteRewardModel(rm.url, rm.name, rm.score, batch_size=rm.micro_batch_size,
-                                            max_concurrency=rm.max_concurrency, timeout_s=rm.timeout_s,
-                                            max_retries=rm.max_retries, backoff_s=rm.backoff_s,
-                                            rate_limit=rm.rate_limit, api_key=key)
+            if rm.kind == "judge":
+                rubric = PointwiseRubric(load_rubric(rm.rubric, "pointwise", "reward.model"), *rm.scale,
+                                         rm.judge_max_tokens)
+                self.judge = RemoteJudge(rm.url, rm.name, rubric, key, rm.timeout_s, rm.max_retries,
+                                         rm.max_concurrency)
+            else:
+                self.remote = RemoteRewardModel(rm.url, rm.name, rm.score, batch_size=rm.micro_batch_size,
+                                                max_concurrency=rm.max_concurrency, timeout_s=rm.timeout_s,
+                                                max_retries=rm.max_retries, backoff_s=rm.backoff_s,
+                                                rate_limit=rm.rate_limit, api_key=key)
         elif self.config.custom_reward.path:
             self.fn = load_custom_reward(self.config.custom_reward.path, self.config.custom_reward.name)
         elif self.config.name != "auto":
@@ -106,7 +114,7 @@ class RewardManager:
     def compute(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, np.ndarray], list[str]]:
         """Return ``(token_level_scores (batch, response_len), extras {name: (batch,)}, response texts)``."""
         texts = decode_responses(self.tokenizer, batch)
-        if self.model is not None or self.remote is not None:
+        if self.model is not None or self.remote is not None or self.judge is not None:
             scores, extras = self._score_with_reward_model(batch, texts)
         else:
             scores, extras = self._score_with_rules(batch, texts)
@@ -117,7 +125,14 @@ class RewardManager:
         """The reward model's score (weighted, plus the weighted rule where rows have answers); NaN where missing."""
         rm = self.config.model
         full = [f"{p}{r}" for p, r in zip(batch.non_tensor["raw_prompt"], texts, strict=True)]
-        if self.remote is not None:
+        if self.judge is not None:  # the question as text (no template tokens), the answer between its markers
+            prompts = [str(p) for p in batch.non_tensor["raw_prompt"]]
+            questions = self.tokenizer.batch_decode(self.tokenizer(prompts, add_special_tokens=False)["input_ids"],
+                                                    skip_special_tokens=True)
+            values, missing = self.judge.score([q.strip() for q in questions], texts)
+            log.info("reward", judged=len(texts), missing=missing)
+            rm_scores = torch.from_numpy(values).float()
+        elif self.remote is not None:
             values, stats = self.remote.score(full)
             log.info("reward", requests=stats.requests, retries=stats.retries, failed_batches=stats.failed_batches,
                      **({"failure": "; ".join(stats.reasons)} if stats.reasons else {}))
