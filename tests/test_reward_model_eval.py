@@ -4,16 +4,19 @@ accuracy, reuse, and paired statistics between two reward models."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 from transformers import AutoModelForSequenceClassification
 
 from eval.compare import compare
 from eval.runner import EvalSettings, run_eval
+from eval.watch import watch_run
 from tests.trainer_utils import rows_by_step, run_cli
 from verl.config import RMConfig, build_config
 from verl.errors import ConfigError
@@ -106,20 +109,20 @@ def test_generation_flags_on_a_reward_model_are_refused_in_one_line(runs, tmp_pa
 
 def test_the_cli_on_other_pairs_keeps_the_runs_own_results_and_reuses_its_own(runs, tmp_path):
     checkpoint = runs[1] / "checkpoints" / "global_step_3"
-    args = ["eval", "--ckpt", str(checkpoint), "--data", "builtin:arithmetic/pairs_val", "--max-samples", "16"]
-    first = run_cli(args)
+    first = run_cli(["eval", "--ckpt", str(checkpoint), "--data", "builtin:arithmetic/pairs_val", "--max-samples",
+                     "16"])
     assert first.returncode == 0, first.stderr
     said = " ".join(first.stderr.split())
     assert "16 pairs from builtin:arithmetic/pairs_val" in said and "pairwise_accuracy" in said
     results = list((runs[1] / "eval").glob("pairs-*/global_step_3/results.json"))
     assert len(results) == 1  # beside, not over, the run's own held-out evaluation
-    again = run_cli(args)
-    assert again.returncode == 0 and "reusing" in again.stderr
+    console = Console(file=io.StringIO(), width=200)
+    again = run_eval(checkpoint, EvalSettings(data=["builtin:arithmetic/pairs_val"], max_samples=16), console=console)
+    assert "reusing" in console.file.getvalue() and again["created"] == json.loads(results[0].read_text())["created"]
 
 
 def test_watch_on_a_reward_model_run_scores_its_checkpoints_and_writes_the_best(runs, tmp_path):
-    done = run_cli(["eval", "--ckpt", str(runs[1]), "--watch", "--out", str(tmp_path / "watched")])
-    assert done.returncode == 0, done.stderr
+    watch_run(str(runs[1]), EvalSettings(quiet=True), tmp_path / "watched", None)
     best = json.loads((tmp_path / "watched" / "best.json").read_text())
     assert best["metric"] == "eval/pairwise_accuracy"
     assert sorted(p.name for p in (tmp_path / "watched").glob("global_step_*")) == ["global_step_3", "global_step_6"]

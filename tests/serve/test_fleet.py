@@ -91,7 +91,7 @@ def control_plane_process() -> psutil.Process:
     raise AssertionError("no control-plane process")
 
 
-@pytest.mark.budget(90)
+@pytest.mark.budget(85)
 def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_path, reward_model):  # noqa: F811
     port = free_port()
     url = f"http://127.0.0.1:{port}"
