@@ -31,13 +31,18 @@ import collections
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from serve import __version__
+from serve.promote import ADMIN_KEY_ENV
+from verl.errors import ConfigError, VerlError
 from verl.rewards import get_reward_fn
 from verl.utils.fs import atomic_path
 
@@ -335,3 +340,40 @@ class OnlineRecords:
     def snapshot(self, since: float | None = None) -> list[dict]:
         rows = list(self.rows)
         return rows if since is None else [r for r in rows if r["time"] >= since]
+
+
+def load_records(source: str, admin_key: str | None = None) -> list[dict]:
+    """Rows from ``source``: a service URL (its ``/admin/records``) or a JSONL file the service appended to."""
+    if source.startswith(("http://", "https://")):
+        key = admin_key or os.environ.get(ADMIN_KEY_ENV)
+        if not key:
+            raise ConfigError(f"reading records from {source} needs the admin key: --admin-key or {ADMIN_KEY_ENV}")
+        try:
+            response = httpx.get(source.rstrip("/") + "/admin/records", timeout=60,
+                                 headers={"Authorization": f"Bearer {key}"})
+        except httpx.HTTPError as exc:
+            raise VerlError(f"cannot reach {source}: {exc}") from None
+        if response.status_code != 200:
+            raise VerlError(f"{source}/admin/records answered {response.status_code}: {response.text[:200]} (the "
+                            "service needs admin_api_key set, and the same key here)")
+        return response.json()["records"]
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"{source}: neither a service URL (http://...) nor a records file")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise ConfigError(f"{path}, line {number}: not JSON (a records file has one JSON object per line)") \
+                from None
+        if isinstance(row, dict) and row.get("kind") == "reward" and "id" in row and "reward" in row:
+            rows.append(row)
+            continue
+        if not isinstance(row, dict) or "model" not in row or "e2e_s" not in row:
+            raise ConfigError(f"{path}, line {number}: not a service record (needs 'model' and 'e2e_s', or a reward "
+                              "row: kind 'reward' with 'id' and 'reward')")
+        rows.append(row)
+    return rows
