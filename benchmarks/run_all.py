@@ -61,6 +61,7 @@ BENCHES: dict[str, list[str]] = {
     "time-to-target": [PY, "benchmarks/time_to_target.py", "--seeds", "1", "2", "3"],
     "rm-smollm2": [PY, "benchmarks/rm_smollm2.py", "--seeds", "1", "2", "3"],
     "canary-matrix": [PY, "benchmarks/canary_matrix.py", "--sims", "2000", "--workers", "2"],
+    "from-records": [PY, "benchmarks/from_records.py", "--records", "100000", "--repeats", "3"],
 }
 
 

@@ -230,6 +230,47 @@ def data_pairs(
     run_guarded(_run)
 
 
+@data_app.command("from-records")
+def data_from_records(
+    records: Annotated[list[str], typer.Argument(help="Records files (a service's records_path) or service URLs "
+                                                      "(their /admin/records; a fleet's holds every replica's).")],
+    out: Annotated[Path, typer.Option("--out", help="Output directory: train/val.parquet, pairs/, summary.json.")
+                   ] = Path("data/from-records"),
+    route: Annotated[list[str] | None, typer.Option("--route", help="Only requests to this route (repeatable).")
+                     ] = None,
+    model: Annotated[list[str] | None, typer.Option("--model", help="Only answers of this model (repeatable).")
+                     ] = None,
+    since: Annotated[float | None, typer.Option("--since", help="Only records after this Unix time.")] = None,
+    until: Annotated[float | None, typer.Option("--until", help="Only records before this Unix time.")] = None,
+    reward_source: Annotated[str | None, typer.Option("--reward-source", help="The rewards exported: rule, "
+                                                      "feedback, rm:NAME or judge:NAME (needed when the records "
+                                                      "hold several; sources are never mixed).")] = None,
+    min_rewards: Annotated[int, typer.Option("--min-rewards", help="Prompts with fewer rewarded answers are "
+                                             "dropped (0: keep prompts without any).")] = 1,
+    near_dup: Annotated[float, typer.Option("--near-dup", help="Jaccard similarity (character 5-grams) at which a "
+                                            "prompt is a near duplicate of an earlier one; 1 turns it off.")] = 0.8,
+    val_fraction: Annotated[float, typer.Option("--val-fraction", help="Share of user groups held out (no user "
+                                                "in both files).")] = 0.1,
+    seed: int = 0,
+    admin_key: Annotated[str | None, typer.Option("--admin-key", help="A service URL's admin_api_key (default: "
+                                                  "$VERL_SERVE_ADMIN_API_KEY).")] = None,
+) -> None:
+    """A service's online records into training data: prompts with their rewards and lineage, preference pairs for
+    `verl rm`, deduplicated and split by user; records marked not-for-training are never exported."""
+
+    def _run():
+        from serve.from_records import RecordFilters, export_records, summary_line
+
+        filters = RecordFilters(routes=route or None, models=model or None, since=since, until=until,
+                                reward_source=reward_source, min_rewards=min_rewards)
+        summary = export_records(records, out, filters, val_fraction=val_fraction, near_dup_threshold=near_dup,
+                                 seed=seed, admin_key=admin_key)
+        err.print(summary_line(summary), highlight=False, soft_wrap=True)
+        err.print(f"-> {out} (summary.json says which records went where and why)", highlight=False)
+
+    run_guarded(_run)
+
+
 @data_app.command("gsm8k")
 def data_gsm8k(
     src: Annotated[Path, typer.Option("--src", help="Directory with GSM8K's train/test parquet (config 'main').")],

@@ -1,0 +1,144 @@
+"""`verl data from-records` (serve/from_records.py): a service's records into training files — what is never
+exported, late rewards joined by completion id with one source, duplicates and near duplicates, the split by user,
+preference pairs — on records written by hand (every count known) and on a real service's records."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+
+from serve.from_records import RecordFilters, export_records
+from tests.serve.helpers import run_server
+from tests.trainer_utils import run_cli
+from verl.data.dataset import RLHFDataset
+from verl.errors import ConfigError
+from verl.models.loader import load_tokenizer
+
+
+LONG = "Please add thirty and twelve, then write the result after >> as the answer, thanks."
+
+
+def request(i: int, question: str, answer: str, user: str, **fields) -> dict:
+    return {"kind": "request", "id": f"cmpl-{i}", "index": 0, "time": 1000.0 + i, "model": fields.pop("model", "a"),
+            "route": fields.pop("route", "default"), "e2e_s": 0.1, "error": None, "finish_reason": "stop",
+            "user": user, "prompt": [{"role": "user", "content": question}], "answer": answer, "run": "grpo-a",
+            "step": 5, "weights": "abc", "reward": None, **fields}
+
+
+def feedback(i: int, score: float, source: str = "feedback") -> dict:
+    return {"kind": "reward", "id": f"cmpl-{i}", "index": 0, "time": 2000.0 + i, "reward": score,
+            "reward_source": source, "model": "a"}
+
+
+def records_file(tmp_path, rows: list[dict]):
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def read(path) -> list[dict]:
+    return pq.read_table(path).to_pylist() if path.is_file() else []
+
+
+def test_what_is_never_exported_and_how_answers_pool_into_prompts_and_pairs(tmp_path):
+    rows = [
+        request(0, "What is 12+7?", ">> 19", "u1"), feedback(0, 1.0),
+        request(1, "what is  12+7?", ">> 18", "u1"), feedback(1, 0.0),  # the same prompt (case, spaces): pooled
+        request(2, "What is 3*4?", ">> 12", "u2", not_for_training=True), feedback(2, 1.0),  # never exported
+        request(3, "What is 5-2?", ">> 3", "u3", error="engine died"),
+        request(4, "What is 6+6?", ">> 12", "u4", finish_reason="abort"),
+        {**request(5, "What is 9+1?", ">> 10", "u5"), "prompt": None, "answer": None}, feedback(5, 1.0),  # no texts
+        request(6, "What is 8+8?", ">> 16", "u6", route="other"), feedback(6, 1.0),
+        request(7, "What is 21+21?", ">> 42", "u7"),  # no reward: dropped with --min-rewards 1
+        request(8, LONG, ">> 42", "u8"), feedback(8, 0.5),
+        request(9, LONG.replace("thanks", "thank you"), ">> 41", "u9"), feedback(9, 0.0),  # a near duplicate of 8
+    ]
+    summary = export_records([str(records_file(tmp_path, rows))], tmp_path / "out",
+                             RecordFilters(routes=["default"]), val_fraction=0.0)
+    c = summary["counts"]
+    assert (c["requests"], c["not_for_training"], c["failed"], c["no_text"], c["filtered_route"]) == (10, 1, 2, 1, 1)
+    assert (c["prompts"], c["exact_duplicates"], c["too_few_rewards"], c["near_duplicates"]) == (4, 1, 1, 1)
+    train = read(tmp_path / "out" / "train.parquet")
+    assert [r["prompt"][0]["content"] for r in train] == ["What is 12+7?", LONG]
+    pooled = train[0]["extra_info"]
+    assert sorted(pooled["rewards"]) == [0.0, 1.0] and pooled["completion_ids"] == ["cmpl-0", "cmpl-1"]
+    assert pooled["reward_source"] == "feedback" and pooled["models"] == ["a"]
+    assert json.loads(pooled["lineage"]) == {"run": "grpo-a", "step": 5, "weights": "abc"}
+    exported = json.dumps(train) + json.dumps(read(tmp_path / "out" / "pairs" / "train.parquet"))
+    assert "cmpl-2" not in exported and "3*4" not in exported  # not for training: nowhere
+    (pair,) = read(tmp_path / "out" / "pairs" / "train.parquet")
+    assert (pair["chosen"], pair["rejected"]) == (">> 19", ">> 18")
+    assert (pair["extra_info"]["chosen_score"], pair["extra_info"]["rejected_score"]) == (1.0, 0.0)
+    # The trainer reads the file as it is (no ground truth: for a reward model or a judge, not a rule).
+    dataset = RLHFDataset(str(tmp_path / "out" / "train.parquet"), load_tokenizer("builtin:tiny-arith"),
+                          {"max_prompt_length": 256}, require_ground_truth=False)
+    assert len(dataset) == 2 and "What is 12+7?" in dataset.rows[0]["__prompt_text__"]
+    saved = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert saved["counts"] == summary["counts"] and saved["time_window"] == [1000.0, 1009.0]
+
+
+def test_the_split_keeps_every_user_and_every_prompt_on_one_side(tmp_path):
+    # 60 prompts; users ask 3 prompts each and some prompts are asked by two users: those users go together.
+    rows, i = [], 0
+    for p in range(60):
+        askers = [f"u{p // 3}"] + ([f"u{(p // 3 + 7) % 20}"] if p % 5 == 0 else [])
+        for user in askers:
+            rows += [request(i, f"Question number {p} about {p * 7919 % 1000}?", f">> {p}", user),
+                     feedback(i, float(p % 2))]
+            i += 1
+    summary = export_records([str(records_file(tmp_path, rows))], tmp_path / "out", val_fraction=0.3, seed=3,
+                             near_dup_threshold=1.0)
+    train, val = read(tmp_path / "out" / "train.parquet"), read(tmp_path / "out" / "val.parquet")
+    assert len(train) + len(val) == 60 and train and val
+    users = {r["id"]: r["user"] for r in rows if r["kind"] == "request"}
+
+    def people(part):
+        return {users[c] for r in part for c in r["extra_info"]["completion_ids"]}
+
+    assert not people(train) & people(val)
+    assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in val}
+    assert summary["written"]["val.parquet"] == len(val)
+    kept = sum(len(r["extra_info"]["completion_ids"]) for r in train + val)
+    moved = summary["counts"]["answers_of_the_other_split"]
+    assert kept + moved == i and moved > 0  # shared prompts: the later asker on the other side is left out
+
+
+def test_sources_are_never_mixed_and_bad_input_is_one_line(tmp_path):
+    rows = [request(0, "What is 1+1?", ">> 2", "u1"), feedback(0, 1.0),
+            request(1, "What is 2+2?", ">> 4", "u2"), feedback(1, 0.9, "rm:judge")]
+    path = records_file(tmp_path, rows)
+    with pytest.raises(ConfigError, match=r"rewards from 2 sources \(feedback, rm:judge\).*--reward-source"):
+        export_records([str(path)], tmp_path / "out")
+    summary = export_records([str(path)], tmp_path / "out", RecordFilters(reward_source="rm:judge"))
+    assert summary["counts"]["too_few_rewards"] == 1 and summary["written"]["train.parquet"] + \
+        summary["written"]["val.parquet"] == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"kind": "request"}\n')
+    done = run_cli(["data", "from-records", str(bad), "--out", str(tmp_path / "o2")])
+    assert done.returncode == 1 and "line 1: not a service record" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.e2e
+def test_a_real_services_records_and_the_clients_not_for_training_flag(tmp_path):
+    records = tmp_path / "records.jsonl"
+    with run_server(record_texts=True, records_path=str(records)) as srv:
+        ids = {}
+        for k, question in enumerate(["What is 12+7?", "What is 3*4?", "What is 20-6?", "What is 9+9?"]):
+            body = {"messages": [{"role": "user", "content": question}], "max_tokens": 6, "temperature": 0,
+                    "user": f"user-{k}"}
+            if k == 1:
+                body["verl"] = {"not_for_training": True}
+            reply = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+            ids[question] = reply["id"]
+            httpx.post(srv.url + "/v1/feedback", json={"id": reply["id"], "thumbs": "up" if k % 2 else "down"},
+                       timeout=30)
+    done = run_cli(["data", "from-records", str(records), "--out", str(tmp_path / "out"), "--val-fraction", "0"])
+    assert done.returncode == 0, done.stderr
+    said = " ".join(done.stderr.split())
+    assert "4 requests -> 3 prompts" in said and "1 not for training" in said and "rewards: feedback" in said
+    train = read(tmp_path / "out" / "train.parquet")
+    exported = {c for r in train for c in r["extra_info"]["completion_ids"]}
+    assert exported == {ids[q] for q in ids if q != "What is 3*4?"}
