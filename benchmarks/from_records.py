@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 VERL = str(Path(sys.executable).parent / "verl")
-WORDS = ("add subtract multiply the numbers please then write result after answer quickly carefully show "
-         "your work briefly and explain each step of it for me").split()
+WORDS = ["add", "subtract", "multiply", "the", "numbers", "please", "then", "write", "result", "after", "answer",
+         "quickly", "carefully", "show", "your", "work", "briefly", "and", "explain", "each", "step", "of", "it", "for",
+         "me"]
 
 
 def write_records(path: Path, n: int, seed: int = 0) -> None:

@@ -5,7 +5,8 @@ of every replica). Only request rows that carry their texts (the service's ``rec
 data. The steps, each counted in ``summary.json`` with the reason a row went where it went:
 
 1. **never for training**: rows the client or the service marked ``not_for_training``; then failed requests
-   (an error, or aborted), rows without texts, and rows the filters leave out (route, model, time window);
+   (an error, or aborted), rows without texts, prompts of the other kind (chat messages by default, or completion
+   prompts: one file holds one kind), and rows the filters leave out (route, model, time window);
 2. **rewards**: late reward rows (feedback, a reward model, a judge) are joined to their requests by completion id,
    one ``reward_source`` only (``serve.records.join_rewards``: sources are never mixed); prompts left with fewer
    than ``min_rewards`` rewarded answers (after step 4) are dropped;
@@ -43,6 +44,9 @@ from verl.utils.fs import atomic_dir, atomic_write_json
 DATA_SOURCE = "records"
 SHINGLE = 5  # characters per shingle for near-duplicate detection (prompts are short: words would be too coarse)
 NUM_PERM = 64  # MinHash permutations: Jaccard estimated to about ±0.06 at 0.8
+# Why a record did not become training data, in the order the steps apply (summary.json counts each).
+DROP_REASONS = ("not_for_training", "failed", "no_text", "other_prompt_kind", "filtered_route", "filtered_model",
+                "filtered_time", "near_duplicates", "answers_of_the_other_split", "too_few_rewards")
 
 
 @dataclass
@@ -55,6 +59,8 @@ class RecordFilters:
     until: float | None = None
     reward_source: str | None = None
     min_rewards: int = 1
+    # One file holds one kind (the trainer templates chat messages, not a completion prompt): chat or completion.
+    prompts: str = "chat"
 
 
 @dataclass
@@ -77,9 +83,14 @@ class PromptGroup:
 
 def prompt_text(prompt: Any) -> str:
     """The words of a recorded prompt: chat messages' contents joined, or the completion prompt."""
-    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+    if is_chat(prompt):
         return "\n".join(str(m.get("content") or "") for m in prompt)
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def is_chat(prompt: Any) -> bool:
+    """Chat messages (``/v1/chat/completions``), not a completion prompt (``/v1/completions``)."""
+    return isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)
 
 
 def normalise(text: str) -> str:
@@ -93,6 +104,7 @@ def _keep(row: dict, filters: RecordFilters, counts: dict[str, int]) -> bool:
         ("not_for_training", bool(row.get("not_for_training"))),
         ("failed", row.get("error") is not None or row.get("finish_reason") == "abort"),
         ("no_text", row.get("prompt") is None or row.get("answer") is None),
+        ("other_prompt_kind", is_chat(row.get("prompt")) != (filters.prompts == "chat")),
         ("filtered_route", filters.routes is not None and row.get("route") not in filters.routes),
         ("filtered_model", filters.models is not None and row.get("model") not in filters.models),
         ("filtered_time", (filters.since is not None and float(row.get("time") or 0) < filters.since)
@@ -173,18 +185,10 @@ def split_by_user(groups: list[PromptGroup], val_fraction: float, seed: int) -> 
 def stored_prompt(prompt: Any) -> Any:
     """A prompt as the trainer reads it: chat messages as ``{role, content}`` (content as text), or the completion
     prompt's text."""
-    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+    if is_chat(prompt):
         return [{"role": str(m.get("role") or "user"), "content": m.get("content") if isinstance(m.get("content"), str)
                  else json.dumps(m.get("content") or "")} for m in prompt]
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
-
-
-def check_one_prompt_kind(groups: list[PromptGroup]) -> None:
-    """One file holds chat prompts or completion prompts, not both (the trainer templates one and not the other)."""
-    kinds = {isinstance(stored_prompt(g.prompt), str) for g in groups}
-    if len(kinds) > 1:
-        raise ConfigError("the records mix chat prompts (/v1/chat/completions) and completion prompts "
-                          "(/v1/completions); export them apart with --route or --model")
 
 
 def training_rows(groups: list[PromptGroup], source: str | None) -> list[dict]:
@@ -233,6 +237,8 @@ def export_records(sources: list[str], out: str | Path, filters: RecordFilters |
     filters = filters or RecordFilters()
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"--val-fraction {val_fraction} must lie in [0, 1)")
+    if filters.prompts not in ("chat", "completion"):
+        raise ConfigError(f"--prompts {filters.prompts!r} must be chat or completion")
     if filters.min_rewards < 0:
         raise ConfigError(f"--min-rewards {filters.min_rewards} must be >= 0")
     rows = [row for source in sources for row in load_records(source, admin_key)]
@@ -247,7 +253,6 @@ def export_records(sources: list[str], out: str | Path, filters: RecordFilters |
     near = near_duplicates(groups, near_dup_threshold)
     counts["near_duplicates"] = len(near)
     groups = [g for g in groups if g.key not in near]
-    check_one_prompt_kind(groups)
     train, val, counts["answers_of_the_other_split"] = split_by_user(groups, val_fraction, seed)
     if filters.min_rewards:
         counts["too_few_rewards"] = sum(len(g.rewarded) < filters.min_rewards for g in train + val)
@@ -278,11 +283,7 @@ def export_records(sources: list[str], out: str | Path, filters: RecordFilters |
 def summary_line(summary: dict) -> str:
     """One line saying which records went where (the command's output)."""
     c, w = summary["counts"], summary["written"]
-    dropped = ", ".join(f"{c[k]} {k.replace('_', ' ')}" for k in ("not_for_training", "failed", "no_text",
-                                                                   "filtered_route", "filtered_model",
-                                                                   "filtered_time", "near_duplicates",
-                                                                   "answers_of_the_other_split",
-                                                                   "too_few_rewards") if c.get(k))
+    dropped = ", ".join(f"{c[k]} {k.replace('_', ' ')}" for k in DROP_REASONS if c.get(k))
     return (f"{c['requests']} requests -> {c['prompts']} prompts ({c.get('exact_duplicates', 0)} exact duplicates "
             f"pooled); dropped: {dropped or 'none'}; wrote {w['train.parquet']} train / {w['val.parquet']} val "
             f"prompts, {w['pairs/train.parquet']} / {w['pairs/val.parquet']} pairs; rewards: "

@@ -247,6 +247,8 @@ def data_from_records(
                                                       "hold several; sources are never mixed).")] = None,
     min_rewards: Annotated[int, typer.Option("--min-rewards", help="Prompts with fewer rewarded answers are "
                                              "dropped (0: keep prompts without any).")] = 1,
+    prompts: Annotated[str, typer.Option("--prompts", help="Which prompts: chat (messages, the default) or "
+                                         "completion (/v1/completions texts); one file holds one kind.")] = "chat",
     near_dup: Annotated[float, typer.Option("--near-dup", help="Jaccard similarity (character 5-grams) at which a "
                                             "prompt is a near duplicate of an earlier one; 1 turns it off.")] = 0.8,
     val_fraction: Annotated[float, typer.Option("--val-fraction", help="Share of user groups held out (no user "
@@ -262,7 +264,7 @@ def data_from_records(
         from serve.from_records import RecordFilters, export_records, summary_line
 
         filters = RecordFilters(routes=route or None, models=model or None, since=since, until=until,
-                                reward_source=reward_source, min_rewards=min_rewards)
+                                reward_source=reward_source, min_rewards=min_rewards, prompts=prompts)
         summary = export_records(records, out, filters, val_fraction=val_fraction, near_dup_threshold=near_dup,
                                  seed=seed, admin_key=admin_key)
         err.print(summary_line(summary), highlight=False, soft_wrap=True)

@@ -13,7 +13,8 @@ One scenario, in order, under a steady stream of completions:
 4. SIGKILL the control-plane actor: the routes in force stay in force, and the restarted actor resumes from its
    state file (the next change gets the next version, not version 2);
 5. one record log and one metrics page for the fleet; users' feedback accepted on any replica for any replica's
-   answer, once per answer and source.
+   answer, once per answer and source; a request the client marked not-for-training never reaches the training
+   files `verl data from-records` makes of the merged log.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
               {"name": "judge", "path": str(reward_model[0]), "kind": "reward"}]
     env = {**os.environ, "VERL_SERVE_ADMIN_API_KEY": "fleet-admin", "VERL_SERVE_STATE_PATH": str(tmp_path / "s.json"),
            "VERL_SERVE_RECORDS_PATH": str(records_path), "VERL_SERVE_MODELS": json.dumps(models),
+           "VERL_SERVE_RECORD_TEXTS": "true",
            "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", "--replicas", "2", "--port", str(port)],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -191,6 +193,20 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
         with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as client:
             late = [r for r in client.get("/admin/records").json()["records"] if r["kind"] == "reward"]
         assert sorted(r["id"] for r in late) == sorted(targets) and {r["reward_source"] for r in late} == {"feedback"}
+
+        # 5c. The fleet's merged records into training data: a chat the client marked not-for-training, answered by
+        # whichever replica, never reaches a training file; the other one does.
+        chats = {}
+        for secret, question in ((False, "What is 4+4?"), (True, "What is 5+5?")):
+            body = {"messages": [{"role": "user", "content": question}], "max_tokens": 4,
+                    **({"verl": {"not_for_training": True}} if secret else {})}
+            chats[secret] = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["id"]
+        time.sleep(1.0)  # the replicas' outboxes reach the control plane's file
+        exported = verl("data", "from-records", str(records_path), "--out", str(tmp_path / "traffic"),
+                        "--min-rewards", "0", "--val-fraction", "0")
+        assert exported.returncode == 0, exported.stderr
+        written = (tmp_path / "traffic" / "train.parquet").read_bytes()
+        assert chats[False].encode() in written and chats[True].encode() not in written and b"5+5" not in written
 
         # 6. One metrics page for the fleet: every live replica's series, labelled replica (name = pid-suffix).
         page = httpx.get(url + "/metrics", timeout=30).text

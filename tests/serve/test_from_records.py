@@ -17,7 +17,6 @@ from verl.data.dataset import RLHFDataset
 from verl.errors import ConfigError
 from verl.models.loader import load_tokenizer
 
-
 LONG = "Please add thirty and twelve, then write the result after >> as the answer, thanks."
 
 
@@ -142,3 +141,15 @@ def test_a_real_services_records_and_the_clients_not_for_training_flag(tmp_path)
     train = read(tmp_path / "out" / "train.parquet")
     exported = {c for r in train for c in r["extra_info"]["completion_ids"]}
     assert exported == {ids[q] for q in ids if q != "What is 3*4?"}
+
+
+def test_one_file_holds_one_kind_of_prompt(tmp_path):
+    rows = [request(0, "What is 1+1?", ">> 2", "u1"), feedback(0, 1.0),
+            {**request(1, "", ">> 4", "u2"), "prompt": "2+2="}, feedback(1, 0.0)]
+    path = records_file(tmp_path, rows)
+    chat = export_records([str(path)], tmp_path / "chat", val_fraction=0.0)
+    completion = export_records([str(path)], tmp_path / "completion", RecordFilters(prompts="completion"),
+                                val_fraction=0.0)
+    assert chat["counts"]["other_prompt_kind"] == completion["counts"]["other_prompt_kind"] == 1
+    assert read(tmp_path / "completion" / "train.parquet")[0]["prompt"] == "2+2="
+    assert read(tmp_path / "chat" / "train.parquet")[0]["prompt"] == [{"role": "user", "content": "What is 1+1?"}]
