@@ -60,6 +60,8 @@ def eval_command(
     force: Annotated[bool, typer.Option("--force", help="Recompute even when results for the same weights and "
                                                         "settings exist.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary lines.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Refuse when evaluation prompts overlap the run's "
+                                         "training data (exactly or by a 13-gram) instead of reporting it.")] = False,
     executor: Annotated[str, typer.Option("--executor", help="A run dir's checkpoints: local (one after "
                                           "another) or ray (spread over --workers Ray workers).")] = "local",
     workers: Annotated[int, typer.Option("--workers", help="With --executor ray: how many workers (one CPU "
@@ -87,7 +89,8 @@ def eval_command(
                                 tools=[t.strip() for t in tools.split(",") if t.strip()] if tools else None,
                                 tool_config=tool_config, max_turns=max_turns,
                                 engine=engine, device=device, num_threads=threads, n_bootstrap=bootstrap,
-                                select=select, force=force, quiet=quiet, executor=executor, workers=workers)
+                                select=select, force=force, quiet=quiet, executor=executor, workers=workers,
+                                strict=strict)
         if watch:
             from eval.watch import watch_run
 

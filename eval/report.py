@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eval import plots
+from eval.contamination import line as contamination_line
 from verl.utils.fs import atomic_write_text
 from verl.utils.log import read_jsonl
 
@@ -179,6 +180,13 @@ def write_checkpoint_report(out_dir: Path, results: dict, samples: list[dict]) -
           + (f"; reference `{results['reference']}`" if results.get("reference") else "") + ".")
     doc.h("Metrics")
     metrics_table(doc, results["metrics"])
+    contamination = results.get("contamination")
+    if contamination:
+        doc.p(contamination_line(contamination))
+        if contamination["overlapping"]:
+            doc.table(["metric", "all prompts", "clean prompts", "n clean"],
+                      [[name, fmt(results["metrics"][name].get("value")), fmt(c["value"]), c["n"]]
+                       for name, c in contamination["clean"].items() if name in results["metrics"]])
     doc.p("SE: standard error — `mean`: s/√n; `cluster`: clustered by prompt (n > 1 samples per prompt); "
           "`bootstrap`: resampling prompts (CI = 2.5/97.5 percentiles); `jackknife`: delete-a-group over prompts "
           "(for distinct-n and entropy, which a bootstrap biases). Otherwise 95% CI = value ± 1.96·SE, clipped to "

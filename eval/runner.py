@@ -40,6 +40,7 @@ from pydantic import TypeAdapter, ValidationError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import verl.config as config_module
+from eval import contamination as contamination_check
 from eval.pairwise import evaluate_reward_model
 from eval.report import write_checkpoint_report, write_run_report
 from eval.results import (
@@ -120,6 +121,8 @@ class EvalSettings:
     max_turns: int | None = None
     force: bool = False
     quiet: bool = False
+    # Refuse to evaluate prompts that overlap the run's training data (eval/contamination.py) instead of reporting it.
+    strict: bool = False
     # Every checkpoint of a run: "local" (one after another) or "ray" (spread over ``workers`` Ray workers).
     executor: str = "local"
     workers: int = 1
@@ -458,6 +461,7 @@ class Evaluation:
         self.needs = set().union(*(set(getattr(e, "needs", {"generations"})) for e in self.evaluators))
         self._dataset = None
         self._reference = None
+        self._overlaps: tuple[list[str | None], dict] | None = None
         self.reward_manager = None
         reward_cfg = run_cfg.reward if run_cfg is not None else RewardConfig()
 
@@ -484,6 +488,19 @@ class Evaluation:
                 self.resolved.notes.append(f"the first {cap} of {len(self._dataset)} prompts: capped by "
                                            f"{self.resolved.max_samples_from}; --max-samples N changes it")
         return self._dataset
+
+    def _contamination(self) -> tuple[list[str | None], dict] | None:
+        """Per dataset row, its overlap with the run's training data, and the summary; None without a run (no
+        training data is known). Computed once per evaluation, for all its checkpoints."""
+        if self.run_cfg is None or not self.run_cfg.data.train_files:
+            return None
+        if self._overlaps is None:
+            count = min(len(self.dataset), self.resolved.max_samples or len(self.dataset))  # the prompts evaluated
+            kinds, info, _ = contamination_check.check(self.dataset.rows[:count], self.data_cfg.prompt_key,
+                                                       list(self.run_cfg.data.train_files),
+                                                       self.run_cfg.data.prompt_key, self.settings.strict)
+            self._overlaps = kinds, info
+        return self._overlaps
 
     def _multi_turn_config(self) -> config_module.MultiTurnConfig | None:
         turns = self.resolved.multi_turn
@@ -514,6 +531,7 @@ class Evaluation:
             if ensure_report(out_dir, cached):
                 self._say(f"{label}: rewrote the missing report/plots in {out_dir}")
             return cached
+        contamination = self._contamination()  # before any weights load: --strict refuses at once
         policy = load_policy(model_path, self.run_cfg, self.device, self.dtype)
         policy.requires_grad_(False)
         engine = self._build_engine(policy, model_path)
@@ -543,6 +561,12 @@ class Evaluation:
         timing["total_seconds"] = time.perf_counter() - t0
         results = self._assemble(model_path, label, step, run_dir, digest, batch, len(texts), metrics, notes, timing)
         samples = self._sample_rows(batch, texts, scores, columns)
+        if contamination is not None:
+            kinds, info = contamination
+            for row in samples:
+                row["contaminated"] = kinds[row["index"]]
+            results["contamination"] = {**info, "clean": contamination_check.clean_metrics(samples,
+                                                                                          results["metrics"])}
         write_results(out_dir, results, samples)
 
         write_checkpoint_report(out_dir, results, samples)

@@ -273,6 +273,37 @@ def data_from_records(
     run_guarded(_run)
 
 
+@data_app.command("decontaminate")
+def data_decontaminate(
+    train: Annotated[list[str], typer.Argument(help="Training parquet file(s) to clean.")],
+    against: Annotated[list[str], typer.Option("--against", help="Evaluation prompts (parquet or builtin:TASK/SPLIT) "
+                                               "that must not be in the training data; repeatable.")],
+    out: Annotated[Path, typer.Option("--out", help="The cleaned training file (parquet).")],
+    prompt_key: Annotated[str, typer.Option("--prompt-key", help="The prompt column on both sides.")] = "prompt",
+    ngram: Annotated[int, typer.Option("--ngram", help="Word n-gram length of an overlap (lm-evaluation-harness: "
+                                       "13).")] = 13,
+) -> None:
+    """Remove from training data every prompt that overlaps the evaluation prompts: equal after normalisation, or
+    sharing a word 13-gram (lm-evaluation-harness's decontamination)."""
+
+    def _run():
+        from verl.data.builtin import write_parquet
+        from verl.data.contamination import TrainingIndex, prompts_of, text_of
+        from verl.data.dataset import get_nested, read_rows
+
+        index = TrainingIndex.of(prompts_of(against, prompt_key, "--against"), ngram)
+        rows = read_rows(train, "TRAIN")
+        kinds = index.overlaps([text_of(get_nested(r, prompt_key)) for r in rows])
+        kept = [{k: v for k, v in r.items() if not k.startswith("__")} for r, kind in zip(rows, kinds, strict=True)
+                if kind is None]
+        exact = sum(k == "exact" for k in kinds)
+        err.print(f"{len(rows)} training rows: {len(rows) - len(kept)} overlap the {index.size} evaluation prompts "
+                  f"({exact} exactly, {len(rows) - len(kept) - exact} by a shared {ngram}-gram) and are removed; "
+                  f"{write_parquet(kept, out)}", highlight=False, soft_wrap=True)
+
+    run_guarded(_run)
+
+
 @data_app.command("gsm8k")
 def data_gsm8k(
     src: Annotated[Path, typer.Option("--src", help="Directory with GSM8K's train/test parquet (config 'main').")],

@@ -1,0 +1,52 @@
+"""The contamination check of ``verl eval`` (DESIGN §14): the evaluation prompts against the run's training data
+(``verl.data.contamination``: exact after normalisation, or a shared word 13-gram), the count in ``results.json``
+and the report, every metric recomputed on the clean prompts beside the whole, and ``--strict`` refusing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from verl.data.contamination import TrainingIndex, prompts_of, summary, text_of
+from verl.data.dataset import get_nested
+from verl.errors import ConfigError
+
+
+def check(rows: list[dict], prompt_key: str, train_files: list[str], train_prompt_key: str, strict: bool,
+          index: TrainingIndex | None = None) -> tuple[list[str | None], dict, TrainingIndex]:
+    """Per evaluation row: how it overlaps the training data (or None); the summary; the index (reusable)."""
+    index = index or TrainingIndex.of(prompts_of(train_files, train_prompt_key))
+    kinds = index.overlaps([text_of(get_nested(row, prompt_key)) for row in rows])
+    info = summary(kinds, train_files, index.n)
+    if strict and info["overlapping"]:
+        raise ConfigError(f"--strict: {info['overlapping']} of {info['checked']} evaluation prompts overlap the run's "
+                          f"training data ({info['exact']} exactly, {info['ngram']} by a shared {index.n}-gram; "
+                          f"{', '.join(train_files)}); remove them from the training data with `verl data "
+                          "decontaminate`, or evaluate on other prompts")
+    return kinds, info, index
+
+
+def clean_metrics(samples: list[dict], metrics: dict[str, dict]) -> dict[str, dict]:
+    """Each per-sample mean metric over the samples whose prompt is clean: ``{name: {value, n}}``."""
+    clean = [row for row in samples if not row.get("contaminated")]
+    out = {}
+    for name, meta in metrics.items():
+        if meta.get("aggregate", "mean") != "mean":
+            continue
+        column = meta.get("column") or name.split("/", 1)[-1]
+        values = [row[column] for row in clean if isinstance(row.get(column), (int, float))
+                  and not isinstance(row.get(column), bool)]
+        if values or not clean:
+            out[name] = {"value": float(np.mean(values)) if values else None, "n": len(values)}
+    return out
+
+
+def line(info: dict[str, Any]) -> str:
+    """The report's sentence."""
+    text = (f"Contamination: {info['overlapping']} of {info['checked']} prompts overlap the training data "
+            f"({info['exact']} exactly, {info['ngram']} by a shared {info['n']}-gram; checked against "
+            f"{', '.join(f'`{f}`' for f in info['against'])}).")
+    if info["overlapping"]:
+        text += " Every metric on the clean prompts alone, beside the whole:"
+    return text

@@ -1,0 +1,84 @@
+"""Contamination (DESIGN §14): evaluation prompts the training data holds too — lm-evaluation-harness's definition
+checked by hand, `verl eval` reporting the overlap and the clean-subset score on a deliberately contaminated run
+(and `--strict` refusing), and `verl data decontaminate` removing the overlaps."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eval.runner import EvalSettings, run_eval
+from tests.test_trainer import tiny_config
+from tests.trainer_utils import run_cli
+from verl.data.builtin import resolve_data_file
+from verl.data.contamination import TrainingIndex, normalise, text_of
+from verl.errors import ConfigError
+from verl.trainer.local import LocalPPOTrainer
+
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "seven", "tired", "cats",
+         "watch", "from", "a", "sunny", "wall"]
+
+
+def test_the_definition_by_hand():
+    assert normalise("Hello, World!\n  What's 2+2?") == ["hello", "world", "whats", "22"]
+    assert text_of([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]) == "Be brief.\nHi"
+    assert text_of('[{"role": "user", "content": "Hi"}]') == "Hi"
+    train = " ".join(WORDS[:14])  # 14 words: two 13-grams
+    index = TrainingIndex.of([train, "What is 12+7?"])
+    assert index.overlap("WHAT is 12 + 7?") is None  # "12 + 7" is three words, "12+7" one: not the same text
+    assert index.overlap("what is 12+7") == "exact"  # case and punctuation do not matter
+    shifted = " ".join(["so", *WORDS[1:14], "indeed"])  # shares the 13-gram WORDS[1:14]
+    assert index.overlap(shifted) == "13-gram"
+    twelve = " ".join(["so", *WORDS[2:14], "indeed"])  # only 12 words in common: clean
+    assert index.overlap(twelve) is None
+    assert TrainingIndex.of([train], n=8).overlap(" ".join(WORDS[5:13])) == "8-gram"
+
+
+@pytest.fixture(scope="module")
+def contaminated_run(tmp_path_factory):
+    """One training step on a file that holds the first 8 validation prompts beside 56 training ones."""
+    root = tmp_path_factory.mktemp("contaminated")
+    val = pq.read_table(resolve_data_file("builtin:arithmetic/val")).to_pylist()
+    train = pq.read_table(resolve_data_file("builtin:arithmetic/train")).to_pylist()
+    path = root / "train.parquet"
+    held_out = TrainingIndex.of([text_of(r["prompt"]) for r in val])
+    # (the built-in splits share prompts of their own: training rows that match a validation prompt are left out)
+    others = [r for r in train if held_out.overlap(text_of(r["prompt"])) is None][:56]
+    pq.write_table(pa.Table.from_pylist(val[:8] + others), path)
+    trainer = LocalPPOTrainer(tiny_config(root, data={"train_files": [str(path)], "val_max_samples": 16}),
+                              quiet=True)
+    trainer.fit()
+    return trainer.run_dir, path
+
+
+def test_eval_reports_the_overlap_and_the_clean_subset_and_strict_refuses(contaminated_run, tmp_path):
+    run_dir, _ = contaminated_run
+    checkpoint = sorted((run_dir / "checkpoints").glob("global_step_*"))[-1]
+    results = run_eval(checkpoint, EvalSettings(quiet=True), out=tmp_path / "eval")
+    info = results["contamination"]
+    assert (info["checked"], info["overlapping"], info["exact"], info["ngram"]) == (16, 8, 8, 0)
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert [row["contaminated"] for row in samples] == ["exact"] * 8 + [None] * 8
+    clean = [row["accuracy"] for row in samples[8:]]
+    assert info["clean"]["eval/accuracy"] == {"value": pytest.approx(sum(clean) / 8), "n": 8}
+    report = (tmp_path / "eval" / "report.md").read_text()
+    assert "Contamination: 8 of 16 prompts overlap the training data (8 exactly" in report
+    with pytest.raises(ConfigError, match=r"--strict: 8 of 16 evaluation prompts overlap .*verl data decontaminate"):
+        run_eval(checkpoint, EvalSettings(quiet=True, strict=True, force=True), out=tmp_path / "strict")
+    assert not (tmp_path / "strict" / "results.json").exists()
+
+
+def test_decontaminate_removes_the_overlapping_training_rows(contaminated_run, tmp_path):
+    _, path = contaminated_run
+    out = tmp_path / "clean.parquet"
+    done = run_cli(["data", "decontaminate", str(path), "--against", "builtin:arithmetic/val", "--out", str(out)])
+    assert done.returncode == 0, done.stderr
+    assert "64 training rows: 8 overlap" in " ".join(done.stderr.split())
+    kept = pq.read_table(out).to_pylist()
+    assert len(kept) == 56 and not any(k.startswith("__") for k in kept[0])
+    again = TrainingIndex.of([text_of(r["prompt"]) for r in kept])
+    val = pq.read_table(resolve_data_file("builtin:arithmetic/val")).to_pylist()
+    assert all(again.overlap(text_of(r["prompt"])) is None for r in val[:16])

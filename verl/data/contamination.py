@@ -1,0 +1,92 @@
+"""Contamination: evaluation prompts that the training data holds too (DESIGN §14).
+
+A prompt of an evaluation set is **contaminated** when the training data holds it (exact match after
+normalisation: lower case, punctuation dropped, runs of whitespace as one) or shares one word 13-gram with a
+training prompt — lm-evaluation-harness's definition (from GPT-3's Appendix C: any N-gram overlap; N = 13). Prompts
+shorter than N words can only match exactly. Chat prompts are their messages' contents, joined.
+
+``TrainingIndex`` holds the training side once (normalised texts and the hashes of their n-grams);
+``overlaps(texts)`` says, per evaluation prompt, ``"exact"``, ``"13-gram"`` or None. ``verl eval`` reports the count
+and scores the clean subset beside the whole (``--strict`` refuses); ``verl data decontaminate`` removes the
+overlapping rows from training data.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl.data.dataset import get_nested, read_rows
+
+NGRAM = 13  # lm-evaluation-harness's decontamination n
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def text_of(prompt: Any) -> str:
+    """A dataset prompt's words: a text, or chat messages' contents (also as a JSON string) joined by newlines."""
+    if isinstance(prompt, str) and prompt.lstrip().startswith("["):
+        try:
+            prompt = json.loads(prompt)
+        except ValueError:
+            return prompt
+    if isinstance(prompt, (list, tuple)):
+        return "\n".join(str(m.get("content") or "") if isinstance(m, dict) else str(m) for m in prompt)
+    return str(prompt)
+
+
+def normalise(text: str) -> list[str]:
+    """Lower case, punctuation dropped, split on whitespace."""
+    return text.lower().translate(_PUNCTUATION).split()
+
+
+def ngram_hashes(words: Sequence[str], n: int) -> set[int]:
+    """The (process-local) hashes of ``words``' n-grams: both sides are hashed in the same process."""
+    return {hash(" ".join(words[i:i + n])) for i in range(len(words) - n + 1)}
+
+
+@dataclass
+class TrainingIndex:
+    """The training prompts, normalised, and the hashes of their word n-grams."""
+
+    n: int = NGRAM
+    exact: set[str] = field(default_factory=set)
+    grams: set[int] = field(default_factory=set)
+    size: int = 0
+
+    @classmethod
+    def of(cls, texts: Iterable[str], n: int = NGRAM) -> TrainingIndex:
+        index = cls(n)
+        for text in texts:
+            words = normalise(text)
+            index.exact.add(" ".join(words))
+            index.grams |= ngram_hashes(words, n)
+            index.size += 1
+        return index
+
+    def overlap(self, text: str) -> str | None:
+        """``"exact"``, ``"13-gram"`` (any shared n-gram) or None for one evaluation prompt."""
+        words = normalise(text)
+        if " ".join(words) in self.exact:
+            return "exact"
+        if not self.grams.isdisjoint(ngram_hashes(words, self.n)):
+            return f"{self.n}-gram"
+        return None
+
+    def overlaps(self, texts: Sequence[str]) -> list[str | None]:
+        return [self.overlap(t) for t in texts]
+
+
+def prompts_of(files: Sequence[str], prompt_key: str = "prompt", config_key: str = "data.train_files") -> list[str]:
+    """Every prompt of ``files`` (parquet or builtin:TASK/SPLIT) as text."""
+    return [text_of(get_nested(row, prompt_key)) for row in read_rows(list(files), config_key)]
+
+
+def summary(kinds: Sequence[str | None], train_files: Sequence[str], n: int = NGRAM) -> dict:
+    """What ``verl eval`` records: how many evaluation prompts overlap, and how."""
+    return {"checked": len(kinds), "overlapping": sum(k is not None for k in kinds),
+            "exact": sum(k == "exact" for k in kinds), "ngram": sum(k is not None and k != "exact" for k in kinds),
+            "n": n, "against": list(train_files)}
+
