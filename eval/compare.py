@@ -182,6 +182,8 @@ def compare_pair(base: Entry, cand: Entry, alpha: float, n_boot: int, seed: int)
         raise VerlError(f"{base.name} and {cand.name} share no prompts (prompt ids differ); evaluate both on the "
                         "same --data")
     rows: dict[str, dict] = {}
+    # Prompts either side's training data holds (verl eval's contamination check): each metric again without them.
+    dirty = {r["prompt_id"] for r in base.samples + cand.samples if r.get("contaminated")}
     names = ordered_metrics(set(base.results["metrics"]) & set(cand.results["metrics"]))
     corpus_groups: dict[str, list[str]] = {}
     for name in names:
@@ -210,12 +212,16 @@ def compare_pair(base: Entry, cand: Entry, alpha: float, n_boot: int, seed: int)
             row["p_value"] = row["mcnemar"]["p_value"]
             row["test"] = f"McNemar ({row['mcnemar']['method']})"
         row["verdict"] = _verdict(row["diff"], row["p_value"], alpha, mb.get("higher_is_better"))
+        clean = [k for k, p in enumerate(ids) if p not in dirty]
+        if dirty and clean:
+            row["clean"] = {"baseline": float(a[clean].mean()), "candidate": float(b[clean].mean()),
+                            "diff": float(diff[clean].mean()), "n_prompts": len(clean)}
         rows[name] = row
     for spec, metric_names in corpus_groups.items():
         rows.update(_compare_corpus(spec, metric_names, base, cand, common, alpha, n_boot, seed))
     ordered = {name: rows[name] for name in ordered_metrics(rows)}
     return {"baseline": base.name, "candidate": cand.name, "num_prompts": len(common), "alpha": alpha,
-            "metrics": ordered}
+            "contaminated_prompts": len(dirty & set(common)), "metrics": ordered}
 
 
 def _row(name: str, meta: dict, mean_a: float, mean_b: float, test: dict, n: int, corr: float) -> dict:
@@ -449,6 +455,13 @@ def _write(out_dir: Path, report: dict, entries: list[Entry]) -> None:
                          f"[{fmt(row['ci_low'])}, {fmt(row['ci_high'])}]", fmt(row["p_value"], 3), test,
                          fmt(row["correlation"], 3), row["verdict"]])
         doc.table(["metric", "baseline", "candidate", "diff", "95% CI (paired)", "p", "test", "corr", "verdict"], rows)
+        if pair.get("contaminated_prompts"):
+            doc.p(f"Contamination: {pair['contaminated_prompts']} of the {pair['num_prompts']} shared prompts overlap "
+                  "a run's training data (verl eval's check). On the clean prompts alone:")
+            doc.table(["metric", "baseline", "candidate", "diff", "clean prompts"],
+                      [[r["metric"], fmt(r["clean"]["baseline"]), fmt(r["clean"]["candidate"]),
+                        fmt(r["clean"]["diff"]), r["clean"]["n_prompts"]]
+                       for r in pair["metrics"].values() if "clean" in r])
         forest = [(r["metric"][5:], r["diff"], r["ci_low"], r["ci_high"]) for r in pair["metrics"].values()
                   if r.get("higher_is_better") is True]
         name = _slug(pair["candidate"])

@@ -82,3 +82,37 @@ def test_decontaminate_removes_the_overlapping_training_rows(contaminated_run, t
     again = TrainingIndex.of([text_of(r["prompt"]) for r in kept])
     val = pq.read_table(resolve_data_file("builtin:arithmetic/val")).to_pylist()
     assert all(again.overlap(text_of(r["prompt"])) is None for r in val[:16])
+
+
+def test_ship_strict_refuses_gate_prompts_that_overlap_the_training_data(contaminated_run, tmp_path):
+    from eval.ship.run import ShipSettings, offline_gates
+
+    run_dir, _ = contaminated_run
+    checkpoint = sorted((run_dir / "checkpoints").glob("global_step_*"))[-1]
+    shipping = {"candidate": {"run": str(run_dir), "checkpoint": str(checkpoint), "step": 1},
+                "gates": {"gate_data": {"judged_by": ["builtin:arithmetic/val"]}},
+                "incumbent": {"kind": "model", "source": "builtin:tiny-arith"}}
+    (gate,) = offline_gates(ShipSettings(run=str(run_dir), service="http://unused", strict=True, max_samples=16),
+                            shipping, tmp_path)
+    assert gate.name == "contamination" and not gate.passed
+    assert gate.reason.startswith("--strict: 8 of 16 gate prompts overlap") and gate.evidence["exact"] == 8
+
+
+def test_compare_reports_the_clean_prompts_beside_the_whole(contaminated_run, tmp_path):
+    from eval.compare import compare
+
+    run_dir, _ = contaminated_run
+    checkpoint = sorted((run_dir / "checkpoints").glob("global_step_*"))[-1]
+    run_eval(checkpoint, EvalSettings(quiet=True), out=tmp_path / "a")
+    run_eval("builtin:tiny-arith", EvalSettings(quiet=True, data=["builtin:arithmetic/val"], max_samples=16),
+             out=tmp_path / "b")  # no run: nothing to check it against
+    report = compare([str(tmp_path / "b"), str(tmp_path / "a")], out=tmp_path / "cmp",
+                     settings=EvalSettings(quiet=True))
+    pair = report["comparisons"][0]
+    assert pair["num_prompts"] == 16 and pair["contaminated_prompts"] == 8
+    samples = {json.loads(line)["prompt_id"]: json.loads(line) for line in
+               (tmp_path / "a" / "samples.jsonl").read_text().splitlines()}
+    clean = [r["accuracy"] for r in samples.values() if not r["contaminated"]]
+    assert pair["metrics"]["eval/accuracy"]["clean"]["candidate"] == pytest.approx(sum(clean) / len(clean))
+    assert pair["metrics"]["eval/accuracy"]["clean"]["n_prompts"] == 8
+    assert "On the clean prompts alone" in (tmp_path / "cmp" / "report.md").read_text()

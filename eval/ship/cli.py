@@ -74,6 +74,9 @@ def ship_command(
                                                             "no shadow stage.")] = 0.0,
     shadow_requests: Annotated[int, typer.Option("--shadow-requests", help="Mirrored, rewarded answers the "
                                                                            "shadow stage needs.")] = 50,
+    strict: Annotated[bool, typer.Option("--strict", help="Offline gate: refuse when its prompts overlap the run's "
+                                         "training data (exactly or by a 13-gram) instead of reporting it.")
+                      ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, the alpha split and the canary's "
                                                             "power for the route's observed traffic; change "
                                                             "nothing.")] = False,
@@ -103,7 +106,8 @@ def ship_command(
                                 api_key=api_key, out=out, canary=canary, offline=offline, capacity=capacity,
                                 capacity_users=capacity_users, capacity_s=capacity_s, slo_p95_ms=slo_p95_ms,
                                 max_samples=max_samples, max_kl=max_kl, shadow_fraction=shadow,
-                                shadow_requests=shadow_requests, gate_data=gate_data, dry_run=dry_run)
+                                shadow_requests=shadow_requests, gate_data=gate_data, dry_run=dry_run,
+                                strict=strict)
         code, _ = ship(settings, say=lambda line: typer.echo(line, err=True))
         raise typer.Exit(code)
 

@@ -50,6 +50,7 @@ class ShipSettings:
     shadow_requests: int = 50
     gate_data: list[str] | None = None  # offline gate prompts (default: a split the checkpoint selection never saw)
     dry_run: bool = False
+    strict: bool = False  # the offline gate refuses prompts that overlap the run's training data
 
 
 class AuditLog:
@@ -169,6 +170,12 @@ def offline_gates(settings: ShipSettings, shipping: dict, out: Path) -> list[Gat
     # The candidate also gets its exact KL to its run's base model (a guardrail the incumbent need not share).
     with_kl = EvalSettings(data=data, max_samples=samples, evaluators=evaluators + ",kl", quiet=True)
     candidate = run_eval(shipping["candidate"]["checkpoint"], with_kl, out / "candidate")
+    overlap = candidate.get("contamination") or {}
+    if settings.strict and overlap.get("overlapping"):
+        return [Gate("contamination", False, f"--strict: {overlap['overlapping']} of {overlap['checked']} gate prompts "
+                     f"overlap the run's training data ({overlap['exact']} exactly, {overlap['ngram']} by a shared "
+                     f"{overlap['n']}-gram); pass --gate-data with clean prompts, or `verl data decontaminate` the "
+                     "training data", {k: v for k, v in overlap.items() if k != "clean"})]
     kl = (candidate["metrics"].get("eval/kl_exact") or {}).get("value")
     incumbent = shipping["incumbent"]
     source = incumbent["source"]
@@ -181,6 +188,8 @@ def offline_gates(settings: ShipSettings, shipping: dict, out: Path) -> list[Gat
     trend = training_trend(run, shipping["candidate"]["step"])
     quality = quality_gate(pair, settings.gate_metric, margin)
     quality.evidence["prompts"] = prompts
+    if overlap:  # the gate's prompts against the candidate's training data, in the gate's evidence
+        quality.evidence["contamination"] = {k: v for k, v in overlap.items() if k != "clean"}
     return [quality, guardrail_gate(pair, margin, kl, settings.max_kl),
             tripwire_gate(trend, pair, settings.gate_metric, margin)]
 
