@@ -37,9 +37,9 @@ from eval.results import (
     model_hash,
     parse_select,
     reusable_results,
-    select_best,
     versions,
     write_results,
+    write_run_summary,
 )
 from verl.config import RMConfig, build_config, load_yaml
 from verl.errors import CheckpointError, ConfigError
@@ -47,7 +47,6 @@ from verl.evaluators.stats import mean_metric
 from verl.models.loader import load_tokenizer, pick_device
 from verl.trainer.checkpoint import list_checkpoints
 from verl.trainer.rm import VALIDATION_METRIC, PairData, load_reward_model, score_pairs
-from verl.utils.fs import atomic_write_json
 from verl.utils.seeding import set_num_threads
 
 KIND = "reward_model"
@@ -229,20 +228,11 @@ def evaluate_reward_model(target: Any, settings: Any, out: str | Path | None, co
     out_dir = Path(out) if out is not None else evaluation.results_root(run_dir)
     per_checkpoint = [evaluation.evaluate(str(path), out_dir / path.name, path.name, step, run_dir)
                       for step, path in checkpoints]
-    if metric not in per_checkpoint[-1]["metrics"]:
-        raise ConfigError(f"--select '{settings.select}': a reward model's evaluation has no '{metric}'; "
-                          f"available: {', '.join(sorted(per_checkpoint[-1]['metrics']))}")
-    best = select_best(per_checkpoint, metric, mode)
-    best["settings"] = {**evaluation.results_settings, "tag": out_dir.name, "run_defaults": evaluation.is_run_default}
-    summary = {
-        "schema": SCHEMA + "-run", "kind": KIND, "run_dir": str(run_dir), "select": {"metric": metric, "mode": mode},
-        "sampling": None, "data": per_checkpoint[-1]["data"],
-        "checkpoints": [{"label": r["label"], "step": r["step"], "dir": str(out_dir / r["label"]),
-                         "checkpoint": r["checkpoint"], "metrics": r["metrics"]} for r in per_checkpoint],
-        "best": best,
-    }
-    atomic_write_json(out_dir / "best.json", best)
-    atomic_write_json(out_dir / "summary.json", summary)
+    summary = write_run_summary(out_dir, run_dir, per_checkpoint, settings.select, metric, mode,
+                                {**evaluation.results_settings, "tag": out_dir.name,
+                                 "run_defaults": evaluation.is_run_default}, None, kind=KIND,
+                                data=per_checkpoint[-1]["data"])
+    best = summary["best"]
     write_run_report(out_dir, summary, run_dir)
     if console is not None and not settings.quiet:
         console.print(f"best by {metric}:{mode}: {best['label']} ({best['value']:.4g}) on "

@@ -156,3 +156,25 @@ def select_best(per_checkpoint: list[dict], metric: str, mode: str) -> dict:
     return {"label": best["label"], "step": best["step"], "checkpoint": best["checkpoint"], "metric": metric,
             "mode": mode, "value": value, "se": m.get("se"), "ci95": [m.get("ci_low"), m.get("ci_high")],
             "model_hash": best["model_hash"]}
+
+
+def write_run_summary(out_dir: Path, run_dir: Path, per_checkpoint: list[dict], select: str, metric: str, mode: str,
+                      settings: dict, sampling: dict | None, **extra: Any) -> dict:
+    """A run's evaluation summary: the best checkpoint by ``metric`` (``best.json``, with the results ``settings``
+    it was ranked under) and every checkpoint's metrics (``summary.json``); returns the summary."""
+    available = sorted(per_checkpoint[-1]["metrics"])
+    if metric not in available:
+        raise ConfigError(f"--select '{select}': no metric '{metric}' in the results; available: "
+                          f"{', '.join(available)}")
+    best = select_best(per_checkpoint, metric, mode)
+    best["settings"] = settings
+    summary = {
+        "schema": SCHEMA + "-run", **extra, "run_dir": str(run_dir), "select": {"metric": metric, "mode": mode},
+        "sampling": sampling,
+        "checkpoints": [{"label": r["label"], "step": r["step"], "dir": str(out_dir / r["label"]),
+                         "checkpoint": r["checkpoint"], "metrics": r["metrics"]} for r in per_checkpoint],
+        "best": best,
+    }
+    atomic_write_json(out_dir / "best.json", best)
+    atomic_write_json(out_dir / "summary.json", summary)
+    return summary

@@ -53,9 +53,9 @@ from eval.results import (
     model_hash,
     parse_select,
     reusable_results,
-    select_best,
     versions,
     write_results,
+    write_run_summary,
 )
 from verl.config import (
     DataConfig,
@@ -84,7 +84,6 @@ from verl.rollout.agent_loop import AgentRollout
 from verl.rollout.base import SamplingParams, get_rollout_factory, pad_responses
 from verl.tools.templates import ToolPrompting
 from verl.trainer.checkpoint import STEP_DIR, list_checkpoints
-from verl.utils.fs import atomic_write_json
 from verl.utils.seeding import set_num_threads
 from verl.workers.reward import RewardManager, decode_responses
 
@@ -830,26 +829,10 @@ def evaluate_run_dir(target: CheckpointRef, settings: EvalSettings, resolved: Re
         evaluation = Evaluation(settings, resolved, run_cfg, raw, tokenizer_source, console)
         per_checkpoint = [evaluation.evaluate(str(path), out_dir / path.name, path.name, step, run_dir)
                           for step, path in checkpoints]
-    available = sorted(per_checkpoint[-1]["metrics"])
-    if metric not in available:
-        raise ConfigError(f"--select '{settings.select}': no metric '{metric}' in the results; available: "
-                          f"{', '.join(available)}")
-    best = select_best(per_checkpoint, metric, mode)
-    best["settings"] = {**resolved.results_settings, "tag": resolved.settings_tag,
-                        "run_defaults": is_run_default(resolved, run_cfg)}
-    summary = {
-        "schema": SCHEMA + "-run",
-        "run_dir": str(run_dir),
-        "select": {"metric": metric, "mode": mode},
-        "sampling": resolved.sampling,
-        "checkpoints": [{"label": r["label"], "step": r["step"], "dir": str(out_dir / r["label"]),
-                         "checkpoint": r["checkpoint"], "metrics": r["metrics"]} for r in per_checkpoint],
-        "best": best,
-    }
-
-    atomic_write_json(out_dir / "best.json", best)
-    atomic_write_json(out_dir / "summary.json", summary)
-
+    summary = write_run_summary(out_dir, run_dir, per_checkpoint, settings.select, metric, mode,
+                                {**resolved.results_settings, "tag": resolved.settings_tag,
+                                 "run_defaults": is_run_default(resolved, run_cfg)}, resolved.sampling)
+    best = summary["best"]
     write_run_report(out_dir, summary, run_dir)
     if console is not None and not settings.quiet:
         value = best["value"]

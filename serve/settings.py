@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
+from verl.config import check_judge_rubric
 from verl.errors import ConfigError
 
 ENV_PREFIX = "VERL_SERVE_"
@@ -105,10 +106,7 @@ class LiveScoringSettings(BaseModel):
         if self.rubric is not None and not self.is_judge:
             raise ValueError("score_traffic.rubric applies to a chat judge (scorer: judge:URL#NAME); a reward model "
                              "needs none")
-        if self.rubric is not None and not Path(self.rubric).expanduser().is_file():
-            raise ValueError(f"score_traffic.rubric: {self.rubric} is not a file")
-        if not self.scale[0] < self.scale[1]:
-            raise ValueError(f"score_traffic.scale: {list(self.scale)} must be [LOW, HIGH] with LOW < HIGH")
+        check_judge_rubric(self.rubric, self.scale, "score_traffic")
         return self
 
     @property

@@ -308,11 +308,17 @@ class RewardModelConfig(Section):
         if self.kind == "judge" and not self.url:
             raise ValueError("reward.model.kind=judge needs reward.model.url: a chat model behind an "
                              "OpenAI-compatible URL (e.g. http://127.0.0.1:8000, with reward.model.name)")
-        if self.rubric is not None and not Path(self.rubric).expanduser().is_file():
-            raise ValueError(f"reward.model.rubric: {self.rubric} is not a file")
-        if not self.scale[0] < self.scale[1]:
-            raise ValueError(f"reward.model.scale: {self.scale} must be [LOW, HIGH] with LOW < HIGH")
+        check_judge_rubric(self.rubric, self.scale, "reward.model")
         return self
+
+
+def check_judge_rubric(rubric: str | None, scale: Any, key: str) -> None:
+    """A chat judge's rubric file exists and its scale is [LOW, HIGH] with LOW < HIGH (``key``: where they are set,
+    for the message). Shared by ``reward.model`` and the service's ``score_traffic``."""
+    if rubric is not None and not Path(rubric).expanduser().is_file():
+        raise ValueError(f"{key}.rubric: {rubric} is not a file")
+    if not scale[0] < scale[1]:
+        raise ValueError(f"{key}.scale: {list(scale)} must be [LOW, HIGH] with LOW < HIGH")
 
 
 class RewardConfig(Section):
