@@ -42,9 +42,12 @@ train: install
 # Two pytest workers, one per core (every test uses one torch thread); a module's tests share one worker, so its
 # module-scoped servers and runs are built once.
 XDIST := -n 2 --dist loadfile
+# The no-compiler simulation (six CLI runs, about a minute of the default group's ten) runs with test-no-kernels,
+# beside the kernels-off tests of what it protects; CI runs both groups.
+NO_COMPILER := tests/test_no_compiler.py
 
 test: install-dev
-	$(BIN)/python -m pytest -q $(XDIST) --durations=15
+	$(BIN)/python -m pytest -q $(XDIST) --ignore=$(NO_COMPILER) --durations=15
 
 # The edit loop: the default run without the end-to-end tests (real processes, servers, clusters, trainer runs).
 test-fast: install-dev
@@ -55,6 +58,7 @@ test-no-kernels: install-dev
 	VERL_CPU_KERNELS=0 $(BIN)/python -m pytest -q $(XDIST) tests/test_rollout.py tests/test_slot_cache.py \
 		tests/test_token_log_probs.py tests/test_decode_attention.py tests/tools/test_agent_loop.py \
 		tests/serve/test_engine_hf.py
+	$(BIN)/python -m pytest -q $(NO_COMPILER)
 
 # Two parts at once (tests/conftest.py): the `serial` tests (a timed load, a Ray cluster) one at a time at normal
 # priority, and beside them, at the lowest priority (nice 19: it takes only the CPU they leave idle), the training

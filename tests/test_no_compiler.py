@@ -52,7 +52,9 @@ def numbers(rows: list[dict]) -> list[tuple]:
 
 
 def test_without_a_compiler_one_line_then_the_same_results_as_kernels_off(tmp_path):
-    broken = train_eval_serve(tmp_path / "broken", {"CXX": str(tmp_path / "cxx-that-is-not-there")})
+    # auto (the default) whatever the caller's environment says: the build is tried, and fails.
+    broken = train_eval_serve(tmp_path / "broken", {"CXX": str(tmp_path / "cxx-that-is-not-there"),
+                                                    "VERL_CPU_KERNELS": "auto"})
     off = train_eval_serve(tmp_path / "off", {"VERL_CPU_KERNELS": "0"})
     said = [line for line in broken[3].splitlines() if "c++" in line.lower() or "kernels" in line.lower()]
     assert said and all("CPU kernels are unavailable" in line and "no C++ compiler" in line for line in said), \

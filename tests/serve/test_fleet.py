@@ -112,7 +112,7 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
         assert health["status"] == "ok" and health["replica_versions"] == [1]
         # 0. The reward model is served by every replica: the same scores on fresh connections, whichever answers.
         classified, pids = set(), set()
-        for _ in range(8):
+        for _ in range(20):  # fresh connections: both replicas answer (all 20 on one: 2 in a million)
             with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as client:
                 kinds = {m["id"]: m.get("kind") for m in client.get("/v1/models").json()["data"]}
                 reply = client.post("/classify", json={"model": "judge", "input": ["What is 2+3? >> 5"]})
@@ -201,7 +201,8 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
             body = {"messages": [{"role": "user", "content": question}], "max_tokens": 4,
                     **({"verl": {"not_for_training": True}} if secret else {})}
             chats[secret] = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["id"]
-        time.sleep(1.0)  # the replicas' outboxes reach the control plane's file
+        wait_for(lambda: all(cid in records_path.read_text() for cid in chats.values()), 60,
+                 "both chats in the control plane's records file")  # each replica's outbox, at its next poll
         exported = verl("data", "from-records", str(records_path), "--out", str(tmp_path / "traffic"),
                         "--min-rewards", "0", "--val-fraction", "0")
         assert exported.returncode == 0, exported.stderr

@@ -22,6 +22,8 @@ README's speed table), never different results beyond rounding. The build runs w
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import re
@@ -29,6 +31,7 @@ import shutil
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +121,22 @@ def status() -> Check:
                  "cached", required=False)
 
 
+@contextlib.contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """One verl process at a time inside torch's builder for ``directory``, by an ``flock`` the kernel releases when
+    its holder dies. torch's own guard is a ``lock`` file that a process killed inside the builder (SIGKILL, the OOM
+    killer — even during the quick up-to-date check of an existing build) leaves behind, and every later load then
+    waits on it forever, asleep; under this lock no other verl process is in the builder, so such a file is stale
+    and is removed."""
+    with (directory / "verl.flock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build() -> Any:
     from torch.utils import cpp_extension  # noqa: PLC0415  (slow import; only when a kernel is first needed)
 
@@ -137,7 +156,7 @@ def _build() -> Any:
         raise RuntimeError(f"no C++ compiler ({compiler}) on PATH")
     if not built:  # say why the first forward pauses
         print(f"verl: building the CPU kernels in {directory} (once per machine, ~30 s)", file=sys.stderr, flush=True)
-    with warnings.catch_warnings():  # torch's builder warns about compiler versions in paragraphs; failures raise
+    with warnings.catch_warnings(), build_lock(directory):  # torch's builder warns in paragraphs; failures raise
         warnings.simplefilter("ignore")
         return cpp_extension.load(name=name, sources=[str(CSRC / source) for source in SOURCES],
                                   # -fno-trapping-math: lets GCC vectorize floor() (the exp in softmax and SiLU);
