@@ -13,8 +13,7 @@ One scenario, in order, under a steady stream of completions:
 4. SIGKILL the control-plane actor: the routes in force stay in force, and the restarted actor resumes from its
    state file (the next change gets the next version, not version 2);
 5. one record log and one metrics page for the fleet; users' feedback accepted on any replica for any replica's
-   answer, once per answer and source; a request the client marked not-for-training never reaches the training
-   files `verl data from-records` makes of the merged log.
+   answer, once per answer and source.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import psutil
 import pytest
 
 from tests.serve.helpers import REPO, BackgroundClients
-from tests.serve.test_reward_serving import reward_model  # noqa: F401  (the RM fixture)
 from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.serial]  # Ray, timed load
@@ -93,33 +91,18 @@ def control_plane_process() -> psutil.Process:
 
 
 @pytest.mark.budget(85)
-def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_path, reward_model):  # noqa: F811
+def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     records_path = tmp_path / "records.jsonl"
-    # A reward model beside the chat model, on every replica (issue 43: "in one service and in a fleet").
-    models = [{"name": "tiny-arith", "path": "builtin:tiny-arith"},
-              {"name": "judge", "path": str(reward_model[0]), "kind": "reward"}]
     env = {**os.environ, "VERL_SERVE_ADMIN_API_KEY": "fleet-admin", "VERL_SERVE_STATE_PATH": str(tmp_path / "s.json"),
-           "VERL_SERVE_RECORDS_PATH": str(records_path), "VERL_SERVE_MODELS": json.dumps(models),
-           "VERL_SERVE_RECORD_TEXTS": "true",
-           "PYTHONUNBUFFERED": "1"}
+           "VERL_SERVE_RECORDS_PATH": str(records_path), "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", "--replicas", "2", "--port", str(port)],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         health = wait_for(lambda: (h := httpx.get(url + "/health", timeout=5).json())["replicas"] == 2 and h, 240,
                           "two live replicas")
         assert health["status"] == "ok" and health["replica_versions"] == [1]
-        # 0. The reward model is served by every replica: the same scores on fresh connections, whichever answers.
-        classified, pids = set(), set()
-        for _ in range(20):  # fresh connections: both replicas answer (all 20 on one: 2 in a million)
-            with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as client:
-                kinds = {m["id"]: m.get("kind") for m in client.get("/v1/models").json()["data"]}
-                reply = client.post("/classify", json={"model": "judge", "input": ["What is 2+3? >> 5"]})
-                pids.add(client.get("/admin/state").json()["process"]["pid"])
-            assert kinds["judge"] == "reward" and kinds["tiny-arith"] != "reward" and reply.status_code == 200
-            classified.add(round(reply.json()["data"][0]["probs"][0], 6))
-        assert len(classified) == 1 and len(pids) == 2, (classified, pids)
         with Load(url) as load:
             # 1. A promote reaches every replica.
             promoted = verl("promote", "--service", url, "--model", "b", "--path", "builtin:tiny-arith",
@@ -137,8 +120,7 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
             bad = verl("promote", "--service", url, "--model", "c", "--path", str(tmp_path / "missing"))
             assert bad.returncode == 1 and "rolled back, serving version 3" in bad.stderr, bad.stderr
             assert bad.stderr.count("prepare failed") == 1 and bad.stderr.count("no such directory") == 2
-            names = [m["name"] for m in state(url)["models"]]
-            assert state(url)["version"] == 3 and "b" in names and "c" not in names
+            assert state(url)["version"] == 3 and [m["name"] for m in state(url)["models"]][-1] == "b"
 
             # 3. SIGKILL one replica: Ray Serve replaces it, at the current version.
             victim = reads[0]["process"]["pid"]
@@ -193,21 +175,6 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
         with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as client:
             late = [r for r in client.get("/admin/records").json()["records"] if r["kind"] == "reward"]
         assert sorted(r["id"] for r in late) == sorted(targets) and {r["reward_source"] for r in late} == {"feedback"}
-
-        # 5c. The fleet's merged records into training data: a chat the client marked not-for-training, answered by
-        # whichever replica, never reaches a training file; the other one does.
-        chats = {}
-        for secret, question in ((False, "What is 4+4?"), (True, "What is 5+5?")):
-            body = {"messages": [{"role": "user", "content": question}], "max_tokens": 4,
-                    **({"verl": {"not_for_training": True}} if secret else {})}
-            chats[secret] = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["id"]
-        wait_for(lambda: all(cid in records_path.read_text() for cid in chats.values()), 60,
-                 "both chats in the control plane's records file")  # each replica's outbox, at its next poll
-        exported = verl("data", "from-records", str(records_path), "--out", str(tmp_path / "traffic"),
-                        "--min-rewards", "0", "--val-fraction", "0")
-        assert exported.returncode == 0, exported.stderr
-        written = (tmp_path / "traffic" / "train.parquet").read_bytes()
-        assert chats[False].encode() in written and chats[True].encode() not in written and b"5+5" not in written
 
         # 6. One metrics page for the fleet: every live replica's series, labelled replica (name = pid-suffix).
         page = httpx.get(url + "/metrics", timeout=30).text

@@ -162,3 +162,17 @@ def test_verl_export_keeps_a_reward_model_a_reward_model(reward_model, tmp_path)
     assert float(logits[0, 0]) == pytest.approx(trainer_scores(trainer, [text])[0], abs=1e-4)
     with pytest.raises(VerlError, match="eval/pairwise_accuracy"):  # best: by held-out pairwise accuracy (none here)
         select_checkpoint(run, "best")
+
+
+def test_a_fleet_starts_its_replicas_with_the_reward_model_as_one(reward_model) -> None:
+    """`verl serve --replicas N`: the control plane's first state is what every replica joins and loads; it used to
+    drop each entry's kind, so a configured reward model was listed and loaded as a chat model on every replica."""
+    from serve.fleet import state_from_service
+    from serve.settings import ModelEntry, load_settings
+
+    path, _ = reward_model
+    settings = load_settings(models=[{"name": "chat", "path": "builtin:tiny-arith"},
+                                     {"name": "judge", "path": str(path), "kind": "reward"}])
+    state = state_from_service(settings.model_entries(), settings.routes)
+    assert [(m["name"], m["kind"]) for m in state["models"]] == [("chat", "chat"), ("judge", "reward")]
+    assert [ModelEntry(**m).kind for m in json.loads(json.dumps(state["models"]))] == ["chat", "reward"]
