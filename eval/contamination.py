@@ -8,23 +8,22 @@ from typing import Any
 
 import numpy as np
 
-from verl.data.contamination import TrainingIndex, prompts_of, summary, text_of
-from verl.data.dataset import get_nested
+from verl.data.contamination import TrainingIndex, prompts_of, summary
 from verl.errors import ConfigError
 
 
-def check(rows: list[dict], prompt_key: str, train_files: list[str], train_prompt_key: str, strict: bool,
-          index: TrainingIndex | None = None) -> tuple[list[str | None], dict, TrainingIndex]:
-    """Per evaluation row: how it overlaps the training data (or None); the summary; the index (reusable)."""
-    index = index or TrainingIndex.of(prompts_of(train_files, train_prompt_key))
-    kinds = index.overlaps([text_of(get_nested(row, prompt_key)) for row in rows])
+def check(rows: list[dict], prompt_key: str, train_files: list[str], train_prompt_key: str, strict: bool
+          ) -> tuple[list[str | None], dict]:
+    """Per evaluation row: how it overlaps the training data (or None), and the summary."""
+    index = TrainingIndex.of(prompts_of(train_files, train_prompt_key))
+    kinds = index.overlaps_rows(rows, prompt_key)
     info = summary(kinds, train_files, index.n)
     if strict and info["overlapping"]:
         raise ConfigError(f"--strict: {info['overlapping']} of {info['checked']} evaluation prompts overlap the run's "
                           f"training data ({info['exact']} exactly, {info['ngram']} by a shared {index.n}-gram; "
                           f"{', '.join(train_files)}); remove them from the training data with `verl data "
                           "decontaminate`, or evaluate on other prompts")
-    return kinds, info, index
+    return kinds, info
 
 
 def clean_metrics(samples: list[dict], metrics: dict[str, dict]) -> dict[str, dict]:

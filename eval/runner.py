@@ -495,7 +495,7 @@ class Evaluation:
             return None
         if self._overlaps is None:
             count = min(len(self.dataset), self.resolved.max_samples or len(self.dataset))  # the prompts evaluated
-            kinds, info, _ = contamination_check.check(self.dataset.rows[:count], self.data_cfg.prompt_key,
+            kinds, info = contamination_check.check(self.dataset.rows[:count], self.data_cfg.prompt_key,
                                                        list(self.run_cfg.data.train_files),
                                                        self.run_cfg.data.prompt_key, self.settings.strict)
             self._overlaps = kinds, info

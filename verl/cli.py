@@ -288,12 +288,12 @@ def data_decontaminate(
 
     def _run():
         from verl.data.builtin import write_parquet
-        from verl.data.contamination import TrainingIndex, prompts_of, text_of
-        from verl.data.dataset import get_nested, read_rows
+        from verl.data.contamination import TrainingIndex, prompts_of
+        from verl.data.dataset import read_rows
 
         index = TrainingIndex.of(prompts_of(against, prompt_key, "--against"), ngram)
         rows = read_rows(train, "TRAIN")
-        kinds = index.overlaps([text_of(get_nested(r, prompt_key)) for r in rows])
+        kinds = index.overlaps_rows(rows, prompt_key)
         kept = [{k: v for k, v in r.items() if not k.startswith("__")} for r, kind in zip(rows, kinds, strict=True)
                 if kind is None]
         exact = sum(k == "exact" for k in kinds)

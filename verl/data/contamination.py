@@ -78,6 +78,10 @@ class TrainingIndex:
     def overlaps(self, texts: Sequence[str]) -> list[str | None]:
         return [self.overlap(t) for t in texts]
 
+    def overlaps_rows(self, rows: Sequence[dict], prompt_key: str) -> list[str | None]:
+        """``overlaps`` of dataset rows' prompts (``prompt_key``, dotted for nested columns)."""
+        return self.overlaps([text_of(get_nested(row, prompt_key)) for row in rows])
+
 
 def prompts_of(files: Sequence[str], prompt_key: str = "prompt", config_key: str = "data.train_files") -> list[str]:
     """Every prompt of ``files`` (parquet or builtin:TASK/SPLIT) as text."""
