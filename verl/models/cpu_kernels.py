@@ -137,15 +137,24 @@ def build_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def use_packaged_ninja() -> None:
+    """Put the ``ninja`` package's binary first on this process's PATH (torch's builder runs ``ninja`` from PATH).
+
+    Always that one, never a system ninja found first: ninja 1.11 (Debian's) and 1.12+ (the package) hash the build
+    log's command lines differently, so two verl processes that found different ninjas each saw the other's build as
+    changed and rebuilt every kernel (~1 min of both cores, every model load behind the lock waiting): three rebuilds
+    in one README story's eight minutes, between a process started from an activated venv and one that was not."""
+    import ninja  # noqa: PLC0415
+
+    path = os.environ.get("PATH", "")
+    if not path.startswith(ninja.BIN_DIR + os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
 def _build() -> Any:
     from torch.utils import cpp_extension  # noqa: PLC0415  (slow import; only when a kernel is first needed)
 
-    if shutil.which("ninja") is None:
-        # torch's builder runs `ninja` from PATH; the `ninja` package ships the binary but only a venv's activation
-        # puts it on PATH.
-        import ninja  # noqa: PLC0415
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    use_packaged_ninja()
     capability = torch.backends.cpu.get_cpu_capability()
     directory, name = _where()
     directory.mkdir(parents=True, exist_ok=True)
