@@ -43,6 +43,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from serve import __version__
 from serve.lineage import EXPORT_FILE
 from serve.settings import is_reward_model
+from verl.data.exports import DATA_LINEAGE_FILE
 from verl.errors import CheckpointError, ConfigError, ModelError, VerlError
 from verl.models.loader import DTYPES, missing_dir_error, resolve_model_path
 from verl.trainer.checkpoint import META, STEP_DIR, checkpoint_root, list_checkpoints, read_pointer
@@ -391,6 +392,7 @@ def export_model(target: str | Path, selection: Selection, force: bool = False, 
                 "selection_metric": selection.metric,
             },
             "metrics": metrics_at_step,
+            "data": _data_lineage(run_dir),
             "config_hash": {"sha256": digest, "file": hashed},
             "lora": lora,
             "model": {
@@ -407,6 +409,17 @@ def export_model(target: str | Path, selection: Selection, force: bool = False, 
         }
         atomic_write_json(tmp / EXPORT_FILE, info)
     return target
+
+
+def _data_lineage(run_dir: Path | None) -> dict | None:
+    """The records a run trained on (``verl data from-records`` exports), as the run kept them; None otherwise."""
+    path = run_dir / DATA_LINEAGE_FILE if run_dir is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
 
 
 def _complete_generation_config(model: Any, tokenizer: Any) -> None:

@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from serve.records import join_rewards, load_records
+from verl.data.exports import SUMMARY_FILE
 from verl.errors import ConfigError
 from verl.utils.fs import atomic_dir, atomic_write_json
 
@@ -276,7 +277,7 @@ def export_records(sources: list[str], out: str | Path, filters: RecordFilters |
             path.parent.mkdir(parents=True, exist_ok=True)
             if rows_:
                 pq.write_table(pa.Table.from_pylist(rows_), path)
-        atomic_write_json(tmp / "summary.json", summary)
+        atomic_write_json(tmp / SUMMARY_FILE, summary)
     return summary
 
 

@@ -23,18 +23,28 @@ WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", 
 
 
 def test_the_definition_by_hand():
-    assert normalise("Hello, World!\n  What's 2+2?") == ["hello", "world", "whats", "22"]
+    assert normalise("Hello, World!\n  What's 2+2?") == ["hello", "world", "what", "s", "2", "2"]
     assert text_of([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]) == "Be brief.\nHi"
     assert text_of('[{"role": "user", "content": "Hi"}]') == "Hi"
     train = " ".join(WORDS[:14])  # 14 words: two 13-grams
     index = TrainingIndex.of([train, "What is 12+7?"])
-    assert index.overlap("WHAT is 12 + 7?") is None  # "12 + 7" is three words, "12+7" one: not the same text
-    assert index.overlap("what is 12+7") == "exact"  # case and punctuation do not matter
+    assert index.overlap("WHAT is 12 + 7?") == "exact"  # case, punctuation and spacing do not matter
+    assert index.overlap("What is 1+27?") is None  # punctuation breaks words: "1 27" is not "12 7"
     shifted = " ".join(["so", *WORDS[1:14], "indeed"])  # shares the 13-gram WORDS[1:14]
     assert index.overlap(shifted) == "13-gram"
     twelve = " ".join(["so", *WORDS[2:14], "indeed"])  # only 12 words in common: clean
     assert index.overlap(twelve) is None
     assert TrainingIndex.of([train], n=8).overlap(" ".join(WORDS[5:13])) == "8-gram"
+
+
+def test_the_builtin_tasks_held_out_splits_share_no_prompt_with_training():
+    """The task draws train, val and test problems disjoint; the check must agree (with punctuation deleted, as
+    lm-evaluation-harness does, "47+385" and "473+85" were one word and a third of val looked contaminated)."""
+    index = TrainingIndex.of(text_of(r["prompt"]) for r in pq.read_table(
+        resolve_data_file("builtin:arithmetic/train")).to_pylist())
+    for split in ("val", "test"):
+        rows = pq.read_table(resolve_data_file(f"builtin:arithmetic/{split}")).to_pylist()
+        assert index.overlaps([text_of(r["prompt"]) for r in rows]) == [None] * len(rows), split
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +54,34 @@ def contaminated_run(tmp_path_factory):
     val = pq.read_table(resolve_data_file("builtin:arithmetic/val")).to_pylist()
     train = pq.read_table(resolve_data_file("builtin:arithmetic/train")).to_pylist()
     path = root / "train.parquet"
-    held_out = TrainingIndex.of([text_of(r["prompt"]) for r in val])
-    # (the built-in splits share prompts of their own: training rows that match a validation prompt are left out)
-    others = [r for r in train if held_out.overlap(text_of(r["prompt"])) is None][:56]
-    pq.write_table(pa.Table.from_pylist(val[:8] + others), path)
-    trainer = LocalPPOTrainer(tiny_config(root, data={"train_files": [str(path)], "val_max_samples": 16}),
-                              quiet=True)
+    pq.write_table(pa.Table.from_pylist(val[:8] + train[:56]), path)
+    trainer = LocalPPOTrainer(tiny_config(root, data={"train_files": [str(path)], "val_max_samples": 16},
+                                          trainer={"test_freq": 1}), quiet=True)
     trainer.fit()
     return trainer.run_dir, path
+
+
+def test_training_validation_logs_the_overlap_and_the_clean_subset_and_strict_refuses(contaminated_run, tmp_path):
+    run_dir, path = contaminated_run
+    rows = [json.loads(line) for line in (run_dir / "verl_logs.jsonl").read_text().splitlines()]
+    [info] = [r for r in rows if r["scope"] == "contamination"]
+    assert (info["checked"], info["overlapping"], info["exact"], info["level"]) == (256, 8, 8, "WARNING")
+    assert "data.contamination=strict refuses" in info["message"]
+    evals = [r for r in rows if r["scope"] == "eval"]
+    assert evals
+    for row in evals:  # validated: the first 16 prompts, 8 of them the training data's
+        assert row["clean/num_samples"] == 8 and row["clean/overlapping_prompts"] == 8
+        assert 0 <= row["clean/accuracy"] <= 1
+    # The last validation is the last checkpoint's: verl eval's clean subset on the same prompts agrees.
+    checkpoint = sorted((run_dir / "checkpoints").glob("global_step_*"))[-1]
+    results = run_eval(checkpoint, EvalSettings(quiet=True), out=tmp_path / "eval")
+    assert evals[-1]["step"] == int(checkpoint.name.split("_")[-1])
+    assert evals[-1]["clean/accuracy"] == pytest.approx(results["contamination"]["clean"]["eval/accuracy"]["value"])
+    assert evals[-1]["accuracy"] == pytest.approx(results["metrics"]["eval/accuracy"]["value"])
+    with pytest.raises(ConfigError, match=r"data.contamination=strict: 8 of 256 validation prompts .*decontaminate"):
+        LocalPPOTrainer(tiny_config(tmp_path, data={"train_files": [str(path)], "contamination": "strict"}),
+                        quiet=True)
+    assert not (tmp_path / "verl").exists()  # refused before the run directory was made
 
 
 def test_eval_reports_the_overlap_and_the_clean_subset_and_strict_refuses(contaminated_run, tmp_path):

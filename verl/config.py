@@ -120,6 +120,9 @@ class DataConfig(Section):
     val_max_samples: int | None = Field(None, ge=1, description="Validate on at most this many prompts.")
     shuffle: bool = Field(True, description="Shuffle training prompts each epoch.")
     apply_chat_template: bool = Field(True, description="Wrap prompts with the tokenizer's chat template.")
+    contamination: Literal["warn", "strict", "off"] = Field(
+        "warn", description="Validation prompts held by the training data too (exact after normalisation, or a shared "
+        "13-gram): warn and log eval/clean/* beside the whole, refuse to start (strict), or do not check (off).")
     arithmetic: ArithmeticTaskConfig = Field(default_factory=ArithmeticTaskConfig)
 
     @field_validator("train_files", "val_files", mode="before")

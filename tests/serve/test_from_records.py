@@ -153,3 +153,55 @@ def test_one_file_holds_one_kind_of_prompt(tmp_path):
     assert chat["counts"]["other_prompt_kind"] == completion["counts"]["other_prompt_kind"] == 1
     assert read(tmp_path / "completion" / "train.parquet")[0]["prompt"] == "2+2="
     assert read(tmp_path / "chat" / "train.parquet")[0]["prompt"] == [{"role": "user", "content": "What is 1+1?"}]
+
+
+def test_verl_train_and_verl_rm_read_an_export_and_the_run_keeps_its_traffic(tmp_path):
+    """The export directory is the trainer's data as it is: prompts for `verl train` (scored at train time, here by a
+    custom reward function: the rows carry no answer), pairs for `verl rm`; the run and its export keep which
+    records it learned from."""
+    from serve.export import run_export
+    from tests.test_trainer import tiny_config
+    from verl.config import RMConfig
+    from verl.trainer.local import LocalPPOTrainer
+    from verl.trainer.rm import PairData
+
+    rows = []
+    for i in range(12):
+        rows += [request(2 * i, f"What is {i}+{i}?", f">> {2 * i}", f"u{i}"), feedback(2 * i, 1.0),
+                 request(2 * i + 1, f"What is {i}+{i}?", f">> {2 * i + 1}", f"u{i}"), feedback(2 * i + 1, 0.0)]
+    summary = export_records([str(records_file(tmp_path, rows))], tmp_path / "traffic", val_fraction=0.25, seed=1)
+    written = summary["written"]
+    assert written["train.parquet"] and written["val.parquet"] and written["pairs/train.parquet"]
+    reward = tmp_path / "reward.py"
+    reward.write_text("def fmt(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+                      "    return float('>>' in solution_str)\n")
+    traffic = str(tmp_path / "traffic")
+    trainer = LocalPPOTrainer(tiny_config(tmp_path, data={"train_files": [traffic], "val_files": [traffic],
+                                                           "train_batch_size": 4},
+                                          reward={"custom_reward": {"path": str(reward), "name": "fmt"}},
+                                          trainer={"save_freq": 1}), quiet=True)
+    assert (len(trainer.train_dataset), len(trainer.val_dataset)) == (written["train.parquet"],
+                                                                      written["val.parquet"])
+    trainer.fit()
+    kept = json.loads((trainer.run_dir / "data_lineage.json").read_text())["records"]
+    assert len(kept) == 1  # train_files and val_files name the same export: one entry
+    assert kept[0]["time_window"] == summary["time_window"] and kept[0]["requests"] == 24
+    assert kept[0]["written"] == written and kept[0]["sources"] == summary["sources"]
+    exported, _ = run_export(tmp_path / "export", run=trainer.run_dir, select="latest", verify=False)
+    assert json.loads((exported / "export.json").read_text())["data"]["records"] == kept
+    tokenizer = load_tokenizer("builtin:tiny-arith")
+    pairs = PairData([traffic], "data.train_files", tokenizer, RMConfig())
+    assert len(pairs.pairs) == written["pairs/train.parquet"]
+
+
+def test_an_export_without_the_split_a_key_reads_is_one_clear_line(tmp_path):
+    summary = export_records([str(records_file(tmp_path, [request(0, "What is 1+1?", ">> 2", "u0"),
+                                                          feedback(0, 1.0)]))], tmp_path / "traffic",
+                             val_fraction=0.0)
+    assert summary["written"]["val.parquet"] == 0
+    tokenizer = load_tokenizer("builtin:tiny-arith")
+    with pytest.raises(Exception, match=r"data.val_files: the export .*traffic' wrote no val.parquet \(0 rows"):
+        RLHFDataset([str(tmp_path / "traffic")], tokenizer, {}, "data.val_files", require_ground_truth=False)
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(Exception, match=r"data.train_files: '.*plain' is a directory without train.parquet"):
+        RLHFDataset([str(tmp_path / "plain")], tokenizer, {}, "data.train_files", require_ground_truth=False)

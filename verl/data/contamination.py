@@ -1,7 +1,7 @@
 """Contamination: evaluation prompts that the training data holds too (DESIGN §14).
 
 A prompt of an evaluation set is **contaminated** when the training data holds it (exact match after
-normalisation: lower case, punctuation dropped, runs of whitespace as one) or shares one word 13-gram with a
+normalisation: lower case, punctuation as a word break, runs of whitespace as one) or shares one word 13-gram with a
 training prompt — lm-evaluation-harness's definition (from GPT-3's Appendix C: any N-gram overlap; N = 13). Prompts
 shorter than N words can only match exactly. Chat prompts are their messages' contents, joined.
 
@@ -22,7 +22,9 @@ from typing import Any
 from verl.data.dataset import get_nested, read_rows
 
 NGRAM = 13  # lm-evaluation-harness's decontamination n
-_PUNCTUATION = str.maketrans("", "", string.punctuation)
+# Punctuation breaks words rather than vanishing (lm-evaluation-harness deletes it): deleted, "47+385" and "473+85"
+# would both read "47385", and the built-in task's disjoint splits would look a third contaminated.
+_PUNCTUATION = str.maketrans(string.punctuation, " " * len(string.punctuation))
 
 
 def text_of(prompt: Any) -> str:
@@ -38,7 +40,7 @@ def text_of(prompt: Any) -> str:
 
 
 def normalise(text: str) -> list[str]:
-    """Lower case, punctuation dropped, split on whitespace."""
+    """Lower case, punctuation as whitespace, split on whitespace."""
     return text.lower().translate(_PUNCTUATION).split()
 
 

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from verl.config import ArithmeticTaskConfig, DataConfig
 from verl.data.builtin import resolve_data_file
+from verl.data.exports import Layout, export_file
 from verl.data.tasks.arithmetic import ArithmeticSpec
 from verl.errors import DataError
 from verl.protocol import DataProto
@@ -37,14 +38,18 @@ def arithmetic_spec(task: ArithmeticTaskConfig) -> ArithmeticSpec:
     )
 
 
-def read_rows(files: Sequence[str], config_key: str, task: ArithmeticTaskConfig | None = None) -> list[dict]:
-    """Read every row of ``files`` (parquet), naming the config key in any error."""
+def read_rows(files: Sequence[str], config_key: str, task: ArithmeticTaskConfig | None = None,
+              layout: Layout = "prompts") -> list[dict]:
+    """Read every row of ``files`` (parquet, ``builtin:TASK/SPLIT``, or a ``verl data from-records`` export
+    directory: its prompts or, with ``layout="pairs"``, its preference pairs), naming the config key in any error."""
     if not files:
         raise DataError(f"{config_key} is empty; give at least one parquet file")
     spec = arithmetic_spec(task or ArithmeticTaskConfig())
     rows: list[dict] = []
     for name in files:
         path = resolve_data_file(str(name), spec)
+        if path.is_dir():
+            path = export_file(path, config_key, layout)
         if not path.is_file():
             raise DataError(f"{config_key}: file '{path}' does not exist")
         try:

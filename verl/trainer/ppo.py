@@ -36,6 +36,7 @@ from verl.algos.kl import build_kl_controller, kl_penalty
 from verl.algos.masked import masked_mean
 from verl.config import VerlConfig, dump_config
 from verl.data.dataset import PromptSampler, RLHFDataset
+from verl.data.exports import DATA_LINEAGE_FILE, records_lineage
 from verl.models.loader import load_tokenizer
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams
@@ -57,13 +58,15 @@ from verl.trainer.target import TARGET_SCOPE, Target, TargetClock
 from verl.trainer.validation import (
     build_validation_evaluators,
     check_validation_needs,
+    clean_validation_metrics,
     generate_and_score,
     run_validation_evaluators,
     sample_rows,
     validation_metrics,
+    validation_overlap,
 )
 from verl.utils import log
-from verl.utils.fs import atomic_write_text, ensure_writable_dir
+from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
 from verl.utils.profiling import profile_step
 from verl.utils.seeding import rng_state, seed_everything, set_num_threads, set_rng_state
 from verl.utils.system import SystemMonitor
@@ -102,6 +105,10 @@ class TrainInputs:
     train_dataset: RLHFDataset
     val_dataset: RLHFDataset
     sampler: PromptSampler
+    # Per validation prompt, its overlap with the training prompts (None: clean), and the summary; None when
+    # data.contamination=off.
+    val_overlap: list[str | None] | None = None
+    contamination: dict | None = None
 
 
 def prepare_inputs(config: VerlConfig, tokenizer: Any = None, train_dataset: RLHFDataset | None = None,
@@ -119,7 +126,8 @@ def prepare_inputs(config: VerlConfig, tokenizer: Any = None, train_dataset: RLH
                                      cfg.needs_ground_truth, tools)
     sampler = PromptSampler(len(train), cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
     cfg.resolve_total_steps(len(train))  # trainer.total_epochs, as verl counts them
-    return TrainInputs(tokenizer, train, val, sampler)
+    overlap, contamination = (None, None) if cfg.data.contamination == "off" else validation_overlap(cfg, train, val)
+    return TrainInputs(tokenizer, train, val, sampler, overlap, contamination)
 
 
 class PPOTrainer:
@@ -131,6 +139,7 @@ class PPOTrainer:
         self.roles = roles
         self.tokenizer, self.sampler = inputs.tokenizer, inputs.sampler
         self.train_dataset, self.val_dataset = inputs.train_dataset, inputs.val_dataset
+        self.val_overlap, self.contamination = inputs.val_overlap, inputs.contamination
         self.reward_manager = reward_manager  # scores validation responses in this process
         self.device = device
         self.quiet = quiet
@@ -455,6 +464,10 @@ class PPOTrainer:
         # The same evaluator code as `verl eval`, so eval/accuracy here equals its accuracy on this checkpoint.
         metrics.update(run_validation_evaluators(self.config, self.validation_evaluators(), batch, texts, scores,
                                                  extras, kl_terms=self.roles.compute_kl_terms))
+        if self.contamination and self.contamination["overlapping"]:
+            # Beside the whole, never instead of it: the curve a user already watches keeps its meaning.
+            validated = self.val_overlap[:min(len(self.val_dataset), self.config.data.val_max_samples or 1 << 62)]
+            metrics.update({f"clean/{k}": v for k, v in clean_validation_metrics(validated, scores, extras).items()})
         metrics["seconds"] = time.perf_counter() - start
         samples = sample_rows(batch, texts, scores, self.config.trainer.num_samples_to_log)
         for row in samples:
@@ -551,6 +564,11 @@ class PPOTrainer:
         ensure_writable_dir(self.run_dir, "the run directory (trainer.output_dir)")
         remove_stale_temp_dirs(self.run_dir)
         atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
+        # The traffic behind a run trained on `verl data from-records` exports, kept with the run (and copied into
+        # its exports), so a shipped model traces back to the records it learned from.
+        lineage = records_lineage([*cfg.data.train_files, *cfg.data.val_files])
+        if lineage:
+            atomic_write_json(self.run_dir / DATA_LINEAGE_FILE, {"records": lineage})
         self.trackers = create_trackers(cfg.trainer.logger, total_steps=cfg.trainer.total_steps, quiet=self.quiet,
                                         config=cfg, run_dir=self.run_dir,
                                         resumed_step=None if resume_from is None else checkpoint_step(resume_from))
@@ -567,7 +585,16 @@ class PPOTrainer:
             self.logger.event("train", step=0, status="started", run_dir=str(self.run_dir),
                               train_prompts=len(self.train_dataset), val_prompts=len(self.val_dataset),
                               filtered_prompts=self.train_dataset.num_filtered,
-                              truncated_prompts=self.train_dataset.num_truncated)
+                              truncated_prompts=self.train_dataset.num_truncated,
+                              **({"records": lineage} if lineage else {}))
+        if self.contamination is not None:
+            info = self.contamination
+            note = (f"{info['overlapping']} of {info['checked']} validation prompts overlap the training data "
+                    f"({info['exact']} exactly, {info['ngram']} by a shared {info['n']}-gram): eval/clean/* scores the "
+                    "rest; `verl data decontaminate` removes them, data.contamination=strict refuses"
+                    ) if info["overlapping"] else None
+            self.logger.event("contamination", level="WARNING" if note else "INFO", step=self.global_step,
+                              split="val", **info, **({"message": note} if note else {}))
         self.logger.debug("placement", device=str(self.device), executor=cfg.trainer.executor,
                           threads=torch.get_num_threads(), reference=cfg.use_reference, critic=cfg.use_critic)
 

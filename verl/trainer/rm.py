@@ -49,7 +49,7 @@ class PairData:
     def __init__(self, files: list[str], config_key: str, tokenizer, config: RMConfig,
                  max_pairs: int | None = None):
         data = config.data
-        rows = read_rows(files, config_key, data.arithmetic)
+        rows = read_rows(files, config_key, data.arithmetic, layout="pairs")
         if max_pairs is not None:
             rows = rows[:max_pairs]
         self.pairs: list[Pair] = []

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from verl.config import VerlConfig
+from verl.data.contamination import TrainingIndex, summary, text_of
 from verl.data.dataset import RLHFDataset
 from verl.errors import ConfigError
 from verl.evaluators import EvalBatch, build_evaluator, run_evaluators
@@ -60,6 +61,40 @@ def validation_metrics(
         metrics["accuracy_flexible"] = float(np.nanmean(extras["acc_flexible"]))
     lengths = batch.batch["response_mask"].sum(-1).float()
     metrics["response_length_mean"] = float(lengths.mean())
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------- contamination
+
+def validation_overlap(config: VerlConfig, train: RLHFDataset, val: RLHFDataset) -> tuple[list[str | None], dict]:
+    """Per validation prompt, how it overlaps the training prompts (``"exact"``, ``"13-gram"`` or None), and the
+    summary ``verl eval`` records; ``data.contamination=strict`` refuses any overlap before the run starts."""
+    key = config.data.prompt_key
+    index = TrainingIndex.of(text_of(row[key]) for row in train.rows)
+    kinds = index.overlaps([text_of(row[key]) for row in val.rows])
+    info = summary(kinds, config.data.train_files, index.n)
+    if config.data.contamination == "strict" and info["overlapping"]:
+        raise ConfigError(
+            f"data.contamination=strict: {info['overlapping']} of {info['checked']} validation prompts "
+            f"(data.val_files) overlap the training data ({info['exact']} exactly, {info['ngram']} by a shared "
+            f"{index.n}-gram); remove them with `verl data decontaminate TRAIN --against VAL --out CLEAN`, or set "
+            "data.contamination=warn to train anyway and read eval/clean/* beside the whole")
+    return kinds, info
+
+
+def clean_validation_metrics(overlap: list[str | None], scores: np.ndarray, extras: dict[str, np.ndarray]
+                             ) -> dict[str, float]:
+    """``eval/clean/*``: accuracy and reward mean on the validation prompts the training data does not hold.
+
+    ``overlap`` is per validated prompt; ``scores`` and ``extras`` are per response, a prompt's n responses adjacent
+    (shape ``(prompts * n,)``)."""
+    n = len(scores) // max(len(overlap), 1)
+    clean = np.repeat(np.array([kind is None for kind in overlap]), n)
+    metrics = {"num_samples": float(clean.sum()), "overlapping_prompts": float(sum(k is not None for k in overlap))}
+    if clean.any():
+        metrics["reward_mean"] = float(scores[clean].mean())
+        acc = extras.get("acc")
+        metrics["accuracy"] = float(np.nanmean(acc[clean])) if acc is not None else float((scores[clean] > 0).mean())
     return metrics
 
 
