@@ -1,4 +1,5 @@
-"""Prompts for the load test: a parquet or JSONL file with a prompt column (default: the built-in validation set).
+"""Prompts for the load test: a parquet or JSONL file with a prompt column (default: the built-in task's traffic
+split, which no training, validation or test split shares).
 
 A prompt cell is either text or a chat (a list of ``{"role", "content"}`` messages, as in verl's parquet files).
 Chat users send the messages; text users (``/generate``, ``/v1/completions``) need text, so a chat is rendered
@@ -20,7 +21,9 @@ import pyarrow.parquet as pq
 from verl.data.builtin import resolve_data_file
 from verl.errors import DataError
 
-DEFAULT_PROMPT_FILE = "builtin:arithmetic/val"
+# The built-in task's traffic split: prompts no training, validation or test split holds, so records of a load test
+# can become training data (verl data from-records) without training on a yardstick.
+DEFAULT_PROMPT_FILE = "builtin:arithmetic/traffic"
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ def _read_cells(path: Path, column: str) -> tuple[list[Any], list[str | None] | 
     """The prompt column's cells and, when the file has verl's ``reward_model`` column, each row's ground truth."""
     if not path.is_file():
         raise DataError(f"prompt file '{path}' does not exist (give a .parquet or .jsonl file with a "
-                        f"'{column}' column, or builtin:arithmetic/val)")
+                        f"'{column}' column, or builtin:arithmetic/traffic)")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         table = pq.read_table(path)

@@ -74,6 +74,16 @@ def test_test_split_is_held_out_and_leaves_train_and_val_as_they_were():
     assert {row["extra_info"]["split"] for row in splits["test"]} == {"test"}
 
 
+def test_traffic_split_is_disjoint_from_the_rest_and_moves_nothing():
+    """Load tests send builtin:arithmetic/traffic by default: their records may become training data (the flywheel),
+    so they must not be any split a number is computed on."""
+    splits = generate_splits(ArithmeticSpec(num_train=300, num_val=40, num_test=60, num_traffic=80))
+    without = generate_splits(ArithmeticSpec(num_train=300, num_val=40, num_test=60, num_traffic=0))
+    assert all(splits[name] == without[name] for name in ("train", "val", "test")) and without["traffic"] == []
+    traffic = {parse(row) for row in splits["traffic"]}
+    assert len(traffic) == 80 and not traffic & {parse(r) for r in splits["train"] + splits["val"] + splits["test"]}
+
+
 def test_digit_range_is_respected():
     rows = generate_splits(ArithmeticSpec(num_train=200, num_val=10, min_digits=3, max_digits=3))["train"]
     assert all(100 <= a <= 999 and 100 <= b <= 999 for a, _, b in map(parse, rows))
@@ -86,7 +96,7 @@ def test_impossible_problem_count_fails_clearly():
 
 def test_sft_answer_format_mix_is_about_60_20_20(tmp_path):
     paths = write_arithmetic(tmp_path, ArithmeticSpec(num_train=4000, num_val=20))
-    assert set(paths) == {"train", "val", "test", "sft_train", "sft_val", "pairs_train", "pairs_val", "pairs_near_val"}
+    assert set(paths) == {"train", "val", "test", "traffic", "sft_train", "sft_val", "pairs_train", "pairs_val", "pairs_near_val"}
     rows = pq.read_table(paths["sft_train"]).to_pylist()
     kinds = Counter()
     for row in rows:

@@ -142,6 +142,25 @@ def test_a_real_services_records_and_the_clients_not_for_training_flag(tmp_path)
     exported = {c for r in train for c in r["extra_info"]["completion_ids"]}
     assert exported == {ids[q] for q in ids if q != "What is 3*4?"}
 
+    # A fleet: each replica ships its new rows to the control plane (serve.fleet), which merges them into the one
+    # records file. The flag travels with the row: the merged log exports the same three prompts.
+    import asyncio
+
+    from serve.fleet import ControlPlane
+
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    plane = ControlPlane({"models": [], "routes": {}}, records_path=str(tmp_path / "fleet.jsonl"))
+
+    async def ship() -> None:
+        for replica, part in (("r1", rows[::2]), ("r2", rows[1::2])):
+            await plane.report(replica, active=1, prepared=1, error=None, records=part)
+
+    asyncio.run(ship())
+    merged = export_records([str(tmp_path / "fleet.jsonl")], tmp_path / "fleet", val_fraction=0.0)
+    assert merged["counts"]["not_for_training"] == 1 and merged["written"]["train.parquet"] == 3
+    fleet_train = read(tmp_path / "fleet" / "train.parquet")
+    assert {c for r in fleet_train for c in r["extra_info"]["completion_ids"]} == exported
+
 
 def test_one_file_holds_one_kind_of_prompt(tmp_path):
     rows = [request(0, "What is 1+1?", ">> 2", "u1"), feedback(0, 1.0),

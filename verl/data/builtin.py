@@ -28,7 +28,7 @@ from verl.utils.fs import atomic_path, cache_dir
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_TASKS = ("arithmetic", "word_problems", "tool_arithmetic", "tool_word_problems")
 BUILTIN_SPLITS = ("train", "val", "sft_train", "sft_val")
-TASK_SPLITS = {"arithmetic": (*BUILTIN_SPLITS, "test", "pairs_train", "pairs_val",
+TASK_SPLITS = {"arithmetic": (*BUILTIN_SPLITS, "test", "traffic", "pairs_train", "pairs_val",
                               "pairs_near_val"), "word_problems": ("train", "val"),
                "tool_arithmetic": BUILTIN_SPLITS,
                "tool_word_problems": BUILTIN_SPLITS}
@@ -47,7 +47,7 @@ def write_parquet(rows: list[dict], path: Path) -> Path:
 
 
 def write_arithmetic(out_dir: Path, spec: ArithmeticSpec | None = None) -> dict[str, Path]:
-    """Write ``train``, ``val`` and ``test.parquet``, the SFT copies of train and val, and preference pairs of them
+    """Write ``train``, ``val``, ``test`` and ``traffic.parquet``, the SFT copies of train and val, and preference pairs of them
     (``pairs_train``, ``pairs_val``) into ``out_dir``."""
     spec = spec or ArithmeticSpec()
     splits = generate_splits(spec)

@@ -33,6 +33,8 @@ class ArithmeticSpec:
     num_train: int = 20000
     num_val: int = 256
     num_test: int = 512  # held out from training and from checkpoint selection (verl ship's offline gate)
+    # What load tests send by default: served traffic that a flywheel may train on must not be a yardstick's prompts.
+    num_traffic: int = 512
     seed: int = 1234
     answer_formats: tuple[tuple[str, float], ...] = field(default=SFT_ANSWER_FORMATS)
 
@@ -69,8 +71,8 @@ def _row(a: int, op: str, b: int, split: str, index: int) -> dict:
 
 
 def generate_splits(spec: ArithmeticSpec) -> dict[str, list[dict]]:
-    """Deterministic, disjoint train, validation and test problems for ``spec`` (the test split may fall short of
-    ``num_test`` when the operand space is nearly used up)."""
+    """Deterministic, disjoint train, validation, test and traffic problems for ``spec`` (test and traffic may fall
+    short of their counts when the operand space is nearly used up)."""
     rng = random.Random(spec.seed)
     seen: set[tuple[int, str, int]] = set()
     splits: dict[str, list[dict]] = {"val": [], "train": []}
@@ -90,16 +92,24 @@ def generate_splits(spec: ArithmeticSpec) -> dict[str, list[dict]]:
             seen.add(problem)
             splits[split].append(_row(*problem, split=split, index=len(splits[split])))
     # The test split comes last, from a generator of its own: val and train stay what they were without it.
-    test_rng, test = random.Random(f"{spec.seed}-test"), []
-    for _ in range(50 * spec.num_test + 1000):
-        if len(test) >= spec.num_test:
+    test = _draw(random.Random(f"{spec.seed}-test"), spec, seen, spec.num_test, "test")
+    splits["test"] = test
+    # Then the traffic split, from its own generator again: disjoint from all three, and none of them moves.
+    splits["traffic"] = _draw(random.Random(f"{spec.seed}-traffic"), spec, seen, spec.num_traffic, "traffic")
+    return splits
+
+
+def _draw(rng: random.Random, spec: ArithmeticSpec, seen: set, count: int, split: str) -> list[dict]:
+    """Up to ``count`` problems none of ``seen`` holds (fewer when the operand space is nearly used up)."""
+    rows: list[dict] = []
+    for _ in range(50 * count + 1000):
+        if len(rows) >= count:
             break
-        problem = (_operand(test_rng, spec), test_rng.choice(spec.ops), _operand(test_rng, spec))
+        problem = (_operand(rng, spec), rng.choice(spec.ops), _operand(rng, spec))
         if problem not in seen:
             seen.add(problem)
-            test.append(_row(*problem, split="test", index=len(test)))
-    splits["test"] = test
-    return splits
+            rows.append(_row(*problem, split=split, index=len(rows)))
+    return rows
 
 
 def sft_response(ground_truth: str, rng: random.Random, formats=SFT_ANSWER_FORMATS) -> str:
