@@ -96,7 +96,8 @@ def test_impossible_problem_count_fails_clearly():
 
 def test_sft_answer_format_mix_is_about_60_20_20(tmp_path):
     paths = write_arithmetic(tmp_path, ArithmeticSpec(num_train=4000, num_val=20))
-    assert set(paths) == {"train", "val", "test", "traffic", "sft_train", "sft_val", "pairs_train", "pairs_val", "pairs_near_val"}
+    assert set(paths) == {"train", "val", "test", "traffic", "sft_train", "sft_val", "pairs_train", "pairs_val",
+                          "pairs_near_val"}
     rows = pq.read_table(paths["sft_train"]).to_pylist()
     kinds = Counter()
     for row in rows:

@@ -47,8 +47,8 @@ def write_parquet(rows: list[dict], path: Path) -> Path:
 
 
 def write_arithmetic(out_dir: Path, spec: ArithmeticSpec | None = None) -> dict[str, Path]:
-    """Write ``train``, ``val``, ``test`` and ``traffic.parquet``, the SFT copies of train and val, and preference pairs of them
-    (``pairs_train``, ``pairs_val``) into ``out_dir``."""
+    """Write ``train``, ``val``, ``test`` and ``traffic.parquet``, the SFT copies of train and val, and preference
+    pairs of them (``pairs_train``, ``pairs_val``) into ``out_dir``."""
     spec = spec or ArithmeticSpec()
     splits = generate_splits(spec)
     # Supervised copies of the same problems carry a `response` in the mixed answer formats.
