@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The flywheel on the tiny default (docs/flywheel.md): serve -> collect -> curate -> train -> gate -> ship, twice.
+#
+# A weak run (round 0) is served with a reward model scoring its live answers; Locust users send prompts of the
+# built-in task's traffic split (no training, validation or test prompt) with no answers; each round turns the
+# current model's records into training data (`verl data from-records`): the prompts, and pairs of answers the users
+# rated differently, which refresh the reward model; it then trains the next model from the current one on that
+# reward model's scores (GRPO: groups sampled and scored at train time), checks it on held-out prompts, and ships it
+# with `verl ship` against the model serving the route. The loop never reads the rule's answers: it learns from the
+# reward model and the users' feedback alone. The rule only measures each round (held-out accuracy on
+# builtin:arithmetic/test) and gates the release (verl ship's offline gate refuses a round that got worse).
+#
+#   bash examples/flywheel.sh                 # ~8 minutes on 2 cores; everything under outputs/flywheel
+#   ROUNDS=3 TRAFFIC_S=90 bash examples/flywheel.sh
+set -euo pipefail
+
+OUT=${OUT:-outputs/flywheel}
+PORT=${PORT:-8000}
+KEY=${KEY:-change-me}
+ROUNDS=${ROUNDS:-2}
+TRAFFIC_S=${TRAFFIC_S:-45}   # seconds of the current model's traffic collected before each round trains
+STEPS=${STEPS:-10}           # GRPO steps per round
+URL=http://127.0.0.1:$PORT
+mkdir -p "$OUT"
+trap 'kill ${LOAD:-} ${SERVER:-} 2> /dev/null || true' EXIT
+
+say() { printf '\n== %s\n' "$*"; }
+accuracy() { python -c "import json,sys; print(json.load(open(sys.argv[1]))['metrics']['eval/accuracy']['value'])" "$1"; }
+
+say "round 0: a weak run (4 GRPO steps) and a reward model trained offline on the warm start's own answers"
+verl train trainer.total_steps=4 trainer.save_freq=4 trainer.test_freq=0 trainer.val_before_train=false \
+    trainer.output_dir="$OUT" trainer.experiment_name=round0 --quiet
+verl data pairs --model builtin:tiny-arith --out "$OUT/pairs" --max-prompts 3000 --n 4
+verl rm --config configs/rm_tiny.yaml "data.train_files=[$OUT/pairs/train.parquet,builtin:arithmetic/pairs_train]" \
+    "data.val_files=[$OUT/pairs/val.parquet]" trainer.output_dir="$OUT" trainer.experiment_name=judge --quiet
+RM=$OUT/verl-rm/judge/checkpoints/global_step_700
+current=round0
+CKPT=$OUT/verl/round0/checkpoints/global_step_4
+verl eval --ckpt "$CKPT" --data builtin:arithmetic/test --out "$OUT/round0/eval" --quiet
+echo "round 0: held-out accuracy $(accuracy "$OUT/round0/eval/results.json")"
+
+cat > "$OUT/serve.yaml" <<EOF
+models:
+  - {name: round0, path: $CKPT}
+  - {name: judge, path: $RM, kind: reward}
+routes: {default: {round0: 1.0}}
+score_traffic: {scorer: judge}   # the reward model scores every answer in the background
+record_texts: true               # prompts and answers in the records: what from-records turns into training data
+records_path: $OUT/records.jsonl
+admin_api_key: $KEY
+feedback_rate_limit: 1000        # one load generator is one caller
+EOF
+verl serve --config "$OUT/serve.yaml" --port "$PORT" > "$OUT/serve.log" 2>&1 & SERVER=$!
+for _ in $(seq 300); do curl -sf "$URL/health" > /dev/null && break; sleep 1; done
+locust -f loadtest/ --headless -H "$URL" --user-mix feedback -u 4 -r 4 --temperature 1 --run-time 2h --only-summary \
+    > "$OUT/locust.log" 2>&1 & LOAD=$!
+
+for round in $(seq 1 "$ROUNDS"); do
+    say "round $round: $TRAFFIC_S s of $current's traffic -> training data -> GRPO from $current -> verl ship"
+    sleep "$TRAFFIC_S"
+    verl data from-records "$OUT/records.jsonl" --out "$OUT/round$round/data" --model "$current" \
+        --reward-source rm:judge --val-fraction 0.1
+    # The users' thumbs on the same answers: pairs (a right and a wrong answer to one prompt) that refresh the reward
+    # model on what the current model gets wrong, so the next policy cannot game what the last one learnt.
+    verl data from-records "$OUT/records.jsonl" --out "$OUT/round$round/feedback" --model "$current" \
+        --reward-source feedback --val-fraction 0.2
+    verl rm --config configs/rm_tiny.yaml model.path="$RM" \
+        "data.train_files=[$OUT/round$round/feedback,builtin:arithmetic/pairs_train]" \
+        "data.val_files=[$OUT/round$round/feedback]" optim.lr=3e-4 optim.warmup_steps=5 trainer.total_steps=100 \
+        trainer.test_freq=100 trainer.output_dir="$OUT" trainer.experiment_name="judge$round" --quiet
+    RM=$OUT/verl-rm/judge$round/checkpoints/global_step_100
+    verl train model.path="$CKPT" "data.train_files=[$OUT/round$round/data]" reward.model.path="$RM" \
+        trainer.total_steps="$STEPS" trainer.save_freq="$STEPS" \
+        trainer.test_freq="$STEPS" trainer.val_before_train=false trainer.output_dir="$OUT" \
+        trainer.experiment_name="round$round" --quiet
+    next=$OUT/verl/round$round/checkpoints/global_step_$STEPS
+    verl eval --ckpt "$next" --data builtin:arithmetic/test --out "$OUT/round$round/eval" --quiet
+    verl compare "$OUT/round$((round - 1))/eval" "$OUT/round$round/eval" --out "$OUT/round$round/compare" --quiet
+    echo "round $round: held-out accuracy $(accuracy "$OUT/round$((round - 1))/eval/results.json") -> $(accuracy "$OUT/round$round/eval/results.json") (report: $OUT/round$round/compare/report.md)"
+    # Promoted (exit 0), the next round learns from the new model's traffic; refused or rolled back (exit 10), the
+    # serving model keeps the route and the next round starts from it again.
+    if verl ship "$OUT/verl/round$round" --ckpt "$next" --name "round$round" --service "$URL" --admin-key "$KEY" \
+        --reward-source rm:judge --capacity-users 2 --capacity-s 6 --budget-s 300 --out "$OUT/round$round/ship"; then
+        current=round$round
+        CKPT=$next
+    else
+        status=$?
+        [ "$status" -eq 10 ] || exit "$status"   # 10: refused or rolled back; anything else is a failure
+        echo "round $round: not shipped: $current keeps the route ($OUT/round$round/ship/ship_report.md says why)"
+    fi
+done
+say "$current serves the route; every round's evidence is under $OUT/round*/"
