@@ -466,7 +466,7 @@ class PPOTrainer:
                                                  extras, kl_terms=self.roles.compute_kl_terms))
         if self.contamination and self.contamination["overlapping"]:
             # Beside the whole, never instead of it: the curve a user already watches keeps its meaning.
-            validated = self.val_overlap[:min(len(self.val_dataset), self.config.data.val_max_samples or 1 << 62)]
+            validated = self.val_overlap[:self.config.data.val_max_samples]  # the prompts generate_and_score used
             metrics.update({f"clean/{k}": v for k, v in clean_validation_metrics(validated, scores, extras).items()})
         metrics["seconds"] = time.perf_counter() - start
         samples = sample_rows(batch, texts, scores, self.config.trainer.num_samples_to_log)
