@@ -16,6 +16,7 @@ from tests.trainer_utils import run_cli
 from verl.data.builtin import resolve_data_file
 from verl.data.contamination import TrainingIndex, normalise, text_of
 from verl.errors import ConfigError
+from verl.tracking.follow import row_kind
 from verl.trainer.local import LocalPPOTrainer
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "seven", "tired", "cats",
@@ -66,6 +67,7 @@ def test_training_validation_logs_the_overlap_and_the_clean_subset_and_strict_re
     rows = [json.loads(line) for line in (run_dir / "verl_logs.jsonl").read_text().splitlines()]
     [info] = [r for r in rows if r["scope"] == "contamination"]
     assert (info["checked"], info["overlapping"], info["exact"], info["level"]) == (256, 8, 8, "WARNING")
+    assert row_kind(info) == "other" and row_kind({**info, "level": "INFO"}) == "event"  # never a tracker's curve
     assert "data.contamination=strict refuses" in info["message"]
     evals = [r for r in rows if r["scope"] == "eval"]
     assert evals

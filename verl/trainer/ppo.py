@@ -593,8 +593,9 @@ class PPOTrainer:
                     f"({info['exact']} exactly, {info['ngram']} by a shared {info['n']}-gram): eval/clean/* scores the "
                     "rest; `verl data decontaminate` removes them, data.contamination=strict refuses"
                     ) if info["overlapping"] else None
+            # A run event (status), not a curve: its counts never reach the trackers as metrics.
             self.logger.event("contamination", level="WARNING" if note else "INFO", step=self.global_step,
-                              split="val", **info, **({"message": note} if note else {}))
+                              status="checked", split="val", **info, **({"message": note} if note else {}))
         self.logger.debug("placement", device=str(self.device), executor=cfg.trainer.executor,
                           threads=torch.get_num_threads(), reference=cfg.use_reference, critic=cfg.use_critic)
 
