@@ -45,6 +45,11 @@ APP_NAME = "verl"
 POLL_S = 0.2  # how often a replica asks the control plane for changes
 METRICS_EVERY_S = 1.0  # how often a replica ships its /metrics page (the fleet's page is at most this stale)
 LIVE_S = 5.0  # a replica whose last poll is older than this is not counted (dead, or being replaced)
+# A replica's last metrics page stays in the fleet's /metrics this long after its last poll. A poll that lapses past
+# LIVE_S under load must not drop the replica's counters from one scrape and bring them back in the next: a reader
+# of deltas (verl loadtest's cross-check, Prometheus' rate()) would count its whole history as new requests (the
+# fleet test saw 516 served for 483 sent). A dead replica's series leave this long after it.
+METRICS_KEEP_S = 30.0
 CHANGE_TIMEOUT_S = 300.0  # prepare (loading a model) and switch, per phase
 SETTLE_S = 10.0  # after one replica failed a phase, how long the others get to report before the rollback
 
@@ -114,10 +119,11 @@ class ControlPlane:
         return dataclasses.asdict(verdict)
 
     async def metrics_pages(self) -> dict[str, str]:
-        """The live replicas' latest metrics pages (a dead replica's series leave with it, as a scrape target's
-        would)."""
-        live = self._live()
-        self.metrics = {name: page for name, page in self.metrics.items() if name in live}
+        """The replicas' latest metrics pages, those polled within ``METRICS_KEEP_S`` (a dead replica's series leave
+        after that, as a scrape target's go stale)."""
+        now = time.monotonic()
+        kept = {name for name, r in self.replicas.items() if now - r["seen"] < METRICS_KEEP_S}
+        self.metrics = {name: page for name, page in self.metrics.items() if name in kept}
         return dict(self.metrics)
 
     async def get(self) -> dict:

@@ -224,3 +224,23 @@ def test_an_export_without_the_split_a_key_reads_is_one_clear_line(tmp_path):
     (tmp_path / "plain").mkdir()
     with pytest.raises(Exception, match=r"data.train_files: '.*plain' is a directory without train.parquet"):
         RLHFDataset([str(tmp_path / "plain")], tokenizer, {}, "data.train_files", require_ground_truth=False)
+
+
+def test_a_replica_whose_poll_lapses_keeps_its_metrics_page_until_it_is_gone():
+    """The fleet's /metrics (serve.fleet.ControlPlane.metrics_pages): a replica polling late under load (past LIVE_S)
+    keeps its last page, so its counters do not vanish from one scrape and return in the next (a delta would count its
+    whole history as new requests); a replica gone for METRICS_KEEP_S leaves."""
+    import asyncio
+
+    from serve.fleet import LIVE_S, METRICS_KEEP_S, ControlPlane
+
+    plane = ControlPlane({"models": [], "routes": {}})
+
+    async def scrape_after(lapse_s: float) -> set[str]:
+        for replica in ("r1", "r2"):
+            await plane.report(replica, active=1, prepared=1, error=None, metrics=f"page of {replica}\n")
+        plane.replicas["r2"]["seen"] -= lapse_s
+        return set(await plane.metrics_pages())
+
+    assert asyncio.run(scrape_after(LIVE_S + 1)) == {"r1", "r2"}
+    assert asyncio.run(scrape_after(METRICS_KEEP_S + 1)) == {"r1"}
