@@ -50,13 +50,19 @@ def generate_and_score(
     return batch, np.concatenate(scores), {k: np.concatenate(v) for k, v in extras.items()}, texts
 
 
+def accuracy_of(scores: np.ndarray, acc: np.ndarray | None) -> float:
+    """Validation accuracy: the reward function's strict ``acc`` where it gives one, else the share of positive
+    scores (shapes ``(responses,)``)."""
+    return float(np.nanmean(acc)) if acc is not None else float((scores > 0).mean())
+
+
 def validation_metrics(
     batch: DataProto, scores: np.ndarray, extras: dict[str, np.ndarray]
 ) -> dict[str, float]:
     """``eval`` scope fields: accuracy (strict), accuracy_flexible, reward_mean, response length."""
     metrics: dict[str, float] = {"reward_mean": float(scores.mean()), "num_samples": float(len(scores))}
     acc = extras.get("acc")
-    metrics["accuracy"] = float(np.nanmean(acc)) if acc is not None else float((scores > 0).mean())
+    metrics["accuracy"] = accuracy_of(scores, acc)
     if "acc_flexible" in extras:
         metrics["accuracy_flexible"] = float(np.nanmean(extras["acc_flexible"]))
     lengths = batch.batch["response_mask"].sum(-1).float()
@@ -71,7 +77,7 @@ def validation_overlap(config: VerlConfig, train: RLHFDataset, val: RLHFDataset)
     summary ``verl eval`` records; ``data.contamination=strict`` refuses any overlap before the run starts."""
     key = config.data.prompt_key
     index = TrainingIndex.of(text_of(row[key]) for row in train.rows)
-    kinds = index.overlaps([text_of(row[key]) for row in val.rows])
+    kinds = index.overlaps_rows(val.rows, key)
     info = summary(kinds, config.data.train_files, index.n)
     if config.data.contamination == "strict" and info["overlapping"]:
         raise ConfigError(
@@ -94,7 +100,7 @@ def clean_validation_metrics(overlap: list[str | None], scores: np.ndarray, extr
     if clean.any():
         metrics["reward_mean"] = float(scores[clean].mean())
         acc = extras.get("acc")
-        metrics["accuracy"] = float(np.nanmean(acc[clean])) if acc is not None else float((scores[clean] > 0).mean())
+        metrics["accuracy"] = accuracy_of(scores[clean], None if acc is None else acc[clean])
     return metrics
 
 
