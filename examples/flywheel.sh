@@ -10,7 +10,8 @@
 # reward model and the users' feedback alone. The rule only measures each round (held-out accuracy on
 # builtin:arithmetic/test) and gates the release (verl ship's offline gate refuses a round that got worse).
 #
-#   bash examples/flywheel.sh                 # ~8 minutes on 2 cores; everything under outputs/flywheel
+#   bash examples/flywheel.sh                 # ~8-9 minutes on 2 cores; everything under outputs/flywheel
+#   SEED=2 RM0=outputs/verl-rm/rm-a/checkpoints/global_step_700 bash examples/flywheel.sh   # another seed, the README's RM
 #   ROUNDS=3 TRAFFIC_S=90 bash examples/flywheel.sh
 set -euo pipefail
 
@@ -20,6 +21,9 @@ KEY=${KEY:-change-me}
 ROUNDS=${ROUNDS:-2}
 TRAFFIC_S=${TRAFFIC_S:-45}   # seconds of the current model's traffic collected before each round trains
 STEPS=${STEPS:-5}            # GRPO steps per round: few, so a round stops short of what the reward model can tell apart
+SEED=${SEED:-1}              # the GRPO runs' trainer.seed (sampling and batches); traffic and reward models are seeded apart
+RM0=${RM0:-}                 # a reward model trained as the README's (outputs/verl-rm/rm-a/checkpoints/global_step_700):
+                             # round 0 starts from it instead of training the same one again (~3 min)
 URL=http://127.0.0.1:$PORT
 mkdir -p "$OUT"
 trap 'kill ${LOAD:-} ${SERVER:-} 2> /dev/null || true' EXIT
@@ -28,12 +32,16 @@ say() { printf '\n== %s\n' "$*"; }
 accuracy() { python -c "import json,sys; print(json.load(open(sys.argv[1]))['metrics']['eval/accuracy']['value'])" "$1"; }
 
 say "round 0: a weak run (4 GRPO steps) and a reward model trained offline on the warm start's own answers"
-verl train trainer.total_steps=4 trainer.save_freq=4 trainer.test_freq=0 trainer.val_before_train=false \
+verl train trainer.seed="$SEED" trainer.total_steps=4 trainer.save_freq=4 trainer.test_freq=0 trainer.val_before_train=false \
     trainer.output_dir="$OUT" trainer.experiment_name=round0 --quiet
-verl data pairs --model builtin:tiny-arith --out "$OUT/pairs" --max-prompts 3000 --n 4
-verl rm --config configs/rm_tiny.yaml "data.train_files=[$OUT/pairs/train.parquet,builtin:arithmetic/pairs_train]" \
-    "data.val_files=[$OUT/pairs/val.parquet]" trainer.output_dir="$OUT" trainer.experiment_name=judge --quiet
-RM=$OUT/verl-rm/judge/checkpoints/global_step_700
+if [ -n "$RM0" ]; then
+    RM=$RM0
+else
+    verl data pairs --model builtin:tiny-arith --out "$OUT/pairs" --max-prompts 3000 --n 4
+    verl rm --config configs/rm_tiny.yaml "data.train_files=[$OUT/pairs/train.parquet,builtin:arithmetic/pairs_train]" \
+        "data.val_files=[$OUT/pairs/val.parquet]" trainer.output_dir="$OUT" trainer.experiment_name=judge --quiet
+    RM=$OUT/verl-rm/judge/checkpoints/global_step_700
+fi
 current=round0
 CKPT=$OUT/verl/round0/checkpoints/global_step_4
 verl eval --ckpt "$CKPT" --data builtin:arithmetic/test --out "$OUT/round0/eval" --quiet
@@ -69,7 +77,7 @@ for round in $(seq 1 "$ROUNDS"); do
         "data.val_files=[$OUT/round$round/feedback]" optim.lr=3e-4 optim.warmup_steps=5 trainer.total_steps=100 \
         trainer.test_freq=100 trainer.output_dir="$OUT" trainer.experiment_name="judge$round" --quiet
     RM=$OUT/verl-rm/judge$round/checkpoints/global_step_100
-    verl train model.path="$CKPT" "data.train_files=[$OUT/round$round/data]" reward.model.path="$RM" \
+    verl train trainer.seed="$SEED" model.path="$CKPT" "data.train_files=[$OUT/round$round/data]" reward.model.path="$RM" \
         trainer.total_steps="$STEPS" trainer.save_freq="$STEPS" \
         trainer.test_freq="$STEPS" trainer.val_before_train=false trainer.output_dir="$OUT" \
         trainer.experiment_name="round$round" --quiet

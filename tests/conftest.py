@@ -40,6 +40,16 @@ def warm_start_dir() -> str:
     return resolve_model_path("builtin:tiny-arith")
 
 
+@pytest.fixture(scope="session")
+def readme_reward_model(tmp_path_factory) -> Path:
+    """The README's reward model, trained once per session by the README's own two commands (tests/readme.py): the
+    reward-model story and the flywheel (round 0's reward model) share it, ~3.2 min of the slow group's serial part.
+    Returns the directory the commands ran in (``data/pairs-tiny``, ``outputs/verl-rm/rm-a``)."""
+    from tests.readme import train_readme_reward_model
+
+    return train_readme_reward_model(tmp_path_factory.mktemp("readme-rm"))
+
+
 # ---------------------------------------------------------------- skips CI accepts
 # With VERL_STRICT_SKIPS=1 (.ci/run sets it) a test that skips for a reason not listed here fails the run: a skip
 # that depends on the machine (a browser, a package CI installs) must not pass silently. Reason substring -> why.

@@ -1,8 +1,8 @@
 """The flywheel, end to end (slow group): `examples/flywheel.sh` as shipped, two rounds of serve -> records -> `verl
 data from-records` -> `verl train` (on the reward model's scores alone) -> `verl ship`, on the tiny default. Only its
-output directory and port are a test's. The first round must raise the rule-checked held-out accuracy (a rule the
-loop never reads) and be promoted with the canary's evidence in its audit log; the second is promoted only if it holds
-up on held-out prompts (it does not always: docs/flywheel.md); and each
+output directory, port and round 0's reward model (the README's, trained once per session: tests/conftest.py) are a
+test's. The first round must raise the rule-checked held-out accuracy (a rule the
+loop never reads) and be promoted with the canary's evidence in its audit log, and so must the second; and each
 round's data (prompts, and the feedback pairs that refresh the reward model) must come from the model serving the
 route at the time, traced in the run's lineage."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.serve.helpers import REPO
+from tests.readme import README_RM_CHECKPOINT, REPO, readme_block
 from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.serial]  # a canary and a capacity check
@@ -25,21 +25,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.serial]  
 
 @pytest.mark.budget(1)
 def test_the_readme_block_is_this_script():
-    text = (REPO / "README.md").read_text()
-    block = text[text.index("### The flywheel"):].split("```bash\n", 1)[1].split("```", 1)[0]
-    assert block.split("#")[0].strip() == "bash examples/flywheel.sh"
+    assert readme_block("### The flywheel").split("#")[0].strip() == "bash examples/flywheel.sh"
 
 
 def accuracy(path: Path) -> float:
     return json.loads(path.read_text())["metrics"]["eval/accuracy"]["value"]
 
 
-@pytest.mark.budget(500)
-def test_two_rounds_learn_from_traffic_and_only_what_holds_up_is_shipped(tmp_path: Path) -> None:
+@pytest.mark.budget(310)  # the README reward model it starts from is in the reward-model story's budget
+def test_two_rounds_learn_from_traffic_and_only_what_holds_up_is_shipped(tmp_path: Path,
+                                                                         readme_reward_model: Path) -> None:
     out = tmp_path / "fly"
     bin_dir = Path(sys.executable).parent
+    # RM0: round 0's reward model is the README's (the script trains the same one when RM0 is not given).
     env = {**os.environ, "OUT": str(out), "PORT": str(free_port()), "PYTHONUNBUFFERED": "1",
-           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+           "PATH": f"{bin_dir}:{os.environ['PATH']}", "RM0": str(readme_reward_model / README_RM_CHECKPOINT)}
     done = subprocess.run(["bash", "examples/flywheel.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=1400)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
@@ -60,16 +60,12 @@ def check_the_loop(out: Path) -> None:
     assert first["decision"] == "promote", first
     assert first["evidence"]["reward_source"] == "rm:judge" and first["evidence"]["reward"]["n_candidate"] > 0
     assert first["evidence"]["reward"]["decision"] == "non_inferior", first["evidence"]["reward"]
-    # Round 2 learns from round 1's traffic. What the gates guarantee: promoted only when its held-out accuracy is not
-    # worse by the quality gate's margin; a worse one is refused by that gate and round 1 keeps the route. (Both
-    # happen: the refreshed reward model is still gamed in some runs — docs/flywheel.md.)
+    # Round 2 learns from round 1's traffic and rises again (+9 to +22 points over three seeds: docs/flywheel.md),
+    # promoted on the same evidence.
+    assert scores[2] > scores[1], scores
     second = decisions[2]
-    if second["decision"] == "promote":
-        assert scores[2] >= scores[1] - 0.05, (scores, second["reason"])
-    else:  # refused by an offline gate (a worse model: the quality gate) or rolled back by the canary
-        assert second["decision"] in ("refused", "rollback"), second
-        if second["reason"].startswith("quality gate"):
-            assert scores[2] < scores[1], scores
+    assert second["decision"] == "promote", second
+    assert second["evidence"]["reward_source"] == "rm:judge" and second["evidence"]["reward"]["n_candidate"] > 0
 
     for round_ in (1, 2):
         served = "round0" if round_ == 1 else "round1"

@@ -53,7 +53,7 @@ class RewardScorer:
         self.path = resolve_model_path(path)
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(self.path)
         try:
-            self.model = AutoModelForSequenceClassification.from_pretrained(self.path, torch_dtype=dtype).to(device)
+            self.model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=dtype).to(device)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"'{path}' is not a sequence-classification (reward) model: {exc}") from None
         self.model.eval()

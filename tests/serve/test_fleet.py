@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pyarrow.parquet as pq
 import pytest
 
 from tests.serve.helpers import REPO, BackgroundClients
@@ -96,7 +97,7 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
     url = f"http://127.0.0.1:{port}"
     records_path = tmp_path / "records.jsonl"
     env = {**os.environ, "VERL_SERVE_ADMIN_API_KEY": "fleet-admin", "VERL_SERVE_STATE_PATH": str(tmp_path / "s.json"),
-           "VERL_SERVE_RECORDS_PATH": str(records_path), "PYTHONUNBUFFERED": "1"}
+           "VERL_SERVE_RECORDS_PATH": str(records_path), "VERL_SERVE_RECORD_TEXTS": "true", "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen([sys.executable, "-m", "verl.cli", "serve", "--replicas", "2", "--port", str(port)],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -175,6 +176,35 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
         with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as client:
             late = [r for r in client.get("/admin/records").json()["records"] if r["kind"] == "reward"]
         assert sorted(r["id"] for r in late) == sorted(targets) and {r["reward_source"] for r in late} == {"feedback"}
+
+        # 5c. Not for training, across the fleet: chat requests on fresh connections, every other one flagged by
+        # the client, until both replicas answered a flagged one; the merged records file exports the unflagged
+        # ones and never a flagged one.
+        asked: dict[bool, set[str]] = {True: set(), False: set()}
+
+        def recorded() -> list[dict]:
+            return [json.loads(line) for line in records_path.read_text().splitlines()]
+
+        for batch in range(4):
+            for k in range(8 * batch, 8 * batch + 8):
+                body = {"messages": [{"role": "user", "content": f"What is {k}+{k + 11}?"}], "max_tokens": 6,
+                        "user": f"user-{k}", **({"verl": {"not_for_training": True}} if k % 2 else {})}
+                with httpx.Client(base_url=url, timeout=60) as client:
+                    answered_chat = client.post("/v1/chat/completions", json=body)
+                assert answered_chat.status_code == 200, answered_chat.text
+                asked[bool(k % 2)].add(answered_chat.json()["id"])
+            wait_for(lambda: asked[True] | asked[False] <= {r["id"] for r in recorded()}, 30,
+                     "the chat requests' rows in the merged records file")
+            if len({r["replica"] for r in recorded() if r["id"] in asked[True]}) == 2:
+                break
+        assert len({r["replica"] for r in recorded() if r["id"] in asked[True]}) == 2
+        exported = verl("data", "from-records", str(records_path), "--out", str(tmp_path / "export"),
+                        "--val-fraction", "0", "--min-rewards", "0")
+        assert exported.returncode == 0, exported.stderr
+        summary = json.loads((tmp_path / "export" / "summary.json").read_text())
+        assert summary["counts"]["not_for_training"] == len(asked[True])
+        train = pq.read_table(tmp_path / "export" / "train.parquet").to_pylist()
+        assert {c for r in train for c in r["extra_info"]["completion_ids"]} == asked[False]
 
         # 6. One metrics page for the fleet: every live replica's series, labelled replica (name = pid-suffix).
         page = httpx.get(url + "/metrics", timeout=30).text

@@ -123,7 +123,7 @@ def test_sources_are_never_mixed_and_bad_input_is_one_line(tmp_path):
 @pytest.mark.e2e
 def test_a_real_services_records_and_the_clients_not_for_training_flag(tmp_path):
     records = tmp_path / "records.jsonl"
-    with run_server(record_texts=True, records_path=str(records)) as srv:
+    with run_server(record_texts=True, records_path=str(records), admin_api_key="k") as srv:
         ids = {}
         for k, question in enumerate(["What is 12+7?", "What is 3*4?", "What is 20-6?", "What is 9+9?"]):
             body = {"messages": [{"role": "user", "content": question}], "max_tokens": 6, "temperature": 0,
@@ -134,6 +134,12 @@ def test_a_real_services_records_and_the_clients_not_for_training_flag(tmp_path)
             ids[question] = reply["id"]
             httpx.post(srv.url + "/v1/feedback", json={"id": reply["id"], "thumbs": "up" if k % 2 else "down"},
                        timeout=30)
+        # The service itself as the source (docs/flywheel.md), filtered: its /admin/records (one model, no route).
+        live = run_cli(["data", "from-records", srv.url, "--admin-key", "k", "--out", str(tmp_path / "live"),
+                        "--model", "tiny-arith", "--since", "1790000000", "--val-fraction", "0"])
+        assert live.returncode == 0, live.stderr
+        unauthorised = run_cli(["data", "from-records", srv.url, "--out", str(tmp_path / "no-key")])
+        assert unauthorised.returncode == 1 and "needs the admin key: --admin-key" in unauthorised.stderr
     done = run_cli(["data", "from-records", str(records), "--out", str(tmp_path / "out"), "--val-fraction", "0"])
     assert done.returncode == 0, done.stderr
     said = " ".join(done.stderr.split())
@@ -141,6 +147,8 @@ def test_a_real_services_records_and_the_clients_not_for_training_flag(tmp_path)
     train = read(tmp_path / "out" / "train.parquet")
     exported = {c for r in train for c in r["extra_info"]["completion_ids"]}
     assert exported == {ids[q] for q in ids if q != "What is 3*4?"}
+    live_train = read(tmp_path / "live" / "train.parquet")
+    assert {c for r in live_train for c in r["extra_info"]["completion_ids"]} == exported
 
     # A fleet: each replica ships its new rows to the control plane (serve.fleet), which merges them into the one
     # records file. The flag travels with the row: the merged log exports the same three prompts.
@@ -224,23 +232,3 @@ def test_an_export_without_the_split_a_key_reads_is_one_clear_line(tmp_path):
     (tmp_path / "plain").mkdir()
     with pytest.raises(Exception, match=r"data.train_files: '.*plain' is a directory without train.parquet"):
         RLHFDataset([str(tmp_path / "plain")], tokenizer, {}, "data.train_files", require_ground_truth=False)
-
-
-def test_a_replica_whose_poll_lapses_keeps_its_metrics_page_until_it_is_gone():
-    """The fleet's /metrics (serve.fleet.ControlPlane.metrics_pages): a replica polling late under load (past LIVE_S)
-    keeps its last page, so its counters do not vanish from one scrape and return in the next (a delta would count its
-    whole history as new requests); a replica gone for METRICS_KEEP_S leaves."""
-    import asyncio
-
-    from serve.fleet import LIVE_S, METRICS_KEEP_S, ControlPlane
-
-    plane = ControlPlane({"models": [], "routes": {}})
-
-    async def scrape_after(lapse_s: float) -> set[str]:
-        for replica in ("r1", "r2"):
-            await plane.report(replica, active=1, prepared=1, error=None, metrics=f"page of {replica}\n")
-        plane.replicas["r2"]["seen"] -= lapse_s
-        return set(await plane.metrics_pages())
-
-    assert asyncio.run(scrape_after(LIVE_S + 1)) == {"r1", "r2"}
-    assert asyncio.run(scrape_after(METRICS_KEEP_S + 1)) == {"r1"}

@@ -6,23 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.serve.helpers import REPO
+from tests.readme import REPO, readme_block
 from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.serial]  # timed load
-
-
-def readme_block(heading: str) -> str:
-    text = (REPO / "README.md").read_text()
-    section = text[text.index(heading):]
-    return re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
 
 
 @pytest.mark.budget(145)

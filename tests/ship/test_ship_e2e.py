@@ -35,6 +35,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.readme import README_RM_CHECKPOINT
 from tests.serve.helpers import REPO
 from verl.utils.net import free_port
 
@@ -256,22 +257,13 @@ def test_ship_on_the_fleet_every_replica_follows(tmp_path, runs):
 
 
 @pytest.fixture(scope="module")
-def judge(tmp_path_factory) -> Path:
-    """A reward model for the built-in task, trained here as docs/rewards.md says, shortened (150 steps on 800
-    prompts' own-answer pairs and the built-in pairs: ~0.86 held-out pairwise accuracy in ~50 s)."""
-    root = tmp_path_factory.mktemp("judge")
-    pairs = verl("data", "pairs", "--model", "builtin:tiny-arith", "--out", str(root / "pairs"), "--max-prompts", "800",
-                 "--n", "4")
-    assert pairs.returncode == 0, pairs.stderr[-3000:]
-    trained = verl("rm", "--config", str(REPO / "configs" / "rm_tiny.yaml"),
-                   f"data.train_files=[{root / 'pairs' / 'train.parquet'},builtin:arithmetic/pairs_train]",
-                   f"data.val_files=[{root / 'pairs' / 'val.parquet'}]", "trainer.total_steps=150",
-                   "trainer.test_freq=150", f"trainer.output_dir={root}", "trainer.experiment_name=judge", "--quiet")
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    return root / "verl-rm" / "judge" / "checkpoints" / "global_step_150"
+def judge(readme_reward_model) -> Path:
+    """The README's reward model for the built-in task (tests/conftest.py: trained once per session, shared with the
+    reward-model story and the flywheel)."""
+    return readme_reward_model / README_RM_CHECKPOINT
 
 
-@pytest.mark.budget(150)
+@pytest.mark.budget(100)  # the README reward model it uses is in the reward-model story's budget
 def test_ship_on_traffic_without_answers_by_a_reward_model_and_by_feedback(tmp_path, runs, judge):
     """Users whose requests carry no answer (FeedbackUser): the rule has nothing to score. The service's reward model
     scores every answer in the background (``score_traffic``: rows of source ``rm:judge``) and the users rate 60% of
@@ -285,9 +277,7 @@ def test_ship_on_traffic_without_answers_by_a_reward_model_and_by_feedback(tmp_p
         "feedback_rate_limit: 1000\nfeedback_burst: 1000\n" + FAULTS)
     admin = {"Authorization": f"Bearer {KEY}"}
     ship = [*SHIP, "--skip-offline", "--skip-capacity", "--reward-timeout-s", "20"]
-    # The margin is in the source's units: this short-trained RM's probabilities of the incumbent's answers (~22%
-    # right) and the worse run's (~0.4%) differ by ~0.05 on average, less than the rule's 0.1 margin; 0.03 is the
-    # margin that means "worse" on its scale (a better-trained RM spreads them further: docs/rewards.md).
+    # The margin is in the source's units (the RM's probabilities), not the rule's: 0.03 here.
     rm_margin = ("--margin", "0.03")
     outcomes = {}
     with served_under_load(tmp_path, users=FEEDBACK_USERS) as url:

@@ -122,7 +122,7 @@ def load_reward_model(path: str, dtype: str, device: torch.device, pad_token_id:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "some weights newly initialized": the head, by design
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(local, num_labels=1, torch_dtype=DTYPES[dtype])
+        model = AutoModelForSequenceClassification.from_pretrained(local, num_labels=1, dtype=DTYPES[dtype])
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"model.path: cannot build a reward model from '{path}': {exc}") from None
     finally:
