@@ -177,6 +177,15 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM only: GPU memory fraction.")
     enforce_eager: bool = Field(True, description="vLLM only: skip graph capture (faster start).")
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    calculate_log_probs: bool = Field(
+        True, description="The engine returns each drawn token's log-prob (verl's name): the rollout/trainer mismatch "
+        "(rollout_corr/*, training/rollout_probs_diff_*) is measured every step, and algorithm.rollout_correction "
+        "can correct it. Costs one log-softmax per decoded token in the engine (docs/mismatch.md)."
+    )
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        None, description="The rollout's compute dtype (autocast) when it differs from the trainer's: bfloat16 "
+        "samples as a bf16 engine would, against an fp32 trainer. None: the trainer's (actor.autocast)."
+    )
 
     @model_validator(mode="after")
     def _tools_when_multi_turn(self) -> RolloutConfig:
@@ -341,6 +350,93 @@ class KLControlConfig(Section):
     horizon: int = Field(10000, ge=1, description="Adaptive controller horizon.")
 
 
+# verl's presets (RolloutCorrectionConfig's class methods, verl 2026): name -> the keys it sets. Bypass presets that
+# also reject samples are left out: rejection needs every micro-batch's pi_theta before the update (see _no_bypass_rs).
+ROLLOUT_CORRECTION_PRESETS: dict[str, dict[str, Any]] = {
+    "disabled": {"rollout_is": None, "rollout_rs": None},
+    "decoupled_token_is": {"rollout_is": "token", "rollout_is_threshold": 2.0},
+    "decoupled_seq_is": {"rollout_is": "sequence", "rollout_is_threshold": 2.0},
+    "decoupled_token_icepop": {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0"},
+    "decoupled_seq_is_rs": {"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_rs": "seq_sum_k1",
+                            "rollout_rs_threshold": "0.5_2.0"},
+    "decoupled_geo_rs": {"rollout_is": None, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001"},
+    "decoupled_geo_rs_token_tis": {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k1",
+                                   "rollout_rs_threshold": "0.999_1.001"},
+    "decoupled_geo_rs_seq_tis": {"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k1",
+                                 "rollout_rs_threshold": "0.999_1.001"},
+    "decoupled_k3_rs": {"rollout_is": None, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01},
+    "decoupled_k3_rs_token_tis": {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k3",
+                                  "rollout_rs_threshold": 0.01},
+    "decoupled_k3_rs_seq_tis": {"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k3",
+                                "rollout_rs_threshold": 0.01},
+    "bypass_ppo_clip": {"rollout_is": None, "rollout_rs": None, "bypass_mode": True, "loss_type": "ppo_clip"},
+    "bypass_pg_is": {"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_rs": None, "bypass_mode": True,
+                     "loss_type": "reinforce"},
+    "bypass_pg_token_icepop": {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0", "rollout_rs": None,
+                               "bypass_mode": True, "loss_type": "reinforce"},
+}
+
+
+class RolloutCorrectionConfig(Section):
+    """verl's ``algorithm.rollout_correction``: correct for the rollout engine's log-probs not being the trainer's
+    (numerics, bf16, another engine, stale weights). Off by default (``rollout_is`` and ``rollout_rs`` null): the
+    mismatch is then only measured. Functions: verl/algos/rollout_correction.py; guide: docs/mismatch.md."""
+
+    preset: Literal[tuple(ROLLOUT_CORRECTION_PRESETS)] | None = Field(  # type: ignore[valid-type]
+        None, description="One of verl's presets (decoupled_token_is, decoupled_seq_is, decoupled_geo_rs, "
+        "bypass_ppo_clip, bypass_pg_is, ...); keys given beside it override its values.")
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None, description="Importance weights pi_trainer / pi_rollout on the policy loss, per token or per "
+        "sequence (the product); null: none.")
+    rollout_is_threshold: float | str = Field(
+        2.0, description="A number caps the weights (truncated IS); 'lower_upper' zeroes those outside the band "
+        "(IcePop), e.g. 0.5_5.0.")
+    rollout_is_batch_normalize: bool = Field(False, description="Divide the weights by their batch mean.")
+    rollout_rs: str | None = Field(
+        None, description="Rejection sampling: mask tokens or sequences whose divergence breaks a bound. Options, "
+        "comma-separated (all must pass): token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3.")
+    rollout_rs_threshold: float | str | None = Field(
+        None, description="k1: ratio bounds 'lower_upper' (or one number u: 1/u_u); k2/k3: one upper bound; one "
+        "for all options or one each, comma-separated.")
+    bypass_mode: bool = Field(
+        False, description="Use the rollout's log-probs as old_log_probs (no trainer forward for them): PPO clips "
+        "against the behaviour policy itself.")
+    loss_type: Literal["ppo_clip", "reinforce"] = Field(
+        "ppo_clip", description="Bypass mode's loss: ppo_clip (the ratio is pi_theta / pi_rollout) or reinforce "
+        "(-A * w * log pi_theta, w the IS weights, no clipping).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_under_given_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") is not None:
+            preset = ROLLOUT_CORRECTION_PRESETS.get(data["preset"])
+            if preset is None:
+                raise ValueError(f"unknown preset {data['preset']!r}; use one of "
+                                 f"{', '.join(ROLLOUT_CORRECTION_PRESETS)}")
+            return {**preset, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutCorrectionConfig:
+        from verl.algos.rollout_correction import parse_is_threshold, parse_rs_options, parse_rs_thresholds  # noqa
+
+        parse_is_threshold(self.rollout_is_threshold)
+        if self.rollout_rs is not None:
+            parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
+            if self.bypass_mode:
+                raise ValueError("rollout_rs with bypass_mode is not supported here: rejection needs pi_theta of the "
+                                 "whole mini-batch before its update (an extra forward that bypass mode exists to "
+                                 "avoid); use decoupled mode (bypass_mode: false)")
+        if self.loss_type == "reinforce" and not self.bypass_mode:
+            raise ValueError("loss_type reinforce is bypass mode's loss: set bypass_mode: true")
+        return self
+
+    @property
+    def corrects(self) -> bool:
+        """Whether anything changes the update (otherwise the mismatch is only measured)."""
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
+
+
 class AlgorithmConfig(Section):
     adv_estimator: str = Field("grpo", description="Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, ...")
     gamma: float = Field(1.0, ge=0.0, le=1.0)
@@ -349,6 +445,7 @@ class AlgorithmConfig(Section):
     use_kl_in_reward: bool = Field(False, description="Subtract beta * KL from token rewards.")
     kl_penalty: str = Field("k1", description="KL estimator in the reward: k1, k2, k3, low_var_kl.")
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
 
     @field_validator("kl_penalty")
     @classmethod

@@ -11,6 +11,7 @@ Works on flat ``{"dotted.key": value}`` settings (``verl.config.explicit_setting
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from verl.errors import ConfigError
@@ -55,7 +56,12 @@ RENAMES: dict[str, str] = {
     "rollout.multi_turn": "rollout.multi_turn.enable",  # older verl: multi_turn: True
     "remote_rm_url": "reward.model.url",  # OpenRLHF's --remote_rm_url
     "reward.model.remote_rm_url": "reward.model.url",
+    # verl's rollout correction before its 2026 rename.
+    "algorithm.rollout_correction.bypass_old_logprob_for_rollout": "algorithm.rollout_correction.bypass_mode",
 }
+
+# TRL's GRPOConfig importance-sampling keys -> ours (``trl_rollout_correction``).
+TRL_IS_KEYS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_cap")
 
 # Keys with no effect here: GPU engine tuning, cluster shape, features of verl we do not have. Prefixes end in ".".
 IGNORED: tuple[str, ...] = (
@@ -66,7 +72,7 @@ IGNORED: tuple[str, ...] = (
     "rollout.log_prob_micro_batch_size_per_gpu", "rollout.log_prob_micro_batch_size",
     "rollout.tensor_model_parallel_size", "rollout.data_parallel_size", "rollout.max_num_batched_tokens",
     "rollout.free_cache_engine", "rollout.load_format", "rollout.mode",
-    "rollout.enable_chunked_prefill", "rollout.dtype", "rollout.layered_summon", "rollout.prompt_length",
+    "rollout.enable_chunked_prefill", "rollout.layered_summon", "rollout.prompt_length",
     "rollout.response_length", "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu",
     "rollout.disable_log_stats", "rollout.do_sample", "rollout.val_kwargs.do_sample", "rollout.calculate_log_probs",
     "rollout.multi_turn.max_user_turns", "rollout.multi_turn.interaction_config_path",
@@ -98,7 +104,7 @@ IGNORED: tuple[str, ...] = (
     "trainer.max_critic_ckpt_to_keep", "trainer.rollout_data_dir", "trainer.validation_data_dir",
     "trainer.esi_redundant_time", "trainer.val_only", "trainer.log_val_generations_freq",
     "trainer.use_legacy_worker_impl", "trainer.critic_warmup_steps",
-    "algorithm.use_pf_ppo", "algorithm.pf_ppo.", "algorithm.rollout_is", "algorithm.rollout_correction.",
+    "algorithm.use_pf_ppo", "algorithm.pf_ppo.", "algorithm.rollout_is",
     "ray_init.", "ray_kwargs.", "global_profiler.", "transfer_queue.",
 )
 
@@ -152,6 +158,14 @@ def map_verl_keys(settings: dict[str, Any]) -> dict[str, Any]:
         if ours != key:
             renamed.append(f"{key} -> {ours}")
         mapped[ours] = value
+    if any(k in mapped for k in TRL_IS_KEYS):
+        trl = {k: mapped.pop(k) for k in TRL_IS_KEYS if k in mapped}
+        mapped.update(trl_rollout_correction(trl))
+        renamed.append(f"{', '.join(trl)} -> algorithm.rollout_correction.*")
+    if "algorithm.rollout_correction.use_pure_rollout_correction" in mapped:
+        pure = mapped.pop("algorithm.rollout_correction.use_pure_rollout_correction")
+        mapped["algorithm.rollout_correction.loss_type"] = "reinforce" if pure else "ppo_clip"
+        renamed.append("algorithm.rollout_correction.use_pure_rollout_correction -> loss_type")
     if resume_from_path and "trainer.resume" not in mapped:
         mapped["trainer.resume"] = str(resume_from_path)
         renamed.append("trainer.resume_from_path -> trainer.resume")
@@ -163,3 +177,20 @@ def map_verl_keys(settings: dict[str, Any]) -> dict[str, Any]:
     if dropped:
         say_once("verl keys with no effect here (GPU engine tuning / cluster shape), ignored: " + ", ".join(dropped))
     return mapped
+
+
+def trl_rollout_correction(trl: dict[str, Any]) -> dict[str, Any]:
+    """TRL's ``vllm_importance_sampling_*`` as our ``algorithm.rollout_correction`` keys: TRL's defaults (on,
+    ``sequence_mask``, cap 3.0); ``*_truncate`` caps the weights (truncated IS), ``*_mask`` zeroes those above the
+    cap, which is IcePop's band with verl's weight floor exp(-20) as its lower bound."""
+    if not trl.get("vllm_importance_sampling_correction", True):
+        return {"algorithm.rollout_correction.rollout_is": None}
+    mode = str(trl.get("vllm_importance_sampling_mode", "sequence_mask"))
+    cap = float(trl.get("vllm_importance_sampling_cap", 3.0))
+    level, _, kind = mode.partition("_")
+    if level not in ("token", "sequence") or kind not in ("truncate", "mask"):
+        raise ConfigError(f"vllm_importance_sampling_mode={mode!r}: TRL's modes are token_truncate, token_mask, "
+                          "sequence_truncate, sequence_mask")
+    threshold: float | str = cap if kind == "truncate" else f"{math.exp(-20.0):.6g}_{cap:g}"
+    return {"algorithm.rollout_correction.rollout_is": level,
+            "algorithm.rollout_correction.rollout_is_threshold": threshold}

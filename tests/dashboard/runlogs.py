@@ -24,6 +24,11 @@ def write_steps(log_path: Path, run: int, first: int, last: int, total: int, fin
                     response_length_clip_ratio=0.0)
         logger.info("ppo", kl_div=0.001 * step * (run + 1), policy_loss=-0.1, entropy=0.3)
         logger.info("throughput", tokens_per_second=1000.0 + step)
+        if run == 0:  # as verl-suite logs it: verl's and TRL's names
+            logger.info("rollout_corr", k3_kl=1e-4 * step)
+            logger.info("sampling", **{"sampling_logp_difference/mean": 0.01 * step})
+        else:  # a run with verl's debug metric alone: the panel's other tag stands in
+            logger.info("training", rollout_probs_diff_mean=0.002 * step)
         logger.info("train", progress=step / total)
         logger.flush(step)
         if step % 5 == 0:

@@ -53,6 +53,10 @@ def test_dashboard_renders_runs_and_follows_a_growing_log(tmp_path):
             assert page.evaluate(COUNT_PIXELS, ["reward", list(rgb)]) > 50
         for panel in ("kl", "policy_loss", "entropy", "response_length", "throughput", "eval_accuracy"):
             wait_for_points(page, panel, [1, 1])
+        wait_for_points(page, "mismatch", [8])
+        series = page.evaluate("window.verlDashboard.charts.mismatch.series.slice(1).map((s) => s.label)")
+        assert series == ["run0"]  # run1 logged no rollout_corr/k3_kl: no line for it
+        wait_for_points(page, "probs_diff", [8, 8])  # run0 by TRL's name, run1 by verl's
         eval_steps = page.evaluate("window.verlDashboard.charts.eval_accuracy.data[0]")
         assert eval_steps == [5]
         assert page.locator("#samples tbody tr").count() == 16

@@ -96,13 +96,15 @@ def clipped_policy_loss(
     clip_high: float = 0.2,
     clip_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
     **agg_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with separate low/high clip (DAPO clip-higher) and dual clip.
 
     ratio = exp(logp - old_logp); loss = max(-A*ratio, -A*clip(ratio, 1-low, 1+high)); for A < 0 the loss is
-    further bounded by -A*clip_c (dual clip, Ye et al. 2020). Metrics: ``clipfrac`` (tokens where the clipped
-    term is active), ``clipfrac_lower`` (dual clip active), ``ppo_kl`` (mean of old_logp - logp).
+    further bounded by -A*clip_c (dual clip, Ye et al. 2020). ``rollout_is_weights`` (decoupled rollout correction,
+    detached) multiply each token's loss before aggregation, as verl applies them. Metrics: ``clipfrac`` (tokens
+    where the clipped term is active), ``clipfrac_lower`` (dual clip active), ``ppo_kl`` (mean of old_logp - logp).
     """
     log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
     ratio = torch.exp(log_ratio)
@@ -111,12 +113,32 @@ def clipped_policy_loss(
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
     loss_dual = torch.minimum(loss_ppo, -advantages * clip_c)
     losses = torch.where(advantages < 0, loss_dual, loss_ppo)
+    if rollout_is_weights is not None:
+        losses = losses * rollout_is_weights
     metrics = {
         "clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
         "clipfrac_lower": masked_mean(((loss_ppo > -advantages * clip_c) & (advantages < 0)).float(), mask),
         "ppo_kl": masked_mean(-log_ratio, mask),
     }
     return agg_loss(losses, mask, loss_agg_mode, **agg_kwargs), metrics
+
+
+def reinforce_policy_loss(
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bypass mode's REINFORCE loss (``algorithm.rollout_correction.loss_type: reinforce``): -A * w * log pi_theta
+    per token, ``w`` the detached IS weights pi_theta / pi_rollout (1 without them), no clipping; its gradient is the
+    importance-weighted policy gradient. Metric ``ppo_kl``: mean of log pi_rollout - log pi_theta."""
+    weights = rollout_is_weights if rollout_is_weights is not None else torch.ones_like(log_prob)
+    losses = -advantages * weights * log_prob
+    return agg_loss(losses, mask, loss_agg_mode, **agg_kwargs), {
+        "ppo_kl": masked_mean(rollout_log_prob - log_prob.detach(), mask)}
 
 
 def value_loss(

@@ -200,6 +200,9 @@ class VLLMRollout(RolloutEngine):
             # prefill is split across steps; unsplit prefills avoid it, and rollout prompts are short anyway.
             "enable_chunked_prefill": False,
             "disable_log_stats": True,
+            # Returned log-probs after temperature (and top-k/top-p), as the trainer computes them: the mismatch
+            # compares like with like (vLLM's default is the raw model's, before temperature).
+            "logprobs_mode": "processed_logprobs",
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = int(max_model_len)
@@ -237,13 +240,26 @@ class VLLMRollout(RolloutEngine):
         sampling = [self._vllm_params(params, per_prompt, i) for i in range(len(requests))]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []
         rows: list[list[int]] = []
+        row_log_probs: list[list[float]] = []
         for output in outputs:
             samples = sorted(output.outputs, key=lambda c: c.index)
             rows.extend(list(sample.token_ids) for sample in samples)
+            if params.logprobs:  # logprobs=0: each position's dict holds the drawn token's log-prob
+                row_log_probs.extend([step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs,
+                                                                                   strict=True)]
+                                     for sample in samples)
         responses = self._pad(rows, params.max_new_tokens)
+        log_probs = None
+        if params.logprobs:
+            log_probs = torch.zeros(responses.shape, dtype=torch.float32)
+            for i, values in enumerate(row_log_probs):
+                values = values[: responses.shape[1]]
+                log_probs[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
         if params.greedy and params.n > 1:
             responses = responses.repeat_interleave(params.n, dim=0)
-        return assemble_rollout(prompts, ids, mask, responses, self.eos_id, self.pad_id, params.n)
+            log_probs = None if log_probs is None else log_probs.repeat_interleave(params.n, dim=0)
+        return assemble_rollout(prompts, ids, mask, responses, self.eos_id, self.pad_id, params.n,
+                                log_probs=log_probs)
 
     def _vllm_params(self, params: SamplingParams, n: int, prompt_index: int) -> vllm.SamplingParams:
         if params.temperature > MAX_TEMPERATURE:
@@ -261,6 +277,7 @@ class VLLMRollout(RolloutEngine):
             top_k=0 if params.greedy or params.top_k <= 0 else int(params.top_k),  # 0 (or -1) disables top-k
             max_tokens=int(params.max_new_tokens),
             seed=seed,
+            logprobs=0 if params.logprobs else None,
             stop_token_ids=[self.eos_id],
             detokenize=False,  # the reward manager decodes; token ids are all the trainer needs
         )

@@ -34,9 +34,11 @@ import torch
 from verl.algos.advantages import estimator_facts, get_adv_estimator
 from verl.algos.kl import build_kl_controller, kl_penalty
 from verl.algos.masked import masked_mean
+from verl.algos.rollout_correction import correct, mismatch_metrics
 from verl.config import VerlConfig, dump_config
 from verl.data.dataset import PromptSampler, RLHFDataset
 from verl.data.exports import DATA_LINEAGE_FILE, records_lineage
+from verl.errors import ConfigError
 from verl.models.loader import load_tokenizer
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams
@@ -71,6 +73,8 @@ from verl.utils.profiling import profile_step
 from verl.utils.seeding import rng_state, seed_everything, set_num_threads, set_rng_state
 from verl.utils.system import SystemMonitor
 from verl.utils.timing import StageTimer
+
+MISMATCH_SCOPES = ("rollout_corr/", "training/", "sampling/")  # verl/algos/rollout_correction.py
 
 PPO_METRICS = {  # ppo/<name> <- the actor's update metric of that name
     "policy_loss": "policy_loss", "entropy": "entropy", "kl_div": "kl_div", "approx_kl": "ppo_kl",
@@ -277,9 +281,11 @@ class PPOTrainer:
                 scores, extras, texts = self.roles.compute_reward(batch)
                 scores, dropped = self._mask_missing_rewards(batch, scores)
                 batch.batch["token_level_scores"] = scores
-            if self.needs_old_log_probs and "old_log_probs" not in batch.batch:  # off-policy: the behaviour's
+            trainer_old = self.needs_old_log_probs and "old_log_probs" not in batch.batch  # else the behaviour's
+            if trainer_old:
                 with self.timer("old_log_prob"):
                     batch.batch["old_log_probs"] = self.roles.compute_old_log_prob(batch)
+            mismatch = self._correct_rollout(batch, trainer_old)
             if cfg.use_reference and "ref_log_prob" not in batch.batch:  # the rollout worker may have computed it
                 with self.timer("ref"):
                     batch.batch["ref_log_prob"] = self.roles.compute_ref_log_prob(batch)
@@ -305,6 +311,8 @@ class PPOTrainer:
             self.callbacks.on_rollout_end(self, step, {f"rollout/{k}": v for k, v in rollout.items()})
             critic_metrics: dict[str, float] = {}
             actor_metrics: dict[str, float] = {}
+            if "rollout_rs_mask" in batch.batch:  # rejected tokens leave the update, not the rewards or the groups
+                batch.batch["response_mask"] = batch.batch.pop("rollout_rs_mask")
             if self.skip_update_reason is None:
                 if cfg.use_critic:
                     with self.timer("update_critic"):
@@ -315,6 +323,10 @@ class PPOTrainer:
                     self.policy_version += 1
         self._log_samples(step, batch, texts)
         metrics = self._step_metrics(step, batch, rollout, actor_metrics, critic_metrics, kl_metrics)
+        # Mismatch and correction metrics carry their own scopes (verl's and TRL's names): measured here or by the
+        # actor's forwards.
+        metrics.update(mismatch)
+        metrics.update({k: v for k, v in actor_metrics.items() if k.startswith(MISMATCH_SCOPES)})
         if self.config.reward.model.path or self.config.reward.model.url:
             metrics.update(log.scoped("reward", dropped.metrics()))
         return metrics
@@ -359,7 +371,8 @@ class PPOTrainer:
         for stage, seconds in done.seconds.items():  # the rollout worker's own stage times, concurrent with ours
             self.timer.seconds[stage] = self.timer.seconds.get(stage, 0.0) + seconds
         batch = done.batch
-        batch.batch["old_log_probs"] = batch.batch.pop("rollout_log_probs")
+        if not self.decoupled_correction:  # the behaviour's log-probs are the update's anchor (bypass, as verl)
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
         batch.meta["policy_version"] = done.policy_version
         return done.prompts, batch, {"policy_version": float(done.policy_version),
                                      "staleness": float(self.policy_version - done.policy_version)}
@@ -375,7 +388,43 @@ class PPOTrainer:
     def needs_old_log_probs(self) -> bool:
         cfg = self.config
         off_policy = cfg.actor.ppo_epochs > 1 or cfg.data.train_batch_size > cfg.actor.ppo_mini_batch_size
-        return off_policy or cfg.algorithm.use_kl_in_reward
+        return off_policy or cfg.algorithm.use_kl_in_reward or self.decoupled_correction
+
+    @property
+    def decoupled_correction(self) -> bool:
+        """verl's decoupled rollout correction: IS weights and/or rejection from pi_old (a trainer forward) against
+        pi_rollout, applied to the update (bypass mode uses pi_rollout as pi_old instead)."""
+        rc = self.config.algorithm.rollout_correction
+        return (rc.rollout_is is not None or rc.rollout_rs is not None) and not rc.bypass_mode
+
+    def _correct_rollout(self, batch: DataProto, trainer_old: bool) -> dict[str, float]:
+        """The rollout/trainer mismatch where the trainer's ``old_log_probs`` came from its own forward (measured
+        here, exactly, at the weights that sampled; the actor measures it otherwise), and verl's rollout correction:
+        decoupled mode adds ``rollout_is_weights`` and the rejection mask (``rollout_rs_mask``, applied to the
+        update only); bypass mode makes the rollout's log-probs ``old_log_probs``. Returns ``scope/name`` metrics."""
+        rollout = batch.batch.get("rollout_log_probs")
+        rc = self.config.algorithm.rollout_correction
+        if rollout is None:
+            if rc.corrects:
+                raise ConfigError(f"algorithm.rollout_correction needs the engine's log-probs, and rollout.name="
+                                  f"{self.config.rollout.name} gave none for this batch (a multi-turn vLLM rollout "
+                                  "does not yet): turn the correction off for this engine")
+            return {}
+        if rc.bypass_mode:
+            batch.batch["old_log_probs"] = rollout
+            return {}
+        if not trainer_old:
+            return {}  # on-policy, or anchored on the behaviour's log-probs: the actor's forwards measure it
+        old, mask = batch.batch["old_log_probs"], batch.batch["response_mask"]
+        metrics = mismatch_metrics(old, rollout, mask)
+        weights, kept, found = correct(old, rollout, mask, rc.rollout_is, rc.rollout_is_threshold,
+                                       rc.rollout_is_batch_normalize, rc.rollout_rs, rc.rollout_rs_threshold)
+        if weights is not None:
+            batch.batch["rollout_is_weights"] = weights
+        if rc.rollout_rs is not None:
+            batch.batch["rollout_rs_mask"] = kept
+        batch.batch.pop("rollout_log_probs")  # measured: the actor need not measure it again
+        return {**metrics, **found}
 
     @property
     def critic_mini_batch_size(self) -> int:
@@ -386,7 +435,8 @@ class PPOTrainer:
         r = self.config.rollout
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=self.config.data.max_response_length,
-                              seed=self.config.trainer.seed * 1_000_003 + step)
+                              seed=self.config.trainer.seed * 1_000_003 + step,
+                              logprobs=r.calculate_log_probs or self.config.algorithm.rollout_correction.corrects)
 
     def val_sampling(self) -> SamplingParams:
         v = self.config.rollout.val_kwargs

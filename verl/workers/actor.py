@@ -7,6 +7,13 @@ sequence fields ``input_ids``/``attention_mask``/``position_ids`` ``(batch, seq_
 When ``old_log_probs`` is absent the update is on-policy (one epoch, one mini-batch): the rollout policy *is*
 the current policy, so the old log-probs equal the current ones detached and the extra forward pass that
 would compute them is skipped.
+
+When the batch carries the engine's own log-probs (``rollout_log_probs``), the first epoch's forwards measure how far
+the trainer's log-probs of the same tokens are from them (``rollout_corr/*``, ``training/rollout_probs_diff_*``,
+``sampling/*``; verl/algos/rollout_correction.py): on-policy, at the very weights that sampled them, that is the
+engine's numerics alone; in bypass or one-step off-policy mode it includes the policy lag. Optional:
+``rollout_is_weights`` (decoupled rollout correction, multiplied into the per-token loss), and in bypass mode with
+``loss_type: reinforce`` the weights pi_theta / pi_rollout of each micro-batch (no clipping).
 """
 
 from __future__ import annotations
@@ -18,12 +25,20 @@ import numpy as np
 import torch
 
 from verl.algos.kl import kl_penalty
-from verl.algos.losses import agg_loss, get_policy_loss, global_agg_denominators
+from verl.algos.losses import agg_loss, get_policy_loss, global_agg_denominators, reinforce_policy_loss
 from verl.algos.masked import masked_mean
-from verl.config import ActorConfig
+from verl.algos.rollout_correction import MismatchStats, is_weights
+from verl.config import ActorConfig, RolloutCorrectionConfig
 from verl.models.packed_linear import packed_weights
 from verl.protocol import DataProto
-from verl.workers.dist import DistInfo, all_reduce_gradients, all_reduce_sums, grad_norm_value, local_shard
+from verl.workers.dist import (
+    DistInfo,
+    all_reduce_gradients,
+    all_reduce_maxima,
+    all_reduce_sums,
+    grad_norm_value,
+    local_shard,
+)
 from verl.workers.forward import response_log_probs
 from verl.workers.optim import build_optimizer, build_scheduler
 
@@ -46,8 +61,9 @@ def micro_batches(data: DataProto, size: int | None) -> list[DataProto]:
 class Actor:
     def __init__(self, model: torch.nn.Module, config: ActorConfig, total_steps: int, temperature: float,
                  max_response_length: int, group_size: int = 1, dist_info: DistInfo | None = None, seed: int = 0,
-                 remove_padding: bool = False):
+                 remove_padding: bool = False, rollout_correction: RolloutCorrectionConfig | None = None):
         self.model = model
+        self.rollout_correction = rollout_correction or RolloutCorrectionConfig()
         self.dist = dist_info or DistInfo()
         # Mini-batch order comes from a private generator seeded alike on every rank, so data-parallel
         # ranks agree on the order without communicating (and resume restores it from the checkpoint).
@@ -90,20 +106,27 @@ class Actor:
         if on_policy and (cfg.ppo_epochs > 1 or mini_batch_size < len(data)):
             raise ValueError("old_log_probs are required for more than one PPO epoch or mini-batch")
         metrics: dict[str, list[float]] = defaultdict(list)
-        for _ in range(cfg.ppo_epochs):
+        # The mismatch, measured on the first epoch's forwards (each micro-batch before its own optimizer step).
+        self.mismatch = MismatchStats() if "rollout_log_probs" in data.batch else None
+        for epoch in range(cfg.ppo_epochs):
             shuffle = len(data) > mini_batch_size
             order = (group_shuffle(len(data), self.group_size, self.shuffle_generator) if shuffle
                      else torch.arange(len(data)))
             for start in range(0, len(data), mini_batch_size):
                 mini = data.index(order[start : start + mini_batch_size])
-                self._update_mini_batch(mini, on_policy, metrics)
+                self._update_mini_batch(mini, on_policy, metrics, measure=epoch == 0)
         self.scheduler.step()
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
+        if self.mismatch is not None:
+            self.mismatch.sums = all_reduce_sums(self.mismatch.sums, self.dist)
+            self.mismatch.maxima = all_reduce_maxima(self.mismatch.maxima, self.dist)
+            out.update(self.mismatch.metrics())
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["nan_skipped_total"] = float(self.nan_skipped)
         return out
 
-    def _update_mini_batch(self, mini: DataProto, on_policy: bool, metrics: dict[str, list[float]]) -> None:
+    def _update_mini_batch(self, mini: DataProto, on_policy: bool, metrics: dict[str, list[float]],
+                           measure: bool = False) -> None:
         cfg = self.config
         mask_all = mini.batch["response_mask"]
         agg_kwargs = global_agg_denominators(mask_all, self.max_response_length)
@@ -122,12 +145,29 @@ class Actor:
                 group_size=group, entropy_grad=need_entropy_grad, remove_padding=self.remove_padding,
             )
             old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
-            # By keyword: verl's ported losses take (old_log_prob, log_prob); a positional call would invert the ratio.
-            pg_loss, pg_metrics = self.policy_loss_fn(
-                log_prob=log_prob, old_log_prob=old_log_prob, advantages=batch["advantages"], mask=mask,
-                clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_ratio_c,
-                loss_agg_mode=cfg.loss_agg_mode, **agg_kwargs,
-            )
+            rollout_log_prob = batch.get("rollout_log_probs")
+            if measure and self.mismatch is not None:
+                self.mismatch.add(log_prob.detach(), rollout_log_prob, mask)
+            correction = self.rollout_correction
+            if correction.bypass_mode and correction.loss_type == "reinforce":
+                # Bypass REINFORCE: w = pi_theta / pi_rollout of these very tokens (detached), no clipping.
+                weights = None
+                if correction.rollout_is is not None:
+                    weights, found = is_weights(log_prob.detach() - rollout_log_prob, mask, correction.rollout_is,
+                                                correction.rollout_is_threshold, correction.rollout_is_batch_normalize)
+                    for key, value in found.items():
+                        sums[f"rollout_corr/{key}"] += weight * value
+                pg_loss, pg_metrics = reinforce_policy_loss(
+                    log_prob=log_prob, rollout_log_prob=rollout_log_prob, advantages=batch["advantages"], mask=mask,
+                    rollout_is_weights=weights, loss_agg_mode=cfg.loss_agg_mode, **agg_kwargs)
+            else:
+                # By keyword: verl's ported losses take (old_log_prob, log_prob); a positional call would invert
+                # the ratio.
+                pg_loss, pg_metrics = self.policy_loss_fn(
+                    log_prob=log_prob, old_log_prob=old_log_prob, advantages=batch["advantages"], mask=mask,
+                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_ratio_c,
+                    loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=batch.get("rollout_is_weights"), **agg_kwargs,
+                )
             loss = pg_loss
             if need_entropy_grad:
                 loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **agg_kwargs)

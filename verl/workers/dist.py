@@ -86,6 +86,16 @@ def all_reduce_sums(values: dict[str, float], info: DistInfo) -> dict[str, float
     return dict(zip(keys, packed.tolist(), strict=True))
 
 
+def all_reduce_maxima(values: dict[str, float], info: DistInfo) -> dict[str, float]:
+    """The largest of each scalar over ranks (a minimum travels as a negated maximum)."""
+    if not info.enabled:
+        return values
+    keys = sorted(values)
+    packed = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, packed.tolist(), strict=True))
+
+
 def _reduce_flag(flag: bool, info: DistInfo, op: Any) -> bool:
     if not info.enabled:
         return flag

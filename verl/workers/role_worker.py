@@ -98,9 +98,14 @@ class RoleWorker:
         self.model = model
         self.actor = Actor(model, cfg.actor, cfg.trainer.total_steps, cfg.rollout.temperature,
                            cfg.data.max_response_length, group_size=cfg.rollout.n, dist_info=self.dist,
-                           seed=cfg.trainer.seed, remove_padding=cfg.model.use_remove_padding and not self.dist.fsdp)
+                           seed=cfg.trainer.seed, remove_padding=cfg.model.use_remove_padding and not self.dist.fsdp,
+                           rollout_correction=cfg.algorithm.rollout_correction)
         factory = get_rollout_factory(cfg.rollout.name)
+        # rollout.dtype: the engine computes in its own dtype (a bf16 rollout against an fp32 trainer); None: the
+        # trainer's (actor.autocast).
         autocast = torch.bfloat16 if cfg.actor.autocast == "bf16" else None
+        if cfg.rollout.dtype is not None:
+            autocast = torch.bfloat16 if cfg.rollout.dtype == "bfloat16" else None
         if cfg.rollout.name == "hf":
             # Sharded models run collectives in every forward: ranks must agree on when decoding stops.
             stop_when = (lambda done: all_ranks(done, self.dist)) if self.dist.fsdp else None
@@ -109,7 +114,7 @@ class RoleWorker:
         else:
             self.rollout = factory(model_path=cfg.model.path, tokenizer=self.tokenizer, config=cfg.rollout,
                                    max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                                   seed=cfg.trainer.seed, actor_model=model)
+                                   seed=cfg.trainer.seed, actor_model=model, dtype=cfg.rollout.dtype)
         if cfg.rollout.multi_turn.enable:  # tool-calling trajectories on the same engine (agent_loop.py)
             self.rollout = AgentRollout(self.rollout, cfg.rollout.multi_turn, cfg.data.max_response_length)
 

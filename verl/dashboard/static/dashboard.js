@@ -16,6 +16,12 @@
       tags: ["rollout/response_length_mean"] },
     { id: "throughput", title: "Throughput — throughput/tokens_per_second", tags: ["throughput/tokens_per_second"] },
     { id: "eval_accuracy", title: "Eval accuracy — eval/accuracy", tags: ["eval/accuracy"] },
+    // Rollout/trainer mismatch (docs/mismatch.md), verl's names first; TRL's stand in for a run that logged only
+    // those. Hidden for runs whose engine gave no log-probs.
+    { id: "mismatch", title: "Rollout/trainer mismatch — rollout_corr/k3_kl", tags: ["rollout_corr/k3_kl"],
+      optional: true },
+    { id: "probs_diff", title: "Rollout vs trainer log-probs — sampling/sampling_logp_difference/mean (TRL)",
+      tags: ["sampling/sampling_logp_difference/mean", "training/rollout_probs_diff_mean"], optional: true },
   ];
   const STEP_INCREMENTS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1000, 2000, 2500, 5000, 10000, 20000,
     50000, 100000, 200000, 500000, 1000000];
