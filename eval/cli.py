@@ -19,10 +19,11 @@ def eval_command(
                                                      "or builtin:NAME.")],
     data: Annotated[list[str] | None, typer.Option("--data", help="Parquet prompt file(s) or builtin:TASK/SPLIT; "
                                                                   "default: the run's validation files.")] = None,
-    evaluators: Annotated[str | None, typer.Option(
-        "--evaluators", "-e", help="Comma-separated specs: reward,kl,diversity,accuracy,length,tools; options in "
-                                   "parentheses, e.g. diversity(ngrams=1;2;3, tokenize=chars); your own as "
-                                   "file.py:Class or module:Class. Default: all built-ins.")] = None,
+    evaluators: Annotated[list[str] | None, typer.Option(
+        "--evaluators", "-e", help="Comma-separated specs (or -e again): reward,kl,diversity,accuracy,length,tools; "
+                                   "on request judge(...), mismatch; options in parentheses, e.g. "
+                                   "diversity(ngrams=1;2;3, tokenize=chars); your own as file.py:Class or "
+                                   "module:Class. Default: all built-ins.")] = None,
     n: Annotated[int | None, typer.Option("--n", help="Samples per prompt (pass@k / maj@k when > 1).")] = None,
     temperature: Annotated[float | None, typer.Option("--temperature", help="0 = greedy (the run's validation "
                                                                             "default).")] = None,
@@ -82,7 +83,7 @@ def eval_command(
         quiet_hf()
         if out is not None:  # before the model loads, not after the generation
             ensure_writable_dir(out, "--out")
-        settings = EvalSettings(data=data or None, evaluators=evaluators, n=n, temperature=temperature,
+        settings = EvalSettings(data=data or None, evaluators=joined_specs(evaluators), n=n, temperature=temperature,
                                 top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed,
                                 batch_size=batch_size, max_samples=max_samples, reference=reference,
                                 max_prompt_length=max_prompt_length,
@@ -119,7 +120,7 @@ def compare_command(
     temperature: Annotated[float | None, typer.Option("--temperature")] = None,
     max_samples: Annotated[int | None, typer.Option("--max-samples")] = None,
     max_prompt_length: Annotated[int | None, typer.Option("--max-prompt-length")] = None,
-    evaluators: Annotated[str | None, typer.Option("--evaluators", "-e")] = None,
+    evaluators: Annotated[list[str] | None, typer.Option("--evaluators", "-e")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
     online: Annotated[str | None, typer.Option("--online", help="Instead of runs: the models of a running service "
                                                "(its URL) or its records_path JSONL file, compared from the "
@@ -156,7 +157,7 @@ def compare_command(
         quiet_hf()
         if out is not None:
             ensure_writable_dir(out, "--out")
-        settings = EvalSettings(data=data or None, evaluators=evaluators, n=n, temperature=temperature,
+        settings = EvalSettings(data=data or None, evaluators=joined_specs(evaluators), n=n, temperature=temperature,
                                 seed=seed, max_samples=max_samples, select=metric, quiet=quiet,
                                 max_prompt_length=max_prompt_length)
         compare(runs, ckpt=ckpt, out=out, alpha=alpha, settings=settings, n_boot=bootstrap,
@@ -199,3 +200,8 @@ def _compare_online(source: str, out: Path | None, baseline: str | None, models:
         reward = pair["reward"]["verdict"] if pair["reward"] else "no rewards recorded"
         console.print(f"{pair['candidate']} vs {pair['baseline']}: reward {reward}; latency {pair['e2e']['verdict']}")
     console.print(f"report: {out_dir / 'report.md'}")
+
+
+def joined_specs(evaluators: list[str] | None) -> str | None:
+    """``-e a -e b,c`` as ``a,b,c``: every ``-e`` counts (a repeated option used to keep only the last)."""
+    return ",".join(evaluators) if evaluators else None

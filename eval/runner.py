@@ -536,7 +536,7 @@ class Evaluation:
         engine = self._build_engine(policy, model_path)
         params = SamplingParams(n=self.resolved.n, temperature=self.resolved.temperature, top_p=self.resolved.top_p,
                                 top_k=self.resolved.top_k, max_new_tokens=self.resolved.max_new_tokens,
-                                seed=self.resolved.seed)
+                                seed=self.resolved.seed, logprobs="engine_logprobs" in self.needs)
         timing = {"load_seconds": time.perf_counter() - t0}
         try:
             batch, texts, scores, extras, timing["generation_seconds"] = self._generate(engine, params, label)
@@ -544,6 +544,7 @@ class Evaluation:
             engine.shutdown()
         t1 = time.perf_counter()
         kl_terms = self._kl_terms(policy, batch, label) if "ref_logprobs" in self.needs else None
+        mismatch_terms = self._mismatch_terms(policy, batch, params) if "engine_logprobs" in self.needs else None
         timing["kl_seconds"] = time.perf_counter() - t1
         del policy
         if self._torch.cuda.is_available():
@@ -554,6 +555,7 @@ class Evaluation:
                                             sampling=self.resolved.sampling, n_bootstrap=self.settings.n_bootstrap,
                                             seed=self.resolved.seed)
         eval_batch.kl_terms = kl_terms
+        eval_batch.mismatch_terms = mismatch_terms
         t2 = time.perf_counter()
         metrics, columns, notes = run_evaluators(self.evaluators, eval_batch)
         timing["evaluator_seconds"] = time.perf_counter() - t2
@@ -579,12 +581,14 @@ class Evaluation:
             # The run's generation chunking and autocast, so samples match the trainer's validation exactly.
             micro = self.run_cfg.rollout.micro_batch_size if self.run_cfg is not None else None
             bf16 = self.run_cfg is not None and self.run_cfg.actor.autocast == "bf16"
+            if self.run_cfg is not None and self.run_cfg.rollout.dtype is not None:  # the run's engine dtype
+                bf16 = self.run_cfg.rollout.dtype == "bfloat16"
             engine = factory(policy, self.tokenizer, micro, self._torch.bfloat16 if bf16 else None)
         else:
             rollout_cfg = self.run_cfg.rollout if self.run_cfg is not None else RolloutConfig()
             engine = factory(model_path=model_path, tokenizer=self.tokenizer, config=rollout_cfg,
                              max_model_len=self.data_cfg.max_prompt_length + self.resolved.max_new_tokens,
-                             seed=self.resolved.seed, actor_model=policy)
+                             seed=self.resolved.seed, actor_model=policy, dtype=rollout_cfg.dtype)
         turns = self._multi_turn_config()
         return engine if turns is None else AgentRollout(engine, turns, self.resolved.max_new_tokens)
 
@@ -637,6 +641,28 @@ class Evaluation:
                        "samples_per_second": num_samples / generation if generation else None,
                        "samples_per_second_total": num_samples / total if total else None},
         }
+
+    def _mismatch_terms(self, policy: Any, batch: Any, params: Any) -> dict[str, Any]:
+        """The engine's log-probs of its tokens and the trainer's forward on them (the run's autocast), at the
+        sampling temperature (1 for greedy decoding, as the engine reports them)."""
+        from verl.workers.forward import response_log_probs  # noqa: PLC0415 (torch-heavy; only for -e mismatch)
+
+        if "rollout_log_probs" not in batch.batch:
+            raise ConfigError(f"-e mismatch needs the engine's log-probs, and the {self.resolved.engine} engine gave "
+                              "none (a multi-turn vLLM rollout does not yet)")
+        bf16 = self.run_cfg is not None and self.run_cfg.actor.autocast == "bf16"
+        temperature = 1.0 if params.greedy else params.temperature
+        parts = []
+        with self._torch.no_grad():
+            for start in range(0, len(batch), self.settings.kl_micro_batch_size):
+                rows = {k: batch.batch[k][start : start + self.settings.kl_micro_batch_size].to(self.device)
+                        for k in ("input_ids", "attention_mask", "position_ids", "responses")}
+                log_probs, _ = response_log_probs(policy, rows, temperature,
+                                                  autocast_dtype=self._torch.bfloat16 if bf16 else None)
+                parts.append(log_probs.float().cpu())
+        mask = batch.batch["response_mask"]
+        return {"trainer": self._torch.cat(parts) * mask, "rollout": batch.batch["rollout_log_probs"] * mask,
+                "mask": mask, "trainer_dtype": "bf16 autocast" if bf16 else "fp32"}
 
     def _generate(self, engine: Any, params: Any, label: str) -> tuple[Any, list[str], Any, dict, float]:
         """The trainer's validation loop (``verl.trainer.validation.generate_and_score``) with a progress bar."""

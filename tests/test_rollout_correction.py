@@ -4,13 +4,14 @@ matched numerics and not with a bf16 rollout, decoupled weights and rejection in
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
 from tests.test_trainer import log_rows, tiny_config
-from tests.trainer_utils import fit_and_shutdown
+from tests.trainer_utils import fit_and_shutdown, run_cli
 from verl.algos.losses import clipped_policy_loss, reinforce_policy_loss
 from verl.algos.rollout_correction import MismatchStats, correct, is_weights, mismatch_metrics, rejection_mask
 from verl.config import RolloutCorrectionConfig, build_config, load_config
@@ -197,3 +198,22 @@ def test_decoupled_correction_and_bypass_reinforce_change_the_update(tmp_path):
     fit_and_shutdown(bypass)
     [row] = log_rows(bypass, "rollout_corr")
     assert row["rollout_is_mean"] > 0 and row["k3_kl"] > 1e-6
+
+
+@pytest.mark.e2e
+def test_verl_eval_reports_an_engines_mismatch_with_cis(tmp_path):
+    """``-e mismatch`` (on request; ``-e`` repeats): the run's engine (a bf16 rollout, rollout.dtype) against the
+    trainer's fp32 forward on the same tokens, with CIs over prompts."""
+    run = LocalPPOTrainer(build_config(tiny_config(tmp_path / "bf16", trainer={"total_steps": 1, "test_freq": 0,
+                                                                               "save_freq": 1},
+                                                   rollout={"dtype": "bfloat16"})), quiet=True)
+    fit_and_shutdown(run)
+    ckpt = run.config.run_dir() / "checkpoints" / "global_step_1"
+    done = run_cli(["eval", "--ckpt", str(ckpt), "-e", "mismatch", "-e", "length", "--max-samples", "8", "--n", "2",
+                    "--temperature", "1", "--out", str(tmp_path / "ev"), "--quiet"])
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "ev" / "results.json").read_text())
+    k3 = results["metrics"]["eval/mismatch_k3_kl"]
+    assert k3["value"] > 1e-7 and k3["ci_low"] <= k3["value"] <= k3["ci_high"]
+    assert "eval/response_length_mean" in results["metrics"]  # both -e options count
+    assert any("trainer's forward (fp32)" in note for note in results["notes"])

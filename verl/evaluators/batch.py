@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 # "tool_calls": the rollout's per-trajectory tool counts (multi-turn rollouts only, verl/rollout/agent_loop.py).
-NEEDS = frozenset({"generations", "ground_truth", "rewards", "ref_logprobs", "tool_calls"})
+# "engine_logprobs": the engine's log-probs of the tokens it drew and the trainer's forward on them (``mismatch``).
+NEEDS = frozenset({"generations", "ground_truth", "rewards", "ref_logprobs", "tool_calls", "engine_logprobs"})
 
 
 @dataclass
@@ -37,6 +38,8 @@ class EvalBatch:
     reward_extras: dict[str, np.ndarray] = field(default_factory=dict)  # (N,) each, e.g. acc, acc_flexible
     data: Any = None  # the rollout DataProto, when the caller has one
     kl_terms: dict[str, Any] | None = None
+    # "engine_logprobs": ``trainer`` / ``rollout`` log-probs and ``mask``, each (N, response_len); ``trainer_dtype``.
+    mismatch_terms: dict[str, Any] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # n, temperature, top_p, top_k, seed, max_new_tokens
     n_bootstrap: int = 1000  # 0 skips bootstrap CIs (validation during training needs only the values)
     seed: int = 0  # of the bootstrap resampling

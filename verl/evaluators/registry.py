@@ -39,6 +39,7 @@ from verl.evaluators.diversity import Diversity
 from verl.evaluators.judge import Judge
 from verl.evaluators.kl import KL
 from verl.evaluators.length import Length
+from verl.evaluators.mismatch import Mismatch
 from verl.evaluators.reward import Reward
 from verl.evaluators.stats import Metric
 from verl.evaluators.tools import Tools
@@ -62,7 +63,7 @@ def register_evaluator(name: str) -> Callable[[type], type]:
 
 
 # Shipped too, but run only when named: they need something the run does not have (a judge model behind a URL).
-ON_REQUEST_EVALUATORS: tuple[type[Evaluator], ...] = (Judge,)
+ON_REQUEST_EVALUATORS: tuple[type[Evaluator], ...] = (Judge, Mismatch)
 
 for _builtin in (*BUILTIN_EVALUATORS, *ON_REQUEST_EVALUATORS):
     register_evaluator(_builtin.name)(_builtin)
