@@ -214,3 +214,21 @@ def test_unsupported_combinations_fail_at_config_time(tmp_path, section, value, 
     cfg.setdefault(section, {}).update(value)
     with pytest.raises(Exception, match=message):
         build_config(cfg, "test")
+
+
+def test_split_mismatch_separates_the_engines_numerics_from_the_policy_lag(tmp_path):
+    """trainer.split_mismatch: the rollout worker's extra forward at the behaviour weights. At step 1 nothing has
+    been updated (staleness 0): the lag is 0 and the total is the engine's alone; at step 2 the batch was sampled
+    before step 1's update, so the lag appears, and the total is the lag plus the engine's (fp32: ~0) part."""
+    trainer = LocalPPOTrainer(build_config(async_config(tmp_path, total_steps=2, split_mismatch=True)), quiet=True)
+    fit_and_shutdown(trainer)
+    rows = {r["step"]: r for r in log_rows(trainer, "rollout_corr")}
+    assert abs(rows[1]["lag_k3_kl"]) < 1e-9 and abs(rows[1]["engine_k3_kl"]) < 1e-6
+    assert rows[2]["lag_k3_kl"] > 1e-6  # step 1's update moved the policy
+    assert abs(rows[2]["engine_k3_kl"]) < 1e-6  # the same numerics on both sides
+    assert rows[2]["k3_kl"] == pytest.approx(rows[2]["lag_k3_kl"], rel=1e-3, abs=1e-8)
+
+
+def test_split_mismatch_needs_the_overlap(tmp_path):
+    with pytest.raises(VerlError, match="trainer.split_mismatch splits a one-step off-policy run"):
+        build_config(tiny_config(tmp_path, trainer={"split_mismatch": True}))

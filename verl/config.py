@@ -656,6 +656,11 @@ class TrainerConfig(Section):
         "in its own process on its own cores while step t updates; the ratio uses the behaviour policy's log-probs "
         "(staleness 1, corrected by the clipped ratio). Off by default.",
     )
+    split_mismatch: bool = Field(
+        False, description="One-step off-policy: the rollout worker also runs the trainer's forward at the behaviour "
+        "weights (one extra forward per batch), so the mismatch splits into the engine's numerics "
+        "(rollout_corr/engine_*) and the policy lag (rollout_corr/lag_*); rollout_corr/* stays the total.",
+    )
     profile_steps: list[int] = Field(
         default_factory=list, description="Steps to record with torch.profiler: a Chrome trace and per-stage, "
         "per-operator and per-GEMM-shape tables in <run dir>/profile/step_N.*",
@@ -740,6 +745,10 @@ class VerlConfig(Section):
                 f"data.train_batch_size ({self.data.train_batch_size}) and actor.ppo_mini_batch_size "
                 f"({self.actor.ppo_mini_batch_size}) must be divisible by trainer.n_workers ({workers})"
             )
+        if self.trainer.split_mismatch and not self.trainer.one_step_off_policy:
+            raise ValueError("trainer.split_mismatch splits a one-step off-policy run's mismatch into the engine's and "
+                             "the policy lag's; a synchronous run's is the engine's alone: set "
+                             "trainer.one_step_off_policy=true or drop it")
         if self.trainer.one_step_off_policy and self.actor.strategy == "fsdp":
             raise ValueError("trainer.one_step_off_policy sends the actor's full weights to the rollout worker; it "
                              "does not work with actor.strategy=fsdp (use strategy=local)")

@@ -410,11 +410,17 @@ class PPOTrainer:
                                   f"{self.config.rollout.name} gave none for this batch (a multi-turn vLLM rollout "
                                   "does not yet): turn the correction off for this engine")
             return {}
+        split: dict[str, float] = {}
+        behaviour = batch.batch.get("behaviour_trainer_log_probs")
+        if behaviour is not None:  # trainer.split_mismatch: the engine's part, at the weights that sampled
+            engine = mismatch_metrics(behaviour, rollout, batch.batch["response_mask"])
+            split = {k.replace("rollout_corr/", "rollout_corr/engine_"): v for k, v in engine.items()
+                     if k.startswith("rollout_corr/")}
         if rc.bypass_mode:
             batch.batch["old_log_probs"] = rollout
-            return {}
+            return split
         if not trainer_old:
-            return {}  # on-policy, or anchored on the behaviour's log-probs: the actor's forwards measure it
+            return split  # on-policy, or anchored on the behaviour's log-probs: the actor's forwards measure it
         old, mask = batch.batch["old_log_probs"], batch.batch["response_mask"]
         metrics = mismatch_metrics(old, rollout, mask)
         weights, kept, found = correct(old, rollout, mask, rc.rollout_is, rc.rollout_is_threshold,
@@ -424,7 +430,7 @@ class PPOTrainer:
         if rc.rollout_rs is not None:
             batch.batch["rollout_rs_mask"] = kept
         batch.batch.pop("rollout_log_probs")  # measured: the actor need not measure it again
-        return {**metrics, **found}
+        return {**metrics, **found, **split}
 
     @property
     def critic_mini_batch_size(self) -> int:

@@ -108,6 +108,8 @@ class Actor:
         metrics: dict[str, list[float]] = defaultdict(list)
         # The mismatch, measured on the first epoch's forwards (each micro-batch before its own optimizer step).
         self.mismatch = MismatchStats() if "rollout_log_probs" in data.batch else None
+        # trainer.split_mismatch: the policy lag alone, the trainer now against the trainer at the behaviour weights.
+        self.lag = MismatchStats() if "behaviour_trainer_log_probs" in data.batch else None
         for epoch in range(cfg.ppo_epochs):
             shuffle = len(data) > mini_batch_size
             order = (group_shuffle(len(data), self.group_size, self.shuffle_generator) if shuffle
@@ -121,6 +123,11 @@ class Actor:
             self.mismatch.sums = all_reduce_sums(self.mismatch.sums, self.dist)
             self.mismatch.maxima = all_reduce_maxima(self.mismatch.maxima, self.dist)
             out.update(self.mismatch.metrics())
+        if self.lag is not None:
+            self.lag.sums = all_reduce_sums(self.lag.sums, self.dist)
+            self.lag.maxima = all_reduce_maxima(self.lag.maxima, self.dist)
+            out.update({k.replace("rollout_corr/", "rollout_corr/lag_"): v for k, v in self.lag.metrics().items()
+                        if k.startswith("rollout_corr/")})
         out["lr"] = self.scheduler.get_last_lr()[0]
         out["nan_skipped_total"] = float(self.nan_skipped)
         return out
@@ -148,6 +155,8 @@ class Actor:
             rollout_log_prob = batch.get("rollout_log_probs")
             if measure and self.mismatch is not None:
                 self.mismatch.add(log_prob.detach(), rollout_log_prob, mask)
+            if measure and self.lag is not None:
+                self.lag.add(log_prob.detach(), batch["behaviour_trainer_log_probs"], mask)
             correction = self.rollout_correction
             if correction.bypass_mode and correction.loss_type == "reinforce":
                 # Bypass REINFORCE: w = pi_theta / pi_rollout of these very tokens (detached), no clipping.

@@ -219,6 +219,10 @@ class RoleWorker:
             start = time.perf_counter()
             batch.batch["rollout_log_probs"] = self.compute_old_log_prob(batch)
             seconds["behaviour_log_prob"] = time.perf_counter() - start
+        elif self.config.trainer.split_mismatch:  # the trainer's numerics at the behaviour weights
+            start = time.perf_counter()
+            batch.batch["behaviour_trainer_log_probs"] = self.compute_old_log_prob(batch)
+            seconds["behaviour_forward"] = time.perf_counter() - start
         if self.reference is not None:
             start = time.perf_counter()
             batch.batch["ref_log_prob"] = self.compute_ref_log_prob(batch)
