@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -217,3 +218,17 @@ def test_verl_eval_reports_an_engines_mismatch_with_cis(tmp_path):
     assert k3["value"] > 1e-7 and k3["ci_low"] <= k3["value"] <= k3["ci_high"]
     assert "eval/response_length_mean" in results["metrics"]  # both -e options count
     assert any("trainer's forward (fp32)" in note for note in results["notes"])
+
+
+def test_group_metrics_by_hand():
+    """batch/solve_all, solve_none, same_reward over a step's groups (uid): four groups of two samples."""
+    from verl.protocol import DataProto
+    from verl.trainer.step_metrics import group_metrics
+
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.5, 0.5])
+    batch = DataProto.from_dict(tensors={"token_level_scores": scores.unsqueeze(-1)},
+                                non_tensors={"uid": np.array([0, 0, 1, 1, 2, 2, 3, 3])})
+    acc = np.array([1, 1, 0, 0, 1, 0, 0, 0], dtype=float)
+    m = group_metrics(batch, {"acc": acc})
+    assert m == {"same_reward": 0.75, "solve_all": 0.25, "solve_none": 0.5}
+    assert group_metrics(batch, {}) == {"same_reward": 0.75}

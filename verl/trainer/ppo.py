@@ -55,7 +55,7 @@ from verl.trainer.checkpoint import (
 from verl.trainer.health import callbacks_from_config
 from verl.trainer.missing_rewards import Dropped, mask_missing_rewards
 from verl.trainer.resume import check_resumable, saved_config
-from verl.trainer.step_metrics import rollout_metrics
+from verl.trainer.step_metrics import group_metrics, rollout_metrics
 from verl.trainer.target import TARGET_SCOPE, Target, TargetClock
 from verl.trainer.validation import (
     build_validation_evaluators,
@@ -325,6 +325,7 @@ class PPOTrainer:
         metrics = self._step_metrics(step, batch, rollout, actor_metrics, critic_metrics, kl_metrics)
         # Mismatch and correction metrics carry their own scopes (verl's and TRL's names): measured here or by the
         # actor's forwards.
+        metrics.update(log.scoped("batch", group_metrics(batch, extras)))
         metrics.update(mismatch)
         metrics.update({k: v for k, v in actor_metrics.items() if k.startswith(MISMATCH_SCOPES)})
         if self.config.reward.model.path or self.config.reward.model.url:

@@ -32,6 +32,22 @@ def rollout_metrics(batch: DataProto, extras: dict[str, np.ndarray], max_respons
     return rollout
 
 
+def group_metrics(batch: DataProto, extras: dict[str, np.ndarray]) -> dict[str, float]:
+    """The ``batch/*`` metrics of a step's groups (a prompt's samples, ``uid``): ``solve_all`` / ``solve_none``, the
+    share of groups whose every sample the rule marks right / wrong (``acc``, when the reward gives it), and
+    ``same_reward`` (groups whose samples all got one reward: a group-relative advantage of 0, nothing learnt)."""
+    uid = np.asarray(batch.non_tensor["uid"])
+    rewards = batch.batch["token_level_scores"].sum(-1).double().numpy()
+    groups = [np.flatnonzero(uid == u) for u in dict.fromkeys(uid.tolist())]
+    out = {"same_reward": float(np.mean([np.ptp(rewards[g]) == 0 for g in groups]))}
+    acc = extras.get("acc")
+    if acc is not None and len(acc) == len(uid):
+        acc = np.asarray(acc, dtype=np.float64)
+        out["solve_all"] = float(np.mean([bool(np.all(acc[g] == 1)) for g in groups]))
+        out["solve_none"] = float(np.mean([bool(np.all(acc[g] == 0)) for g in groups]))
+    return out
+
+
 def tool_metrics(batch: DataProto) -> dict[str, float]:
     """Multi-turn rollouts (``agent_loop.py``): how often trajectories call tools, how many calls parse and fit a
     configured tool's schema, how many fail, turns per trajectory and its length with the tool turns."""
