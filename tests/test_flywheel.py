@@ -32,7 +32,7 @@ def accuracy(path: Path) -> float:
     return json.loads(path.read_text())["metrics"]["eval/accuracy"]["value"]
 
 
-@pytest.mark.budget(310)  # the README reward model it starts from is in the reward-model story's budget
+@pytest.mark.budget(400)  # the README reward model it starts from is in the reward-model story's budget
 def test_two_rounds_learn_from_traffic_and_only_what_holds_up_is_shipped(tmp_path: Path,
                                                                          readme_reward_model: Path) -> None:
     out = tmp_path / "fly"
