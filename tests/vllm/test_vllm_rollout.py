@@ -228,3 +228,27 @@ def test_shutdown_stops_the_engine_processes(parts):
 def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
     """Right-pad ``x`` (rows, w) with -1 to ``width`` columns so tensors of different widths can be compared."""
     return torch.nn.functional.pad(x, (0, max(0, width - x.shape[1])), value=-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_log_probs_match_the_trainers_forward(parts, temperature):
+    """``logprobs=True``: vLLM's log-prob of each drawn token (processed: after temperature) against the trainer's
+    forward on the same tokens, both fp32 — the rollout/trainer mismatch of this engine (docs/mismatch.md)."""
+    from verl.algos.rollout_correction import mismatch_metrics
+    from verl.workers.forward import response_log_probs
+
+    model, _, dataset, engine = parts
+    prompts = dataset.collate(list(range(16)))
+    out = engine.generate(prompts, SamplingParams(n=4, temperature=temperature, max_new_tokens=16, seed=3,
+                                                  logprobs=True))
+    rollout = out.batch["rollout_log_probs"]
+    mask = out.batch["response_mask"]
+    with torch.no_grad():
+        trainer, _ = response_log_probs(model, {k: out.batch[k] for k in ("input_ids", "attention_mask",
+                                                                           "position_ids", "responses")}, temperature)
+    assert rollout.shape == mask.shape and bool((rollout[mask.bool()] < 0).any())  # real log-probs, not zeros
+    assert float((rollout * (1 - mask)).abs().sum()) == 0.0  # zero on padding
+    m = mismatch_metrics(trainer, rollout, mask)
+    assert m["training/rollout_probs_diff_max"] < 1e-3 and abs(m["rollout_corr/k3_kl"]) < 1e-5, m
+    assert engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3)
+                           ).batch.get("rollout_log_probs") is None  # only when asked
