@@ -213,23 +213,6 @@ def test_first_token_distribution_matches_the_model(parts, temperature, top_k, t
     assert 0.5 * (observed - plain).abs().sum().item() > 2 * tv
 
 
-def test_shutdown_stops_the_engine_processes(parts):
-    *_, engine = parts
-    assert engine_processes(), "the engine runs its core and worker in child processes"
-    engine.shutdown()
-    deadline = time.monotonic() + 30
-    while engine_processes() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not engine_processes()
-    engine.shutdown()  # a second call is a no-op
-    assert not hasattr(engine, "llm")
-
-
-def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
-    """Right-pad ``x`` (rows, w) with -1 to ``width`` columns so tensors of different widths can be compared."""
-    return torch.nn.functional.pad(x, (0, max(0, width - x.shape[1])), value=-1)
-
-
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_log_probs_match_the_trainers_forward(parts, temperature):
     """``logprobs=True``: vLLM's log-prob of each drawn token (processed: after temperature) against the trainer's
@@ -252,3 +235,20 @@ def test_engine_log_probs_match_the_trainers_forward(parts, temperature):
     assert m["training/rollout_probs_diff_max"] < 1e-3 and abs(m["rollout_corr/k3_kl"]) < 1e-5, m
     assert engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3)
                            ).batch.get("rollout_log_probs") is None  # only when asked
+
+
+def test_shutdown_stops_the_engine_processes(parts):
+    *_, engine = parts
+    assert engine_processes(), "the engine runs its core and worker in child processes"
+    engine.shutdown()
+    deadline = time.monotonic() + 30
+    while engine_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not engine_processes()
+    engine.shutdown()  # a second call is a no-op
+    assert not hasattr(engine, "llm")
+
+
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad ``x`` (rows, w) with -1 to ``width`` columns so tensors of different widths can be compared."""
+    return torch.nn.functional.pad(x, (0, max(0, width - x.shape[1])), value=-1)
