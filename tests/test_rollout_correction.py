@@ -232,3 +232,52 @@ def test_group_metrics_by_hand():
     m = group_metrics(batch, {"acc": acc})
     assert m == {"same_reward": 0.75, "solve_all": 0.25, "solve_none": 0.5}
     assert group_metrics(batch, {}) == {"same_reward": 0.75}
+
+
+def test_varied_group_rows_keep_what_dapo_keeps():
+    """DAPO's filter (algorithm.filter_groups): a group stays when its samples differ in the metric, or holds one."""
+    from verl.protocol import DataProto
+    from verl.trainer.ppo import varied_group_rows
+
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.5, 0.2, 0.2, 0.7])
+    batch = DataProto.from_dict(tensors={"token_level_scores": scores.unsqueeze(-1)},
+                                non_tensors={"uid": np.array([0, 0, 1, 1, 2, 2, 3])})
+    acc = np.array([1, 1, 0, 1, 0, 0, 1], dtype=float)
+    assert varied_group_rows(batch, {"acc": acc}, None).tolist() == [2, 3, 6]  # acc by default
+    assert varied_group_rows(batch, {"acc": acc}, "score").tolist() == [2, 3, 6]
+    assert varied_group_rows(batch, {}, None).tolist() == [2, 3, 6]  # no acc: the sequence reward
+    with pytest.raises(ConfigError, match="metric=acc: this reward gives no acc"):
+        varied_group_rows(batch, {}, "acc")
+
+
+@pytest.mark.e2e
+def test_filter_groups_fills_the_batch_with_groups_that_carry_signal(tmp_path):
+    """Dynamic sampling on the tiny default: every group the update sees varies in acc, the step says how many
+    generation batches it took, and a budget spent is a WARNING row, not a crash."""
+    config = build_config(tiny_config(tmp_path, trainer={"total_steps": 2, "test_freq": 0},
+                                      data={"train_batch_size": 4, "val_max_samples": 8},
+                                      actor={"ppo_mini_batch_size": 4}, rollout={"n": 4},
+                                      algorithm={"filter_groups": {"enable": True, "max_num_gen_batches": 4}}))
+    trainer = LocalPPOTrainer(config, quiet=True)
+    seen = []
+    real_update = trainer.roles.update_actor
+
+    def spy(batch, mini_batch_size):
+        seen.append(batch)
+        return real_update(batch, mini_batch_size)
+
+    trainer.roles.update_actor = spy
+    fit_and_shutdown(trainer)
+    rows = {r["step"]: r for r in log_rows(trainer, "batch")}
+    warnings = log_rows(trainer, "filter_groups")
+    for step, batch in enumerate(seen, start=1):
+        uid = np.asarray(batch.non_tensor["uid"])
+        groups = {u: (uid == u).nonzero()[0] for u in set(uid.tolist())}
+        acc_varies = [np.ptp(batch.batch["token_level_scores"].sum(-1).numpy()[g]) > 0 for g in groups.values()]
+        spent = [w for w in warnings if w["step"] == step]
+        assert 1 <= rows[step]["num_gen_batches"] <= 4
+        if not spent:  # filled: exactly train_batch_size groups, each with signal
+            assert len(groups) == 4 and all(acc_varies)
+        else:
+            assert rows[step]["num_gen_batches"] == 4 and "max_num_gen_batches" in spent[0]["message"]
+    assert len(seen) == 2

@@ -437,6 +437,21 @@ class RolloutCorrectionConfig(Section):
         return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
 
 
+class FilterGroupsConfig(Section):
+    """verl's ``algorithm.filter_groups``: DAPO's dynamic sampling. Groups (a prompt's ``rollout.n`` samples) whose
+    samples all have the same ``metric`` carry no group-relative signal and are dropped; more prompts are generated
+    until ``data.train_batch_size`` groups are kept or ``max_num_gen_batches`` generation batches are spent."""
+
+    enable: bool = Field(False, description="Drop groups whose samples all score alike; generate more to fill it.")
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] | None = Field(
+        None, description="What must vary within a group: acc (the rule's correctness), score / seq_reward (the "
+        "sequence reward), seq_final_reward (the same; with the KL in the reward it is not computed before the "
+        "filter, so refused). None: acc when the reward gives it, else the sequence reward.")
+    max_num_gen_batches: int = Field(
+        0, ge=0, description="Generation batches per step at most (0: no limit). When spent, the step trains on the "
+        "groups kept so far (verl raises instead) and a WARNING row says so.")
+
+
 class AlgorithmConfig(Section):
     adv_estimator: str = Field("grpo", description="Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, ...")
     gamma: float = Field(1.0, ge=0.0, le=1.0)
@@ -446,6 +461,7 @@ class AlgorithmConfig(Section):
     kl_penalty: str = Field("k1", description="KL estimator in the reward: k1, k2, k3, low_var_kl.")
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
 
     @field_validator("kl_penalty")
     @classmethod
@@ -745,6 +761,13 @@ class VerlConfig(Section):
                 f"data.train_batch_size ({self.data.train_batch_size}) and actor.ppo_mini_batch_size "
                 f"({self.actor.ppo_mini_batch_size}) must be divisible by trainer.n_workers ({workers})"
             )
+        groups = self.algorithm.filter_groups
+        if groups.enable and self.trainer.one_step_off_policy:
+            raise ValueError("algorithm.filter_groups generates more batches within a step; the one-step off-policy "
+                             "rollout generates one ahead: use one of them")
+        if groups.enable and groups.metric == "seq_final_reward" and self.algorithm.use_kl_in_reward:
+            raise ValueError("algorithm.filter_groups.metric=seq_final_reward with use_kl_in_reward: the KL-penalised "
+                             "reward is computed after the filter here; use seq_reward or acc")
         if self.trainer.split_mismatch and not self.trainer.one_step_off_policy:
             raise ValueError("trainer.split_mismatch splits a one-step off-policy run's mismatch into the engine's and "
                              "the policy lag's; a synchronous run's is the engine's alone: set "

@@ -136,8 +136,13 @@ def assemble_rollout(
     return out
 
 
+SEQUENCE_KEYS = ("responses", "prompts", "input_ids", "attention_mask", "position_ids")  # padded on their own
+
+
 def pad_responses(parts: list[DataProto], pad_id: int) -> list[DataProto]:
-    """Right-pad every part's response fields to the widest part so they can be concatenated."""
+    """Right-pad every part's response fields to the widest part so they can be concatenated: the token ids and
+    masks, and any other per-response-token tensor ``(rows, response_len)`` a later stage added (scores, log-probs)
+    with zeros."""
     if len(parts) <= 1:
         return parts
     width = max(p.batch["responses"].shape[1] for p in parts)
@@ -148,10 +153,11 @@ def pad_responses(parts: list[DataProto], pad_id: int) -> list[DataProto]:
         extra = width - b["responses"].shape[1]
         lead = prompt_width - b["prompts"].shape[1]
         if extra:
+            old_width = b["responses"].shape[1]
             b["responses"] = torch.nn.functional.pad(b["responses"], (0, extra), value=pad_id)
-            b["response_mask"] = torch.nn.functional.pad(b["response_mask"], (0, extra), value=0)
-            if "rollout_log_probs" in b:
-                b["rollout_log_probs"] = torch.nn.functional.pad(b["rollout_log_probs"], (0, extra), value=0.0)
+            for key, value in b.items():
+                if key not in SEQUENCE_KEYS and value.dim() == 2 and value.shape[1] == old_width:
+                    b[key] = torch.nn.functional.pad(value, (0, extra), value=0)
         if lead:
             b["prompts"] = torch.nn.functional.pad(b["prompts"], (lead, 0), value=pad_id)
         if extra or lead:

@@ -32,6 +32,12 @@ class Dropped:
         return {"failed": float(self.failed), "dropped": float(self.dropped),
                 "failed_share": self.failed / max(self.total, 1)}
 
+    def merge(self, other: Dropped) -> None:
+        """Add another generation batch's counts (a step of several: algorithm.filter_groups)."""
+        self.failed += other.failed
+        self.dropped += other.dropped
+        self.total += other.total
+
 
 def mask_missing_rewards(scores: torch.Tensor, response_mask: torch.Tensor, uid: np.ndarray, whole_groups: bool,
                          max_failed_share: float, source: str = "the reward model") -> tuple[torch.Tensor,

@@ -41,7 +41,7 @@ from verl.data.exports import DATA_LINEAGE_FILE, records_lineage
 from verl.errors import ConfigError
 from verl.models.loader import load_tokenizer
 from verl.protocol import DataProto
-from verl.rollout.base import SamplingParams
+from verl.rollout.base import SamplingParams, pad_responses
 from verl.tools.templates import ToolPrompting
 from verl.tracking import check_trackers, create_trackers
 from verl.trainer.callbacks import CallbackList, TrainerCallback
@@ -75,6 +75,26 @@ from verl.utils.system import SystemMonitor
 from verl.utils.timing import StageTimer
 
 MISMATCH_SCOPES = ("rollout_corr/", "training/", "sampling/")  # verl/algos/rollout_correction.py
+GROUP_ID_STRIDE = 1_000_000_007  # filter_groups: a step's later generation batches get group ids of their own
+
+
+def varied_group_rows(batch: DataProto, extras: dict[str, np.ndarray], metric: str | None) -> np.ndarray:
+    """Row indices of the groups (``uid``, rows adjacent) whose samples differ in ``metric`` (``acc``: the rule's
+    correctness; otherwise the sequence reward), or that hold a single sample — DAPO's filter, as verl keeps them."""
+    values = (np.asarray(extras["acc"], dtype=np.float64) if metric in (None, "acc") and "acc" in extras
+              else batch.batch["token_level_scores"].sum(-1).double().numpy())
+    if metric == "acc" and "acc" not in extras:
+        raise ConfigError("algorithm.filter_groups.metric=acc: this reward gives no acc; use score")
+    uid = np.asarray(batch.non_tensor["uid"])
+    keep = [np.flatnonzero(uid == u) for u in dict.fromkeys(uid.tolist())]
+    return np.concatenate([rows for rows in keep if len(rows) == 1 or np.ptp(values[rows]) > 0] or [np.arange(0)])
+
+
+def subset(batch: DataProto, extras: dict[str, np.ndarray], texts: list[str], rows: np.ndarray
+           ) -> tuple[DataProto, dict[str, np.ndarray], list[str]]:
+    """The batch, its per-sample reward extras and texts at ``rows``."""
+    return (batch.index(rows), {k: np.asarray(v)[rows] for k, v in extras.items()},
+            [texts[int(i)] for i in rows])
 
 PPO_METRICS = {  # ppo/<name> <- the actor's update metric of that name
     "policy_loss": "policy_loss", "entropy": "entropy", "kl_div": "kl_div", "approx_kl": "ppo_kl",
@@ -272,15 +292,12 @@ class PPOTrainer:
         cfg = self.config
         n = cfg.rollout.n
         with self.timer("total"):
-            prompts, batch, overlap = self._rollout(step)
-            batch.non_tensor["uid"] = batch.non_tensor["index"]  # group id: responses to the same prompt
-            if estimator_facts(cfg.algorithm.adv_estimator).needs_greedy_baseline:
-                with self.timer("gen_baseline"):
-                    batch.batch["reward_baselines"] = self._greedy_baseline(prompts).repeat_interleave(n)
-            with self.timer("reward"):
-                scores, extras, texts = self.roles.compute_reward(batch)
-                scores, dropped = self._mask_missing_rewards(batch, scores)
-                batch.batch["token_level_scores"] = scores
+            batch, extras, texts, dropped, overlap = self._generate_and_score(step)
+            # Of the step's (first) generation batch: what the policy solves, before any filter drops groups.
+            groups = group_metrics(batch, extras)
+            if cfg.algorithm.filter_groups.enable:
+                batch, extras, texts, filtered = self._fill_with_varied_groups(step, batch, extras, texts, dropped)
+                groups.update(filtered)
             trainer_old = self.needs_old_log_probs and "old_log_probs" not in batch.batch  # else the behaviour's
             if trainer_old:
                 with self.timer("old_log_prob"):
@@ -325,12 +342,73 @@ class PPOTrainer:
         metrics = self._step_metrics(step, batch, rollout, actor_metrics, critic_metrics, kl_metrics)
         # Mismatch and correction metrics carry their own scopes (verl's and TRL's names): measured here or by the
         # actor's forwards.
-        metrics.update(log.scoped("batch", group_metrics(batch, extras)))
+        metrics.update(log.scoped("batch", groups))
         metrics.update(mismatch)
         metrics.update({k: v for k, v in actor_metrics.items() if k.startswith(MISMATCH_SCOPES)})
         if self.config.reward.model.path or self.config.reward.model.url:
             metrics.update(log.scoped("reward", dropped.metrics()))
         return metrics
+
+    def _generate_and_score(self, step: int, generation: int = 0
+                            ) -> tuple[DataProto, dict[str, np.ndarray], list[str], Dropped, dict[str, float]]:
+        """Generate this step's (``generation``-th) batch and score it: ``token_level_scores`` set, rewards that
+        could not be obtained masked. Returns the batch, the reward extras and texts, the masked rewards and the
+        rollout's version metrics."""
+        n = self.config.rollout.n
+        prompts, batch, overlap = self._rollout(step)
+        # The group id: responses to one prompt. Later generation batches of a step (filter_groups) get ids of
+        # their own, so a prompt drawn again does not merge two groups.
+        index = np.asarray(batch.non_tensor["index"])
+        batch.non_tensor["uid"] = index if generation == 0 else index.astype(np.int64) + generation * GROUP_ID_STRIDE
+        if estimator_facts(self.config.algorithm.adv_estimator).needs_greedy_baseline:
+            with self.timer("gen_baseline"):
+                batch.batch["reward_baselines"] = self._greedy_baseline(prompts).repeat_interleave(n)
+        with self.timer("reward"):
+            scores, extras, texts = self.roles.compute_reward(batch)
+            scores, dropped = self._mask_missing_rewards(batch, scores)
+            batch.batch["token_level_scores"] = scores
+        return batch, extras, texts, dropped, overlap
+
+    def _fill_with_varied_groups(self, step: int, batch: DataProto, extras: dict[str, np.ndarray], texts: list[str],
+                                 dropped: Dropped) -> tuple[DataProto, dict[str, np.ndarray], list[str], dict]:
+        """``algorithm.filter_groups`` (DAPO's dynamic sampling, as verl's recipe does it): keep the groups whose
+        samples differ in the metric, generate further batches until ``data.train_batch_size`` groups are kept,
+        then cut to exactly that many. When ``max_num_gen_batches`` is spent first, train on the groups kept (all
+        of the last batch if none were) and log a WARNING row; verl raises there, which ends a long run over one
+        hard batch. Returns the kept batch, its extras and texts, and ``batch/*`` metrics."""
+        cfg = self.config.algorithm.filter_groups
+        n, wanted = self.config.rollout.n, self.config.data.train_batch_size
+        parts: list[tuple[DataProto, dict[str, np.ndarray], list[str]]] = []
+        kept_groups = generated_groups = 0
+        generation = 0
+        while True:
+            keep = varied_group_rows(batch, extras, cfg.metric)
+            generated_groups += len(batch) // n
+            kept_groups += len(keep) // n
+            if len(keep):
+                parts.append(subset(batch, extras, texts, keep))
+            generation += 1
+            if kept_groups >= wanted:
+                break
+            if cfg.max_num_gen_batches and generation >= cfg.max_num_gen_batches:
+                message = (f"algorithm.filter_groups: {kept_groups} of {wanted} groups vary in "
+                           f"{cfg.metric or 'acc'} after {generation} generation batches (max_num_gen_batches); "
+                           "the step trains on " + ("them" if parts else "the last batch, which carries no signal")
+                           + ": the data may be too easy or too hard for the policy")
+                self.logger.event("filter_groups", level="WARNING", step=step, status="budget_spent",
+                                  kept_groups=kept_groups, generation_batches=generation, message=message)
+                if not parts:
+                    parts.append((batch, extras, texts))
+                break
+            batch, extras, texts, more_dropped, _ = self._generate_and_score(step, generation)
+            dropped.merge(more_dropped)
+        batch = DataProto.concat(pad_responses([p[0] for p in parts], self.tokenizer.pad_token_id))
+        extras = {k: np.concatenate([p[1][k] for p in parts]) for k in parts[0][1] if all(k in p[1] for p in parts)}
+        texts = [t for p in parts for t in p[2]]
+        if len(batch) > wanted * n:  # whole groups: rows of a group are adjacent
+            batch, extras, texts = subset(batch, extras, texts, np.arange(wanted * n))
+        return batch, extras, texts, {"num_gen_batches": float(generation),
+                                      "kept_group_share": kept_groups / max(generated_groups, 1)}
 
     def _mask_missing_rewards(self, batch: DataProto, scores: torch.Tensor) -> tuple[torch.Tensor, Dropped]:
         """Mask samples without a reward (and their groups, for group estimators) out of the step
