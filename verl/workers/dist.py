@@ -78,21 +78,20 @@ def _collective_device() -> torch.device:
 
 def all_reduce_sums(values: dict[str, float], info: DistInfo) -> dict[str, float]:
     """Sum scalar metric partials over ranks (keys in sorted order so every rank packs the same vector)."""
-    if not info.enabled:
-        return values
-    keys = sorted(values)
-    packed = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM)
-    return dict(zip(keys, packed.tolist(), strict=True))
+    return _all_reduce_scalars(values, info, dist.ReduceOp.SUM)
 
 
 def all_reduce_maxima(values: dict[str, float], info: DistInfo) -> dict[str, float]:
     """The largest of each scalar over ranks (a minimum travels as a negated maximum)."""
+    return _all_reduce_scalars(values, info, dist.ReduceOp.MAX)
+
+
+def _all_reduce_scalars(values: dict[str, float], info: DistInfo, op: Any) -> dict[str, float]:
     if not info.enabled:
         return values
     keys = sorted(values)
     packed = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(packed, op=op)
     return dict(zip(keys, packed.tolist(), strict=True))
 
 
