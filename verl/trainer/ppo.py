@@ -298,7 +298,9 @@ class PPOTrainer:
             if cfg.algorithm.filter_groups.enable:
                 batch, extras, texts, filtered = self._fill_with_varied_groups(step, batch, extras, texts, dropped)
                 groups.update(filtered)
-            trainer_old = self.needs_old_log_probs and "old_log_probs" not in batch.batch  # else the behaviour's
+            # Not in bypass mode: the rollout's log-probs are its old_log_probs (a trainer forward would be dropped).
+            trainer_old = (self.needs_old_log_probs and "old_log_probs" not in batch.batch
+                           and not cfg.algorithm.rollout_correction.bypass_mode)
             if trainer_old:
                 with self.timer("old_log_prob"):
                     batch.batch["old_log_probs"] = self.roles.compute_old_log_prob(batch)
