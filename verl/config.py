@@ -432,9 +432,14 @@ class RolloutCorrectionConfig(Section):
         return self
 
     @property
+    def decoupled(self) -> bool:
+        """Decoupled mode: IS weights and/or rejection from pi_old (a trainer forward) against pi_rollout."""
+        return (self.rollout_is is not None or self.rollout_rs is not None) and not self.bypass_mode
+
+    @property
     def corrects(self) -> bool:
         """Whether anything changes the update (otherwise the mismatch is only measured)."""
-        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
+        return self.decoupled or self.bypass_mode
 
 
 class FilterGroupsConfig(Section):

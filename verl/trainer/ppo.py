@@ -452,7 +452,8 @@ class PPOTrainer:
         for stage, seconds in done.seconds.items():  # the rollout worker's own stage times, concurrent with ours
             self.timer.seconds[stage] = self.timer.seconds.get(stage, 0.0) + seconds
         batch = done.batch
-        if not self.decoupled_correction:  # the behaviour's log-probs are the update's anchor (bypass, as verl)
+        # The behaviour's log-probs are the update's anchor (bypass, as verl) unless decoupled mode asks for pi_old.
+        if not self.config.algorithm.rollout_correction.decoupled:
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
         batch.meta["policy_version"] = done.policy_version
         return done.prompts, batch, {"policy_version": float(done.policy_version),
@@ -469,14 +470,8 @@ class PPOTrainer:
     def needs_old_log_probs(self) -> bool:
         cfg = self.config
         off_policy = cfg.actor.ppo_epochs > 1 or cfg.data.train_batch_size > cfg.actor.ppo_mini_batch_size
-        return off_policy or cfg.algorithm.use_kl_in_reward or self.decoupled_correction
+        return off_policy or cfg.algorithm.use_kl_in_reward or cfg.algorithm.rollout_correction.decoupled
 
-    @property
-    def decoupled_correction(self) -> bool:
-        """verl's decoupled rollout correction: IS weights and/or rejection from pi_old (a trainer forward) against
-        pi_rollout, applied to the update (bypass mode uses pi_rollout as pi_old instead)."""
-        rc = self.config.algorithm.rollout_correction
-        return (rc.rollout_is is not None or rc.rollout_rs is not None) and not rc.bypass_mode
 
     def _correct_rollout(self, batch: DataProto, trainer_old: bool) -> dict[str, float]:
         """The rollout/trainer mismatch where the trainer's ``old_log_probs`` came from its own forward (measured
