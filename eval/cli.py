@@ -67,6 +67,9 @@ def eval_command(
                                           "another) or ray (spread over --workers Ray workers).")] = "local",
     workers: Annotated[int, typer.Option("--workers", help="With --executor ray: how many workers (one CPU "
                                          "each; RAY_ADDRESS joins a cluster).")] = 1,
+    group_by: Annotated[str | None, typer.Option(
+        "--group-by", help="Also report every metric per group of prompts: a column of the data, dotted inside a "
+                           "dict column (extra_info.kind, data_source).")] = None,
     watch: Annotated[bool, typer.Option("--watch", help="--ckpt RUN: evaluate each checkpoint as it lands while "
                                         "the run trains (the run dir may not exist yet); exits when the run "
                                         "finishes, with the run summary and best.json.")] = False,
@@ -91,7 +94,7 @@ def eval_command(
                                 tool_config=tool_config, max_turns=max_turns,
                                 engine=engine, device=device, num_threads=threads, n_bootstrap=bootstrap,
                                 select=select, force=force, quiet=quiet, executor=executor, workers=workers,
-                                strict=strict)
+                                strict=strict, group_by=group_by)
         if watch:
             from eval.watch import watch_run
 

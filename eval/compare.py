@@ -36,7 +36,7 @@ import numpy as np
 from eval import plots
 from eval.pairwise import PairEvaluation, check_settings, rm_config_of
 from eval.report import Doc, fmt, ordered_metrics, training_curves
-from eval.results import DEFAULT_SELECT, load_results, load_samples, parse_select
+from eval.results import DEFAULT_SELECT, load_results, load_samples, parse_select, sample_columns
 from eval.runner import (
     EvalSettings,
     Evaluation,
@@ -239,12 +239,7 @@ def _compare_corpus(spec: str, names: list[str], base: Entry, cand: Entry, commo
 
     def side(entry: Entry) -> tuple[Any, np.ndarray]:
         rows = [r for r in entry.samples if r["prompt_id"] in unit]
-        columns: dict[str, np.ndarray] = {}
-        for key in rows[0]:
-            values = [r.get(key) for r in rows]
-            if all(isinstance(v, (int, float)) or v is None for v in values) and not isinstance(values[0], bool):
-                columns[key] = np.array([np.nan if v is None else float(v) for v in values])
-        state = evaluator.corpus_state([r["response"] for r in rows], columns)
+        state = evaluator.corpus_state([r["response"] for r in rows], sample_columns(rows))
         return state, np.array([unit[r["prompt_id"]] for r in rows])
 
     state_a, units_a = side(base)

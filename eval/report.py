@@ -164,6 +164,27 @@ def metrics_table(doc: Doc, metrics: dict[str, dict]) -> None:
     doc.table(["metric", "value", "SE", "95% CI", "n", "SE method"], rows)
 
 
+def headline_metrics(groups: dict[str, Any], limit: int = 4) -> list[str]:
+    """The metrics a per-group table shows: the main ones first (accuracy, reward, ...), at most ``limit``."""
+    names = set().union(*(set(g["metrics"]) for g in groups["values"].values())) if groups["values"] else set()
+    return ordered_metrics(names)[:limit]
+
+
+def groups_table(doc: Doc, groups: dict[str, Any]) -> None:
+    """``verl eval --group-by``: a row per group, each headline metric as value and 95% CI."""
+    names = headline_metrics(groups)
+    doc.h(f"Per {groups['by']}")
+    rows = []
+    for group, entry in groups["values"].items():
+        cells = []
+        for name in names:
+            metric = entry["metrics"].get(name)
+            cells.append("–" if metric is None else f"{fmt(metric.get('value'))} {fmt_ci(metric)}")
+        rows.append([group, entry["num_prompts"], entry["num_samples"], *cells])
+    doc.table([groups["by"], "prompts", "samples", *[f"{n} [95% CI]" for n in names]], rows)
+    doc.p("Every metric of every group, with its SE and CI: `results.json` (`groups`).")
+
+
 # ---------------------------------------------------------------------------------------------- one checkpoint
 
 
@@ -187,6 +208,8 @@ def write_checkpoint_report(out_dir: Path, results: dict, samples: list[dict]) -
             doc.table(["metric", "all prompts", "clean prompts", "n clean"],
                       [[name, fmt(results["metrics"][name].get("value")), fmt(c["value"]), c["n"]]
                        for name, c in contamination["clean"].items() if name in results["metrics"]])
+    if results.get("groups"):
+        groups_table(doc, results["groups"])
     doc.p("SE: standard error — `mean`: s/√n; `cluster`: clustered by prompt (n > 1 samples per prompt); "
           "`bootstrap`: resampling prompts (CI = 2.5/97.5 percentiles); `jackknife`: delete-a-group over prompts "
           "(for distinct-n and entropy, which a bootstrap biases). Otherwise 95% CI = value ± 1.96·SE, clipped to "

@@ -119,6 +119,17 @@ def load_samples(path: str | Path) -> list[dict]:
     return rows
 
 
+def sample_columns(rows: list[dict]) -> dict[str, np.ndarray]:
+    """The numeric per-sample fields of ``samples.jsonl`` rows as columns ``(N,)`` (None -> NaN): what the
+    evaluators' corpus metrics read back (``verl compare``, ``verl eval --group-by`` on cached results)."""
+    columns: dict[str, np.ndarray] = {}
+    for key in rows[0] if rows else ():
+        values = [r.get(key) for r in rows]
+        if all((isinstance(v, (int, float)) and not isinstance(v, bool)) or v is None for v in values):
+            columns[key] = np.array([np.nan if v is None else float(v) for v in values])
+    return columns
+
+
 def reusable_results(out_dir: Path, fingerprint: str, digest: str) -> dict | None:
     try:
         results = load_results(out_dir)

@@ -41,6 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import verl.config as config_module
 from eval import contamination as contamination_check
+from eval.groups import group_lines, group_results
 from eval.pairwise import evaluate_reward_model
 from eval.report import write_checkpoint_report, write_run_report
 from eval.results import (
@@ -69,6 +70,7 @@ from verl.config import (
 from verl.data.dataset import RLHFDataset
 from verl.errors import CheckpointError, ConfigError
 from verl.evaluators import EvalBatch, Metric, build_evaluator, build_evaluators, run_evaluators
+from verl.evaluators.groups import group_labels
 from verl.evaluators.kl_terms import compute_kl_terms
 from verl.evaluators.registry import BUILTIN_EVALUATORS, evaluator_needs, split_specs
 from verl.models.loader import (
@@ -125,6 +127,8 @@ class EvalSettings:
     # Every checkpoint of a run: "local" (one after another) or "ray" (spread over ``workers`` Ray workers).
     executor: str = "local"
     workers: int = 1
+    # Every metric per group of prompts (a dataset column, dotted for a dict column: extra_info.kind); eval/groups.py.
+    group_by: str | None = None
 
     def __post_init__(self) -> None:
         check_flags({name: getattr(self, name) for name in FLAG_RULES})
@@ -527,10 +531,17 @@ class Evaluation:
         cached = reusable_results(out_dir, self.resolved.fingerprint, digest) if not self.settings.force else None
         if cached is not None:
             self._say(f"{label}: reusing {out_dir / 'results.json'} (same weights and settings; --force recomputes)")
-            if ensure_report(out_dir, cached):
+            samples = load_samples(out_dir) if self.settings.group_by else []
+            if self._add_groups(cached, samples):  # grouped from the samples on disk: nothing reruns
+                write_results(out_dir, cached, samples)
+                write_checkpoint_report(out_dir, cached, samples)
+                self._say_groups(cached)
+            elif ensure_report(out_dir, cached):
                 self._say(f"{label}: rewrote the missing report/plots in {out_dir}")
             return cached
         contamination = self._contamination()  # before any weights load: --strict refuses at once
+        if self.settings.group_by:  # and a --group-by column the data lacks
+            group_labels(self.dataset.rows, self.settings.group_by, f"--group-by {self.settings.group_by}")
         policy = load_policy(model_path, self.run_cfg, self.device, self.dtype)
         policy.requires_grad_(False)
         engine = self._build_engine(policy, model_path)
@@ -568,11 +579,29 @@ class Evaluation:
                 row["contaminated"] = kinds[row["index"]]
             results["contamination"] = {**info, "clean": contamination_check.clean_metrics(samples,
                                                                                           results["metrics"])}
+        self._add_groups(results, samples)
         write_results(out_dir, results, samples)
 
         write_checkpoint_report(out_dir, results, samples)
         self._say(f"{label}: " + summary_line(results) + f"  -> {out_dir}")
+        self._say_groups(results)
         return results
+
+    def _add_groups(self, results: dict, samples: list[dict]) -> bool:
+        """``--group-by``: put the per-group metrics into ``results`` (from ``samples``) unless they are there for
+        the same column; True when it added them."""
+        column = self.settings.group_by
+        if column is None or (results.get("groups") or {}).get("by") == column:
+            return False
+        built = {getattr(e, "spec", None): e for e in self.evaluators}
+        results["groups"] = group_results(samples, results["metrics"], column, self.dataset.rows,
+                                          lambda spec: built.get(spec) or build_evaluator(spec),
+                                          self.settings.n_bootstrap, results["sampling"]["seed"])
+        return True
+
+    def _say_groups(self, results: dict) -> None:
+        for line in group_lines(results["groups"]) if results.get("groups") else []:
+            self._say(line)
 
     def _build_engine(self, policy: Any, model_path: str) -> Any:
         """The rollout engine the run's validation used, around ``policy`` (vLLM loads ``model_path`` itself)."""

@@ -123,6 +123,10 @@ class DataConfig(Section):
     contamination: Literal["warn", "strict", "off"] = Field(
         "warn", description="Validation prompts held by the training data too (exact after normalisation, or a shared "
         "13-gram): warn and log eval/clean/* beside the whole, refuse to start (strict), or do not check (off).")
+    val_group_by: str | None = Field(
+        "auto", description="Also log every validation metric per group of prompts, eval/<column>/<group>/<metric> "
+        "(verl eval --group-by): a column of the validation data, dotted inside a dict column (extra_info.kind); "
+        "auto: extra_info.kind when every validation row has it; null: off.")
     arithmetic: ArithmeticTaskConfig = Field(default_factory=ArithmeticTaskConfig)
 
     @field_validator("train_files", "val_files", mode="before")

@@ -119,8 +119,9 @@ def test_validation_runs_the_named_evaluators_and_plain_functions():
     def no_reference(data):
         raise AssertionError("no evaluator here needs reference log-probs")
 
-    metrics = validation.run_validation_evaluators(cfg, evaluators, batch, [">> 4", "5"], np.array([1.0, 0.0]),
-                                                   {"acc": np.array([1.0, 0.0])}, kl_terms=no_reference)
+    evaluated, _ = validation.run_validation_evaluators(cfg, evaluators, batch, [">> 4", "5"], np.array([1.0, 0.0]),
+                                                        {"acc": np.array([1.0, 0.0])}, kl_terms=no_reference)
+    metrics = {name: metric.value for name, metric in evaluated.items()}
     assert metrics["accuracy"] == 0.5 and metrics["accuracy_flexible"] == 1.0
     assert metrics["response_length_mean"] == 3.0 and metrics["custom"] == 1.0
     # kl needs the reference: without one it is refused with the fix; with one the roles compute the terms.
@@ -132,8 +133,9 @@ def test_validation_runs_the_named_evaluators_and_plain_functions():
     terms = {"policy_log_probs": torch.tensor([[-1.0, -2.0, 0.0], [-1.0, 0.0, 0.0]]),
              "ref_log_probs": torch.tensor([[-1.5, -2.0, 0.0], [-0.5, 0.0, 0.0]]),
              "token_kl": torch.tensor([[0.25, 0.5, 0.0], [0.75, 0.0, 0.0]])}
-    metrics = validation.run_validation_evaluators(cfg, validation.build_validation_evaluators(cfg), batch,
-                                                   ["a", "b"], np.zeros(2), {}, kl_terms=lambda data: terms)
+    evaluated, _ = validation.run_validation_evaluators(cfg, validation.build_validation_evaluators(cfg), batch,
+                                                        ["a", "b"], np.zeros(2), {}, kl_terms=lambda data: terms)
+    metrics = {name: metric.value for name, metric in evaluated.items()}
     assert metrics["kl_exact"] == pytest.approx((0.75 + 0.75) / 2)
     assert metrics["kl_k1"] == pytest.approx((0.5 - 0.5) / 2)  # k1 = logp - ref, summed per response
 

@@ -83,16 +83,25 @@ class Evaluator:
 
     def corpus(self, batch: EvalBatch, columns: dict[str, np.ndarray]) -> dict[str, Metric]:
         """Corpus metrics at unit weights with resampled (bootstrap or jackknife) CIs over prompts."""
-        state = self.corpus_state(batch.responses, columns)
-        def statistic(w: np.ndarray) -> dict[str, float]:
-            return self.corpus_values(state, w)
-        if self.corpus_resampling == "jackknife":
-            groups = 200 if batch.n_bootstrap > 0 else 0
-            metrics = jackknife_metrics(statistic, batch.prompt_index, groups, batch.seed, aggregate="corpus",
-                                        evaluator=self.spec)
-        else:
-            metrics = bootstrap_metrics(statistic, batch.prompt_index, batch.n_bootstrap, batch.seed,
-                                        aggregate="corpus", evaluator=self.spec)
-        for name, metric in metrics.items():
-            metric.higher_is_better = self.direction(name)
-        return metrics
+        return corpus_metrics(self, batch.responses, columns, batch.prompt_index, batch.n_bootstrap, batch.seed)
+
+
+def corpus_metrics(evaluator: Evaluator, responses: list[str], columns: dict[str, np.ndarray],
+                   prompt_index: np.ndarray, n_bootstrap: int, seed: int) -> dict[str, Metric]:
+    """``evaluator``'s corpus metrics on ``responses`` ``(N,)`` and per-sample ``columns`` (``(N,)`` each): the
+    value at unit weights, the CI from resampling the prompts of ``prompt_index`` ``(N,)`` (all of a prompt's samples
+    together). The whole batch and any subset of it (``verl eval --group-by``) go through here."""
+    state = evaluator.corpus_state(responses, columns)
+
+    def statistic(w: np.ndarray) -> dict[str, float]:
+        return evaluator.corpus_values(state, w)
+
+    if evaluator.corpus_resampling == "jackknife":
+        groups = 200 if n_bootstrap > 0 else 0
+        metrics = jackknife_metrics(statistic, prompt_index, groups, seed, aggregate="corpus", evaluator=evaluator.spec)
+    else:
+        metrics = bootstrap_metrics(statistic, prompt_index, n_bootstrap, seed, aggregate="corpus",
+                                    evaluator=evaluator.spec)
+    for name, metric in metrics.items():
+        metric.higher_is_better = evaluator.direction(name)
+    return metrics

@@ -62,8 +62,10 @@ from verl.trainer.validation import (
     check_validation_needs,
     clean_validation_metrics,
     generate_and_score,
+    grouped_validation_metrics,
     run_validation_evaluators,
     sample_rows,
+    validation_group_labels,
     validation_metrics,
     validation_overlap,
 )
@@ -164,6 +166,8 @@ class PPOTrainer:
         self.tokenizer, self.sampler = inputs.tokenizer, inputs.sampler
         self.train_dataset, self.val_dataset = inputs.train_dataset, inputs.val_dataset
         self.val_overlap, self.contamination = inputs.val_overlap, inputs.contamination
+        # data.val_group_by: (column, each validation row's group), or None; refused now if no row has the column.
+        self.val_groups = validation_group_labels(config, self.val_dataset)
         self.reward_manager = reward_manager  # scores validation responses in this process
         self.device = device
         self.quiet = quiet
@@ -594,8 +598,14 @@ class PPOTrainer:
         )
         metrics = validation_metrics(batch, scores, extras)
         # The same evaluator code as `verl eval`, so eval/accuracy here equals its accuracy on this checkpoint.
-        metrics.update(run_validation_evaluators(self.config, self.validation_evaluators(), batch, texts, scores,
-                                                 extras, kl_terms=self.roles.compute_kl_terms))
+        evaluators = self.validation_evaluators()
+        evaluated, columns = run_validation_evaluators(self.config, evaluators, batch, texts, scores, extras,
+                                                       kl_terms=self.roles.compute_kl_terms)
+        metrics.update({name: metric.value for name, metric in evaluated.items()})
+        if self.val_groups is not None:  # data.val_group_by: eval/<column>/<group>/<metric>, beside the whole
+            column, labels = self.val_groups
+            metrics.update(grouped_validation_metrics(column, labels, batch, texts, scores, extras, evaluated, columns,
+                                                      evaluators))
         if self.contamination and self.contamination["overlapping"]:
             # Beside the whole, never instead of it: the curve a user already watches keeps its meaning.
             validated = self.val_overlap[:self.config.data.val_max_samples]  # the prompts generate_and_score used

@@ -18,8 +18,10 @@ from verl.config import VerlConfig
 from verl.data.contamination import TrainingIndex, summary, text_of
 from verl.data.dataset import RLHFDataset
 from verl.errors import ConfigError
-from verl.evaluators import EvalBatch, build_evaluator, run_evaluators
+from verl.evaluators import EvalBatch, Metric, build_evaluator, run_evaluators
+from verl.evaluators.groups import AUTO_GROUP_COLUMN, group_labels, has_column, metric_key_part, metrics_by_group
 from verl.evaluators.registry import evaluator_label, evaluator_needs
+from verl.evaluators.stats import mean_metric
 from verl.protocol import DataProto
 from verl.rollout.base import RolloutEngine, SamplingParams, pad_responses
 from verl.workers.reward import RewardManager
@@ -152,8 +154,9 @@ def build_validation_evaluators(config: VerlConfig) -> list[Any]:
 
 def run_validation_evaluators(config: VerlConfig, evaluators: list[Any], batch: DataProto, texts: list[str],
                               scores: np.ndarray, extras: dict[str, np.ndarray],
-                              kl_terms: Callable[[DataProto], dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Run ``evaluators`` on a validation batch; returns ``{metric: value}`` for the ``eval`` scope.
+                              kl_terms: Callable[[DataProto], dict[str, torch.Tensor]]
+                              ) -> tuple[dict[str, Metric], dict[str, np.ndarray]]:
+    """Run ``evaluators`` on a validation batch; returns their metrics and per-sample columns ``(N,)`` each.
 
     ``batch`` is the validation rollout (``(N, response_len)`` tensors), ``scores`` ``(N,)`` the reward scores,
     ``extras`` the reward function's per-sample values, and ``kl_terms(batch)`` the roles' forward passes for an
@@ -169,5 +172,51 @@ def run_validation_evaluators(config: VerlConfig, evaluators: list[Any], batch: 
         check_validation_needs(evaluator, evaluator_label(evaluator), config)
     if any("ref_logprobs" in evaluator_needs(e) for e in evaluators):
         eval_batch.kl_terms = kl_terms(batch)
-    metrics, _, _ = run_evaluators(evaluators, eval_batch)
-    return {name: metric.value for name, metric in metrics.items()}
+    metrics, columns, _ = run_evaluators(evaluators, eval_batch)
+    return metrics, columns
+
+
+# ---------------------------------------------------------------------------------------------- groups
+
+def validation_group_labels(config: VerlConfig, val: RLHFDataset) -> tuple[str, list[str]] | None:
+    """``data.val_group_by``: the column and each validation row's group, or None (off, or ``auto`` on data without
+    ``extra_info.kind``). A column no row has is refused before the run starts."""
+    column = config.data.val_group_by
+    if column == "auto":
+        if not has_column(val.rows, AUTO_GROUP_COLUMN):
+            return None
+        column = AUTO_GROUP_COLUMN
+    if column is None:
+        return None
+    return column, group_labels(val.rows, column, f"data.val_group_by ({', '.join(config.data.val_files)})")
+
+
+def grouped_validation_metrics(column: str, labels: list[str], batch: DataProto, texts: list[str],
+                               scores: np.ndarray, extras: dict[str, np.ndarray], evaluated: dict[str, Metric],
+                               columns: dict[str, np.ndarray], evaluators: list[Any]
+                               ) -> dict[str, float]:
+    """Every validation metric per group: ``{<column leaf>/<group>/<metric>: value}`` for the ``eval`` scope
+    (``eval/kind/two_steps/accuracy``). ``labels`` is per dataset row; the rest per response ``(N,)``, as
+    ``run_validation_evaluators`` got and returned them."""
+    index = np.asarray(batch.non_tensor["index"], dtype=np.int64)
+    lengths = batch.batch["response_mask"].sum(-1).float().numpy().astype(np.float64)
+    acc = extras.get("acc")
+    base = {"accuracy": np.asarray(acc, np.float64) if acc is not None else (scores > 0).astype(np.float64),
+            "reward_mean": np.asarray(scores, np.float64), "response_length_mean": lengths}
+    if "acc_flexible" in extras:
+        base["accuracy_flexible"] = np.asarray(extras["acc_flexible"], np.float64)
+    whole = {name: mean_metric(values, index, aggregate="mean", column=f"_base_{name}") for name, values in
+             base.items()}
+    whole.update(evaluated)  # the evaluators' accuracy is the same number (the same reward extras)
+    all_columns = {**{f"_base_{k}": v for k, v in base.items()}, "response_length": lengths, **columns}
+    per_sample = [labels[i] for i in index]
+    grouped = metrics_by_group(per_sample, whole, all_columns, texts, index,
+                               {getattr(e, "spec", evaluator_label(e)): e for e in evaluators}, n_bootstrap=0, seed=0)
+    leaf = metric_key_part(column.rsplit(".", 1)[-1])
+    counts = {group: float(per_sample.count(group)) for group in grouped}
+    out = {}
+    for group, metrics in grouped.items():
+        prefix = f"{leaf}/{metric_key_part(group)}"
+        out[f"{prefix}/num_samples"] = counts[group]
+        out.update({f"{prefix}/{name}": metric.value for name, metric in metrics.items()})
+    return out
