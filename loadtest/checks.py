@@ -28,6 +28,7 @@ class Completion:
     text: str
     prompt_tokens: int
     completion_tokens: int
+    finish_reason: str = "stop"  # "length": cut at max_tokens
 
 
 # A test whose first requests all fail measures nothing: the locustfile stops it after this many failures with no
@@ -97,7 +98,7 @@ def check_generate(body: bytes | str | None) -> Completion:
     if data.get("finish_reason") not in ("stop", "length"):
         raise BadResponse(f"'finish_reason' must be stop or length; got {data.get('finish_reason')!r}")
     return Completion(text, _count(data.get("prompt_tokens"), "prompt_tokens", 1),
-                      _count(data.get("completion_tokens"), "completion_tokens", 1))
+                      _count(data.get("completion_tokens"), "completion_tokens", 1), data["finish_reason"])
 
 
 def _single_choice(data: dict, obj: str) -> dict:
@@ -118,7 +119,7 @@ def check_completion(body: bytes | str | None) -> Completion:
     if choice.get("finish_reason") not in ("stop", "length"):
         raise BadResponse(f"'choices[0].finish_reason' must be stop or length; got {choice.get('finish_reason')!r}")
     prompt, completion = _usage(data.get("usage"))
-    return Completion(text, prompt, completion)
+    return Completion(text, prompt, completion, choice["finish_reason"])
 
 
 @dataclass
@@ -200,6 +201,7 @@ class StreamResult:
     ttft_s: float
     end_s: float
     chunk_times_s: list[float] = field(default_factory=list)  # every generated chunk, the first one included
+    finish_reason: str = "stop"
 
     @property
     def itl_s(self) -> list[float]:
@@ -262,4 +264,4 @@ def check_chat_stream(events: list[tuple[float, str]]) -> StreamResult:
     if completion < text_chunks:
         raise BadResponse(f"usage.completion_tokens {completion} is below the {text_chunks} chunks with text")
     return StreamResult(joined, prompt, completion, ttft_s=chunk_times[0], end_s=events[-1][0],
-                        chunk_times_s=chunk_times)
+                        chunk_times_s=chunk_times, finish_reason=finish)

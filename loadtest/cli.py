@@ -45,7 +45,9 @@ def loadtest_command(
     users: Annotated[list[str] | None, typer.Option(
         "--user", help="Run only these user classes (repeatable): GenerateUser, CompletionUser, "
                        "ChatStreamUser, MixedUser.")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="max_tokens per request.")] = 32,
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", help="max_tokens per request (default 32; --user-mix agent 128: a tool call, the tool's turn "
+                             "and the answer must fit).")] = None,
     slo_p95_ms: SloP95 = 1000.0,
     slo_ttft_p95_ms: SloTtftP95 = None,
     slo_session_p95_ms: SloSessionP95 = None,

@@ -68,7 +68,7 @@ from loadtest.checks import (
     error_message,
 )
 from loadtest.prompts import DEFAULT_PROMPT_FILE, Prompt, load_prompts, render_with_server
-from loadtest.report import VARIANT_MARK
+from loadtest.report import AGENT_MAX_TOKENS, CUT_ENTRY, DEFAULT_MAX_TOKENS, NO_TOOL_ENTRY, VARIANT_MARK
 from loadtest.shapes import StepPlan
 from verl.errors import VerlError
 from verl.utils.fs import atomic_write_json
@@ -107,7 +107,9 @@ def add_arguments(parser: Any) -> None:
     option("text-prompts", choices=["template", "content"], default="template",
            help="How chat prompts become text for /generate and /v1/completions: the model's chat template "
                 "(via the server's /tokenize + /detokenize) or the messages' contents.")
-    option("max-tokens", type=int, default=32, help="max_tokens / max_new_tokens per request.")
+    option("max-tokens", type=int, default=None,
+           help=f"max_tokens / max_new_tokens per request (default {DEFAULT_MAX_TOKENS}; agent users "
+                f"{AGENT_MAX_TOKENS}: a tool call and its answer must fit).")
     option("temperature", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
     option("ignore-eos", action="store_true", default=False,
            help="Always generate max-tokens tokens (vLLM extension; OpenAI endpoints only), like vllm bench.")
@@ -167,6 +169,9 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
         plan = StepPlan.from_options(options)
     except ValueError as exc:
         raise SystemExit(f"loadtest: {exc}") from None
+    if options.max_tokens is None:
+        agents = options.user_mix == "agent" or "AgentUser" in (options.user_classes or [])
+        options.max_tokens = AGENT_MAX_TOKENS if agents else DEFAULT_MAX_TOKENS
     if options.max_tokens < 1:  # 0 would make every request a 400: a run of 100% failures that measures nothing
         raise SystemExit(f"loadtest: --max-tokens must be >= 1 (got {options.max_tokens})")
     if options.max_turns < 1:
@@ -363,10 +368,12 @@ class LLMUser(FastHttpUser):
         self.environment.events.request.fire(request_type=LLM, name=name, response_time=value, response_length=0,
                                              exception=None, context={})
 
-    def record(self, latency_s: float, completion_tokens: int) -> None:
+    def record(self, latency_s: float, completion_tokens: int, endpoint: str, finish_reason: str) -> None:
         self.fire("e2e_latency_ms", latency_s * 1000)
         self.fire("output_tokens", completion_tokens)
         self.fire("output_tokens_per_s", completion_tokens / latency_s if latency_s > 0 else 0.0)
+        # 1 or 0 per answer: the entry's mean is the share cut at max_tokens (the report warns when it is high).
+        self.fire(f"{CUT_ENTRY} {endpoint}", 1.0 if finish_reason == "length" else 0.0)
 
     def route_completion(self) -> None:
         """``POST /v1/completions`` to a route as a random end user; named after the variant that answered."""
@@ -402,7 +409,7 @@ class LLMUser(FastHttpUser):
                 response.failure("no X-Verl-Model header: the server does not name the variant (not a route?)")
                 return None
             response.success()
-        self.record(latency, result.completion_tokens)
+        self.record(latency, result.completion_tokens, path, result.finish_reason)
         if variant:
             self.fire("e2e_latency_ms" + VARIANT_MARK + variant, latency * 1000)
         return result
@@ -450,7 +457,7 @@ class LLMUser(FastHttpUser):
                 response.failure(failure)
                 return
             response.success()
-        self.record(end, result.completion_tokens)
+        self.record(end, result.completion_tokens, STREAM_NAME, result.finish_reason)
         self.fire("ttft_ms", result.ttft_s * 1000)
         if result.mean_itl_s is not None:
             self.fire("itl_ms", result.mean_itl_s * 1000)
@@ -491,6 +498,7 @@ class AgentUser(LLMUser):
         self.fire("session_turns", turns)
         self.fire("session_output_tokens", tokens)
         self.fire("session_tool_calls", calls)
+        self.fire(NO_TOOL_ENTRY, 0.0 if calls else 1.0)  # its mean: the share of sessions that made no call
 
     def post_turn(self, body: dict[str, Any]) -> ChatTurn | None:
         start = time.perf_counter()
@@ -506,7 +514,7 @@ class AgentUser(LLMUser):
                 response.failure(str(exc))
                 return None
             response.success()
-        self.record(latency, result.completion_tokens)
+        self.record(latency, result.completion_tokens, AGENT_TURN_NAME, result.finish_reason)
         return result
 
     def run_tool(self, call: dict[str, Any]) -> str:

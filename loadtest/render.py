@@ -72,11 +72,26 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
         else:
             lines.append("Every tested level met the SLO: capacity is at least this; test higher levels to find "
                          "the limit.")
+    lines.extend(f"**Warning: {w}.**" for w in report.get("warnings", []))
+    lines.append(answers_line(report.get("answers")))
     lines.append(f"{totals['http_requests']} HTTP requests ({totals['http_failures']} failed) and "
                  f"{totals['output_tokens']} output tokens in {totals['duration_s']} s. Locust's Aggregated row "
                  f"counts {totals['locust_aggregated_requests']}: the HTTP requests plus "
                  f"{totals['llm_entries']} LLM custom entries.")
     return lines
+
+
+def answers_line(answers: dict[str, Any] | None) -> str:
+    """The answers themselves: the share cut at max_tokens per endpoint, and agent sessions without a tool call."""
+    if not answers or not answers["cut_at_max_tokens"]:
+        return "Answers: no finish reasons recorded (not our locustfile, or no answer succeeded)."
+    parts = [f"{cut['share']:.0%} of {cut['answers']} on {endpoint}"
+             for endpoint, cut in answers["cut_at_max_tokens"].items()]
+    line = f"Answers cut at max_tokens: {', '.join(parts)}."
+    sessions = answers["sessions_without_tool_call"]
+    if sessions:
+        line += f" Agent sessions without a tool call: {sessions['share']:.0%} of {sessions['sessions']}."
+    return line
 
 
 STEP_HEADERS = ["users", "requests", "requests/s", "failure rate", "p50 ms", "p95 ms", "p99 ms", "TTFT p50 ms",

@@ -37,6 +37,14 @@ from verl.errors import DataError, MissingDependencyError
 LLM = "LLM"  # request type of the locustfile's custom entries
 LATENCY_ENTRY, TTFT_ENTRY, TOKENS_ENTRY = "e2e_latency_ms", "ttft_ms", "output_tokens"
 SESSION_ENTRY, SESSION_TURNS_ENTRY = "session_latency_ms", "session_turns"  # AgentUser: one per finished session
+# 1/0 per answer and per session (their means are shares): answers cut at max_tokens (finish_reason "length"), one
+# entry per endpoint ("answers_cut_at_max_tokens /v1/completions"), and agent sessions that made no tool call.
+CUT_ENTRY, NO_TOOL_ENTRY = "answers_cut_at_max_tokens", "sessions_without_tool_call"
+# max_tokens per request; agent users get room for a call, the tool's turn and the answer (the README's agent test
+# measured sessions of 0 tool calls at 32: every answer of the tiny agent was cut before its call closed).
+DEFAULT_MAX_TOKENS, AGENT_MAX_TOKENS = 32, 128
+# A share at or above this gets a warning line: the run measured cut answers or sessions that were no agent's.
+WARN_SHARE = 0.25
 VARIANT_MARK = " @"  # RouteUser names entries "<endpoint> @<model>": requests a route's variant answered
 STATS_COLUMNS = ("Type", "Name", "Request Count", "Failure Count", "Median Response Time", "Average Response Time",
                  "Min Response Time", "Max Response Time", "Requests/s", "50%", "95%", "99%")
@@ -502,6 +510,9 @@ def build_report(prefix: str | Path, slo: SLO | None = None, server_metrics: str
     if window is None:
         notes.append(f"no {run.prefix.name}_loadtest.json: assumed Locust's default 10 s percentile window")
 
+    answers = answer_quality(run.entries)
+    warnings = quality_warnings(answers, info)
+
     def entry(e: Entry) -> dict[str, Any]:
         return {"type": e.type, "name": e.name, "requests": e.requests, "failures": e.failures, "mean": e.mean_ms,
                 "p50": e.p50, "p95": e.p95, "p99": e.p99, "max": e.max_ms, "rps": e.rps}
@@ -520,8 +531,40 @@ def build_report(prefix: str | Path, slo: SLO | None = None, server_metrics: str
         "llm": [entry(e) for e in run.entries if e.type == LLM],
         "failures": run.failures,
         "server": server,
+        "answers": answers,
+        "warnings": warnings,
         "notes": notes,
     }
+
+
+def answer_quality(entries: list[Entry]) -> dict[str, Any]:
+    """What the answers were, beside how fast: per endpoint the share cut at ``max_tokens``
+    (``cut_at_max_tokens: {endpoint: {share, answers}}``), and for agent users the share of sessions with no tool
+    call (``sessions_without_tool_call: {share, sessions}``, None without agent sessions)."""
+    cut = {e.name[len(CUT_ENTRY) + 1:]: {"share": e.mean_ms, "answers": e.requests}
+           for e in entries if e.type == LLM and e.name.startswith(CUT_ENTRY + " ") and e.requests}
+    no_tool = next((e for e in entries if e.type == LLM and e.name == NO_TOOL_ENTRY and e.requests), None)
+    return {"cut_at_max_tokens": cut,
+            "sessions_without_tool_call": None if no_tool is None else {"share": no_tool.mean_ms,
+                                                                        "sessions": no_tool.requests}}
+
+
+def quality_warnings(answers: dict[str, Any], info: dict[str, Any]) -> list[str]:
+    """A line for each share at or above ``WARN_SHARE``, with the fix."""
+    budget = info.get("max_tokens")
+    flag = f"--max-tokens {budget}" if budget else "--max-tokens"
+    lines = []
+    for endpoint, cut in answers["cut_at_max_tokens"].items():
+        if cut["share"] is not None and cut["share"] >= WARN_SHARE:
+            lines.append(f"{cut['share']:.0%} of the {cut['answers']} answers of {endpoint} were cut at max_tokens "
+                         f"(finish_reason length): the latencies measure truncated answers; raise {flag} to what "
+                         "the model's answers need")
+    sessions = answers["sessions_without_tool_call"]
+    if sessions and sessions["share"] is not None and sessions["share"] >= WARN_SHARE:
+        lines.append(f"{sessions['share']:.0%} of the {sessions['sessions']} agent sessions made no tool call: they "
+                     "measured single answers, not agent sessions (answers cut before the call closed? see the cut "
+                     f"share above; raise {flag}), or the model served does not call tools")
+    return lines
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -34,7 +34,7 @@ from typing import Any
 
 from loadtest.checks import ABORT_EXIT_CODE, abort_reason
 from loadtest.render import make_report
-from loadtest.report import SLO, FleetPlan
+from loadtest.report import AGENT_MAX_TOKENS, DEFAULT_MAX_TOKENS, SLO, FleetPlan
 from loadtest.shapes import StepPlan, doubling_levels, parse_levels
 from verl.errors import ConfigError, VerlError
 from verl.utils.fs import atomic_write_text, ensure_writable_dir
@@ -70,7 +70,7 @@ class LoadTestConfig:
     step_settle_s: float = 5.0
     user_mix: str = "mixed"
     user_classes: list[str] = field(default_factory=list)  # e.g. ["ChatStreamUser"]; empty: per user_mix
-    max_tokens: int = 32
+    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, or AGENT_MAX_TOKENS for --user-mix agent
     extra_locust_args: list[str] = field(default_factory=list)
     slo: SLO = field(default_factory=SLO)
     startup_timeout_s: float = 180.0
@@ -95,6 +95,9 @@ class LoadTestConfig:
             self.model = AGENT_MODEL  # the default model's template renders no tools
         # 0 would make every request a 400: minutes of 100% failures that measure nothing (the plan's own values
         # are checked by plan(); the SLO's by SLO).
+        if self.max_tokens is None:
+            agents = self.user_mix == "agent" or "AgentUser" in self.user_classes
+            self.max_tokens = AGENT_MAX_TOKENS if agents else DEFAULT_MAX_TOKENS
         if self.max_tokens < 1:
             raise ConfigError(f"--max-tokens must be >= 1 (got {self.max_tokens})")
 

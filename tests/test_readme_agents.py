@@ -77,3 +77,10 @@ def test_readme_agent_story_runs_as_written(tmp_path: Path) -> None:
         assert "assistant: >> 15244" in client.stdout
     report = run(commands[5])
     assert "agent sessions/s" in report.stderr + report.stdout
+    # The line as written measures agents (its default budget fits a call and the answer: at 32 tokens every answer
+    # was cut before the call closed, and 522 "sessions" made 0 calls in silence).
+    capacity = json.loads((tmp_path / "loadtest" / "capacity_report.json").read_text())
+    calls = next(e for e in capacity["llm"] if e["name"] == "session_tool_calls")
+    assert calls["mean"] >= 1, calls
+    assert capacity["warnings"] == [] and capacity["source"]["run"]["max_tokens"] == 128
+    assert capacity["answers"]["sessions_without_tool_call"]["share"] < 0.25

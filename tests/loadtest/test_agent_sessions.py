@@ -56,6 +56,11 @@ def test_sessions_turns_and_tool_calls_add_up(agent_run):
     calls = float(stats["session_tool_calls"]["Average Response Time"])
     assert calls > 0 and mean_turns > 1  # some sessions called the tool and came back for the answer
     assert mean_turns <= 4  # --max-turns' default
+    # Every answer says whether it was cut at max_tokens (1/0), every session whether it called no tool.
+    cut = stats[f"answers_cut_at_max_tokens {TURN}"]
+    assert int(cut["Request Count"]) == turns and 0 <= float(cut["Average Response Time"]) <= 1
+    no_call = stats["sessions_without_tool_call"]
+    assert int(no_call["Request Count"]) == sessions and float(no_call["Average Response Time"]) < 1
     # A session lasts at least as long as its turns: its mean exceeds the mean turn's.
     assert float(stats["session_latency_ms"]["Average Response Time"]) > float(stats[TURN]["Average Response Time"])
 

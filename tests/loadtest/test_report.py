@@ -324,3 +324,38 @@ def test_per_replica_line_in_the_summary(prefix):
     assert "measured on 2 replicas" in text and "on the 2 replicas tested" in text
     assert f"50 requests/s needs {cap['replicas_for_target']} replicas" in text
     assert "--target-rps" in summary_text(build_report(prefix, SLO(p95_ms=1000, max_failure_rate=0.2)))
+
+
+def test_answer_shares_and_their_warnings(tmp_path):
+    """Answers cut at max_tokens per endpoint and agent sessions without a tool call: shares from the 1/0 entries'
+    means, a warning line at 25% or more (a README agent test once measured 522 sessions of 0 calls in silence)."""
+    turn = "/v1/chat/completions [agent turn]"
+    stats = [*STATS,
+             stats_row("LLM", f"answers_cut_at_max_tokens {GEN}", 37, 0, 0.1),
+             stats_row("LLM", f"answers_cut_at_max_tokens {turn}", 20, 0, 1.0),
+             stats_row("LLM", "sessions_without_tool_call", 20, 0, 1.0)]
+    prefix = write_run(tmp_path / "csv", stats, history(), FAILURES, {**INFO, "max_tokens": 32})
+    report = build_report(prefix, SLO(p95_ms=200))
+    answers = report["answers"]
+    assert answers["cut_at_max_tokens"] == {GEN: {"share": 0.1, "answers": 37}, turn: {"share": 1.0, "answers": 20}}
+    assert answers["sessions_without_tool_call"] == {"share": 1.0, "sessions": 20}
+    assert len(report["warnings"]) == 2  # not /generate's 10%
+    assert report["warnings"][0].startswith(f"100% of the 20 answers of {turn} were cut at max_tokens")
+    assert "raise --max-tokens 32" in report["warnings"][0]
+    assert report["warnings"][1].startswith("100% of the 20 agent sessions made no tool call")
+    text = summary_text(report)
+    assert "Warning: 100% of the 20 answers of" in text
+    assert f"Answers cut at max_tokens: 10% of 37 on {GEN}, 100% of 20 on {turn}." in text
+    assert "Agent sessions without a tool call: 100% of 20." in text
+    quiet = build_report(write_run(tmp_path / "ok", [*STATS, stats_row("LLM", f"answers_cut_at_max_tokens {GEN}",
+                                                                        37, 0, 0.0)], history(), FAILURES, INFO))
+    assert quiet["warnings"] == [] and quiet["answers"]["sessions_without_tool_call"] is None
+
+
+def test_agent_users_get_a_budget_that_fits_a_tool_call(tmp_path):
+    from loadtest.run import LoadTestConfig  # noqa: PLC0415
+
+    assert LoadTestConfig(out_dir=tmp_path).max_tokens == 32
+    assert LoadTestConfig(out_dir=tmp_path, user_mix="agent").max_tokens == 128
+    assert LoadTestConfig(out_dir=tmp_path, user_classes=["AgentUser"]).max_tokens == 128
+    assert LoadTestConfig(out_dir=tmp_path, user_mix="agent", max_tokens=16).max_tokens == 16  # as asked
