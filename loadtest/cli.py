@@ -64,10 +64,25 @@ def loadtest_command(
     processes: Annotated[int, typer.Option(
         "--processes", help="Locust worker processes generating the load (one core each).")] = 1,
     target_rps: TargetRps = None,
+    rate: Annotated[str | None, typer.Option(
+        "--rate", help="Open loop instead of user steps: requests/s, comma-separated for several (2,4,8), each "
+                       "sent on a schedule that does not wait for answers; latency counts from the scheduled "
+                       "send.")] = None,
+    arrival: Annotated[str, typer.Option("--arrival", help="--rate: constant or poisson arrivals.")] = "poisson",
+    burstiness: Annotated[float, typer.Option(
+        "--burstiness", help="--rate poisson: gamma shape of the gaps, as vllm bench serve (1 = Poisson).")] = 1.0,
+    duration: Annotated[float, typer.Option("--duration", help="--rate: seconds of sends per rate.")] = 30.0,
+    slo: Annotated[str | None, typer.Option(
+        "--slo", help="--rate: per-request SLOs for goodput in ms, vLLM's names: ttft:300,tpot:50,itl:100,"
+                      "e2el:2000.")] = None,
+    max_lag_p99_ms: Annotated[float, typer.Option(
+        "--max-lag-p99-ms", help="--rate: refuse a rate whose sends ran this late at p99 (the generator, not the "
+                                 "service, was the bottleneck).")] = 10.0,
+    schedule_seed: Annotated[int, typer.Option("--schedule-seed", help="--rate: seed of the arrival schedule.")] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the summary.")] = False,
 ) -> None:
-    """Start the service on 127.0.0.1 (or test the one at --url), run a stepped Locust test, stop the service,
-    write a capacity report."""
+    """Start the service on 127.0.0.1 (or test the one at --url), run a stepped Locust test (or open-loop rates
+    with --rate), stop the service, write a capacity report."""
 
     def _run() -> None:
         from rich.console import Console
@@ -91,6 +106,25 @@ def loadtest_command(
             config.plan()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if rate is not None:
+            from loadtest.open_loop import parse_rates, parse_slo
+            from loadtest.open_run import OpenLoopConfig, rate_line, run_open_loop
+
+            open_config = OpenLoopConfig(config, parse_rates(rate), duration, arrival, burstiness, schedule_seed,
+                                         parse_slo(slo), max_lag_p99_ms)
+            results, paths = run_open_loop(open_config, echo=None if quiet else (
+                lambda line: console.print(line, soft_wrap=True)))
+            if quiet:
+                for run in results["runs"]:
+                    console.print(rate_line(run), soft_wrap=True)
+            console.print(f"report: {paths['markdown']} (results: {paths['json']})")
+            if any(run["generator_bound"] for run in results["runs"]):
+                raise ConfigError("the load generator fell behind its schedule (see the REFUSED lines): its "
+                                  "latencies measure the client; lower the rate or give Locust more cores")
+            return
+        elif slo is not None:
+            raise ConfigError("--slo sets goodput's per-request limits of an open-loop run: add --rate, or use "
+                              "--slo-p95-ms for the user steps")
         report, paths = run_loadtest(config, echo=None if quiet else (
             lambda line: console.print(line, soft_wrap=True)))
         console.print(summary_text(report), soft_wrap=True)

@@ -48,7 +48,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import gevent
+import gevent.pool
 import locust
+import locust.exception
 import locust.stats
 from locust import FastHttpUser, LoadTestShape, events
 from locust.env import Environment
@@ -67,6 +69,7 @@ from loadtest.checks import (
     check_generate,
     error_message,
 )
+from loadtest.open_loop import ARRIVALS, OPEN_RECORDS_SUFFIX, RequestRecord, arrival_offsets, write_records
 from loadtest.prompts import DEFAULT_PROMPT_FILE, Prompt, load_prompts, render_with_server
 from loadtest.report import AGENT_MAX_TOKENS, CUT_ENTRY, DEFAULT_MAX_TOKENS, NO_TOOL_ENTRY, VARIANT_MARK
 from loadtest.shapes import StepPlan
@@ -79,6 +82,8 @@ LLM = "LLM"  # request_type of the custom entries
 DEFAULT_HOST = "http://127.0.0.1:8000"  # `uvicorn serve.api:app` / `verl serve` defaults
 STREAM_NAME = "/v1/chat/completions [stream]"  # the HTTP entry of streamed chats
 AGENT_TURN_NAME = "/v1/chat/completions [agent turn]"  # the HTTP entry of each turn of an agent session
+OPEN_NAME = "/v1/chat/completions [open loop]"  # OpenLoopUser's HTTP entry (timed from the scheduled send)
+OPEN_LOOP: dict[str, Any] = {}  # "done": the open-loop schedule has run (the shape then ends the test)
 USER_WEIGHTS = {"GenerateUser": "generate_weight", "CompletionUser": "completion_weight",
                 "ChatStreamUser": "chat_weight"}
 
@@ -115,11 +120,20 @@ def add_arguments(parser: Any) -> None:
            help="Always generate max-tokens tokens (vLLM extension; OpenAI endpoints only), like vllm bench.")
     option("model", default="", help="Model name for the OpenAI endpoints (default: the first of /v1/models).")
     option("api-key", default="", is_secret=True, help="Bearer key when the server sets VERL_SERVE_API_KEY.")
-    option("user-mix", choices=["mixed", "classes", "route", "agent", "feedback"], default="mixed",
+    option("rate", type=float, default=None,
+           help="OpenLoopUser (--user-mix open): requests/s sent on a schedule that does not wait for answers; "
+                "latency counts from each request's scheduled send time.")
+    option("arrival", choices=list(ARRIVALS), default="poisson",
+           help="OpenLoopUser: constant spacing, or poisson (gamma gaps with --burstiness, as vllm bench serve).")
+    option("burstiness", type=float, default=1.0, help="OpenLoopUser: gamma shape of the gaps (1 = Poisson).")
+    option("duration", type=float, default=30.0, help="OpenLoopUser: seconds of scheduled sends.")
+    option("schedule-seed", type=int, default=0, help="OpenLoopUser: seed of the arrival schedule and prompts.")
+    option("user-mix", choices=["mixed", "classes", "route", "agent", "feedback", "open"], default="mixed",
            help="mixed: every user sends all three requests by weight (MixedUser); classes: one user class per "
                 "endpoint, weighted (GenerateUser, CompletionUser, ChatStreamUser); route: RouteUser, a route's "
                 "traffic split per variant; agent: AgentUser, multi-turn tool-calling sessions; feedback: "
-                "FeedbackUser, chats without answers and thumbs up/down sent later. Naming classes overrides this.")
+                "FeedbackUser, chats without answers and thumbs up/down sent later; open: OpenLoopUser, streamed "
+                "chats at --rate on a schedule (open loop). Naming classes overrides this.")
     option("agent-tools", default="calculator",
            help="AgentUser: built-in tools (comma-separated) offered to the model and run client-side.")
     option("max-turns", type=int, default=4, help="AgentUser: assistant turns per session at most.")
@@ -174,6 +188,13 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
         options.max_tokens = AGENT_MAX_TOKENS if agents else DEFAULT_MAX_TOKENS
     if options.max_tokens < 1:  # 0 would make every request a 400: a run of 100% failures that measures nothing
         raise SystemExit(f"loadtest: --max-tokens must be >= 1 (got {options.max_tokens})")
+    if options.user_mix == "open" or "OpenLoopUser" in (options.user_classes or []):
+        if options.rate is None:
+            raise SystemExit("loadtest: the open loop needs --rate (requests/s)")
+        try:
+            arrival_offsets(options.rate, options.duration, options.arrival, options.burstiness)
+        except VerlError as exc:
+            raise SystemExit(f"loadtest: {exc}") from None
     if options.max_turns < 1:
         raise SystemExit(f"loadtest: --max-turns must be >= 1 (got {options.max_turns})")
     if not 0.0 <= options.feedback_share <= 1.0 or options.feedback_delay < 0:
@@ -208,6 +229,8 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
             user_class.weight = 1 if named or options.user_mix == "route" else 0
         elif user_class is AgentUser:
             user_class.weight = 1 if named or options.user_mix == "agent" else 0
+        elif user_class is OpenLoopUser:
+            user_class.weight = 1 if named or options.user_mix == "open" else 0
         elif user_class is FeedbackUser:
             user_class.weight = 1 if named or options.user_mix == "feedback" else 0
     if not any(getattr(c, "weight", 1) > 0 for c in environment.user_classes):
@@ -529,6 +552,74 @@ class AgentUser(LLMUser):
             return f"error: {type(exc).__name__}: {exc}"
 
 
+class OpenLoopUser(LLMUser):
+    """Open-loop load (``--user-mix open``; loadtest/open_loop.py): one user sends streamed chats at ``--rate`` on
+    a schedule drawn before the first request, each in its own greenlet, never waiting for earlier answers.
+    Latency (the HTTP entry's time, ``e2e_latency_ms``, ``ttft_ms``) counts from the scheduled send time, so a
+    late send or a queue counts against the service; every request's record goes to
+    ``<csv prefix>_requests.jsonl`` for the report's goodput and percentiles."""
+
+    concurrency = 4096  # requests in flight at once on this user's connection pool (an overloaded service queues)
+    fixed_count = 1
+
+    @locust.task
+    def run_schedule(self) -> None:
+        options = self.options
+        offsets = arrival_offsets(options.rate, options.duration, options.arrival, options.burstiness,
+                                  options.schedule_seed)
+        rng = random.Random(options.schedule_seed)
+        prompts = [rng.choice(STATE["prompts"]) for _ in offsets]
+        records = [RequestRecord(scheduled_s=float(t)) for t in offsets]
+        pool = gevent.pool.Pool()
+        start = time.perf_counter()
+        for record, prompt in zip(records, prompts, strict=True):
+            delay = start + record.scheduled_s - time.perf_counter()
+            if delay > 0:
+                gevent.sleep(delay)
+            pool.spawn(self.open_request, record, prompt, start)
+        pool.join(timeout=options.request_timeout + 5)
+        pool.kill()  # past the timeout: whatever still runs has failed (its record says so)
+        if options.csv_prefix:
+            write_records(f"{options.csv_prefix}{OPEN_RECORDS_SUFFIX}", records)
+        OPEN_LOOP["done"] = True
+        raise locust.exception.StopUser()
+
+    def open_request(self, record: RequestRecord, prompt: Prompt, start: float) -> None:
+        """One streamed chat, timed from ``start`` (the schedule's zero); fills ``record``."""
+        body = self.openai_body(messages=list(prompt.messages), stream=True, stream_options={"include_usage": True})
+        record.sent_s = time.perf_counter() - start
+        with self.client.post("/v1/chat/completions", json=body, stream=True, catch_response=True,
+                              name=OPEN_NAME) as response:
+            record.status = response.status_code or None
+            if response.status_code != 200:
+                record.error = error_message(response.status_code, response.content)
+                response.request_meta["response_time"] = (time.perf_counter() - start - record.scheduled_s) * 1000
+                response.failure(record.error)
+                return
+            reader, payloads = SSEReader(), []
+            try:
+                for line in _lines(response):
+                    now = time.perf_counter() - start
+                    payloads.extend((now, data) for data in reader.feed(line))
+                result = check_chat_stream(payloads)
+            except BadResponse as exc:
+                record.error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - a broken connection mid-stream is a failed request
+                record.error = f"stream broken: {type(exc).__name__}: {exc}"
+            end = time.perf_counter() - start
+            response.request_meta["response_time"] = (end - record.scheduled_s) * 1000  # from the schedule
+            if record.error:
+                response.failure(record.error)
+                return
+            response.success()
+        record.ttft_s, record.end_s = result.ttft_s, end
+        record.output_tokens, record.itl_s, record.finish_reason = (result.completion_tokens, result.itl_s,
+                                                                    result.finish_reason)
+        self.record(end - record.scheduled_s, result.completion_tokens, OPEN_NAME, result.finish_reason)
+        self.fire("ttft_ms", (result.ttft_s - record.scheduled_s) * 1000)
+        self.fire("schedule_lag_ms", (record.sent_s - record.scheduled_s) * 1000)
+
+
 class FeedbackUser(LLMUser):
     """Real users' traffic as a service sees it: chats (to ``--model``, else the service's default route) that carry
     no answer, from a pool of end users, and — for ``--feedback-share`` of the answers, ``--feedback-delay`` seconds
@@ -636,6 +727,8 @@ class StepShape(LoadTestShape):
         if not STATE["ready"] or self.waiting_for_first_users():
             # test_start (waiting for /health, loading prompts) runs beside this greenlet: hold the clock at 0.
             self.reset_time()
+        if options.user_mix == "open":  # one user runs the whole schedule; the test ends when it is done
+            return None if OPEN_LOOP.get("done") else (1, 1.0)
         if options.load_shape == "fixed":
             # Headless Locust waits for a shape to finish before it arms -t, so the shape enforces -t itself.
             if options.run_time and self.get_run_time() >= options.run_time:

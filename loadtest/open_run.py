@@ -1,0 +1,206 @@
+"""``verl loadtest --rate R[,R2,...]``: the service up (or ``--url``), one open-loop Locust run per rate
+(``OpenLoopUser``), and a report of each rate in ``vllm bench serve``'s terms (loadtest/open_loop.py).
+
+Each rate is its own headless Locust process with the same schedule seed, so two runs of the command send the same
+schedule; results go to ``open_loop.json`` (one entry per rate, vLLM's field names), ``open_loop.md`` and a plot of
+latency against achieved throughput with the offered rates marked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtest.open_loop import (
+    DEFAULT_PERCENTILES,
+    MAX_LAG_P99_MS,
+    OPEN_RECORDS_SUFFIX,
+    arrival_offsets,
+    read_records,
+    summarise,
+)
+from loadtest.run import LOCUST_CONF, LOCUSTFILE, LoadTestConfig, LoadTestError, _service, run_locust
+from verl.errors import ConfigError
+from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
+
+RESULTS_FILE, REPORT_FILE, PLOT_FILE = "open_loop.json", "open_loop.md", "open_loop_latency.png"
+
+
+@dataclass
+class OpenLoopConfig:
+    """The schedule (``rates`` in requests/s, each held ``duration_s``), the per-request SLOs of goodput (ms, vLLM's
+    names: ttft, tpot, itl, e2el) and the service (``service``: model, engine, ``--url``, ``--max-tokens``)."""
+
+    service: LoadTestConfig
+    rates: list[float]
+    duration_s: float = 30.0
+    arrival: str = "poisson"
+    burstiness: float = 1.0
+    seed: int = 0
+    slo: dict[str, float] = field(default_factory=dict)
+    max_lag_p99_ms: float = MAX_LAG_P99_MS
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+
+    def __post_init__(self) -> None:
+        if not self.rates:
+            raise ConfigError("--rate needs at least one requests/s value")
+        for rate in self.rates:  # every rate's schedule is valid before the service starts
+            arrival_offsets(rate, self.duration_s, self.arrival, self.burstiness, self.seed)
+        if self.service.user_mix not in ("mixed", "open") or self.service.user_classes:
+            raise ConfigError("--rate runs open-loop streamed chats (OpenLoopUser); drop --user-mix/--user, or drop "
+                              "--rate for the closed-loop user steps")
+
+
+def open_command(url: str, csv_prefix: Path, rate: float, config: OpenLoopConfig) -> list[str]:
+    """The headless Locust command line of one rate."""
+    import sys  # noqa: PLC0415
+
+    service = config.service
+    return [sys.executable, "-m", "locust", "--config", str(LOCUST_CONF), "-f", str(LOCUSTFILE), "--headless",
+            "-H", url, "--csv", str(csv_prefix), "--html", f"{csv_prefix}.html", "--user-mix", "open",
+            "--rate", f"{rate:g}", "--duration", f"{config.duration_s:g}", "--arrival", config.arrival,
+            "--burstiness", f"{config.burstiness:g}", "--schedule-seed", str(config.seed),
+            "--max-tokens", str(service.max_tokens), *service.extra_locust_args]
+
+
+def run_open_loop(config: OpenLoopConfig, echo: Any = None) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Every rate against one service; returns the results and the files written."""
+    say = echo or (lambda _msg: None)
+    out = ensure_writable_dir(config.service.out_dir, "the load test output dir (--out)")
+    env = {"LOCUST_API_KEY": config.service.api_key} if config.service.api_key else None
+    runs = []
+    with _service(config.service, out, say) as (url, replicas):
+        for rate in config.rates:
+            prefix = out / f"open_{rate:g}"
+            say(f"open loop: {rate:g} requests/s, {config.arrival}"
+                + (f" (burstiness {config.burstiness:g})" if config.arrival == "poisson" else "")
+                + f", {config.duration_s:g} s")
+            log = out / f"open_{rate:g}.log"
+            code = run_locust(open_command(url, prefix, rate, config),
+                              config.duration_s + config_timeout(config) + 90, log, env=env)
+            records_file = Path(f"{prefix}{OPEN_RECORDS_SUFFIX}")
+            if code not in (0, 1) or not records_file.is_file():
+                raise LoadTestError(f"the open-loop run at {rate:g} requests/s ended with code {code} and no "
+                                    f"records; see {log}")
+            result = summarise(read_records(records_file), rate, config.duration_s, config.slo, config.percentiles,
+                               config.arrival, config.burstiness, config.max_lag_p99_ms)
+            result["replicas"] = replicas
+            runs.append(result)
+            say(rate_line(result))
+    results = {"mode": "open-loop", "url": config.service.url or "local", "model": config.service.model,
+               "max_tokens": config.service.max_tokens, "arrival": config.arrival, "burstiness": config.burstiness,
+               "duration_s": config.duration_s, "seed": config.seed, "goodput_slo_ms": config.slo,
+               "percentiles": list(config.percentiles), "runs": runs}
+    return results, write_open_report(results, out)
+
+
+def config_timeout(config: OpenLoopConfig) -> float:
+    """The longest a request may run after the schedule ends (the locustfile's --request-timeout default)."""
+    args = config.service.extra_locust_args
+    for i, arg in enumerate(args):
+        if arg.startswith("--request-timeout"):
+            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "60")
+            return float(value)
+    return 60.0
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+
+def rate_line(run: dict[str, Any]) -> str:
+    """One line per rate, for the console."""
+    line = (f"{run['request_rate']:g} req/s offered: {_fmt(run['request_throughput'])} req/s done, "
+            f"e2el p50/p99 {_fmt(run['median_e2el_ms'])}/{_fmt(run['p99_e2el_ms'])} ms, "
+            f"TTFT p99 {_fmt(run['p99_ttft_ms'])} ms, {run['failed']} failed ({run['rejected']} rejected)")
+    if run["request_goodput"] is not None:
+        line += f", goodput {_fmt(run['request_goodput'])} req/s"
+    line += f", schedule lag p99 {_fmt(run['schedule_lag_p99_ms'])} ms"
+    if run["generator_bound"]:
+        line += " - REFUSED: the generator fell behind its schedule"
+    return line
+
+
+def write_open_report(results: dict[str, Any], out: Path) -> dict[str, Path]:
+    """``open_loop.json``, ``open_loop.md`` and the latency-vs-throughput plot (when matplotlib is there)."""
+    paths = {"json": atomic_write_json(out / RESULTS_FILE, results)}
+    plot = _plot(results, out / PLOT_FILE)
+    if plot is not None:
+        paths["plot"] = plot
+    paths["markdown"] = atomic_write_text(out / REPORT_FILE, render_open_markdown(results, plot))
+    return paths
+
+
+def render_open_markdown(results: dict[str, Any], plot: Path | None) -> str:
+    slo = results["goodput_slo_ms"]
+    lines = ["# Open-loop load test", "",
+             f"Mode: **open loop** ({results['arrival']} arrivals"
+             + (f", burstiness {results['burstiness']:g}" if results["arrival"] == "poisson" else "")
+             + f", {results['duration_s']:g} s per rate, schedule seed {results['seed']}): requests are sent on a "
+             "schedule that does not wait for answers, and every latency counts from the scheduled send time. "
+             f"Streamed chat completions, max_tokens {results['max_tokens']}.", ""]
+    if slo:
+        limits = ", ".join(f"{k} <= {v:g} ms" for k, v in slo.items())
+        lines += [f"Goodput: requests/s that succeeded and met every SLO ({limits}); a rejection (429) or a failure "
+                  "counts against it.", ""]
+    refused = [r for r in results["runs"] if r["generator_bound"]]
+    for run in refused:
+        lines += [f"**Refused: at {run['request_rate']:g} requests/s the generator itself fell behind (schedule "
+                  f"lag p99 {_fmt(run['schedule_lag_p99_ms'])} ms > {run['max_lag_p99_ms']:g} ms): its latencies "
+                  "measure the client. Use more cores for Locust, or a lower rate.**", ""]
+    head = ["offered req/s", "done req/s", "goodput req/s", "output tok/s", "failed", "rejected %",
+            "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms", "E2EL p50/p95/p99 ms", "lag p99 ms"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results["runs"]:
+        rej = "-" if r["rejection_rate"] is None else f"{100 * r['rejection_rate']:.1f}"
+        lines.append("| " + " | ".join([
+            f"{r['request_rate']:g}", _fmt(r["request_throughput"]), _fmt(r["request_goodput"]),
+            _fmt(r["output_throughput"]), str(r["failed"]), rej,
+            f"{_fmt(r['median_ttft_ms'])} / {_fmt(r['p99_ttft_ms'])}",
+            f"{_fmt(r['median_tpot_ms'])} / {_fmt(r['p99_tpot_ms'])}",
+            f"{_fmt(r['median_itl_ms'])} / {_fmt(r['p99_itl_ms'])}",
+            f"{_fmt(r['median_e2el_ms'])} / {_fmt(r['p95_e2el_ms'])} / {_fmt(r['p99_e2el_ms'])}",
+            _fmt(r["schedule_lag_p99_ms"])]) + " |")
+    cut = [r for r in results["runs"] if (r.get("finish_length_share") or 0) >= 0.25]
+    for r in cut:
+        lines += ["", f"**Warning: at {r['request_rate']:g} requests/s {r['finish_length_share']:.0%} of the answers "
+                      "were cut at max_tokens: the latencies measure truncated answers.**"]
+    lines += ["", "Percentiles are over successful requests; rates divide by the run's wall time (the last answer's "
+                  "end). Every field of `open_loop.json` is named as `vllm bench serve` names it where it has one."]
+    if plot is not None:
+        lines += ["", f"![latency vs throughput]({plot.name})"]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(results: dict[str, Any], path: Path) -> Path | None:
+    """p50/p95 end-to-end latency against achieved throughput, one point per offered rate (the knee plot)."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    runs = [r for r in results["runs"] if r["median_e2el_ms"] is not None]
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = [r["request_throughput"] for r in runs]
+    for key, label in (("median_e2el_ms", "e2el p50"), ("p95_e2el_ms", "e2el p95")):
+        ax.plot(x, [r[key] for r in runs], marker="o", label=label)
+    for r in runs:
+        ax.annotate(f"{r['request_rate']:g}/s", (r["request_throughput"], r["p95_e2el_ms"]), fontsize=7,
+                    textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel("achieved requests/s")
+    ax.set_ylabel("latency from the scheduled send (ms)")
+    ax.set_title("open loop: latency vs throughput (offered rate marked)")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,107 @@
+"""Open-loop load (loadtest/open_loop.py): the schedule, the numbers from hand-made request records (latency from
+the scheduled send, TPOT, goodput, rejections, the generator's lag), then the real CLI against the real service."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from loadtest.open_loop import RequestRecord, arrival_offsets, meets_slo, parse_rates, parse_slo, summarise
+from verl.errors import ConfigError
+
+
+def test_constant_and_gamma_schedules():
+    assert arrival_offsets(4, 1.0, "constant") == pytest.approx([0.0, 0.25, 0.5, 0.75])
+    gaps = np.diff(arrival_offsets(200, 200.0, "poisson", 1.0, seed=1))
+    # Poisson: exponential gaps, mean 1/rate and coefficient of variation 1; gamma shape k gives CV 1/sqrt(k).
+    assert gaps.mean() == pytest.approx(1 / 200, rel=0.02) and gaps.std() / gaps.mean() == pytest.approx(1, rel=0.03)
+    bursty = np.diff(arrival_offsets(200, 200.0, "poisson", 0.25, seed=1))
+    assert bursty.mean() == pytest.approx(1 / 200, rel=0.05)
+    assert bursty.std() / bursty.mean() == pytest.approx(2, rel=0.05)
+    offsets = arrival_offsets(50, 10.0, "poisson", seed=3)
+    assert offsets[0] == 0 and offsets[-1] < 10 and np.all(np.diff(offsets) >= 0)
+    assert np.array_equal(offsets, arrival_offsets(50, 10.0, "poisson", seed=3))  # the same seed, the same schedule
+    for args, message in (((0, 1.0), "--rate"), ((1, 0.0), "--duration"), ((1, 1.0, "uniform"), "--arrival"),
+                          ((1, 1.0, "poisson", 0.0), "--burstiness")):
+        with pytest.raises(ConfigError, match=message):
+            arrival_offsets(*args)
+
+
+def test_slo_and_rate_parsing():
+    assert parse_slo("ttft:300,tpot:50,e2el:2000") == {"ttft": 300.0, "tpot": 50.0, "e2el": 2000.0}
+    assert parse_slo(None) == {}
+    for bad, message in (("ttfb:3", "one of ttft, tpot, itl, e2el"), ("ttft:x", "not a number"),
+                         ("ttft:0", "> 0 ms"), ("ttft", "METRIC:MS")):
+        with pytest.raises(ConfigError, match=message):
+            parse_slo(bad)
+    assert parse_rates("2, 4,8") == [2.0, 4.0, 8.0]
+    with pytest.raises(ConfigError, match="positive"):
+        parse_rates("2,-1")
+
+
+def records() -> list[RequestRecord]:
+    """Four scheduled requests, times in seconds from the start."""
+    return [
+        # On time: TTFT 0.1 s, end 0.5 s, 5 tokens -> TPOT (0.5 - 0.1) / 4 = 0.1 s; gaps 0.1 s each.
+        RequestRecord(0.0, sent_s=0.001, status=200, ttft_s=0.1, end_s=0.5, output_tokens=5,
+                      itl_s=[0.1, 0.1, 0.1, 0.1], finish_reason="stop"),
+        # Sent 20 ms late: its latency still counts from 1.0 s (TTFT 0.3, e2el 1.0), and one gap of 0.4 s.
+        RequestRecord(1.0, sent_s=1.02, status=200, ttft_s=1.3, end_s=2.0, output_tokens=3, itl_s=[0.3, 0.4],
+                      finish_reason="length"),
+        RequestRecord(2.0, sent_s=2.0, status=429, error="HTTP 429: at capacity"),  # shed: against goodput
+        RequestRecord(3.0, sent_s=3.003, status=200, ttft_s=3.2, end_s=3.2, output_tokens=1, finish_reason="stop"),
+    ]
+
+
+def test_summary_in_vllm_bench_terms_by_hand():
+    result = summarise(records(), rate=1.0, duration_s=4.0, slo={"ttft": 250, "itl": 350}, percentiles=(50, 99))
+    assert (result["completed"], result["failed"], result["rejected"]) == (3, 1, 1)
+    assert result["rejection_rate"] == 0.25 and result["duration"] == 4.0  # the schedule's end, after the last answer
+    assert result["request_throughput"] == pytest.approx(3 / 4)
+    # Goodput: #1 (TTFT 100, gaps 100) and #4 (TTFT 200) meet ttft<=250 and itl<=350; #2 misses both; #3 was shed.
+    assert result["request_goodput"] == pytest.approx(2 / 4) and result["goodput_share_of_offered"] == 0.5
+    assert result["output_throughput"] == pytest.approx(9 / 4) and result["total_output_tokens"] == 9
+    assert result["mean_ttft_ms"] == pytest.approx((100 + 300 + 200) / 3)
+    assert result["median_ttft_ms"] == pytest.approx(200) and result["p50_ttft_ms"] == pytest.approx(200)
+    assert result["mean_e2el_ms"] == pytest.approx((500 + 1000 + 200) / 3)
+    assert result["mean_tpot_ms"] == pytest.approx((100 + 350) / 2)  # one-token answers have no TPOT
+    assert result["mean_itl_ms"] == pytest.approx((4 * 100 + 300 + 400) / 6)
+    assert result["p99_itl_ms"] == pytest.approx(float(np.percentile([100, 100, 100, 100, 300, 400], 99)))
+    assert result["schedule_lag_p50_ms"] == pytest.approx(float(np.percentile([1, 20, 0, 3], 50)))
+    assert result["generator_bound"] is True  # p99 of (1, 20, 0, 3) ms is above 10 ms
+    assert result["finish_length_share"] == pytest.approx(1 / 3)
+    assert result["errors"] == {"HTTP 429: at capacity": 1}
+    assert not math.isnan(result["std_e2el_ms"])
+    assert summarise(records(), 1.0, 4.0, max_lag_p99_ms=25)["generator_bound"] is False
+    assert summarise(records(), 1.0, 4.0)["request_goodput"] is None  # no SLO: no goodput claimed
+    assert meets_slo(records()[0], {"tpot": 100}) and not meets_slo(records()[0], {"tpot": 99})
+
+
+@pytest.mark.e2e
+def test_open_loop_cli_against_the_service(tmp_path):
+    """Two rates against the built-in service: a report per rate in vLLM's names, records for every request."""
+    from tests.eval.test_cli_e2e import cli
+
+    out = tmp_path / "open"
+    result = cli("loadtest", "--rate", "4,12", "--duration", "4", "--slo", "ttft:5000,e2el:10000",
+                 "--max-lag-p99-ms", "200", "--out", str(out))
+    assert "4 req/s offered" in result.output and "12 req/s offered" in result.output
+    results = json.loads((out / "open_loop.json").read_text())
+    assert results["mode"] == "open-loop" and [r["request_rate"] for r in results["runs"]] == [4, 12]
+    for run in results["runs"]:
+        requests = [json.loads(line) for line in
+                    (out / f"open_{run['request_rate']:g}_requests.jsonl").read_text().splitlines()]
+        assert len(requests) == run["num_prompts"] > 0 and run["completed"] == run["num_prompts"]
+        for key in ("request_throughput", "request_goodput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms",
+                    "median_tpot_ms", "p95_itl_ms", "p99_e2el_ms", "schedule_lag_p99_ms"):
+            assert run[key] is not None and run[key] >= 0, key
+        # Latency counts from the scheduled send: never below the time from the actual send.
+        assert all(r["end_s"] - r["scheduled_s"] >= r["end_s"] - r["sent_s"] for r in requests)
+    assert results["runs"][1]["num_prompts"] > results["runs"][0]["num_prompts"]
+    report = (out / "open_loop.md").read_text()
+    assert "**open loop**" in report and "| 12 |" in report
+    bad = cli("loadtest", "--slo", "ttft:300", "--out", str(tmp_path / "bad"), ok=False)
+    assert bad.exit_code != 0 and "add --rate" in bad.output
