@@ -79,6 +79,11 @@ def loadtest_command(
         "--max-lag-p99-ms", help="--rate: refuse a rate whose sends ran this late at p99 (the generator, not the "
                                  "service, was the bottleneck).")] = 10.0,
     schedule_seed: Annotated[int, typer.Option("--schedule-seed", help="--rate: seed of the arrival schedule.")] = 0,
+    sweep: Annotated[bool, typer.Option(
+        "--sweep", help="--rate R: find the knee, the largest rate whose goodput stays >= --goodput-share of the "
+                        "offered rate: double from R until a rate misses, then bisect.")] = False,
+    goodput_share: Annotated[float, typer.Option("--goodput-share", help="--sweep: the share to hold.")] = 0.95,
+    max_rate: Annotated[float, typer.Option("--max-rate", help="--sweep: the highest rate tried.")] = 1024.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the summary.")] = False,
 ) -> None:
     """Start the service on 127.0.0.1 (or test the one at --url), run a stepped Locust test (or open-loop rates
@@ -108,17 +113,22 @@ def loadtest_command(
             raise ConfigError(str(exc)) from None
         if rate is not None:
             from loadtest.open_loop import parse_rates, parse_slo
-            from loadtest.open_run import OpenLoopConfig, rate_line, run_open_loop
+            from loadtest.open_run import OpenLoopConfig, Sweep, knee_line, rate_line, run_open_loop
 
             open_config = OpenLoopConfig(config, parse_rates(rate), duration, arrival, burstiness, schedule_seed,
                                          parse_slo(slo), max_lag_p99_ms)
+            plan = Sweep(goodput_share, max_rate) if sweep else None
+            if plan is not None and len(open_config.rates) > 1:
+                raise ConfigError("--sweep starts from one --rate and finds the others itself; give one rate")
             results, paths = run_open_loop(open_config, echo=None if quiet else (
-                lambda line: console.print(line, soft_wrap=True)))
+                lambda line: console.print(line, soft_wrap=True)), sweep=plan)
             if quiet:
                 for run in results["runs"]:
                     console.print(rate_line(run), soft_wrap=True)
+            if knee_line(results, headroom):
+                console.print(knee_line(results, headroom), soft_wrap=True)
             console.print(f"report: {paths['markdown']} (results: {paths['json']})")
-            if any(run["generator_bound"] for run in results["runs"]):
+            if not sweep and any(run["generator_bound"] for run in results["runs"]):
                 raise ConfigError("the load generator fell behind its schedule (see the REFUSED lines): its "
                                   "latencies measure the client; lower the rate or give Locust more cores")
             return

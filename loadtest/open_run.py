@@ -52,6 +52,67 @@ class OpenLoopConfig:
                               "--rate for the closed-loop user steps")
 
 
+@dataclass
+class Sweep:
+    """``--sweep``: the largest rate whose goodput stays >= ``share`` of the offered rate, found coarse-then-fine:
+    the rate doubles from the start until a rate misses (or ``max_rate``), then ``fine_steps`` bisections between
+    the last rate that held and the first that did not. Without ``--slo`` a request is good when it succeeds."""
+
+    share: float = 0.95
+    max_rate: float = 1024.0
+    fine_steps: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0 < self.share <= 1:
+            raise ConfigError(f"--goodput-share must be in (0, 1] (got {self.share})")
+        if self.fine_steps < 0:
+            raise ConfigError(f"--fine-steps must be >= 0 (got {self.fine_steps})")
+
+
+def good_share(run: dict[str, Any]) -> float:
+    """Goodput as a share of the offered requests (successes when no SLO was set)."""
+    if run["goodput_share_of_offered"] is not None:
+        return run["goodput_share_of_offered"]
+    return run["completed"] / run["num_prompts"] if run["num_prompts"] else 0.0
+
+
+def holds(run: dict[str, Any], share: float) -> bool:
+    return not run["generator_bound"] and good_share(run) >= share
+
+
+def find_knee(probe: Any, start: float, sweep: Sweep) -> dict[str, Any]:
+    """Search with ``probe(rate) -> result`` (one open-loop run); returns ``{knee_rate, stopped_by, probes}``:
+    ``knee_rate`` None when even ``start`` misses; ``stopped_by`` says why the coarse phase ended (a rate that
+    missed, the generator falling behind, or ``max_rate``)."""
+    probes: list[dict[str, Any]] = []
+
+    def run(rate: float) -> bool:
+        result = probe(rate)
+        probes.append(result)
+        return holds(result, sweep.share)
+
+    good, bad, rate, stopped_by = None, None, start, "max_rate"
+    while rate <= sweep.max_rate:
+        if run(rate):
+            good, rate = rate, rate * 2
+            continue
+        bad = rate
+        stopped_by = "generator" if probes[-1]["generator_bound"] else "goodput"
+        break
+    if good is not None and bad is not None and stopped_by == "goodput":
+        for _ in range(sweep.fine_steps):
+            mid = (good + bad) / 2
+            if run(mid):
+                good = mid
+            elif probes[-1]["generator_bound"]:
+                stopped_by = "generator"
+                break
+            else:
+                bad = mid
+    return {"knee_rate": good, "first_missing_rate": bad, "stopped_by": stopped_by, "share": sweep.share,
+            "probes": sorted(probes, key=lambda r: r["request_rate"])}
+
+
 def open_command(url: str, csv_prefix: Path, rate: float, config: OpenLoopConfig) -> list[str]:
     """The headless Locust command line of one rate."""
     import sys  # noqa: PLC0415
@@ -64,14 +125,17 @@ def open_command(url: str, csv_prefix: Path, rate: float, config: OpenLoopConfig
             "--max-tokens", str(service.max_tokens), *service.extra_locust_args]
 
 
-def run_open_loop(config: OpenLoopConfig, echo: Any = None) -> tuple[dict[str, Any], dict[str, Path]]:
-    """Every rate against one service; returns the results and the files written."""
+def run_open_loop(config: OpenLoopConfig, echo: Any = None, sweep: Sweep | None = None
+                  ) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Every rate (or, with ``sweep``, the knee search from the first rate) against one service; returns the
+    results and the files written."""
     say = echo or (lambda _msg: None)
     out = ensure_writable_dir(config.service.out_dir, "the load test output dir (--out)")
     env = {"LOCUST_API_KEY": config.service.api_key} if config.service.api_key else None
-    runs = []
+    knee = None
     with _service(config.service, out, say) as (url, replicas):
-        for rate in config.rates:
+
+        def probe(rate: float) -> dict[str, Any]:
             prefix = out / f"open_{rate:g}"
             say(f"open loop: {rate:g} requests/s, {config.arrival}"
                 + (f" (burstiness {config.burstiness:g})" if config.arrival == "poisson" else "")
@@ -86,13 +150,36 @@ def run_open_loop(config: OpenLoopConfig, echo: Any = None) -> tuple[dict[str, A
             result = summarise(read_records(records_file), rate, config.duration_s, config.slo, config.percentiles,
                                config.arrival, config.burstiness, config.max_lag_p99_ms)
             result["replicas"] = replicas
-            runs.append(result)
             say(rate_line(result))
+            return result
+
+        if sweep is None:
+            runs = [probe(rate) for rate in config.rates]
+        else:
+            knee = find_knee(probe, config.rates[0], sweep)
+            runs = knee.pop("probes")
     results = {"mode": "open-loop", "url": config.service.url or "local", "model": config.service.model,
                "max_tokens": config.service.max_tokens, "arrival": config.arrival, "burstiness": config.burstiness,
                "duration_s": config.duration_s, "seed": config.seed, "goodput_slo_ms": config.slo,
-               "percentiles": list(config.percentiles), "runs": runs}
+               "percentiles": list(config.percentiles), "sweep": knee, "runs": runs}
     return results, write_open_report(results, out)
+
+
+def knee_line(results: dict[str, Any], headroom: float = 0.2) -> str | None:
+    """The sweep's answer: the knee and a planning rate below it."""
+    knee = results.get("sweep")
+    if not knee:
+        return None
+    target = "goodput" if results["goodput_slo_ms"] else "successes"
+    if knee["knee_rate"] is None:
+        return (f"No rate held {target} >= {knee['share']:.0%} of the offered rate; the lowest tried, "
+                f"{knee['first_missing_rate']:g} requests/s, missed (start lower).")
+    why = {"goodput": f"{knee['first_missing_rate']:g} requests/s missed",
+           "generator": "above it the generator could not keep its schedule: give Locust more cores to go on",
+           "max_rate": "the sweep's --max-rate stopped it"}[knee["stopped_by"]]
+    return (f"Knee: {knee['knee_rate']:g} requests/s is the largest rate whose {target} stayed >= "
+            f"{knee['share']:.0%} of the offered rate ({why}); plan for {knee['knee_rate'] * (1 - headroom):.3g} "
+            f"requests/s ({headroom:.0%} headroom).")
 
 
 def config_timeout(config: OpenLoopConfig) -> float:
@@ -146,6 +233,9 @@ def render_open_markdown(results: dict[str, Any], plot: Path | None) -> str:
         limits = ", ".join(f"{k} <= {v:g} ms" for k, v in slo.items())
         lines += [f"Goodput: requests/s that succeeded and met every SLO ({limits}); a rejection (429) or a failure "
                   "counts against it.", ""]
+    knee = knee_line(results)
+    if knee:
+        lines += [f"**{knee}**", ""]
     refused = [r for r in results["runs"] if r["generator_bound"]]
     for run in refused:
         lines += [f"**Refused: at {run['request_rate']:g} requests/s the generator itself fell behind (schedule "
@@ -194,6 +284,13 @@ def _plot(results: dict[str, Any], path: Path) -> Path | None:
     for r in runs:
         ax.annotate(f"{r['request_rate']:g}/s", (r["request_throughput"], r["p95_e2el_ms"]), fontsize=7,
                     textcoords="offset points", xytext=(4, 4))
+    knee = (results.get("sweep") or {}).get("knee_rate")
+    at_knee = next((r for r in runs if r["request_rate"] == knee), None)
+    if at_knee is not None:
+        ax.axvline(at_knee["request_throughput"], color="green", linestyle="--", linewidth=1,
+                   label=f"knee: {knee:g} req/s offered")
+        ax.axvline(at_knee["request_throughput"] * 0.8, color="gray", linestyle=":", linewidth=1,
+                   label="planning point (20% headroom)")
     ax.set_xlabel("achieved requests/s")
     ax.set_ylabel("latency from the scheduled send (ms)")
     ax.set_title("open loop: latency vs throughput (offered rate marked)")

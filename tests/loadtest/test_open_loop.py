@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from loadtest.open_loop import RequestRecord, arrival_offsets, meets_slo, parse_rates, parse_slo, summarise
+from loadtest.open_run import Sweep, find_knee, knee_line
 from verl.errors import ConfigError
 
 
@@ -78,6 +79,32 @@ def test_summary_in_vllm_bench_terms_by_hand():
     assert summarise(records(), 1.0, 4.0, max_lag_p99_ms=25)["generator_bound"] is False
     assert summarise(records(), 1.0, 4.0)["request_goodput"] is None  # no SLO: no goodput claimed
     assert meets_slo(records()[0], {"tpot": 100}) and not meets_slo(records()[0], {"tpot": 99})
+
+
+def fake_run(rate: float, capacity: float = 37.0, lag_from: float = 1e9) -> dict:
+    """A service that completes min(rate, capacity) requests/s within the SLO (the rest are shed)."""
+    offered = int(rate * 10)
+    good = int(min(rate, capacity) * 10)
+    return {"request_rate": rate, "num_prompts": offered, "completed": good, "goodput_share_of_offered": good / offered,
+            "generator_bound": rate >= lag_from}
+
+
+def test_the_sweep_finds_the_knee_coarse_then_fine():
+    knee = find_knee(fake_run, 4.0, Sweep(share=0.95, fine_steps=3))
+    # Doubling: 4, 8, 16, 32 hold; 64 misses (37/64). Bisection: 48 misses, 40 misses (0.925), 36 holds.
+    assert [p["request_rate"] for p in knee["probes"]] == [4, 8, 16, 32, 36, 40, 48, 64]
+    assert knee["knee_rate"] == 36 and knee["first_missing_rate"] == 40 and knee["stopped_by"] == "goodput"
+    assert find_knee(fake_run, 64.0, Sweep())["knee_rate"] is None  # even the start misses
+    capped = find_knee(fake_run, 4.0, Sweep(max_rate=20))
+    assert capped["knee_rate"] == 16 and capped["stopped_by"] == "max_rate"
+    # A generator that cannot keep the schedule ends the search: its numbers would measure the client.
+    bound = find_knee(lambda r: fake_run(r, lag_from=30), 4.0, Sweep())
+    assert bound["knee_rate"] == 16 and bound["stopped_by"] == "generator"
+    results = {"goodput_slo_ms": {"e2el": 500}, "sweep": {k: v for k, v in knee.items() if k != "probes"}}
+    assert knee_line(results) == ("Knee: 36 requests/s is the largest rate whose goodput stayed >= 95% of the offered "
+                                  "rate (40 requests/s missed); plan for 28.8 requests/s (20% headroom).")
+    with pytest.raises(ConfigError, match="goodput-share"):
+        Sweep(share=1.5)
 
 
 @pytest.mark.e2e
