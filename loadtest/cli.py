@@ -144,9 +144,12 @@ def loadtest_command(
 
 
 def loadtest_report_command(
-    csv_prefix: Annotated[Path, typer.Argument(help="Locust's --csv prefix (out/run for out/run_stats.csv), "
-                                                    "one of its files, or their directory.")],
+    csv_prefix: Annotated[Path | None, typer.Argument(help="Locust's --csv prefix (out/run for out/run_stats.csv), "
+                                                           "one of its files, or their directory.")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Report dir (default: beside the CSVs).")] = None,
+    compare: Annotated[tuple[Path, Path] | None, typer.Option(
+        "--compare", help="Two open-loop runs (their --out dirs or open_loop.json), A then B: paired by offered "
+                          "rate.")] = None,
     slo_p95_ms: SloP95 = 1000.0,
     slo_ttft_p95_ms: SloTtftP95 = None,
     slo_session_p95_ms: SloSessionP95 = None,
@@ -165,7 +168,21 @@ def loadtest_report_command(
 
         from loadtest.render import make_report, summary_text
         from loadtest.report import SLO, FleetPlan, resolve_prefix
+        from verl.errors import ConfigError
 
+        if compare is not None:
+            from loadtest.compare import compare_line, compare_runs
+
+            if csv_prefix is not None:
+                raise ConfigError("give either a Locust CSV prefix or --compare A B, not both")
+            report, paths = compare_runs(compare[0], compare[1], out or Path(compare[1]))
+            console = Console(stderr=True, highlight=False)
+            for row in report["rows"]:
+                console.print(compare_line(row), soft_wrap=True)
+            console.print(f"comparison: {paths['markdown']} (also .json)")
+            return
+        if csv_prefix is None:
+            raise ConfigError("give a Locust CSV prefix (or --compare A B for two open-loop runs)")
         prefix = resolve_prefix(csv_prefix)
         slo = SLO(slo_p95_ms, max_failure_rate, slo_ttft_p95_ms, headroom, slo_session_p95_ms)
         report, paths = make_report(prefix, out or prefix.parent, slo, plots=not no_plots,

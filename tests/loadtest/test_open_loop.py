@@ -132,3 +132,35 @@ def test_open_loop_cli_against_the_service(tmp_path):
     assert "**open loop**" in report and "| 12 |" in report
     bad = cli("loadtest", "--slo", "ttft:300", "--out", str(tmp_path / "bad"), ok=False)
     assert bad.exit_code != 0 and "add --rate" in bad.output
+
+
+def open_result(rates_and_p99: dict[float, float], **settings) -> dict:
+    runs = [summarise([RequestRecord(0.0, 0.0, 200, 0.05, p99 / 1000, 3, [0.01, 0.01], "stop")], rate, 1.0,
+                      {"e2el": 500}) for rate, p99 in rates_and_p99.items()]
+    return {"mode": "open-loop", "model": "m", "max_tokens": 32, "arrival": "poisson", "burstiness": 1.0,
+            "duration_s": 1.0, "seed": 0, "goodput_slo_ms": {"e2el": 500}, "runs": runs, **settings}
+
+
+def test_compare_two_runs_paired_by_rate(tmp_path):
+    from loadtest.compare import compare_runs  # noqa: PLC0415
+    from tests.eval.test_cli_e2e import cli  # noqa: PLC0415
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "open_loop.json").write_text(json.dumps(open_result({4: 200, 8: 400, 16: 900})))
+    (tmp_path / "b.json").write_text(json.dumps(open_result({8: 300, 16: 600, 32: 800}, max_tokens=64)))
+    report, paths = compare_runs(tmp_path / "a", tmp_path / "b.json", tmp_path / "cmp")
+    assert [row["rate"] for row in report["rows"]] == [8, 16] and report["only_a"] == [4] and report["only_b"] == [32]
+    e2el = report["rows"][1]["fields"]["p99_e2el_ms"]
+    assert (e2el["a"], e2el["b"], e2el["diff"], e2el["ratio"], e2el["b_better"]) == pytest.approx(
+        (900, 600, -300, 600 / 900, True))
+    goodput = report["rows"][1]["fields"]["request_goodput"]  # 900 ms > the 500 ms SLO in A, 600 ms too in B
+    assert goodput["a"] == goodput["b"] == 0 and goodput["b_better"] is None
+    assert report["settings_differ"] == {"max_tokens": (32, 64)}
+    md = paths["markdown"].read_text()
+    assert "## 16 requests/s offered" in md and "| p99_e2el_ms | 900 | 600 | -300 (better) | 0.667 |" in md
+    assert "Only A offered 4 requests/s" in md
+    result = cli("loadtest-report", "--compare", str(tmp_path / "a"), str(tmp_path / "b.json"), "--out",
+                 str(tmp_path / "cli"))
+    assert "16 req/s offered: throughput" in result.output and (tmp_path / "cli" / "open_loop_compare.json").is_file()
+    bad = cli("loadtest-report", "--compare", str(tmp_path / "a"), str(tmp_path / "nothing"), ok=False)
+    assert bad.exit_code != 0 and "no open_loop.json at" in bad.output
