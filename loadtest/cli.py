@@ -84,6 +84,12 @@ def loadtest_command(
                         "offered rate: double from R until a rate misses, then bisect.")] = False,
     goodput_share: Annotated[float, typer.Option("--goodput-share", help="--sweep: the share to hold.")] = 0.95,
     max_rate: Annotated[float, typer.Option("--max-rate", help="--sweep: the highest rate tried.")] = 1024.0,
+    replay: Annotated[str | None, typer.Option(
+        "--replay", help="Open loop on the service's own traffic: its records (a records_path file, or a "
+                         "service URL's /admin/records with VERL_SERVE_ADMIN_KEY), at the recorded arrival times, "
+                         "prompts (where kept) and output lengths.")] = None,
+    replay_speed: Annotated[float, typer.Option(
+        "--replay-speed", help="--replay: divide the recorded gaps by this (2 = twice the recorded rate).")] = 1.0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Only the summary.")] = False,
 ) -> None:
     """Start the service on 127.0.0.1 (or test the one at --url), run a stepped Locust test (or open-loop rates
@@ -111,12 +117,18 @@ def loadtest_command(
             config.plan()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if rate is not None:
+        if rate is not None or replay is not None:
             from loadtest.open_loop import parse_rates, parse_slo
-            from loadtest.open_run import OpenLoopConfig, Sweep, knee_line, rate_line, run_open_loop
+            from loadtest.open_run import OpenLoopConfig, Sweep, knee_line, rate_line, replay_config, run_open_loop
 
-            open_config = OpenLoopConfig(config, parse_rates(rate), duration, arrival, burstiness, schedule_seed,
-                                         parse_slo(slo), max_lag_p99_ms)
+            if rate is not None and replay is not None:
+                raise ConfigError("--rate and --replay both set the schedule: give one")
+            schedule, notes = replay_config(replay, replay_speed) if replay is not None else (None, [])
+            open_config = OpenLoopConfig(config, parse_rates(rate) if rate else [], duration, arrival, burstiness,
+                                         schedule_seed, parse_slo(slo), max_lag_p99_ms, replay=schedule,
+                                         replay_notes=notes)
+            if sweep and replay is not None:
+                raise ConfigError("--sweep searches rates; a --replay keeps the recorded times (use --replay-speed)")
             plan = Sweep(goodput_share, max_rate) if sweep else None
             if plan is not None and len(open_config.rates) > 1:
                 raise ConfigError("--sweep starts from one --rate and finds the others itself; give one rate")

@@ -128,6 +128,9 @@ def add_arguments(parser: Any) -> None:
     option("burstiness", type=float, default=1.0, help="OpenLoopUser: gamma shape of the gaps (1 = Poisson).")
     option("duration", type=float, default=30.0, help="OpenLoopUser: seconds of scheduled sends.")
     option("schedule-seed", type=int, default=0, help="OpenLoopUser: seed of the arrival schedule and prompts.")
+    option("replay-schedule", default="",
+           help="OpenLoopUser: send this JSONL schedule instead (offset_s, messages, max_tokens per line; verl "
+                "loadtest --replay writes it from the service's records).")
     option("user-mix", choices=["mixed", "classes", "route", "agent", "feedback", "open"], default="mixed",
            help="mixed: every user sends all three requests by weight (MixedUser); classes: one user class per "
                 "endpoint, weighted (GenerateUser, CompletionUser, ChatStreamUser); route: RouteUser, a route's "
@@ -189,10 +192,11 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
     if options.max_tokens < 1:  # 0 would make every request a 400: a run of 100% failures that measures nothing
         raise SystemExit(f"loadtest: --max-tokens must be >= 1 (got {options.max_tokens})")
     if options.user_mix == "open" or "OpenLoopUser" in (options.user_classes or []):
-        if options.rate is None:
-            raise SystemExit("loadtest: the open loop needs --rate (requests/s)")
+        if options.rate is None and not options.replay_schedule:
+            raise SystemExit("loadtest: the open loop needs --rate (requests/s) or --replay-schedule FILE")
         try:
-            arrival_offsets(options.rate, options.duration, options.arrival, options.burstiness)
+            if options.rate is not None:
+                arrival_offsets(options.rate, options.duration, options.arrival, options.burstiness)
         except VerlError as exc:
             raise SystemExit(f"loadtest: {exc}") from None
     if options.max_turns < 1:
@@ -565,18 +569,24 @@ class OpenLoopUser(LLMUser):
     @locust.task
     def run_schedule(self) -> None:
         options = self.options
-        offsets = arrival_offsets(options.rate, options.duration, options.arrival, options.burstiness,
-                                  options.schedule_seed)
-        rng = random.Random(options.schedule_seed)
-        prompts = [rng.choice(STATE["prompts"]) for _ in offsets]
+        if options.replay_schedule:  # the service's own traffic (verl loadtest --replay)
+            with open(options.replay_schedule) as handle:
+                rows = [json.loads(line) for line in handle if line.strip()]
+            offsets = [float(row["offset_s"]) for row in rows]
+            requests = [{"messages": row["messages"], "max_tokens": int(row["max_tokens"])} for row in rows]
+        else:
+            offsets = arrival_offsets(options.rate, options.duration, options.arrival, options.burstiness,
+                                      options.schedule_seed)
+            rng = random.Random(options.schedule_seed)
+            requests = [{"messages": list(rng.choice(STATE["prompts"]).messages)} for _ in offsets]
         records = [RequestRecord(scheduled_s=float(t)) for t in offsets]
         pool = gevent.pool.Pool()
         start = time.perf_counter()
-        for record, prompt in zip(records, prompts, strict=True):
+        for record, fields in zip(records, requests, strict=True):
             delay = start + record.scheduled_s - time.perf_counter()
             if delay > 0:
                 gevent.sleep(delay)
-            pool.spawn(self.open_request, record, prompt, start)
+            pool.spawn(self.open_request, record, fields, start)
         pool.join(timeout=options.request_timeout + 5)
         pool.kill()  # past the timeout: whatever still runs has failed (its record says so)
         if options.csv_prefix:
@@ -584,9 +594,10 @@ class OpenLoopUser(LLMUser):
         OPEN_LOOP["done"] = True
         raise locust.exception.StopUser()
 
-    def open_request(self, record: RequestRecord, prompt: Prompt, start: float) -> None:
-        """One streamed chat, timed from ``start`` (the schedule's zero); fills ``record``."""
-        body = self.openai_body(messages=list(prompt.messages), stream=True, stream_options={"include_usage": True})
+    def open_request(self, record: RequestRecord, fields: dict[str, Any], start: float) -> None:
+        """One streamed chat (``fields``: its messages, and a replay's max_tokens), timed from ``start`` (the
+        schedule's zero); fills ``record``."""
+        body = self.openai_body(**fields, stream=True, stream_options={"include_usage": True})
         record.sent_s = time.perf_counter() - start
         with self.client.post("/v1/chat/completions", json=body, stream=True, catch_response=True,
                               name=OPEN_NAME) as response:

@@ -216,3 +216,61 @@ def read_records(path: str | Path) -> list[RequestRecord]:
         except (json.JSONDecodeError, TypeError) as exc:
             raise DataError(f"{file} line {number} is not an open-loop request record ({exc})") from None
     return records
+
+
+# ---------------------------------------------------------------------------------------------- replay
+
+REPLAY_SUFFIX = "replay_schedule.jsonl"  # in --out: the schedule a replay sends (offset, messages, max_tokens)
+
+
+def replay_schedule(records: list[dict], speed: float, task_prompts: list[tuple[dict, ...]]
+                    ) -> tuple[list[dict], list[str]]:
+    """The service's own records (``serve/records.py`` request rows) as a schedule to send again.
+
+    Each request once (the first choice of a completion, never a shadow copy), at its recorded ``arrival`` from the
+    first one, divided by ``speed`` (2 = twice as fast); ``max_tokens`` = its recorded output length (``ignore_eos``
+    then holds the lengths); the prompt as sent where the service kept texts (a completion's text prompt becomes
+    one user message), else the task prompt nearest in length to its recorded ``prompt_tokens`` (words as a
+    stand-in for tokens), which the notes say. Returns the rows (``offset_s``, ``messages``, ``max_tokens``,
+    ``recorded_prompt``) sorted by offset, and the notes.
+    """
+    if not speed > 0:
+        raise ConfigError(f"--replay-speed must be > 0 (got {speed}; 2 replays twice as fast)")
+    requests = [r for r in records if r.get("kind", "request") == "request" and not r.get("shadow")
+                and int(r.get("index") or 0) == 0]
+    arrivals = []
+    for r in requests:
+        arrival = r.get("arrival")
+        if arrival is None and r.get("time") is not None and r.get("e2e_s") is not None:
+            arrival = float(r["time"]) - float(r["e2e_s"])  # older records: finish time minus latency
+        if arrival is not None:
+            arrivals.append((float(arrival), r))
+    if not arrivals:
+        raise DataError("no request rows with an arrival time in the records: replay needs the service's request "
+                        "records (records_path or GET /admin/records)")
+    arrivals.sort(key=lambda pair: pair[0])
+    start = arrivals[0][0]
+    lengths = [sum(len(str(m.get("content") or "").split()) for m in p) for p in task_prompts]
+    rows, stand_ins = [], 0
+    for arrival, r in arrivals:
+        prompt = r.get("prompt")
+        if isinstance(prompt, list) and prompt:
+            messages, recorded = prompt, True
+        elif isinstance(prompt, str) and prompt:
+            messages, recorded = [{"role": "user", "content": prompt}], True
+        else:
+            if not task_prompts:
+                raise DataError("the records hold no prompts (the service did not keep texts) and no task prompts "
+                                "were given to stand in for them")
+            want = int(r.get("prompt_tokens") or 0)
+            nearest = min(range(len(task_prompts)), key=lambda i: abs(lengths[i] - want))
+            messages, recorded = list(task_prompts[nearest]), False
+            stand_ins += 1
+        rows.append({"offset_s": (arrival - start) / speed, "messages": messages,
+                     "max_tokens": max(1, int(r.get("completion_tokens") or 1)), "recorded_prompt": recorded})
+    notes = [f"replayed {len(rows)} recorded requests over {rows[-1]['offset_s']:.1f} s (recorded arrivals / "
+             f"{speed:g}); max_tokens = each request's recorded output length"]
+    if stand_ins:
+        notes.append(f"{stand_ins} of {len(rows)} records carry no prompt (the service did not keep texts: "
+                     "record_texts): they were sent with the task prompt nearest to their recorded prompt length")
+    return rows, notes

@@ -8,6 +8,7 @@ latency against achieved throughput with the offered rates marked.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,10 @@ from loadtest.open_loop import (
     DEFAULT_PERCENTILES,
     MAX_LAG_P99_MS,
     OPEN_RECORDS_SUFFIX,
+    REPLAY_SUFFIX,
     arrival_offsets,
     read_records,
+    replay_schedule,
     summarise,
 )
 from loadtest.run import LOCUST_CONF, LOCUSTFILE, LoadTestConfig, LoadTestError, _service, run_locust
@@ -41,11 +44,17 @@ class OpenLoopConfig:
     slo: dict[str, float] = field(default_factory=dict)
     max_lag_p99_ms: float = MAX_LAG_P99_MS
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    # --replay: the schedule built from the service's records (open_loop.replay_schedule) and what it said.
+    replay: list[dict] | None = None
+    replay_notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.replay is not None:
+            span = max(self.replay[-1]["offset_s"], 1e-3)
+            self.rates, self.duration_s, self.arrival = [len(self.replay) / span], span, "replay"
         if not self.rates:
             raise ConfigError("--rate needs at least one requests/s value")
-        for rate in self.rates:  # every rate's schedule is valid before the service starts
+        for rate in self.rates if self.replay is None else []:  # every schedule is valid before the service starts
             arrival_offsets(rate, self.duration_s, self.arrival, self.burstiness, self.seed)
         if self.service.user_mix not in ("mixed", "open") or self.service.user_classes:
             raise ConfigError("--rate runs open-loop streamed chats (OpenLoopUser); drop --user-mix/--user, or drop "
@@ -113,16 +122,30 @@ def find_knee(probe: Any, start: float, sweep: Sweep) -> dict[str, Any]:
             "probes": sorted(probes, key=lambda r: r["request_rate"])}
 
 
+def replay_config(source: str, speed: float) -> tuple[list[dict], list[str]]:
+    """``--replay SOURCE``: the schedule from the service's records, task prompts standing in where none was kept."""
+    from loadtest.prompts import DEFAULT_PROMPT_FILE, load_prompts  # noqa: PLC0415
+    from serve.records import load_records  # noqa: PLC0415 (httpx; only for a replay)
+
+    records = load_records(source)
+    task = [p.messages for p in load_prompts(DEFAULT_PROMPT_FILE, "prompt", 10_000)]
+    return replay_schedule(records, speed, task)
+
+
 def open_command(url: str, csv_prefix: Path, rate: float, config: OpenLoopConfig) -> list[str]:
     """The headless Locust command line of one rate."""
     import sys  # noqa: PLC0415
 
     service = config.service
-    return [sys.executable, "-m", "locust", "--config", str(LOCUST_CONF), "-f", str(LOCUSTFILE), "--headless",
-            "-H", url, "--csv", str(csv_prefix), "--html", f"{csv_prefix}.html", "--user-mix", "open",
-            "--rate", f"{rate:g}", "--duration", f"{config.duration_s:g}", "--arrival", config.arrival,
-            "--burstiness", f"{config.burstiness:g}", "--schedule-seed", str(config.seed),
-            "--max-tokens", str(service.max_tokens), *service.extra_locust_args]
+    command = [sys.executable, "-m", "locust", "--config", str(LOCUST_CONF), "-f", str(LOCUSTFILE), "--headless",
+               "-H", url, "--csv", str(csv_prefix), "--html", f"{csv_prefix}.html", "--user-mix", "open",
+               "--max-tokens", str(service.max_tokens)]
+    if config.replay is not None:
+        command += ["--replay-schedule", str(Path(csv_prefix).parent / REPLAY_SUFFIX)]
+    else:
+        command += ["--rate", f"{rate:g}", "--duration", f"{config.duration_s:g}", "--arrival", config.arrival,
+                    "--burstiness", f"{config.burstiness:g}", "--schedule-seed", str(config.seed)]
+    return [*command, *service.extra_locust_args]
 
 
 def run_open_loop(config: OpenLoopConfig, echo: Any = None, sweep: Sweep | None = None
@@ -133,14 +156,16 @@ def run_open_loop(config: OpenLoopConfig, echo: Any = None, sweep: Sweep | None 
     out = ensure_writable_dir(config.service.out_dir, "the load test output dir (--out)")
     env = {"LOCUST_API_KEY": config.service.api_key} if config.service.api_key else None
     knee = None
+    if config.replay is not None:
+        atomic_write_text(out / REPLAY_SUFFIX, "".join(json.dumps(row) + "\n" for row in config.replay))
     with _service(config.service, out, say) as (url, replicas):
 
         def probe(rate: float) -> dict[str, Any]:
-            prefix = out / f"open_{rate:g}"
+            prefix = out / (f"open_{rate:g}" if config.replay is None else "replay")
             say(f"open loop: {rate:g} requests/s, {config.arrival}"
                 + (f" (burstiness {config.burstiness:g})" if config.arrival == "poisson" else "")
                 + f", {config.duration_s:g} s")
-            log = out / f"open_{rate:g}.log"
+            log = Path(f"{prefix}.log")
             code = run_locust(open_command(url, prefix, rate, config),
                               config.duration_s + config_timeout(config) + 90, log, env=env)
             records_file = Path(f"{prefix}{OPEN_RECORDS_SUFFIX}")
@@ -161,7 +186,8 @@ def run_open_loop(config: OpenLoopConfig, echo: Any = None, sweep: Sweep | None 
     results = {"mode": "open-loop", "url": config.service.url or "local", "model": config.service.model,
                "max_tokens": config.service.max_tokens, "arrival": config.arrival, "burstiness": config.burstiness,
                "duration_s": config.duration_s, "seed": config.seed, "goodput_slo_ms": config.slo,
-               "percentiles": list(config.percentiles), "sweep": knee, "runs": runs}
+               "percentiles": list(config.percentiles), "sweep": knee, "runs": runs,
+               "replay_notes": config.replay_notes}
     return results, write_open_report(results, out)
 
 
@@ -233,6 +259,7 @@ def render_open_markdown(results: dict[str, Any], plot: Path | None) -> str:
         limits = ", ".join(f"{k} <= {v:g} ms" for k, v in slo.items())
         lines += [f"Goodput: requests/s that succeeded and met every SLO ({limits}); a rejection (429) or a failure "
                   "counts against it.", ""]
+    lines += [f"Replay: {note}." for note in results.get("replay_notes") or []]
     knee = knee_line(results)
     if knee:
         lines += [f"**{knee}**", ""]

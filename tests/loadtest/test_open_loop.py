@@ -9,9 +9,17 @@ import math
 import numpy as np
 import pytest
 
-from loadtest.open_loop import RequestRecord, arrival_offsets, meets_slo, parse_rates, parse_slo, summarise
+from loadtest.open_loop import (
+    RequestRecord,
+    arrival_offsets,
+    meets_slo,
+    parse_rates,
+    parse_slo,
+    replay_schedule,
+    summarise,
+)
 from loadtest.open_run import Sweep, find_knee, knee_line
-from verl.errors import ConfigError
+from verl.errors import ConfigError, DataError
 
 
 def test_constant_and_gamma_schedules():
@@ -107,29 +115,77 @@ def test_the_sweep_finds_the_knee_coarse_then_fine():
         Sweep(share=1.5)
 
 
-@pytest.mark.e2e
-def test_open_loop_cli_against_the_service(tmp_path):
-    """Two rates against the built-in service: a report per rate in vLLM's names, records for every request."""
-    from tests.eval.test_cli_e2e import cli
+def test_replay_schedule_from_records_by_hand():
+    task = [({"role": "user", "content": "one two"},), ({"role": "user", "content": "a b c d e f g h"},)]
+    records = [
+        {"kind": "request", "arrival": 100.0, "prompt": [{"role": "user", "content": "hi"}], "completion_tokens": 7,
+         "prompt_tokens": 9, "index": 0},
+        {"kind": "request", "arrival": 100.0, "prompt": None, "completion_tokens": 4, "index": 1},  # choice 2 of 2
+        {"kind": "request", "arrival": 103.0, "prompt": "2+2=", "completion_tokens": 0, "index": 0},
+        {"kind": "request", "arrival": 101.0, "prompt": None, "prompt_tokens": 7, "completion_tokens": 5,
+         "index": 0},
+        {"kind": "request", "arrival": 102.0, "shadow": True, "completion_tokens": 5},  # a mirror: not traffic
+        {"kind": "reward", "id": "c1", "reward": 1.0},
+        {"kind": "request", "time": 110.0, "e2e_s": 4.0, "prompt": "x", "completion_tokens": 2},  # no arrival field
+    ]
+    rows, notes = replay_schedule(records, 2.0, task)
+    assert [r["offset_s"] for r in rows] == [0.0, 0.5, 1.5, 3.0]  # (arrival - 100) / 2; time - e2e for the last
+    assert [r["max_tokens"] for r in rows] == [7, 5, 1, 2]
+    assert rows[0]["messages"] == [{"role": "user", "content": "hi"}] and rows[0]["recorded_prompt"]
+    assert rows[2]["messages"] == [{"role": "user", "content": "2+2="}]
+    assert rows[1]["messages"] == list(task[1]) and not rows[1]["recorded_prompt"]  # 7 tokens: nearest is 8 words
+    assert "1 of 4 records carry no prompt" in notes[1]
+    with pytest.raises(DataError, match="no request rows with an arrival"):
+        replay_schedule([{"kind": "reward", "id": "x", "reward": 1}], 1.0, task)
+    with pytest.raises(ConfigError, match="--replay-speed"):
+        replay_schedule(records, 0, task)
 
+
+@pytest.mark.e2e
+def test_open_loop_rates_then_a_replay_of_the_recorded_traffic(tmp_path):
+    """Two rates against the real service (records kept with texts), then the same traffic replayed from its
+    records at twice the speed: every request again, the recorded gaps halved, the recorded prompts and lengths."""
+    from loadtest.run import local_service  # noqa: PLC0415
+    from tests.eval.test_cli_e2e import cli  # noqa: PLC0415
+
+    records_path = tmp_path / "records.jsonl"
+    env = {"VERL_SERVE_RECORDS_PATH": str(records_path), "VERL_SERVE_RECORD_TEXTS": "true"}
     out = tmp_path / "open"
-    result = cli("loadtest", "--rate", "4,12", "--duration", "4", "--slo", "ttft:5000,e2el:10000",
-                 "--max-lag-p99-ms", "200", "--out", str(out))
-    assert "4 req/s offered" in result.output and "12 req/s offered" in result.output
-    results = json.loads((out / "open_loop.json").read_text())
-    assert results["mode"] == "open-loop" and [r["request_rate"] for r in results["runs"]] == [4, 12]
-    for run in results["runs"]:
-        requests = [json.loads(line) for line in
-                    (out / f"open_{run['request_rate']:g}_requests.jsonl").read_text().splitlines()]
-        assert len(requests) == run["num_prompts"] > 0 and run["completed"] == run["num_prompts"]
-        for key in ("request_throughput", "request_goodput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms",
-                    "median_tpot_ms", "p95_itl_ms", "p99_e2el_ms", "schedule_lag_p99_ms"):
-            assert run[key] is not None and run[key] >= 0, key
-        # Latency counts from the scheduled send: never below the time from the actual send.
-        assert all(r["end_s"] - r["scheduled_s"] >= r["end_s"] - r["sent_s"] for r in requests)
-    assert results["runs"][1]["num_prompts"] > results["runs"][0]["num_prompts"]
-    report = (out / "open_loop.md").read_text()
-    assert "**open loop**" in report and "| 12 |" in report
+    with local_service(tmp_path / "server.log", env, 120) as url:
+        result = cli("loadtest", "--url", url, "--rate", "4,12", "--duration", "4", "--slo", "ttft:5000,e2el:10000",
+                     "--max-lag-p99-ms", "200", "--out", str(out))
+        assert "4 req/s offered" in result.output and "12 req/s offered" in result.output
+        results = json.loads((out / "open_loop.json").read_text())
+        assert results["mode"] == "open-loop" and [r["request_rate"] for r in results["runs"]] == [4, 12]
+        sent = 0
+        for run in results["runs"]:
+            requests = [json.loads(line) for line in
+                        (out / f"open_{run['request_rate']:g}_requests.jsonl").read_text().splitlines()]
+            assert len(requests) == run["num_prompts"] > 0 and run["completed"] == run["num_prompts"]
+            sent += len(requests)
+            for key in ("request_throughput", "request_goodput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms",
+                        "median_tpot_ms", "p95_itl_ms", "p99_e2el_ms", "schedule_lag_p99_ms"):
+                assert run[key] is not None and run[key] >= 0, key
+            # Latency counts from the scheduled send: never below the time from the actual send.
+            assert all(r["end_s"] - r["scheduled_s"] >= r["end_s"] - r["sent_s"] for r in requests)
+        assert results["runs"][1]["num_prompts"] > results["runs"][0]["num_prompts"]
+        report = (out / "open_loop.md").read_text()
+        assert "**open loop**" in report and "| 12 |" in report
+
+        replayed = tmp_path / "replay"
+        cli("loadtest", "--url", url, "--replay", str(records_path), "--replay-speed", "2", "--max-lag-p99-ms",
+            "200", "--out", str(replayed))
+    recorded = [json.loads(line) for line in records_path.read_text().splitlines()]
+    first_run = [r for r in recorded if r.get("kind", "request") == "request"][:sent]
+    schedule = [json.loads(line) for line in (replayed / "replay_schedule.jsonl").read_text().splitlines()]
+    assert len(schedule) == sent and all(row["recorded_prompt"] for row in schedule)
+    arrivals = sorted(r["arrival"] for r in first_run)
+    assert [row["offset_s"] for row in schedule] == pytest.approx([(a - arrivals[0]) / 2 for a in arrivals])
+    assert sorted(row["max_tokens"] for row in schedule) == sorted(max(1, r["completion_tokens"]) for r in first_run)
+    replay_results = json.loads((replayed / "open_loop.json").read_text())
+    (run,) = replay_results["runs"]
+    assert run["arrival"] == "replay" and run["num_prompts"] == sent and run["completed"] == sent
+    assert "replayed" in replay_results["replay_notes"][0]
     bad = cli("loadtest", "--slo", "ttft:300", "--out", str(tmp_path / "bad"), ok=False)
     assert bad.exit_code != 0 and "add --rate" in bad.output
 
