@@ -563,8 +563,9 @@ class OpenLoopUser(LLMUser):
     late send or a queue counts against the service; every request's record goes to
     ``<csv prefix>_requests.jsonl`` for the report's goodput and percentiles."""
 
-    concurrency = 4096  # requests in flight at once on this user's connection pool (an overloaded service queues)
-    fixed_count = 1
+    # Requests in flight at once on this user's connection pool (an overloaded service queues). No fixed_count: it
+    # would spawn this user in every test, whatever its weight; the shape runs exactly one for --user-mix open.
+    concurrency = 4096
 
     @locust.task
     def run_schedule(self) -> None:
@@ -738,7 +739,7 @@ class StepShape(LoadTestShape):
         if not STATE["ready"] or self.waiting_for_first_users():
             # test_start (waiting for /health, loading prompts) runs beside this greenlet: hold the clock at 0.
             self.reset_time()
-        if options.user_mix == "open":  # one user runs the whole schedule; the test ends when it is done
+        if getattr(options, "user_mix", None) == "open":  # one user runs the schedule; the test ends with it
             return None if OPEN_LOOP.get("done") else (1, 1.0)
         if options.load_shape == "fixed":
             # Headless Locust waits for a shape to finish before it arms -t, so the shape enforces -t itself.

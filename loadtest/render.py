@@ -38,7 +38,9 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
         rule += f" and TTFT p95 <= {slo['ttft_p95_ms']:g} ms"
     if slo.get("session_p95_ms") is not None:
         rule += f" and agent-session p95 <= {slo['session_p95_ms']:g} ms"
-    lines = [f"SLO: {rule} (latency = {slo['latency_metric']}, over each step's last {report['window_s']} s)."]
+    lines = ["Mode: closed loop (each user waits for its answer before the next request; capacity in users; "
+             "`verl loadtest --rate` measures an open loop in requests/s).",
+             f"SLO: {rule} (latency = {slo['latency_metric']}, over each step's last {report['window_s']} s)."]
     if cap["max_users_within_slo"] is None:
         first = report["steps"][0]["why_not"] if report["steps"] else ["no steps"]
         lines.append(f"**No tested level meets the SLO** (lowest level: {'; '.join(first)}).")
