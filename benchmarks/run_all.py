@@ -62,6 +62,8 @@ BENCHES: dict[str, list[str]] = {
     "rm-smollm2": [PY, "benchmarks/rm_smollm2.py", "--seeds", "1", "2", "3"],
     "canary-matrix": [PY, "benchmarks/canary_matrix.py", "--sims", "2000", "--workers", "2"],
     "from-records": [PY, "benchmarks/from_records.py", "--records", "100000", "--repeats", "3"],
+    "open-loop-generator": [PY, "benchmarks/open_loop_generator.py", "--rate", "200", "--duration", "20",
+                            "--repeats", "3"],
 }
 
 
