@@ -62,6 +62,9 @@ BENCHES: dict[str, list[str]] = {
     "rm-smollm2": [PY, "benchmarks/rm_smollm2.py", "--seeds", "1", "2", "3"],
     "canary-matrix": [PY, "benchmarks/canary_matrix.py", "--sims", "2000", "--workers", "2"],
     "from-records": [PY, "benchmarks/from_records.py", "--records", "100000", "--repeats", "3"],
+    "open-vs-closed": [PY, "benchmarks/open_vs_closed.py"],
+    "open-vs-closed-smollm2": [PY, "benchmarks/open_vs_closed.py", "--model", SMOLLM2, "--step-users", "2,8",
+                               "--step-time", "30"],
     "open-loop-generator": [PY, "benchmarks/open_loop_generator.py", "--rate", "200", "--duration", "20",
                             "--repeats", "3"],
 }
