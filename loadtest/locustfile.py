@@ -45,6 +45,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import gevent
@@ -128,6 +129,9 @@ def add_arguments(parser: Any) -> None:
     option("burstiness", type=float, default=1.0, help="OpenLoopUser: gamma shape of the gaps (1 = Poisson).")
     option("duration", type=float, default=30.0, help="OpenLoopUser: seconds of scheduled sends.")
     option("schedule-seed", type=int, default=0, help="OpenLoopUser: seed of the arrival schedule and prompts.")
+    option("open-sessions", action="store_true", default=False,
+           help="OpenLoopUser: each scheduled arrival starts an agent session (AgentUser's turns, tools run "
+                "client-side) instead of one streamed chat.")
     option("replay-schedule", default="",
            help="OpenLoopUser: send this JSONL schedule instead (offset_s, messages, max_tokens per line; verl "
                 "loadtest --replay writes it from the service's records).")
@@ -187,7 +191,8 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
     except ValueError as exc:
         raise SystemExit(f"loadtest: {exc}") from None
     if options.max_tokens is None:
-        agents = options.user_mix == "agent" or "AgentUser" in (options.user_classes or [])
+        agents = options.user_mix == "agent" or "AgentUser" in (options.user_classes or []) or getattr(
+            options, "open_sessions", False)
         options.max_tokens = AGENT_MAX_TOKENS if agents else DEFAULT_MAX_TOKENS
     if options.max_tokens < 1:  # 0 would make every request a 400: a run of 100% failures that measures nothing
         raise SystemExit(f"loadtest: --max-tokens must be >= 1 (got {options.max_tokens})")
@@ -490,6 +495,16 @@ class LLMUser(FastHttpUser):
             self.fire("itl_ms", result.mean_itl_s * 1000)
 
 
+@dataclass
+class Session:
+    """What one agent session did."""
+
+    turns: int = 0
+    calls: int = 0
+    tokens: int = 0
+    finish_reason: str | None = None
+
+
 class AgentUser(LLMUser):
     """Multi-turn tool-calling sessions (see the module docstring): the client runs the tools, as agents do."""
 
@@ -505,27 +520,36 @@ class AgentUser(LLMUser):
     @locust.task
     def session(self) -> None:
         """One conversation: turns until the model answers without a call, a turn fails, or --max-turns."""
-        messages = list(self.prompt().messages)
         start = time.perf_counter()
-        tokens = calls = turns = 0
-        while turns < self.options.max_turns:
+        session = self.converse(list(self.prompt().messages))
+        if session is None:
+            return  # a turn failed (recorded as its HTTP entry's failure): no session entries
+        self.fire("session_latency_ms", (time.perf_counter() - start) * 1000)
+        self.fire_session(session)
+
+    def converse(self, messages: list[dict[str, Any]]) -> Session | None:
+        """Turns until the model answers without a call or --max-turns; None when a turn failed."""
+        session = Session()
+        while session.turns < self.options.max_turns:
             result = self.post_turn(self.openai_body(messages=messages, tools=self.tools))
             if result is None:
-                return  # the turn failed (recorded as its HTTP entry's failure): no session entries
-            turns += 1
-            tokens += result.completion_tokens
+                return None
+            session.turns += 1
+            session.tokens += result.completion_tokens
+            session.finish_reason = result.finish_reason
             if not result.tool_calls:
                 break
-            calls += len(result.tool_calls)
+            session.calls += len(result.tool_calls)
             messages.append({k: v for k, v in result.message.items() if v is not None})
             messages.extend({"role": "tool", "tool_call_id": call["id"], "content": self.run_tool(call)}
                             for call in result.tool_calls)
-        seconds = time.perf_counter() - start
-        self.fire("session_latency_ms", seconds * 1000)
-        self.fire("session_turns", turns)
-        self.fire("session_output_tokens", tokens)
-        self.fire("session_tool_calls", calls)
-        self.fire(NO_TOOL_ENTRY, 0.0 if calls else 1.0)  # its mean: the share of sessions that made no call
+        return session
+
+    def fire_session(self, session: Session) -> None:
+        self.fire("session_turns", session.turns)
+        self.fire("session_output_tokens", session.tokens)
+        self.fire("session_tool_calls", session.calls)
+        self.fire(NO_TOOL_ENTRY, 0.0 if session.calls else 1.0)  # its mean: the share of sessions that made no call
 
     def post_turn(self, body: dict[str, Any]) -> ChatTurn | None:
         start = time.perf_counter()
@@ -556,7 +580,7 @@ class AgentUser(LLMUser):
             return f"error: {type(exc).__name__}: {exc}"
 
 
-class OpenLoopUser(LLMUser):
+class OpenLoopUser(AgentUser):
     """Open-loop load (``--user-mix open``; loadtest/open_loop.py): one user sends streamed chats at ``--rate`` on
     a schedule drawn before the first request, each in its own greenlet, never waiting for earlier answers.
     Latency (the HTTP entry's time, ``e2e_latency_ms``, ``ttft_ms``) counts from the scheduled send time, so a
@@ -567,7 +591,6 @@ class OpenLoopUser(LLMUser):
     # would spawn this user in every test, whatever its weight; the shape runs exactly one for --user-mix open.
     concurrency = 4096
 
-    @locust.task
     def run_schedule(self) -> None:
         options = self.options
         if options.replay_schedule:  # the service's own traffic (verl loadtest --replay)
@@ -587,13 +610,30 @@ class OpenLoopUser(LLMUser):
             delay = start + record.scheduled_s - time.perf_counter()
             if delay > 0:
                 gevent.sleep(delay)
-            pool.spawn(self.open_request, record, fields, start)
+            pool.spawn(self.open_session if options.open_sessions else self.open_request, record, fields, start)
         pool.join(timeout=options.request_timeout + 5)
         pool.kill()  # past the timeout: whatever still runs has failed (its record says so)
         if options.csv_prefix:
             write_records(f"{options.csv_prefix}{OPEN_RECORDS_SUFFIX}", records)
         OPEN_LOOP["done"] = True
         raise locust.exception.StopUser()
+
+    # Only the schedule: not AgentUser's closed-loop session task (a session is what a scheduled arrival starts).
+    tasks = [run_schedule]
+
+    def open_session(self, record: RequestRecord, fields: dict[str, Any], start: float) -> None:
+        """``--open-sessions``: the arrival starts an agent session (AgentUser's turns and client-side tools); its
+        latency runs from the scheduled start to the last turn's answer (no TTFT: the turns are not streamed)."""
+        record.sent_s = time.perf_counter() - start
+        session = self.converse(list(fields["messages"]))
+        end = time.perf_counter() - start
+        if session is None:
+            record.error = "a turn of the session failed (Locust's failures table has it)"
+            return
+        record.status, record.end_s, record.output_tokens = 200, end, session.tokens
+        record.finish_reason, record.turns, record.tool_calls = session.finish_reason, session.turns, session.calls
+        self.fire("session_latency_ms", (end - record.scheduled_s) * 1000)
+        self.fire_session(session)
 
     def open_request(self, record: RequestRecord, fields: dict[str, Any], start: float) -> None:
         """One streamed chat (``fields``: its messages, and a replay's max_tokens), timed from ``start`` (the

@@ -75,6 +75,8 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)  # gaps between generated chunks after the first
     finish_reason: str | None = None
     error: str | None = None
+    turns: int | None = None  # --open-sessions: the agent session's turns and tool calls
+    tool_calls: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -84,8 +86,10 @@ class RequestRecord:
         """TTFT and end-to-end latency from the **scheduled** send, and TPOT (excluding the first token)."""
         if not self.ok:
             return {"ttft": None, "tpot": None, "e2el": None}
-        ttft = (self.ttft_s if self.ttft_s is not None else self.end_s) - self.scheduled_s
         e2el = self.end_s - self.scheduled_s
+        if self.ttft_s is None:  # an agent session's turns are not streamed: no first token to time
+            return {"ttft": None, "tpot": None, "e2el": e2el * 1000}
+        ttft = self.ttft_s - self.scheduled_s
         tpot = (e2el - ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
         return {"ttft": ttft * 1000, "tpot": None if tpot is None else tpot * 1000, "e2el": e2el * 1000}
 
@@ -182,6 +186,12 @@ def summarise(records: list[RequestRecord], rate: float, duration_s: float, slo:
         "goodput_slo_ms": dict(slo),
         "finish_length_share": (sum(1 for r in ok if r.finish_reason == "length") / len(ok)) if ok else None,
     }
+    sessions = [r for r in ok if r.turns is not None]
+    if sessions:  # --open-sessions: what the sessions did (e2el is then the session's latency)
+        result["sessions"] = {"completed": len(sessions),
+                              "turns_mean": float(np.mean([r.turns for r in sessions])),
+                              "tool_calls_mean": float(np.mean([r.tool_calls or 0 for r in sessions])),
+                              "without_tool_call_share": sum(1 for r in sessions if not r.tool_calls) / len(sessions)}
     for name in ("ttft", "tpot", "e2el"):
         result.update(_stats(name, [v[name] for v in lat if v[name] is not None], percentiles))
     result.update(_stats("itl", [g * 1000 for r in ok for g in r.itl_s], percentiles))

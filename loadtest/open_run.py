@@ -23,7 +23,7 @@ from loadtest.open_loop import (
     replay_schedule,
     summarise,
 )
-from loadtest.run import LOCUST_CONF, LOCUSTFILE, LoadTestConfig, LoadTestError, _service, run_locust
+from loadtest.run import AGENT_PROMPTS, LOCUST_CONF, LOCUSTFILE, LoadTestConfig, LoadTestError, _service, run_locust
 from verl.errors import ConfigError
 from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
 
@@ -56,9 +56,9 @@ class OpenLoopConfig:
             raise ConfigError("--rate needs at least one requests/s value")
         for rate in self.rates if self.replay is None else []:  # every schedule is valid before the service starts
             arrival_offsets(rate, self.duration_s, self.arrival, self.burstiness, self.seed)
-        if self.service.user_mix not in ("mixed", "open") or self.service.user_classes:
-            raise ConfigError("--rate runs open-loop streamed chats (OpenLoopUser); drop --user-mix/--user, or drop "
-                              "--rate for the closed-loop user steps")
+        if self.service.user_mix not in ("mixed", "open", "agent") or self.service.user_classes:
+            raise ConfigError("--rate runs open-loop streamed chats (OpenLoopUser), or agent sessions with --user-mix "
+                              "agent; drop --user-mix/--user, or drop --rate for the closed-loop user steps")
 
 
 @dataclass
@@ -145,6 +145,10 @@ def open_command(url: str, csv_prefix: Path, rate: float, config: OpenLoopConfig
     else:
         command += ["--rate", f"{rate:g}", "--duration", f"{config.duration_s:g}", "--arrival", config.arrival,
                     "--burstiness", f"{config.burstiness:g}", "--schedule-seed", str(config.seed)]
+    if service.user_mix == "agent":  # each arrival starts a session, on questions that need the tool
+        command.append("--open-sessions")
+        if not any(a.startswith("--prompt-file") for a in service.extra_locust_args):
+            command += ["--prompt-file", AGENT_PROMPTS]
     return [*command, *service.extra_locust_args]
 
 
@@ -231,6 +235,10 @@ def rate_line(run: dict[str, Any]) -> str:
             f"TTFT p99 {_fmt(run['p99_ttft_ms'])} ms, {run['failed']} failed ({run['rejected']} rejected)")
     if run["request_goodput"] is not None:
         line += f", goodput {_fmt(run['request_goodput'])} req/s"
+    sessions = run.get("sessions")
+    if sessions:
+        line += (f", sessions: {sessions['turns_mean']:.2g} turns and {sessions['tool_calls_mean']:.2g} tool calls "
+                 f"each, {sessions['without_tool_call_share']:.0%} without a call")
     line += f", schedule lag p99 {_fmt(run['schedule_lag_p99_ms'])} ms"
     if run["generator_bound"]:
         line += " - REFUSED: the generator fell behind its schedule"
@@ -281,6 +289,17 @@ def render_open_markdown(results: dict[str, Any], plot: Path | None) -> str:
             f"{_fmt(r['median_itl_ms'])} / {_fmt(r['p99_itl_ms'])}",
             f"{_fmt(r['median_e2el_ms'])} / {_fmt(r['p95_e2el_ms'])} / {_fmt(r['p99_e2el_ms'])}",
             _fmt(r["schedule_lag_p99_ms"])]) + " |")
+    for r in results["runs"]:
+        if r.get("sessions"):
+            sessions = r["sessions"]
+            lines += ["", f"At {r['request_rate']:g} sessions/s offered: each arrival was an agent session; E2EL is "
+                          f"the session's latency from its scheduled start ({sessions['turns_mean']:.2g} turns and "
+                          f"{sessions['tool_calls_mean']:.2g} tool calls on average, "
+                          f"{sessions['without_tool_call_share']:.0%} without a call)."]
+            if sessions["without_tool_call_share"] >= 0.25:
+                lines += ["", f"**Warning: {sessions['without_tool_call_share']:.0%} of the sessions at "
+                              f"{r['request_rate']:g}/s made no tool call: they measured single answers, not agent "
+                              "sessions (a greedy warm start that never calls? answers cut at max_tokens?).**"]
     cut = [r for r in results["runs"] if (r.get("finish_length_share") or 0) >= 0.25]
     for r in cut:
         lines += ["", f"**Warning: at {r['request_rate']:g} requests/s {r['finish_length_share']:.0%} of the answers "

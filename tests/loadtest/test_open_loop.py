@@ -220,3 +220,33 @@ def test_compare_two_runs_paired_by_rate(tmp_path):
     assert "16 req/s offered: throughput" in result.output and (tmp_path / "cli" / "open_loop_compare.json").is_file()
     bad = cli("loadtest-report", "--compare", str(tmp_path / "a"), str(tmp_path / "nothing"), ok=False)
     assert bad.exit_code != 0 and "no open_loop.json at" in bad.output
+
+
+def test_sessions_in_the_summary_by_hand():
+    sessions = [RequestRecord(0.0, 0.0, 200, None, 0.8, 30, [], "stop", turns=2, tool_calls=1),
+                RequestRecord(1.0, 1.0, 200, None, 1.2, 10, [], "stop", turns=1, tool_calls=0)]
+    result = summarise(sessions, 2.0, 2.0)
+    assert result["sessions"] == {"completed": 2, "turns_mean": 1.5, "tool_calls_mean": 0.5,
+                                  "without_tool_call_share": 0.5}
+    assert result["mean_e2el_ms"] == pytest.approx((800 + 200) / 2) and result["mean_ttft_ms"] is None
+
+
+@pytest.mark.e2e
+def test_agent_sessions_start_at_the_rate(tmp_path):
+    """--user-mix agent --rate: each scheduled arrival starts a session (the tiny agent, sampled, calls sometimes)."""
+    from tests.eval.test_cli_e2e import cli  # noqa: PLC0415
+
+    out = tmp_path / "agents"
+    result = cli("loadtest", "--user-mix", "agent", "--rate", "4", "--duration", "5", "--max-lag-p99-ms", "200",
+                 "--locust-arg=--temperature=1.0", "--out", str(out))
+    assert "sessions:" in result.output
+    (run,) = json.loads((out / "open_loop.json").read_text())["runs"]
+    records = [json.loads(line) for line in (out / "open_4_requests.jsonl").read_text().splitlines()]
+    done = [r for r in records if r["status"] == 200]
+    assert run["sessions"]["completed"] == len(done) == len(records) > 0
+    # A session goes on past its first turn exactly when the model called a tool (the client ran it and sent back
+    # the result); the share without a call is the report's.
+    assert all(r["turns"] >= 1 and (r["tool_calls"] > 0) == (r["turns"] > 1) for r in done)
+    without = sum(1 for r in done if not r["tool_calls"]) / len(done)
+    assert run["sessions"]["without_tool_call_share"] == pytest.approx(without)
+    assert run["mean_ttft_ms"] is None and run["mean_e2el_ms"] > 0
