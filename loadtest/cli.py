@@ -7,7 +7,7 @@ also imports this file when given ``-f loadtest/``; it defines no users, so it a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -118,33 +118,12 @@ def loadtest_command(
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if rate is not None or replay is not None:
-            from loadtest.open_loop import parse_rates, parse_slo
-            from loadtest.open_run import OpenLoopConfig, Sweep, knee_line, rate_line, replay_config, run_open_loop
-
-            if rate is not None and replay is not None:
-                raise ConfigError("--rate and --replay both set the schedule: give one")
-            schedule, notes = replay_config(replay, replay_speed) if replay is not None else (None, [])
-            open_config = OpenLoopConfig(config, parse_rates(rate) if rate else [], duration, arrival, burstiness,
-                                         schedule_seed, parse_slo(slo), max_lag_p99_ms, replay=schedule,
-                                         replay_notes=notes)
-            if sweep and replay is not None:
-                raise ConfigError("--sweep searches rates; a --replay keeps the recorded times (use --replay-speed)")
-            plan = Sweep(goodput_share, max_rate) if sweep else None
-            if plan is not None and len(open_config.rates) > 1:
-                raise ConfigError("--sweep starts from one --rate and finds the others itself; give one rate")
-            results, paths = run_open_loop(open_config, echo=None if quiet else (
-                lambda line: console.print(line, soft_wrap=True)), sweep=plan)
-            if quiet:
-                for run in results["runs"]:
-                    console.print(rate_line(run), soft_wrap=True)
-            if knee_line(results, headroom):
-                console.print(knee_line(results, headroom), soft_wrap=True)
-            console.print(f"report: {paths['markdown']} (results: {paths['json']})")
-            if not sweep and any(run["generator_bound"] for run in results["runs"]):
-                raise ConfigError("the load generator fell behind its schedule (see the REFUSED lines): its "
-                                  "latencies measure the client; lower the rate or give Locust more cores")
+            _run_open_loop(config, console, quiet, headroom, rate=rate, replay=replay, replay_speed=replay_speed,
+                           duration=duration, arrival=arrival, burstiness=burstiness, schedule_seed=schedule_seed,
+                           slo=slo, max_lag_p99_ms=max_lag_p99_ms, sweep=sweep, goodput_share=goodput_share,
+                           max_rate=max_rate)
             return
-        elif slo is not None:
+        if slo is not None:
             raise ConfigError("--slo sets goodput's per-request limits of an open-loop run: add --rate, or use "
                               "--slo-p95-ms for the user steps")
         report, paths = run_loadtest(config, echo=None if quiet else (
@@ -153,6 +132,39 @@ def loadtest_command(
         console.print(f"report: {paths['markdown']} (also .html, .json and plots in {out})")
 
     run_guarded(_run)
+
+
+def _run_open_loop(config: Any, console: Any, quiet: bool, headroom: float, *, rate: str | None, replay: str | None,
+                   replay_speed: float, duration: float, arrival: str, burstiness: float, schedule_seed: int,
+                   slo: str | None, max_lag_p99_ms: float, sweep: bool, goodput_share: float, max_rate: float
+                   ) -> None:
+    """``verl loadtest --rate`` / ``--replay``: the open-loop runs (loadtest/open_run.py) and their console lines."""
+    from loadtest.open_loop import parse_rates, parse_slo
+    from loadtest.open_run import OpenLoopConfig, Sweep, knee_line, rate_line, replay_config, run_open_loop
+    from verl.errors import ConfigError
+
+    if rate is not None and replay is not None:
+        raise ConfigError("--rate and --replay both set the schedule: give one")
+    if sweep and replay is not None:
+        raise ConfigError("--sweep searches rates; a --replay keeps the recorded times (use --replay-speed)")
+    rates = parse_rates(rate) if rate else []
+    if sweep and len(rates) > 1:
+        raise ConfigError("--sweep starts from one --rate and finds the others itself; give one rate")
+    schedule, notes = replay_config(replay, replay_speed) if replay is not None else (None, [])
+    open_config = OpenLoopConfig(config, rates, duration, arrival, burstiness, schedule_seed, parse_slo(slo),
+                                 max_lag_p99_ms, replay=schedule, replay_notes=notes)
+    results, paths = run_open_loop(open_config, echo=None if quiet else (
+        lambda line: console.print(line, soft_wrap=True)), sweep=Sweep(goodput_share, max_rate) if sweep else None)
+    if quiet:
+        for run in results["runs"]:
+            console.print(rate_line(run), soft_wrap=True)
+    knee = knee_line(results, headroom)
+    if knee:
+        console.print(knee, soft_wrap=True)
+    console.print(f"report: {paths['markdown']} (results: {paths['json']})")
+    if not sweep and any(run["generator_bound"] for run in results["runs"]):
+        raise ConfigError("the load generator fell behind its schedule (see the REFUSED lines): its latencies "
+                          "measure the client; lower the rate or give Locust more cores")
 
 
 def loadtest_report_command(
@@ -187,7 +199,8 @@ def loadtest_report_command(
 
             if csv_prefix is not None:
                 raise ConfigError("give either a Locust CSV prefix or --compare A B, not both")
-            report, paths = compare_runs(compare[0], compare[1], out or Path(compare[1]))
+            second = Path(compare[1])
+            report, paths = compare_runs(compare[0], second, out or (second if second.is_dir() else second.parent))
             console = Console(stderr=True, highlight=False)
             for row in report["rows"]:
                 console.print(compare_line(row), soft_wrap=True)
