@@ -48,7 +48,7 @@ def group_labels(rows: Sequence[Mapping[str, Any]], column: str, where: str) -> 
 
 
 def label(value: Any) -> str:
-    """A group value as a label: numbers and strings as written, lists and dicts compactly."""
+    """A group value as a label: whole floats without their ".0" (a parquet int column read as float), else str()."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)
