@@ -312,9 +312,13 @@ def write_run_report(out_dir: Path, summary: dict, run_dir: Path) -> None:
     s = summary["sampling"]
     scored_on = (f"n={s['n']} per prompt, temperature={s['temperature']}, seed={s['seed']}" if s is not None else
                  f"a reward model scored on {summary['data']['num_pairs']} preference pairs")
-    doc.p(f"Run `{run_dir}`: {len(checkpoints)} checkpoints, {scored_on}. Best by `{best['metric']}:{best['mode']}`: "
-          f"**{best['label']}** "
-          f"({fmt(best['value'])}, 95% CI [{fmt(best['ci95'][0])}, {fmt(best['ci95'][1])}]) — written to `best.json`.")
+    if best is None:
+        doc.p(f"Run `{run_dir}`: {len(checkpoints)} checkpoints, {scored_on}. No best checkpoint: these evaluators "
+              f"give no `{summary['select']['metric']}`; `--select METRIC:max|min` ranks by one they give.")
+    else:
+        doc.p(f"Run `{run_dir}`: {len(checkpoints)} checkpoints, {scored_on}. Best by "
+              f"`{best['metric']}:{best['mode']}`: **{best['label']}** ({fmt(best['value'])}, 95% CI "
+              f"[{fmt(best['ci95'][0])}, {fmt(best['ci95'][1])}]) — written to `best.json`.")
     names = ordered_metrics(set().union(*(c["metrics"] for c in checkpoints)))
     preferred = [n for n in RUN_TABLE_METRICS if n in names]
     shown = preferred or names[:6]
@@ -324,7 +328,7 @@ def write_run_report(out_dir: Path, summary: dict, run_dir: Path) -> None:
         for name in shown:
             m = c["metrics"].get(name)
             cells.append("–" if m is None else f"{fmt(m.get('value'))} {fmt_ci(m)}")
-        rows.append([c["label"] + (" ★" if c["label"] == best["label"] else ""), c["step"], *cells])
+        rows.append([c["label"] + (" ★" if best and c["label"] == best["label"] else ""), c["step"], *cells])
     doc.h("Checkpoints")
     doc.table(["checkpoint", "step", *[f"{n[5:]} [95% CI]" for n in shown]], rows)
     doc.p("Each checkpoint's full report: `<checkpoint>/report.md`.")

@@ -172,20 +172,29 @@ def select_best(per_checkpoint: list[dict], metric: str, mode: str) -> dict:
 def write_run_summary(out_dir: Path, run_dir: Path, per_checkpoint: list[dict], select: str, metric: str, mode: str,
                       settings: dict, sampling: dict | None, **extra: Any) -> dict:
     """A run's evaluation summary: the best checkpoint by ``metric`` (``best.json``, with the results ``settings``
-    it was ranked under) and every checkpoint's metrics (``summary.json``); returns the summary."""
+    it was ranked under) and every checkpoint's metrics (``summary.json``); returns the summary.
+
+    Under the default ``--select`` on evaluators that give no accuracy (``-e mismatch``), there is no best: the
+    summary says so (``best: None``, no ``best.json``) instead of failing after every checkpoint was evaluated."""
     available = sorted(per_checkpoint[-1]["metrics"])
-    if metric not in available:
+    best = None
+    if metric in available:
+        best = select_best(per_checkpoint, metric, mode)
+        best["settings"] = settings
+    elif select != DEFAULT_SELECT:
         raise ConfigError(f"--select '{select}': no metric '{metric}' in the results; available: "
                           f"{', '.join(available)}")
-    best = select_best(per_checkpoint, metric, mode)
-    best["settings"] = settings
     summary = {
         "schema": SCHEMA + "-run", **extra, "run_dir": str(run_dir), "select": {"metric": metric, "mode": mode},
         "sampling": sampling,
         "checkpoints": [{"label": r["label"], "step": r["step"], "dir": str(out_dir / r["label"]),
                          "checkpoint": r["checkpoint"], "metrics": r["metrics"]} for r in per_checkpoint],
         "best": best,
+        "metrics_available": available,
     }
-    atomic_write_json(out_dir / "best.json", best)
+    if best is not None:
+        atomic_write_json(out_dir / "best.json", best)
+    else:
+        (out_dir / "best.json").unlink(missing_ok=True)  # an earlier one ranked other results
     atomic_write_json(out_dir / "summary.json", summary)
     return summary

@@ -889,7 +889,11 @@ def evaluate_run_dir(target: CheckpointRef, settings: EvalSettings, resolved: Re
                                  "run_defaults": is_run_default(resolved, run_cfg)}, resolved.sampling)
     best = summary["best"]
     write_run_report(out_dir, summary, run_dir)
-    if console is not None and not settings.quiet:
+    if console is not None and not settings.quiet and best is None:
+        console.print(f"no best checkpoint: these evaluators give no {metric}; --select METRIC:max|min ranks by one "
+                      f"of {', '.join(summary['metrics_available'])} -> {out_dir / 'summary.json'}",
+                      highlight=False, soft_wrap=True)
+    elif console is not None and not settings.quiet:
         value = best["value"]
         where = ("the run's validation settings" if best["settings"]["run_defaults"] else
                  f"settings {best['settings']['tag']} (n={resolved.n}, temperature {resolved.temperature:g}); "

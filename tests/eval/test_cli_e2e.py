@@ -96,6 +96,21 @@ def test_eval_run_dir_writes_table_and_best(runs, tmp_path):
     assert (tmp_path / "metrics_vs_step.png").stat().st_size > 0
 
 
+def test_eval_run_dir_without_accuracy_has_no_best_instead_of_failing(runs, tmp_path):
+    """-e length on a run: every checkpoint evaluated and summarised; the default --select (accuracy) has nothing to
+    rank, so no best.json and a line saying how to pick one — not an error after all the work."""
+    result = cli("eval", "--ckpt", str(runs["b"]), "-e", "length", "--out", str(tmp_path))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["best"] is None and not (tmp_path / "best.json").exists()
+    assert {c["label"] for c in summary["checkpoints"]} == {"global_step_1", "global_step_2"}
+    assert "no best checkpoint: these evaluators give no eval/accuracy" in result.output
+    assert "eval/response_length_mean" in summary["metrics_available"]
+    assert "No best checkpoint" in (tmp_path / "report.md").read_text()
+    bad = cli("eval", "--ckpt", str(runs["b"]), "-e", "length", "--select", "eval/kl_exact:min", "--out",
+              str(tmp_path), ok=False)  # asked for by name: still an error, naming what there is
+    assert bad.exit_code != 0 and "no metric 'eval/kl_exact'" in bad.output
+
+
 def test_compare_two_runs_differing_in_lr(runs, tmp_path):
     cli("compare", str(runs["a"]), str(runs["b"]), "--ckpt", "latest", "--out", str(tmp_path), "--bootstrap", "300",
         "--quiet")
