@@ -185,6 +185,13 @@ def test_open_loop_rates_then_a_replay_of_the_recorded_traffic(tmp_path):
     replay_results = json.loads((replayed / "open_loop.json").read_text())
     (run,) = replay_results["runs"]
     assert run["arrival"] == "replay" and run["num_prompts"] == sent and run["completed"] == sent
+    # The replayed answers have the recorded lengths (the same prompts, greedy, max_tokens = the recorded length).
+    answers = [json.loads(line)["output_tokens"] for line in (replayed / "replay_requests.jsonl").read_text()
+               .splitlines()]
+    recorded_lengths = sorted(r["completion_tokens"] for r in first_run)
+    assert len(answers) == sent and sum(answers) == pytest.approx(sum(recorded_lengths), rel=0.05)
+    same = sum(a == b for a, b in zip(sorted(answers), recorded_lengths, strict=True))
+    assert same >= 0.9 * sent, (sorted(answers), recorded_lengths)
     assert "replayed" in replay_results["replay_notes"][0]
     bad = cli("loadtest", "--slo", "ttft:300", "--out", str(tmp_path / "bad"), ok=False)
     assert bad.exit_code != 0 and "add --rate" in bad.output
