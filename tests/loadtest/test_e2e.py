@@ -235,7 +235,7 @@ def test_verl_loadtest_against_a_running_service_with_two_processes(service, tmp
     assert "needs" in result.stderr and "Per replica" in result.stderr
 
 
-@pytest.mark.budget(25)
+@pytest.mark.budget(32)
 @pytest.mark.slow
 def test_distributed_locust_processes_aggregate_custom_entries(service, tmp_path):
     """``--processes 2`` (a master and two forked workers): the LLM entries each worker fires reach the master's
@@ -259,7 +259,7 @@ def test_distributed_locust_processes_aggregate_custom_entries(service, tmp_path
     assert report["totals"]["locust_aggregated_requests"] == count["Aggregated"]
 
 
-@pytest.mark.budget(25)
+@pytest.mark.budget(32)
 @pytest.mark.slow
 def test_locust_master_and_workers_as_separate_processes(service, tmp_path):
     """``--master`` and two ``--worker`` processes started on their own (as on separate machines): the stepped
