@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.open_run import RESULTS_FILE
+from loadtest.render import fmt
 from verl.errors import DataError
 from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
 
@@ -57,17 +58,13 @@ def compare_open(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
             "only_b": sorted(set(by_rate_b) - set(by_rate_a)), "settings_differ": settings}
 
 
-def _fmt(value: Any) -> str:
-    return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
-
-
 def compare_line(row: dict[str, Any]) -> str:
     """One console line per paired rate."""
     f = row["fields"]
-    return (f"{row['rate']:g} req/s offered: throughput {_fmt(f['request_throughput']['a'])} -> "
-            f"{_fmt(f['request_throughput']['b'])} req/s, goodput {_fmt(f['request_goodput']['a'])} -> "
-            f"{_fmt(f['request_goodput']['b'])}, e2el p99 {_fmt(f['p99_e2el_ms']['a'])} -> "
-            f"{_fmt(f['p99_e2el_ms']['b'])} ms")
+    return (f"{row['rate']:g} req/s offered: throughput {fmt(f['request_throughput']['a'])} -> "
+            f"{fmt(f['request_throughput']['b'])} req/s, goodput {fmt(f['request_goodput']['a'])} -> "
+            f"{fmt(f['request_goodput']['b'])}, e2el p99 {fmt(f['p99_e2el_ms']['a'])} -> "
+            f"{fmt(f['p99_e2el_ms']['b'])} ms")
 
 
 def render_compare(report: dict[str, Any], a_name: str, b_name: str) -> str:
@@ -81,8 +78,8 @@ def render_compare(report: dict[str, Any], a_name: str, b_name: str) -> str:
                   "| metric | A | B | B - A | B / A |", "|---|---|---|---|---|"]
         for name, f in row["fields"].items():
             mark = "" if f["b_better"] is None else (" (better)" if f["b_better"] else " (worse)")
-            lines.append(f"| {name} | {_fmt(f['a'])} | {_fmt(f['b'])} | {_fmt(f['diff'])}{mark} | "
-                         f"{_fmt(f['ratio'])} |")
+            lines.append(f"| {name} | {fmt(f['a'])} | {fmt(f['b'])} | {fmt(f['diff'])}{mark} | "
+                         f"{fmt(f['ratio'])} |")
         lines.append("")
     for side, rates in (("A", report["only_a"]), ("B", report["only_b"])):
         if rates:

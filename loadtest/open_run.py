@@ -23,6 +23,7 @@ from loadtest.open_loop import (
     replay_schedule,
     summarise,
 )
+from loadtest.render import fmt
 from loadtest.run import AGENT_PROMPTS, LOCUST_CONF, LOCUSTFILE, LoadTestConfig, LoadTestError, _service, run_locust
 from verl.errors import ConfigError
 from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
@@ -222,24 +223,18 @@ def config_timeout(config: OpenLoopConfig) -> float:
     return 60.0
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
-
-
 def rate_line(run: dict[str, Any]) -> str:
     """One line per rate, for the console."""
-    line = (f"{run['request_rate']:g} req/s offered: {_fmt(run['request_throughput'])} req/s done, "
-            f"e2el p50/p99 {_fmt(run['median_e2el_ms'])}/{_fmt(run['p99_e2el_ms'])} ms, "
-            f"TTFT p99 {_fmt(run['p99_ttft_ms'])} ms, {run['failed']} failed ({run['rejected']} rejected)")
+    line = (f"{run['request_rate']:g} req/s offered: {fmt(run['request_throughput'])} req/s done, "
+            f"e2el p50/p99 {fmt(run['median_e2el_ms'])}/{fmt(run['p99_e2el_ms'])} ms, "
+            f"TTFT p99 {fmt(run['p99_ttft_ms'])} ms, {run['failed']} failed ({run['rejected']} rejected)")
     if run["request_goodput"] is not None:
-        line += f", goodput {_fmt(run['request_goodput'])} req/s"
+        line += f", goodput {fmt(run['request_goodput'])} req/s"
     sessions = run.get("sessions")
     if sessions:
         line += (f", sessions: {sessions['turns_mean']:.2g} turns and {sessions['tool_calls_mean']:.2g} tool calls "
                  f"each, {sessions['without_tool_call_share']:.0%} without a call")
-    line += f", schedule lag p99 {_fmt(run['schedule_lag_p99_ms'])} ms"
+    line += f", schedule lag p99 {fmt(run['schedule_lag_p99_ms'])} ms"
     if run["generator_bound"]:
         line += " - REFUSED: the generator fell behind its schedule"
     return line
@@ -274,7 +269,7 @@ def render_open_markdown(results: dict[str, Any], plot: Path | None) -> str:
     refused = [r for r in results["runs"] if r["generator_bound"]]
     for run in refused:
         lines += [f"**Refused: at {run['request_rate']:g} requests/s the generator itself fell behind (schedule "
-                  f"lag p99 {_fmt(run['schedule_lag_p99_ms'])} ms > {run['max_lag_p99_ms']:g} ms): its latencies "
+                  f"lag p99 {fmt(run['schedule_lag_p99_ms'])} ms > {run['max_lag_p99_ms']:g} ms): its latencies "
                   "measure the client. Use more cores for Locust, or a lower rate.**", ""]
     head = ["offered req/s", "done req/s", "goodput req/s", "output tok/s", "failed", "rejected %",
             "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms", "E2EL p50/p95/p99 ms", "lag p99 ms"]
@@ -282,13 +277,13 @@ def render_open_markdown(results: dict[str, Any], plot: Path | None) -> str:
     for r in results["runs"]:
         rej = "-" if r["rejection_rate"] is None else f"{100 * r['rejection_rate']:.1f}"
         lines.append("| " + " | ".join([
-            f"{r['request_rate']:g}", _fmt(r["request_throughput"]), _fmt(r["request_goodput"]),
-            _fmt(r["output_throughput"]), str(r["failed"]), rej,
-            f"{_fmt(r['median_ttft_ms'])} / {_fmt(r['p99_ttft_ms'])}",
-            f"{_fmt(r['median_tpot_ms'])} / {_fmt(r['p99_tpot_ms'])}",
-            f"{_fmt(r['median_itl_ms'])} / {_fmt(r['p99_itl_ms'])}",
-            f"{_fmt(r['median_e2el_ms'])} / {_fmt(r['p95_e2el_ms'])} / {_fmt(r['p99_e2el_ms'])}",
-            _fmt(r["schedule_lag_p99_ms"])]) + " |")
+            f"{r['request_rate']:g}", fmt(r["request_throughput"]), fmt(r["request_goodput"]),
+            fmt(r["output_throughput"]), str(r["failed"]), rej,
+            f"{fmt(r['median_ttft_ms'])} / {fmt(r['p99_ttft_ms'])}",
+            f"{fmt(r['median_tpot_ms'])} / {fmt(r['p99_tpot_ms'])}",
+            f"{fmt(r['median_itl_ms'])} / {fmt(r['p99_itl_ms'])}",
+            f"{fmt(r['median_e2el_ms'])} / {fmt(r['p95_e2el_ms'])} / {fmt(r['p99_e2el_ms'])}",
+            fmt(r["schedule_lag_p99_ms"])]) + " |")
     for r in results["runs"]:
         if r.get("sessions"):
             sessions = r["sessions"]

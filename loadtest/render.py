@@ -17,7 +17,7 @@ from loadtest.report import LATENCY_ENTRY, PLOTS, REPORT_STEM, SLO, TTFT_ENTRY, 
 from verl.utils.fs import atomic_path, atomic_write_json, atomic_write_text, ensure_writable_dir
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
+def fmt(value: Any, digits: int = 3) -> str:
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -48,17 +48,17 @@ def _summary_lines(report: dict[str, Any]) -> list[str]:
         share = 1 - cap["headroom"]
         sessions = cap.get("sessions_per_s_at_max")
         lines.append(f"**Capacity: {cap['max_users_within_slo']} users** within the SLO "
-                     f"({_fmt(cap['rps_at_max'])} requests/s"
-                     + (f", {_fmt(sessions)} agent sessions/s" if sessions is not None else "") + ").")
+                     f"({fmt(cap['rps_at_max'])} requests/s"
+                     + (f", {fmt(sessions)} agent sessions/s" if sessions is not None else "") + ").")
         planning = cap["planning_users"]
         tested = cap.get("replicas_tested", 1)
         scope = "per replica" if tested == 1 else f"on the {tested} replicas tested"
         lines.append(f"**Plan for {planning} users** {scope} ({share:.0%} of capacity, {cap['headroom']:.0%} "
-                     f"headroom; about {_fmt(cap['planning_rps'])} requests/s)"
+                     f"headroom; about {fmt(cap['planning_rps'])} requests/s)"
                      + (" - below one user: the replica has no headroom at 1 user." if planning < 1 else "."))
         per_replica = cap.get("per_replica_planning_rps")
         if per_replica:
-            line = (f"**Per replica: about {_fmt(per_replica)} requests/s** at the planning point "
+            line = (f"**Per replica: about {fmt(per_replica)} requests/s** at the planning point "
                     f"(measured on {tested} replica{'s' if tested > 1 else ''})")
             if cap.get("replicas_for_target") is not None:
                 line += (f"; **{cap['target_rps']:g} requests/s needs {cap['replicas_for_target']} replica"
@@ -108,24 +108,24 @@ def _has_sessions(report: dict[str, Any]) -> bool:
 
 
 def _session_cells(step: dict) -> list[str]:
-    return [_fmt(step.get("sessions_per_s")), _fmt(step.get("session_latency_p50_ms")),
-            _fmt(step.get("session_latency_p95_ms"))]
+    return [fmt(step.get("sessions_per_s")), fmt(step.get("session_latency_p50_ms")),
+            fmt(step.get("session_latency_p95_ms"))]
 
 
 def _step_row(step: dict) -> list[str]:
     rate = step["failure_rate"]
-    return [_fmt(step["users"]), _fmt(step["requests"]), _fmt(step["requests_per_s"]),
-            "-" if rate is None else f"{rate:.2%}", _fmt(step["latency_p50_ms"]), _fmt(step["latency_p95_ms"]),
-            _fmt(step["latency_p99_ms"]), _fmt(step["ttft_p50_ms"]), _fmt(step["ttft_p95_ms"]),
-            _fmt(step["output_tokens_per_s"]), "yes" if step["meets_slo"] else "no: " + "; ".join(step["why_not"])]
+    return [fmt(step["users"]), fmt(step["requests"]), fmt(step["requests_per_s"]),
+            "-" if rate is None else f"{rate:.2%}", fmt(step["latency_p50_ms"]), fmt(step["latency_p95_ms"]),
+            fmt(step["latency_p99_ms"]), fmt(step["ttft_p50_ms"]), fmt(step["ttft_p95_ms"]),
+            fmt(step["output_tokens_per_s"]), "yes" if step["meets_slo"] else "no: " + "; ".join(step["why_not"])]
 
 
 ENTRY_HEADERS = ["type", "name", "count", "failures", "mean", "p50", "p95", "p99", "max"]
 
 
 def _entry_row(e: dict) -> list[str]:
-    return [e["type"], e["name"], _fmt(e["requests"]), _fmt(e["failures"]), _fmt(e["mean"]), _fmt(e["p50"]),
-            _fmt(e["p95"]), _fmt(e["p99"]), _fmt(e["max"])]
+    return [e["type"], e["name"], fmt(e["requests"]), fmt(e["failures"]), fmt(e["mean"]), fmt(e["p50"]),
+            fmt(e["p95"]), fmt(e["p99"]), fmt(e["max"])]
 
 
 def _blocks(report: dict[str, Any], plots: dict[str, Path]) -> list[tuple]:
@@ -149,9 +149,9 @@ def _blocks(report: dict[str, Any], plots: dict[str, Path]) -> list[tuple]:
                             "with a 95% Wilson interval, and its own end-to-end latency (ms)."))
         blocks.append(("table", ["variant", "requests", "failures", "share", "share 95% CI", "e2e mean", "e2e p50",
                                  "e2e p95"],
-                       [[v["variant"], _fmt(v["requests"]), _fmt(v["failures"]), f"{v['share']:.1%}",
-                         f"[{v['share_ci'][0]:.1%}, {v['share_ci'][1]:.1%}]", _fmt(v["e2e_mean_ms"]),
-                         _fmt(v["e2e_p50_ms"]), _fmt(v["e2e_p95_ms"])] for v in report["variants"]]))
+                       [[v["variant"], fmt(v["requests"]), fmt(v["failures"]), f"{v['share']:.1%}",
+                         f"[{v['share_ci'][0]:.1%}, {v['share_ci'][1]:.1%}]", fmt(v["e2e_mean_ms"]),
+                         fmt(v["e2e_p50_ms"]), fmt(v["e2e_p95_ms"])] for v in report["variants"]]))
     if report["llm"]:
         blocks.append(("h", "LLM entries (whole run; unit in the name)"))
         blocks.append(("table", ENTRY_HEADERS, [_entry_row(e) for e in report["llm"]]))
@@ -171,9 +171,9 @@ def _blocks(report: dict[str, Any], plots: dict[str, Path]) -> list[tuple]:
         for key, label, entry in (("ttft", "time to first token", TTFT_ENTRY), ("itl", "inter-token latency",
                                    "itl_ms"), ("e2e", "end-to-end latency", LATENCY_ENTRY)):
             svc, client = server[key], llm.get(entry, {})
-            rows.append([label, _fmt(svc["count"]), _fmt(svc["mean_ms"]), _fmt(svc["p50_ms"]), _fmt(svc["p95_ms"]),
-                         _fmt(client.get("requests")), _fmt(client.get("mean")), _fmt(client.get("p50")),
-                         _fmt(client.get("p95"))])
+            rows.append([label, fmt(svc["count"]), fmt(svc["mean_ms"]), fmt(svc["p50_ms"]), fmt(svc["p95_ms"]),
+                         fmt(client.get("requests")), fmt(client.get("mean")), fmt(client.get("p50")),
+                         fmt(client.get("p95"))])
         blocks.append(("table", ["metric (ms)", "service count", "service mean", "service p50", "service p95",
                                  "Locust count", "Locust mean", "Locust p50", "Locust p95"], rows))
         by_name = {e["name"]: e for e in report["endpoints"]}
