@@ -70,7 +70,15 @@ from loadtest.checks import (
     check_generate,
     error_message,
 )
-from loadtest.open_loop import ARRIVALS, OPEN_RECORDS_SUFFIX, RequestRecord, arrival_offsets, write_records
+from loadtest.open_loop import (
+    ARRIVALS,
+    OPEN_RECORDS_SUFFIX,
+    RequestRecord,
+    arrival_offsets,
+    worker_records_path,
+    worker_share,
+    write_records,
+)
 from loadtest.prompts import DEFAULT_PROMPT_FILE, Prompt, load_prompts, render_with_server
 from loadtest.report import AGENT_MAX_TOKENS, CUT_ENTRY, DEFAULT_MAX_TOKENS, NO_TOOL_ENTRY, VARIANT_MARK
 from loadtest.shapes import StepPlan
@@ -133,6 +141,9 @@ def add_arguments(parser: Any) -> None:
     option("open-sessions", action="store_true", default=False,
            help="OpenLoopUser: each scheduled arrival starts an agent session (AgentUser's turns, tools run "
                 "client-side) instead of one streamed chat.")
+    option("open-records", default="",
+           help="OpenLoopUser: where each request's record goes (<this>_requests.jsonl; default: the --csv prefix). "
+                "Needed with --processes: Locust's worker processes get no --csv.")
     option("replay-schedule", default="",
            help="OpenLoopUser: send this JSONL schedule instead (offset_s, messages, max_tokens per line; verl "
                 "loadtest --replay writes it from the service's records).")
@@ -605,6 +616,10 @@ class OpenLoopUser(AgentUser):
             rng = random.Random(options.schedule_seed)
             requests = [{"messages": list(rng.choice(STATE["prompts"]).messages)} for _ in offsets]
         records = [RequestRecord(scheduled_s=float(t)) for t in offsets]
+        runner = self.environment.runner
+        if isinstance(runner, WorkerRunner):  # --processes: this process sends its share of the one schedule
+            share = worker_share(len(records), runner.worker_index, max(1, int(options.processes or 1)))
+            records, requests = [records[i] for i in share], [requests[i] for i in share]
         pool = gevent.pool.Pool()
         start = time.perf_counter()
         for record, fields in zip(records, requests, strict=True):
@@ -614,13 +629,13 @@ class OpenLoopUser(AgentUser):
             pool.spawn(self.open_session if options.open_sessions else self.open_request, record, fields, start)
         pool.join(timeout=options.request_timeout + 5)
         pool.kill()  # past the timeout: whatever still runs has failed (its record says so)
-        if options.csv_prefix:
-            write_records(f"{options.csv_prefix}{OPEN_RECORDS_SUFFIX}", records)
+        prefix = options.open_records or options.csv_prefix
+        if prefix:
+            write_records(worker_records_path(prefix, runner.worker_index) if isinstance(runner, WorkerRunner)
+                          else f"{prefix}{OPEN_RECORDS_SUFFIX}", records)
         OPEN_LOOP["done"] = True
         raise locust.exception.StopUser()
 
-    # Only the schedule: not AgentUser's closed-loop session task (a session is what a scheduled arrival starts).
-    tasks = [run_schedule]
 
     def open_session(self, record: RequestRecord, fields: dict[str, Any], start: float) -> None:
         """``--open-sessions``: the arrival starts an agent session (AgentUser's turns and client-side tools); its
@@ -671,6 +686,12 @@ class OpenLoopUser(AgentUser):
         self.record(end - record.scheduled_s, result.completion_tokens, OPEN_NAME, result.finish_reason)
         self.fire("ttft_ms", (result.ttft_s - record.scheduled_s) * 1000)
         self.fire("schedule_lag_ms", (record.sent_s - record.scheduled_s) * 1000)
+
+
+# Only the schedule, not AgentUser's closed-loop session task too (a session is what a scheduled arrival starts).
+# Set after the class: Locust's metaclass adds the base classes' tasks to a `tasks` list given in the class body,
+# and with both, a user picked the closed-loop session first about half the time (a stray agent turn per run).
+OpenLoopUser.tasks = [OpenLoopUser.run_schedule]
 
 
 class FeedbackUser(LLMUser):
@@ -780,8 +801,8 @@ class StepShape(LoadTestShape):
         if not STATE["ready"] or self.waiting_for_first_users():
             # test_start (waiting for /health, loading prompts) runs beside this greenlet: hold the clock at 0.
             self.reset_time()
-        if getattr(options, "user_mix", None) == "open":  # one user runs the schedule; the test ends with it
-            return None if OPEN_LOOP.get("done") else (1, 1.0)
+        if getattr(options, "user_mix", None) == "open":
+            return self.open_loop_tick(options)
         if options.load_shape == "fixed":
             # Headless Locust waits for a shape to finish before it arms -t, so the shape enforces -t itself.
             if options.run_time and self.get_run_time() >= options.run_time:
@@ -797,6 +818,18 @@ class StepShape(LoadTestShape):
                 return 0, 100.0
             return None
         return users, float(users)  # spawn a whole level at once: the level's time is for measuring, not ramping
+
+    def open_loop_tick(self, options: Any) -> tuple[int, float] | None:
+        """One user runs the schedule and the test ends with it. With ``--processes N`` the master starts one user
+        on each of the N workers (each sends its share) and ends the test a few report intervals after the last
+        has finished, so every worker's final stats arrive (as for the user steps)."""
+        if not isinstance(self.runner, MasterRunner):
+            return None if OPEN_LOOP.get("done") else (1, 1.0)
+        workers = max(1, int(options.processes or 1))
+        if STATE.get("first_users_running") and self.runner.user_count == 0:
+            finished = STATE.setdefault("open_loop_finished", time.monotonic())
+            return (0, 100.0) if time.monotonic() - finished < WORKER_DRAIN_S else None
+        return workers, float(workers)
 
     def waiting_for_first_users(self) -> bool:
         """True until the first users run (at most ``FIRST_USERS_WAIT_S``). With ``--processes`` the workers start

@@ -213,6 +213,37 @@ def write_records(path: str | Path, records: list[RequestRecord]) -> None:
     Path(path).write_text("".join(json.dumps(asdict(r)) + "\n" for r in records))
 
 
+def worker_share(count: int, worker: int, workers: int) -> range:
+    """The arrivals (indices into a schedule of ``count``) that Locust process ``worker`` of ``workers`` sends
+    (``--processes``): every ``workers``-th from its own index, so the processes together send the whole schedule
+    and each one's share keeps the schedule's rate divided by ``workers`` (and, for Poisson arrivals, its shape)."""
+    if not 0 <= worker < workers:
+        raise ValueError(f"worker {worker} is not one of {workers}")
+    return range(worker, count, workers)
+
+
+def worker_records_path(csv_prefix: str | Path, worker: int) -> Path:
+    """Where Locust worker process ``worker`` writes its share's records; ``merge_worker_records`` joins them."""
+    return Path(f"{csv_prefix}{OPEN_RECORDS_SUFFIX.removesuffix('.jsonl')}.w{worker}.jsonl")
+
+
+def merge_worker_records(csv_prefix: str | Path) -> Path:
+    """``<prefix>_requests.jsonl`` from the worker processes' files (when there are any: a run with
+    ``--processes``), in schedule order; the worker files are removed once the merged file is in place."""
+    merged = Path(f"{csv_prefix}{OPEN_RECORDS_SUFFIX}")
+    parts = sorted(merged.parent.glob(f"{Path(str(csv_prefix)).name}{OPEN_RECORDS_SUFFIX.removesuffix('.jsonl')}"
+                                      ".w*.jsonl"))
+    if not parts:
+        return merged
+    records = sorted((r for part in parts for r in read_records(part)), key=lambda r: r.scheduled_s)
+    temporary = merged.with_suffix(".jsonl.tmp")
+    write_records(temporary, records)
+    temporary.replace(merged)
+    for part in parts:
+        part.unlink()
+    return merged
+
+
 def read_records(path: str | Path) -> list[RequestRecord]:
     file = Path(path)
     if not file.is_file():

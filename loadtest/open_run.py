@@ -16,9 +16,9 @@ from typing import Any
 from loadtest.open_loop import (
     DEFAULT_PERCENTILES,
     MAX_LAG_P99_MS,
-    OPEN_RECORDS_SUFFIX,
     REPLAY_SUFFIX,
     arrival_offsets,
+    merge_worker_records,
     read_records,
     replay_schedule,
     summarise,
@@ -146,6 +146,8 @@ def open_command(url: str, csv_prefix: Path, rate: float, config: OpenLoopConfig
     else:
         command += ["--rate", f"{rate:g}", "--duration", f"{config.duration_s:g}", "--arrival", config.arrival,
                     "--burstiness", f"{config.burstiness:g}", "--schedule-seed", str(config.seed)]
+    if service.processes > 1:  # each Locust worker process sends its share of the one schedule
+        command += ["--processes", str(service.processes), "--open-records", str(csv_prefix)]
     if service.user_mix == "agent":  # each arrival starts a session, on questions that need the tool
         command.append("--open-sessions")
         if not any(a.startswith("--prompt-file") for a in service.extra_locust_args):
@@ -173,7 +175,7 @@ def run_open_loop(config: OpenLoopConfig, echo: Any = None, sweep: Sweep | None 
             log = Path(f"{prefix}.log")
             code = run_locust(open_command(url, prefix, rate, config),
                               config.duration_s + config_timeout(config) + 90, log, env=env)
-            records_file = Path(f"{prefix}{OPEN_RECORDS_SUFFIX}")
+            records_file = merge_worker_records(prefix)
             if code not in (0, 1) or not records_file.is_file():
                 raise LoadTestError(f"the open-loop run at {rate:g} requests/s ended with code {code} and no "
                                     f"records; see {log}")
@@ -189,7 +191,8 @@ def run_open_loop(config: OpenLoopConfig, echo: Any = None, sweep: Sweep | None 
             knee = find_knee(probe, config.rates[0], sweep)
             runs = knee.pop("probes")
     results = {"mode": "open-loop", "url": config.service.url or "local", "model": config.service.model,
-               "max_tokens": config.service.max_tokens, "arrival": config.arrival, "burstiness": config.burstiness,
+               "max_tokens": config.service.max_tokens, "processes": config.service.processes,
+               "arrival": config.arrival, "burstiness": config.burstiness,
                "duration_s": config.duration_s, "seed": config.seed, "goodput_slo_ms": config.slo,
                "percentiles": list(config.percentiles), "sweep": knee, "runs": runs,
                "replay_notes": config.replay_notes}
@@ -257,7 +260,9 @@ def render_open_markdown(results: dict[str, Any], plot: Path | None) -> str:
              + (f", burstiness {results['burstiness']:g}" if results["arrival"] == "poisson" else "")
              + f", {results['duration_s']:g} s per rate, schedule seed {results['seed']}): requests are sent on a "
              "schedule that does not wait for answers, and every latency counts from the scheduled send time. "
-             f"Streamed chat completions, max_tokens {results['max_tokens']}.", ""]
+             f"Streamed chat completions, max_tokens {results['max_tokens']}."
+             + (f" Sent by {results['processes']} Locust processes, each every {results['processes']}th arrival of "
+                "the one schedule (the lag is each process's own)." if results.get("processes", 1) > 1 else ""), ""]
     if slo:
         limits = ", ".join(f"{k} <= {v:g} ms" for k, v in slo.items())
         lines += [f"Goodput: requests/s that succeeded and met every SLO ({limits}); a rejection (429) or a failure "

@@ -56,7 +56,7 @@ from serve.schemas import (
 )
 from serve.scoring import score_request
 from serve.service import Service
-from serve.streaming import run_to_completion, stream_response, usage_block, usage_chunk
+from serve.streaming import run_to_completion, stream_response, usage_block, usage_chunk, usage_modes
 from serve.tool_calling import ToolCallStream, plan_request, response_message, uses_tools
 from verl.errors import ConfigError
 from verl.tools.templates import tool_chat_template
@@ -304,8 +304,9 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
                     "model": target.name, "choices": [choice]}
 
         make_usage = usage_chunk(request_id, "text_completion", created, target.name)
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return stream_response(service, request_id, specs, prompt_tokens, chunk, [], include, make_usage, target)
+        include, continuous = usage_modes(body.stream_options)
+        return stream_response(service, request_id, specs, prompt_tokens, chunk, [], include, make_usage, target,
+                               continuous_usage=continuous)
     results = await run_to_completion(service, request, request_id, specs, target)
     choices = []
     for spec, r in zip(specs, results, strict=True):
@@ -376,8 +377,9 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
         preamble = [{**base, "choices": [{"index": s.index, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]} for s in specs]
         make_usage = usage_chunk(request_id, "chat.completion.chunk", created, target.name)
-        include = bool(body.stream_options and body.stream_options.include_usage)
-        return stream_response(service, request_id, specs, len(prompt), chunk, preamble, include, make_usage, target)
+        include, continuous = usage_modes(body.stream_options)
+        return stream_response(service, request_id, specs, len(prompt), chunk, preamble, include, make_usage, target,
+                               continuous_usage=continuous)
     results = await run_to_completion(service, request, request_id, specs, target)
     choices = []
     for i, r in enumerate(results):

@@ -72,6 +72,9 @@ class ErrorResponse(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = Field(False, description="Send a last chunk with `usage` and empty `choices`.")
+    continuous_usage_stats: StrictBool = Field(
+        False, description="vLLM's extension: with `include_usage`, every chunk also carries `usage` (the choice's "
+                           "prompt and completion tokens so far). GuideLLM asks for it by default.")
 
 
 class VerlExtension(_Strict):

@@ -21,6 +21,7 @@ from serve.engines.base import (
 )
 from serve.errors import ApiError, error_body
 from serve.pumps import TIMEOUT_CANCEL, SequenceResult, SequenceSpec
+from serve.schemas import StreamOptions
 from serve.service import Service
 
 # A child of uvicorn's logger: our lines appear in the server log with its format and level.
@@ -113,11 +114,23 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def usage_modes(options: StreamOptions | None) -> tuple[bool, bool]:
+    """``stream_options`` -> (a last usage chunk, usage on every chunk): vLLM's rule, continuous only with
+    ``include_usage``."""
+    include = bool(options is not None and options.include_usage)
+    return include, include and bool(options.continuous_usage_stats)
+
+
 def stream_response(service: Service, request_id: str, specs: list[SequenceSpec], prompt_tokens: int,
                     chunk: Callable[[int, str, EngineOutput | None], dict | None],
                     preamble: list[dict], include_usage: bool,
-                    usage_chunk: Callable[[dict], dict], target: Responder | None = None) -> StreamingResponse:
-    """SSE: ``preamble`` chunks, then one chunk per delta with text or a finish, optional usage, ``[DONE]``."""
+                    usage_chunk: Callable[[dict], dict], target: Responder | None = None,
+                    continuous_usage: bool = False) -> StreamingResponse:
+    """SSE: ``preamble`` chunks, then one chunk per delta with text or a finish, optional usage, ``[DONE]``.
+
+    ``continuous_usage`` (vLLM's ``stream_options.continuous_usage_stats``, only with ``include_usage``): every chunk
+    also carries ``usage`` for its choice so far — the choice's prompt tokens and the tokens it has generated.
+    """
     queue: asyncio.Queue = asyncio.Queue()
     tasks = service.pumps.start(request_id, specs, lambda index, out: queue.put_nowait((index, out)), stream=True,
                                 target=target)
@@ -127,8 +140,15 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
 
     async def events() -> AsyncIterator[str]:
         remaining, completion_tokens = len(specs), [0] * len(specs)
-        for item in preamble:
-            yield sse(item)
+        def with_usage(payload: dict, index: int) -> dict:
+            if not continuous_usage:
+                return payload
+            prompt = len(specs[index].prompt_ids)
+            return {**payload, "usage": {"prompt_tokens": prompt, "completion_tokens": completion_tokens[index],
+                                         "total_tokens": prompt + completion_tokens[index]}}
+
+        for position, item in enumerate(preamble):
+            yield sse(with_usage(item, position))
         while remaining:
             try:
                 index, out = await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
@@ -148,7 +168,7 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
                 remaining -= 1
             payload = chunk(index, out.text, out)
             if payload is not None:
-                yield sse(payload)
+                yield sse(with_usage(payload, index))
         else:
             if include_usage:
                 total = sum(completion_tokens)

@@ -13,10 +13,14 @@ from loadtest.open_loop import (
     RequestRecord,
     arrival_offsets,
     meets_slo,
+    merge_worker_records,
     parse_rates,
     parse_slo,
     replay_schedule,
     summarise,
+    worker_records_path,
+    worker_share,
+    write_records,
 )
 from loadtest.open_run import Sweep, find_knee, knee_line
 from verl.errors import ConfigError, DataError
@@ -37,6 +41,38 @@ def test_constant_and_gamma_schedules():
                           ((1, 1.0, "poisson", 0.0), "--burstiness")):
         with pytest.raises(ConfigError, match=message):
             arrival_offsets(*args)
+
+
+def test_worker_processes_split_one_schedule_and_their_records_merge(tmp_path):
+    """--processes N: process i sends arrivals i, i+N, ... (together, the whole schedule, each at rate/N), and the
+    report reads one file of every process's records in schedule order."""
+    shares = [list(worker_share(7, worker, 3)) for worker in range(3)]
+    assert shares == [[0, 3, 6], [1, 4], [2, 5]]
+    assert sorted(i for share in shares for i in share) == list(range(7))
+    with pytest.raises(ValueError):
+        worker_share(7, 3, 3)
+    prefix = tmp_path / "open_8"
+    offsets = [0.0, 0.1, 0.25, 0.3, 0.5]
+    for worker in range(2):
+        write_records(worker_records_path(prefix, worker),
+                      [RequestRecord(scheduled_s=offsets[i], status=200) for i in worker_share(5, worker, 2)])
+    merged = merge_worker_records(prefix)
+    assert merged == tmp_path / "open_8_requests.jsonl"
+    assert [json.loads(line)["scheduled_s"] for line in merged.read_text().splitlines()] == offsets
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["open_8_requests.jsonl"]  # the parts are gone
+    assert merge_worker_records(prefix) == merged  # a run without worker files: the one file as written
+
+
+def test_the_open_loop_user_runs_only_its_schedule():
+    """Locust's metaclass adds a base class's tasks to a subclass's `tasks`: the open-loop user must not also run
+    AgentUser's closed-loop session (it did, first, in about half the runs: a stray agent turn)."""
+    import subprocess
+    import sys
+
+    probe = "import loadtest.locustfile as lf; print([t.__qualname__ for t in lf.OpenLoopUser.tasks])"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "['OpenLoopUser.run_schedule']"  # importing locust patches a process: a child
 
 
 def test_slo_and_rate_parsing():

@@ -81,6 +81,39 @@ def test_chat_stream_matches_non_stream_and_reports_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
 
+def test_continuous_usage_stats_count_each_choices_tokens_so_far(server):
+    """vLLM's ``stream_options.continuous_usage_stats`` (GuideLLM sends it on every request; a 400 here made every
+    GuideLLM request fail): with ``include_usage`` each chunk carries its choice's usage so far, the last usage chunk
+    the request's; without ``include_usage`` no chunk has usage, as in vLLM."""
+    def chunks(path: str, body: dict) -> list[dict]:
+        with httpx.stream("POST", server.url + path, json=body, timeout=30) as resp:
+            assert resp.status_code == 200, resp.read()
+            return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = chunks("/v1/chat/completions", {"model": "tiny-arith", "stream": True, "stream_options": options,
+                                           "messages": [{"role": "user", "content": [{"type": "text",
+                                                                                      "text": "What is 7+8?"}]}],
+                                           "max_tokens": 16, "temperature": 0})
+    *deltas, last = chat
+    assert [c["usage"]["completion_tokens"] for c in deltas] == list(range(len(deltas)))  # role chunk: 0 tokens
+    prompt = deltas[0]["usage"]["prompt_tokens"]
+    assert prompt > 0 and all(c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"] for c in deltas)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == deltas[-1]["usage"]["completion_tokens"]
+
+    body = {"prompt": "<|user|>What is 2+2?\n<|assistant|>", "max_tokens": 6, "n": 2, "temperature": 1.0,
+            "stream": True, "stream_options": options}
+    *deltas, last = chunks("/v1/completions", body)
+    seen = {0: 0, 1: 0}
+    for c in deltas:  # each choice's count rises by its own tokens, whatever the other choice has done
+        index = c["choices"][0]["index"]
+        assert c["usage"]["completion_tokens"] >= seen[index]
+        seen[index] = c["usage"]["completion_tokens"]
+    assert last["usage"]["completion_tokens"] == seen[0] + seen[1]
+    quiet = chunks("/v1/completions", {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert not any("usage" in c for c in quiet)
+
+
 def test_completion_stream_ends_with_done(server):
     body = {"prompt": "<|user|>What is 2+2?\n<|assistant|>", "max_tokens": 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
