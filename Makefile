@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 export VERL_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install install-dev install-real-model train test test-fast test-no-kernels test-slow install-vllm test-vllm test-all lint bench clean loadtest
+.PHONY: install install-dev install-real-model train test test-fast test-no-kernels test-slow install-vllm test-vllm test-all lint bench clean loadtest install-guidellm
 
 # What running needs (`make train`): CPU torch, then the package with the run extra (trackers, eval, serve, load test).
 $(STAMP): pyproject.toml
@@ -92,6 +92,7 @@ bench: install-dev install-real-model
 	$(BIN)/pip install -q -e ".[bench]"
 	bash scripts/vllm_env.sh
 	$(VENV)-vllm/bin/pip install -q "trl==1.16.0" datasets  # the TRL column of grpo-engines
+	$(MAKE) install-guidellm
 	$(BIN)/python benchmarks/run_all.py $(BENCH)
 
 lint: install-dev
@@ -103,3 +104,12 @@ loadtest: install
 
 clean:
 	rm -rf $(VENV) $(VENV)-vllm .cache outputs
+
+# GuideLLM, the cross-check of the open-loop load numbers (benchmarks/open_loop_crosscheck.py), in a venv of its own:
+# it pins its own transformers. CPU torch first, as for the main venv.
+install-guidellm: $(VENV)-guidellm/.installed
+$(VENV)-guidellm/.installed:
+	$(PY) -m venv $(VENV)-guidellm
+	$(VENV)-guidellm/bin/pip install -q torch==2.13.0
+	$(VENV)-guidellm/bin/pip install -q guidellm==0.8.1
+	touch $@

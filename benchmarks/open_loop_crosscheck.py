@@ -1,12 +1,14 @@
 """Our open-loop numbers against GuideLLM's, at the same rate, on the same service, prompts and max_tokens.
 
 One service (ours, on loopback; the built-in tiny model or ``--model``), warmed up, then for each repeat both
-generators in turn (the order alternates between repeats), each sending a constant-rate schedule of streamed chat
-completions for ``--duration`` seconds:
+generators in turn (the order alternates between repeats), each sending the same N = rate x ``--duration``
+streamed chat completions — the built-in task's traffic-split prompts in file order — one every 1/rate seconds, and
+waiting for all N answers:
 
-- ours: ``verl loadtest --rate R --arrival constant`` (Locust's ``OpenLoopUser``, one process);
-- GuideLLM: ``guidellm run --profile kind=constant,rate=R --constraint kind=max_duration,seconds=D`` with the same
-  prompts (the built-in task's traffic split, as a JSONL file) and ``max_tokens``, one process.
+- ours: Locust's ``OpenLoopUser`` (one process) on a replay schedule of those prompts (``verl loadtest --replay``'s
+  path; ``--rate`` would draw prompts at random);
+- GuideLLM: ``guidellm run --profile kind=constant,rate=R --constraint kind=max_requests,count=N`` on the same
+  prompts (a JSONL file; it sends them in order), with the same ``max_tokens`` and temperature 0, one process.
 
 Compared, medians over repeats: request throughput, TTFT p50/p99, the per-request decode time per token and the
 end-to-end latency p50/p99, and output tokens per request. The names differ between the tools:
@@ -41,7 +43,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtest.open_loop import read_records, summarise  # noqa: E402
+from loadtest.open_loop import REPLAY_SUFFIX, read_records, summarise  # noqa: E402
 from loadtest.open_run import OpenLoopConfig, open_command  # noqa: E402
 from loadtest.prompts import DEFAULT_PROMPT_FILE, load_prompts  # noqa: E402
 from loadtest.run import LoadTestConfig, local_service, run_locust  # noqa: E402
@@ -59,15 +61,22 @@ ROWS = [
 ]
 
 
-def ours(url: str, out: Path, rate: float, duration: float, max_tokens: int) -> dict[str, float]:
-    config = OpenLoopConfig(LoadTestConfig(out_dir=out, max_tokens=max_tokens), [rate], duration_s=duration,
-                            arrival="constant")
-    prefix = out / f"ours_{time.monotonic_ns()}"
+def ours(url: str, out: Path, texts: list[str], rate: float, max_tokens: int) -> dict[str, float]:
+    """``texts`` in order, one every ``1/rate`` s: a replay schedule (``verl loadtest --replay``'s path through
+    OpenLoopUser), so both tools send the same prompts in the same order."""
+    schedule = [{"offset_s": i / rate, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+                for i, text in enumerate(texts)]
+    run_dir = out / f"ours_{time.monotonic_ns()}"
+    run_dir.mkdir()
+    (run_dir / REPLAY_SUFFIX).write_text("".join(json.dumps(row) + "\n" for row in schedule))
+    duration = len(texts) / rate
+    config = OpenLoopConfig(LoadTestConfig(out_dir=run_dir, max_tokens=max_tokens), [rate], replay=schedule)
+    prefix = run_dir / "open"
     code = run_locust(open_command(url, prefix, rate, config), duration + 150, Path(f"{prefix}.log"))
     if code not in (0, 1):
         raise SystemExit(Path(f"{prefix}.log").read_text()[-3000:])
     records = read_records(f"{prefix}_requests.jsonl")
-    result = summarise(records, rate, duration)
+    result = summarise(records, rate, duration, arrival="constant")
     good = [r for r in records if r.ok and r.output_tokens]
     # GuideLLM's time_per_output_token_ms: the whole latency (TTFT included) over the output tokens, per token.
     result["latency_per_token_mean_ms"] = (1000 * sum(r.end_s - r.scheduled_s for r in good)
@@ -76,14 +85,20 @@ def ours(url: str, out: Path, rate: float, duration: float, max_tokens: int) -> 
     return result
 
 
-def guidellm(binary: str, url: str, model: str, prompts: Path, out: Path, rate: float, duration: float,
+def guidellm(binary: str, url: str, model: str, prompts: Path, out: Path, rate: float, count: int,
              max_tokens: int) -> dict[str, Any]:
+    """``prompts`` from the file's start, in order (GuideLLM does not shuffle), ``count`` of them at ``rate``; the
+    run ends when all have answered (``max_requests``), as ours does."""
     path = out / f"guidellm_{time.monotonic_ns()}.json"
-    command = [binary, "run", "--backend", f"kind=openai_http,target={url},model={model},max_tokens={max_tokens}",
-               "--profile", f"kind=constant,rate={rate:g}", "--constraint", f"kind=max_duration,seconds={duration:g}",
+    # Greedy, as our generator sends it (temperature 0): the service samples at 1.0 when a request names none, and
+    # GuideLLM sends none unless told (its answers were 29% longer that way).
+    backend = {"kind": "openai_http", "target": url, "model": model, "max_tokens": max_tokens,
+               "extras": {"body": {"temperature": 0}}}
+    command = [binary, "run", "--backend", json.dumps(backend),
+               "--profile", f"kind=constant,rate={rate:g}", "--constraint", f"kind=max_requests,count={count}",
                "--data", f"kind=json_file,path={prompts}", "--output", f"kind=json,path={path}",
                "--disable-console"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=duration + 300)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=count / rate + 300)
     if done.returncode != 0 or not path.is_file():
         raise SystemExit(f"guidellm failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     bench = json.loads(path.read_text())["benchmarks"][0]
@@ -100,7 +115,7 @@ def guidellm(binary: str, url: str, model: str, prompts: Path, out: Path, rate: 
     # Requests completed per second of the measured span (its requests_per_second metric is a distribution of
     # per-interval rates, not this).
     result["request throughput (req/s)"] = made["successful"] / span
-    result["errored"] = made["errored"]
+    result["errored"], result["incomplete"] = made["errored"], made["incomplete"]
     result["target_start_delay_ms"] = 1000 * bench["scheduler_metrics"]["request_targeted_start_delay_avg"]
     return result
 
@@ -125,20 +140,23 @@ def main() -> None:
     ours_runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
+        count = round(args.rate * args.duration)
+        texts = [p.text for p in load_prompts(DEFAULT_PROMPT_FILE, "prompt", 10_000)]
+        texts = (texts * (count // len(texts) + 1))[:count]
         prompts = out / "prompts.jsonl"
-        prompts.write_text("".join(json.dumps({"prompt": p.text}) + "\n" for p in load_prompts(DEFAULT_PROMPT_FILE)))
+        prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
         with local_service(out / "server.log", env, 300) as url:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as response:
                 model = json.load(response)["data"][0]["id"]
-            ours(url, out, args.rate, min(5.0, args.duration), args.max_tokens)  # warm-up, not counted
+            ours(url, out, texts[-max(1, round(5 * args.rate)):], args.rate, args.max_tokens)  # warm-up, not counted
             for repeat in range(args.repeats):
                 order = ["ours", "guidellm"] if repeat % 2 == 0 else ["guidellm", "ours"]
                 for tool in order:
                     if tool == "ours":
-                        ours_runs.append(ours(url, out, args.rate, args.duration, args.max_tokens))
+                        ours_runs.append(ours(url, out, texts, args.rate, args.max_tokens))
                     else:
-                        theirs_runs.append(guidellm(args.guidellm, url, model, prompts, out, args.rate,
-                                                    args.duration, args.max_tokens))
+                        theirs_runs.append(guidellm(args.guidellm, url, model, prompts, out, args.rate, count,
+                                                    args.max_tokens))
                     print(tool, json.dumps({k: v for k, v in (ours_runs if tool == "ours" else theirs_runs)[-1]
                                             .items() if isinstance(v, int | float)}), flush=True)
     print("=== summary")
@@ -153,7 +171,7 @@ def main() -> None:
         print(f"| {label} | {mine:.2f} | {theirs:.2f} | {ratio_text(mine, theirs)} |")
     lag = statistics.median(r["schedule_lag_p99_ms"] for r in ours_runs)
     delay = statistics.median(r["target_start_delay_ms"] for r in theirs_runs)
-    failed = sum(r["failed"] for r in ours_runs), sum(r["errored"] for r in theirs_runs)
+    failed = sum(r["failed"] for r in ours_runs), sum(r["errored"] + r["incomplete"] for r in theirs_runs)
     print(f"\nGenerator lag: ours p99 {lag:.2f} ms behind the schedule; GuideLLM's mean delay from its target start "
           f"{delay:.2f} ms. Failed requests: ours {failed[0]}, GuideLLM {failed[1]}.")
 

@@ -9,7 +9,7 @@ reserves a core of its own). fp32, greedy as each server defaults to (no tempera
 Goodput = requests/s that succeeded and met every SLO (``--slo``, vLLM bench's names), latency from the scheduled
 send (a late send or a queue counts against the server).
 
-    .venv/bin/python benchmarks/open_loop_engines.py                      # SmolLM2-135M-Instruct, rates 1,2,4
+    .venv/bin/python benchmarks/open_loop_engines.py                      # SmolLM2-135M-Instruct, rates 2,4,6
     .venv/bin/python benchmarks/open_loop_engines.py --rates 0.5,1,2,3 --duration 40 --slo ttft:1500,tpot:150
 """
 
@@ -37,10 +37,10 @@ SERVERS = {"ours-hf": "ours (transformers engine)", "vllm-server": "vLLM OpenAI 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
-    parser.add_argument("--rates", default="1,2,4", help="Requests/s (Poisson), each against both servers.")
+    parser.add_argument("--rates", default="2,4,6", help="Requests/s (Poisson), each against both servers.")
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--slo", default="ttft:2000,tpot:200", help="Goodput's per-request limits, ms.")
+    parser.add_argument("--slo", default="ttft:1000,tpot:150", help="Goodput's per-request limits, ms.")
     parser.add_argument("--batch", type=int, default=16, help="Max sequences decoded at once, both servers.")
     args = parser.parse_args()
     if not VLLM_PY.is_file():

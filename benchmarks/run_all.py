@@ -67,6 +67,12 @@ BENCHES: dict[str, list[str]] = {
                                "--step-time", "30"],
     "open-loop-generator": [PY, "benchmarks/open_loop_generator.py", "--rate", "200", "--duration", "20",
                             "--repeats", "3"],
+    "open-loop-crosscheck": [PY, "benchmarks/open_loop_crosscheck.py", "--rate", "20", "--duration", "20",
+                             "--repeats", "3"],
+    "open-loop-crosscheck-smollm2": [PY, "benchmarks/open_loop_crosscheck.py", "--model", SMOLLM2, "--rate", "2",
+                                     "--duration", "30", "--repeats", "3"],
+    "open-loop-engines": [PY, "benchmarks/open_loop_engines.py", "--rates", "2,4,6", "--duration", "30", "--slo",
+                          "ttft:1000,tpot:150"],
 }
 
 
