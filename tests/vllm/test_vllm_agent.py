@@ -7,7 +7,10 @@
   fp32 greedy decoding agrees token for token, tool turns included.
 - In process, sampled trajectories from the warm start (some call the tool, some answer at once): each tool turn is
   exactly the chat template's ids for that tool message (mask 0), generated turns end in eos, the same seed gives
-  the same trajectories, and no behaviour log-probs are claimed (the trainer recomputes them).
+  the same trajectories, and behaviour log-probs only when asked.
+- Asked (``logprobs=True``, what training asks by default): each generated id's vLLM log-prob agrees with the
+  trainer's forward on the whole trajectory (fp32), tool-turn ids and padding carry 0 — the mismatch metrics and
+  ``algorithm.rollout_correction`` apply to multi-turn vLLM rollouts as to the others.
 """
 
 from __future__ import annotations
@@ -100,10 +103,31 @@ def test_sampled_vllm_trajectories_are_token_in_token_out_and_seeded(agent_engin
     engine, tokenizer, prompts = agent_engine
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=128, seed=5)
     batch = engine.generate(prompts, params)
-    assert "rollout_log_probs" not in batch.batch  # vLLM's numerics never become the PPO ratio's denominator
+    assert "rollout_log_probs" not in batch.batch  # only when asked
     calls = batch.non_tensor["num_tool_calls"]
     assert int(np.sum(calls > 0)) >= 4 and int(np.sum(calls == 0)) >= 4
     check_trajectory_layout(batch, tokenizer, TOOLS)
     again = engine.generate(prompts, params)
     assert torch.equal(again.batch["responses"], batch.batch["responses"])
     assert list(again.non_tensor["tool_trace"]) == list(batch.non_tensor["tool_trace"])
+
+
+def test_multi_turn_log_probs_match_the_trainers_forward_and_skip_tool_turns(agent_engine):
+    from verl.algos.rollout_correction import mismatch_metrics
+    from verl.workers.forward import response_log_probs
+
+    engine, _, prompts = agent_engine
+    batch = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=128, seed=5, logprobs=True))
+    rollout, mask = batch.batch["rollout_log_probs"], batch.batch["response_mask"]
+    present = batch.batch["attention_mask"][:, -rollout.shape[1]:]
+    tool_ids = (present == 1) & (mask == 0)
+    assert int(tool_ids.sum()) > 0 and int(np.sum(batch.non_tensor["num_tool_calls"] > 0)) >= 4  # not vacuous
+    assert float(rollout[~mask.bool()].abs().sum()) == 0.0  # tool turns and padding: 0
+    assert bool((rollout[mask.bool()] < 0).any())  # real log-probs on the generated ids
+    model = load_causal_lm(MODEL).eval()  # the weights the fixture pushed into the engine
+    with torch.no_grad():
+        trainer, _ = response_log_probs(model, {k: batch.batch[k] for k in ("input_ids", "attention_mask",
+                                                                             "position_ids", "responses")}, 1.0)
+    m = mismatch_metrics(trainer, rollout, mask)
+    assert m["training/rollout_probs_diff_max"] < 1e-3 and abs(m["rollout_corr/k3_kl"]) < 1e-5, m
+

@@ -10,8 +10,9 @@ ones (the turn's eos and the tool turn) are prefilled: what the transformers loo
 
 Sampling: a turn's request is seeded from the trajectory's seed (``AgentRollout`` derives it from the call seed,
 the prompt id and the sample number) and the turn number, so a rollout does not depend on tool timing or on which
-trajectories share a step. Behaviour log-probs are not taken from vLLM, as in the single-turn engine: the trainer
-recomputes the old log-probs with the actor, so engine numerics never reach the PPO ratio.
+trajectories share a step. With ``SamplingParams.logprobs`` (the trainer asks by default, for the mismatch metrics
+and ``algorithm.rollout_correction``) each generated id keeps vLLM's log-prob of it — processed, i.e. after the
+temperature, as the trainer's forward computes it — and tool-turn ids keep 0 (they are masked out of the loss).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ _REQUEST_IDS = itertools.count()  # process-wide, so two loops on one engine nev
 class VLLMAgentLoop(ToolTurns):
     """Runs trajectories to the end on a ``vllm.LLM``: one engine request per assistant turn."""
 
-    gives_log_probs = False
+    gives_log_probs = True  # when asked (params.logprobs): vLLM's log-prob of each drawn id
 
     def __init__(self, llm: vllm.LLM, tokenizer: Any, runner: ToolRunner, tool_set: ToolSet,
                  config: MultiTurnConfig, max_response_length: int, template: str):
@@ -62,8 +63,9 @@ class VLLMAgentLoop(ToolTurns):
                 if running:
                     for output in engine.step():
                         if output.finished and output.request_id in running:
-                            self._take_turn(running.pop(output.request_id), list(output.outputs[0].token_ids),
-                                            waiting)
+                            sample = output.outputs[0]
+                            self._take_turn(running.pop(output.request_id), list(sample.token_ids), waiting,
+                                            sample.logprobs)
         finally:
             if running:  # an error mid-rollout: leave the engine empty for the next call
                 engine.abort_request(list(running))
@@ -84,15 +86,18 @@ class VLLMAgentLoop(ToolTurns):
             top_k=0 if params.greedy or params.top_k <= 0 else int(params.top_k),
             max_tokens=max(1, room),
             seed=seed,
+            logprobs=0 if params.logprobs else None,  # 0: only the drawn id's log-prob at each position
             stop_token_ids=[self.eos_id],
             detokenize=False,  # the turn is decoded here, with the tokenizer the trainer uses
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    def _take_turn(self, row: Trajectory, tokens: list[int], waiting: list[Trajectory]) -> None:
-        """Append a finished turn's ids; it ends with eos (calls to run, or the answer) or at the budget."""
-        for token in tokens:
-            row.append(token, generated=True)
+    def _take_turn(self, row: Trajectory, tokens: list[int], waiting: list[Trajectory],
+                   logprobs: list[dict[int, Any]] | None = None) -> None:
+        """Append a finished turn's ids (with their log-probs, where the request asked for them); the turn ends with
+        eos (calls to run, or the answer) or at the budget."""
+        for position, token in enumerate(tokens):
+            row.append(token, generated=True, log_prob=float(logprobs[position][token].logprob) if logprobs else 0.0)
         if tokens and tokens[-1] == self.eos_id:
             self._end_turn(row, waiting)
         else:

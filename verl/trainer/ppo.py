@@ -487,8 +487,8 @@ class PPOTrainer:
         if rollout is None:
             if rc.corrects:
                 raise ConfigError(f"algorithm.rollout_correction needs the engine's log-probs, and rollout.name="
-                                  f"{self.config.rollout.name} gave none for this batch (a multi-turn vLLM rollout "
-                                  "does not yet): turn the correction off for this engine")
+                                  f"{self.config.rollout.name} gave none for this batch: turn the correction off "
+                                  "for this engine")
             return {}
         split: dict[str, float] = {}
         behaviour = batch.batch.get("behaviour_trainer_log_probs")
