@@ -139,8 +139,10 @@ def test_config_presets_verl_and_trl_keys():
         RolloutCorrectionConfig(rollout_rs="seq_mean_k3", rollout_rs_threshold="0.5_2")
     with pytest.raises(ValueError, match="loss_type reinforce is bypass mode's loss"):
         RolloutCorrectionConfig(loss_type="reinforce")
-    with pytest.raises(ValueError, match="rollout_rs with bypass_mode is not supported here"):
-        RolloutCorrectionConfig(rollout_rs="token_k1", rollout_rs_threshold=2.0, bypass_mode=True)
+    # Rejection in bypass mode (verl's bypass_pg_geo_rs family): bounds on pi_theta / pi_rollout in the update.
+    pg_rs = RolloutCorrectionConfig(preset="bypass_pg_geo_rs_token_tis")
+    assert pg_rs.bypass_mode and pg_rs.loss_type == "reinforce" and pg_rs.rollout_rs == "seq_mean_k1"
+    assert pg_rs.rollout_is == "token" and pg_rs.corrects and not pg_rs.decoupled
     # verl's older names, and TRL's GRPOConfig keys (TRL's defaults: on, sequence_mask, cap 3).
     older = map_verl_keys({"algorithm.rollout_correction.bypass_old_logprob_for_rollout": True,
                            "algorithm.rollout_correction.use_pure_rollout_correction": True})
@@ -199,6 +201,15 @@ def test_decoupled_correction_and_bypass_reinforce_change_the_update(tmp_path):
     fit_and_shutdown(bypass)
     [row] = log_rows(bypass, "rollout_corr")
     assert row["rollout_is_mean"] > 0 and row["k3_kl"] > 1e-6
+    # Bypass with rejection: the same bound on pi_theta / pi_rollout, applied inside the update's micro-batches.
+    rejecting = LocalPPOTrainer(build_config(tiny_config(
+        tmp_path / "rs", trainer=steps, rollout=rollout,
+        algorithm={"rollout_correction": {"preset": "bypass_pg_is", "rollout_rs": "token_k1",
+                                          "rollout_rs_threshold": "0.997_1.003"}})), quiet=True)
+    fit_and_shutdown(rejecting)
+    [row] = log_rows(rejecting, "rollout_corr")
+    assert 0.0 < row["rollout_rs_masked_fraction"] < 1.0 and row["rollout_rs_token_k1_masked_fraction"] > 0
+    assert log_rows(rejecting, "ppo")[0]["policy_loss"] != pytest.approx(log_rows(bypass, "ppo")[0]["policy_loss"])
 
 
 @pytest.mark.e2e

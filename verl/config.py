@@ -354,8 +354,7 @@ class KLControlConfig(Section):
     horizon: int = Field(10000, ge=1, description="Adaptive controller horizon.")
 
 
-# verl's presets (RolloutCorrectionConfig's class methods, verl 2026): name -> the keys it sets. Bypass presets that
-# also reject samples are left out: rejection needs every micro-batch's pi_theta before the update (see _no_bypass_rs).
+# verl's presets (RolloutCorrectionConfig's class methods, verl 2026): name -> the keys it sets.
 ROLLOUT_CORRECTION_PRESETS: dict[str, dict[str, Any]] = {
     "disabled": {"rollout_is": None, "rollout_rs": None},
     "decoupled_token_is": {"rollout_is": "token", "rollout_is_threshold": 2.0},
@@ -378,6 +377,13 @@ ROLLOUT_CORRECTION_PRESETS: dict[str, dict[str, Any]] = {
                      "loss_type": "reinforce"},
     "bypass_pg_token_icepop": {"rollout_is": "token", "rollout_is_threshold": "0.5_5.0", "rollout_rs": None,
                                "bypass_mode": True, "loss_type": "reinforce"},
+    "bypass_pg_geo_rs": {"rollout_is": None, "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001",
+                         "bypass_mode": True, "loss_type": "reinforce"},
+    "bypass_pg_geo_rs_seq_tis": {"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k1",
+                                 "rollout_rs_threshold": "0.999_1.001", "bypass_mode": True, "loss_type": "reinforce"},
+    "bypass_pg_geo_rs_token_tis": {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k1",
+                                   "rollout_rs_threshold": "0.999_1.001", "bypass_mode": True,
+                                   "loss_type": "reinforce"},
 }
 
 
@@ -427,10 +433,6 @@ class RolloutCorrectionConfig(Section):
         parse_is_threshold(self.rollout_is_threshold)
         if self.rollout_rs is not None:
             parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
-            if self.bypass_mode:
-                raise ValueError("rollout_rs with bypass_mode is not supported here: rejection needs pi_theta of the "
-                                 "whole mini-batch before its update (an extra forward that bypass mode exists to "
-                                 "avoid); use decoupled mode (bypass_mode: false)")
         if self.loss_type == "reinforce" and not self.bypass_mode:
             raise ValueError("loss_type reinforce is bypass mode's loss: set bypass_mode: true")
         return self

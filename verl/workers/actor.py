@@ -27,7 +27,7 @@ import torch
 from verl.algos.kl import kl_penalty
 from verl.algos.losses import agg_loss, get_policy_loss, global_agg_denominators, reinforce_policy_loss
 from verl.algos.masked import masked_mean
-from verl.algos.rollout_correction import MismatchStats, is_weights
+from verl.algos.rollout_correction import MismatchStats, is_weights, rejection_mask
 from verl.config import ActorConfig, RolloutCorrectionConfig
 from verl.models.packed_linear import packed_weights
 from verl.protocol import DataProto
@@ -158,6 +158,15 @@ class Actor:
             if measure and self.lag is not None:
                 self.lag.add(log_prob.detach(), batch["behaviour_trainer_log_probs"], mask)
             correction = self.rollout_correction
+            if correction.bypass_mode and correction.rollout_rs is not None:
+                # Bypass rejection (verl's bypass_pg_geo_rs & co.): bounds on pi_theta / pi_rollout of these very
+                # tokens (detached). Every option is per token or per sequence, so a micro-batch holds what it needs
+                # and no extra forward is run; rejected tokens leave this micro-batch's loss terms, while the
+                # mini-batch's token count stays the denominator (computed before any forward, as verl normalises).
+                mask, found = rejection_mask(log_prob.detach() - rollout_log_prob, mask, correction.rollout_rs,
+                                             correction.rollout_rs_threshold)
+                for key, value in found.items():
+                    sums[f"rollout_corr/{key}"] += weight * value
             if correction.bypass_mode and correction.loss_type == "reinforce":
                 # Bypass REINFORCE: w = pi_theta / pi_rollout of these very tokens (detached), no clipping.
                 weights = None
