@@ -159,14 +159,7 @@ class Actor:
                 self.lag.add(log_prob.detach(), batch["behaviour_trainer_log_probs"], mask)
             correction = self.rollout_correction
             if correction.bypass_mode and correction.rollout_rs is not None:
-                # Bypass rejection (verl's bypass_pg_geo_rs & co.): bounds on pi_theta / pi_rollout of these very
-                # tokens (detached). Every option is per token or per sequence, so a micro-batch holds what it needs
-                # and no extra forward is run; rejected tokens leave this micro-batch's loss terms, while the
-                # mini-batch's token count stays the denominator (computed before any forward, as verl normalises).
-                mask, found = rejection_mask(log_prob.detach() - rollout_log_prob, mask, correction.rollout_rs,
-                                             correction.rollout_rs_threshold)
-                for key, value in found.items():
-                    sums[f"rollout_corr/{key}"] += weight * value
+                mask = self._bypass_rejection(log_prob, rollout_log_prob, mask, sums, weight)
             if correction.bypass_mode and correction.loss_type == "reinforce":
                 # Bypass REINFORCE: w = pi_theta / pi_rollout of these very tokens (detached), no clipping.
                 weights = None
@@ -216,6 +209,19 @@ class Actor:
             self.optimizer.step()
             metrics["nan_skipped"].append(0.0)
         metrics["grad_norm"].append(float(grad_norm))
+
+    def _bypass_rejection(self, log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor,
+                          sums: dict[str, float], weight: float) -> torch.Tensor:
+        """Bypass-mode rejection (verl's bypass_pg_geo_rs & co.): the micro-batch's mask ``(rows, response_len)``
+        with the tokens or sequences whose pi_theta / pi_rollout (detached) breaks a bound set to 0. Every option is
+        per token or per sequence, so a micro-batch holds what it needs and no extra forward runs; the mini-batch's
+        token count stays the loss denominator (computed before any forward, as verl normalises)."""
+        correction = self.rollout_correction
+        kept, found = rejection_mask(log_prob.detach() - rollout_log_prob, mask, correction.rollout_rs,
+                                     correction.rollout_rs_threshold)
+        for key, value in found.items():
+            sums[f"rollout_corr/{key}"] += weight * value
+        return kept
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
