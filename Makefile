@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 export VERL_CACHE_DIR ?= $(CURDIR)/.cache
 
-.PHONY: install install-dev install-real-model train test test-fast test-no-kernels test-slow install-vllm test-vllm test-all lint bench clean loadtest install-guidellm
+.PHONY: install install-dev install-real-model kernels train test test-fast test-no-kernels test-slow install-vllm test-vllm test-all lint bench clean loadtest install-guidellm
 
 # What running needs (`make train`): CPU torch, then the package with the run extra (trackers, eval, serve, load test).
 $(STAMP): pyproject.toml
@@ -36,6 +36,12 @@ $(REAL_MODEL_STAMP): $(STAMP)
 
 install-real-model: $(REAL_MODEL_STAMP)
 
+# verl's CPU kernels, built ahead of any test or run (once per machine, ~1 min of both cores; cached in
+# $(VERL_CACHE_DIR)): otherwise the first model load builds them, inside the first test's or step's time. Imports only
+# torch, so CI runs it while pip installs the dev extras. No compiler: one line says so, and torch's operators run.
+kernels: install
+	$(BIN)/python -m verl.models.cpu_kernels
+
 train: install
 	$(BIN)/verl train
 
@@ -46,15 +52,15 @@ XDIST := -n 2 --dist loadfile
 # beside the kernels-off tests of what it protects; CI runs both groups.
 NO_COMPILER := tests/test_no_compiler.py
 
-test: install-dev
+test: install-dev kernels
 	$(BIN)/python -m pytest -q $(XDIST) --ignore=$(NO_COMPILER) --durations=15
 
 # The edit loop: the default run without the end-to-end tests (real processes, servers, clusters, trainer runs).
-test-fast: install-dev
+test-fast: install-dev kernels
 	$(BIN)/python -m pytest -q $(XDIST) -m 'not slow and not vllm and not e2e' --durations=10
 
 # Models, rollouts, training and serving with the CPU kernels off: what a machine without a C++ compiler runs.
-test-no-kernels: install-dev
+test-no-kernels: install-dev kernels
 	VERL_CPU_KERNELS=0 $(BIN)/python -m pytest -q $(XDIST) tests/test_rollout.py tests/test_slot_cache.py \
 		tests/test_token_log_probs.py tests/test_decode_attention.py tests/tools/test_agent_loop.py \
 		tests/serve/test_engine_hf.py
@@ -64,7 +70,7 @@ test-no-kernels: install-dev
 # priority, and beside them, at the lowest priority (nice 19: it takes only the CPU they leave idle), the training
 # runs and simulations on two workers. The second part's output follows the first's.
 SLOW_CPU_LOG := $(VERL_CACHE_DIR)/test-slow-cpu.log
-test-slow: install-dev install-real-model
+test-slow: install-dev install-real-model kernels
 	@mkdir -p $(VERL_CACHE_DIR)
 	nice -n 19 $(BIN)/python -m pytest -q -m 'slow and not serial' -n 2 --dist loadgroup --durations=10 \
 		> $(SLOW_CPU_LOG) 2>&1 & cpu=$$!; \

@@ -41,3 +41,14 @@ def test_only_optional_gaps_still_pass(monkeypatch):
 def test_cli_exit_code():
     result = run_cli(["check-env"])
     assert result.returncode == 0 and "environment OK" in result.stdout
+
+
+def test_build_kernels_ahead_then_the_line_says_built():
+    """``verl check-env --build-kernels`` builds (or finds) the kernels in the shared cache; its line says where."""
+    from tests.kernels import require_kernels
+
+    require_kernels()  # skipped, with the allowed reason, where no compiler is here or the kernels are off
+    result = run_cli(["check-env", "--build-kernels"])
+    line = next(line for line in result.stdout.splitlines() if "CPU kernels" in line)
+    assert result.returncode == 0 and line.startswith("[✓] CPU kernels: built (") and "torch_extensions" in line, \
+        result.stdout

@@ -65,3 +65,20 @@ def test_without_a_compiler_one_line_then_the_same_results_as_kernels_off(tmp_pa
     assert numbers(broken[0]) == numbers(off[0]) and numbers(broken[0])
     assert {k: v["value"] for k, v in broken[1].items()} == {k: v["value"] for k, v in off[1].items()}
     assert broken[2] == off[2] and broken[2].strip()
+
+
+def test_building_ahead_says_why_not_and_fails_only_when_required(tmp_path):
+    """``make kernels`` (``python -m verl.models.cpu_kernels``) and ``verl check-env --build-kernels`` try the build
+    ahead of any model load: without a compiler both say so in their kernels line and succeed (a compiler is
+    optional); with ``VERL_CPU_KERNELS=1`` the module's run fails with the fix."""
+    broken = {"CXX": str(tmp_path / "cxx-that-is-not-there"), "VERL_CPU_KERNELS": "auto"}
+    ahead = run(tmp_path, broken, "-m", "verl.models.cpu_kernels")
+    assert "CPU kernels not built" in ahead.stderr and "no C++ compiler" in ahead.stderr, ahead.stderr
+    checked = run(tmp_path, broken, "-m", "verl.cli", "check-env", "--build-kernels")
+    line = next(line for line in checked.stdout.splitlines() if "CPU kernels" in line)
+    assert line.startswith("[") and "not built" in line and "no C++ compiler" in line and "g++" in line, line
+    required = subprocess.run([sys.executable, "-m", "verl.models.cpu_kernels"], cwd=REPO, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, **broken, "VERL_CPU_KERNELS": "1",
+                                                           "VERL_CACHE_DIR": str(tmp_path / "cache")})
+    assert required.returncode == 1 and "VERL_CPU_KERNELS=1" in required.stderr and "compiler" in required.stderr
+    assert not list((tmp_path / "cache" / "torch_extensions").glob("*/*.so"))  # nothing was built

@@ -8,13 +8,14 @@
 Why hand-written and why built here: torch's CPU operators run these as many small passes with a dispatch each (or,
 for attention, a GEMM per (row, head) block), which at a decode step's few rows is mostly overhead; vLLM's CPU
 kernels exist but live inside vLLM's own paged cache and engine. The build needs g++ and the ``ninja`` package (a
-dependency); it takes ~30 s once per machine and is cached under ``$VERL_CACHE_DIR/torch_extensions``, in a
-directory named by Python, torch version and the CPU's vector instructions (as torch reports them), so a cache shared
-by machines of different CPUs never loads a foreign build. torch's builder rebuilds when a source changes. When
-the build fails, ``load_kernels()`` returns None (the reason logged once, ``build_error()`` returns it) and every
-caller runs torch's own operators. One switch, ``VERL_CPU_KERNELS``: ``auto`` (default) as just said, ``0`` never
-builds or uses them, ``1`` makes a failed build an error. A compiler is optional: it buys speed on CPU (see the
-README's speed table), never different results beyond rounding. The build runs when a model is loaded on CPU
+dependency); it takes ~1 min of both cores once per machine (``make kernels`` runs it ahead of any test or run) and
+is cached under ``$VERL_CACHE_DIR/torch_extensions``, in a directory named by Python, torch version and the CPU's
+vector instructions (as torch reports them), so a cache shared by machines of different CPUs never loads a foreign
+build. torch's builder rebuilds when a source changes. When the build fails, ``load_kernels()`` returns None (the
+reason logged once, ``build_error()`` returns it) and every caller runs torch's own operators. One switch,
+``VERL_CPU_KERNELS``: ``auto`` (default) as just said, ``0`` never builds or uses them, ``1`` makes a failed build an
+error. A compiler is optional: it buys speed on CPU (see the README's speed table), never different results beyond
+rounding. Without ``make kernels``, the build runs when a model is first loaded on CPU
 (``verl.models.loader``), announced, before any training or benchmark clock starts.
 
     kernels = load_kernels()      # the extension module, or None
@@ -109,6 +110,10 @@ def status() -> Check:
     mode = switch()
     if mode == "0":
         return Check(OK, "CPU kernels", f"off ({SWITCH}=0): torch's operators run", required=False)
+    if _failed is not None:  # this process tried (``verl check-env --build-kernels``) and the build failed
+        return Check(FAIL if mode == "1" else WARN, "CPU kernels", f"not built ({_failed}); torch's operators run",
+                     "install a C++ compiler (apt-get install g++), or leave it: a compiler is optional",
+                     required=mode == "1")
     directory, name = _where()
     if (directory / f"{name}.so").exists():
         return Check(OK, "CPU kernels", f"built ({directory})", required=False)
@@ -117,8 +122,8 @@ def status() -> Check:
         return Check(FAIL if mode == "1" else WARN, "CPU kernels",
                      f"cannot be built: no C++ compiler ({compiler}) on PATH; torch's operators run (a compiler is "
                      "optional; it makes CPU decoding and updates faster)", "apt-get install g++", required=mode == "1")
-    return Check(OK, "CPU kernels", "not built yet: built once at the first model load on CPU (~1.5 min), then "
-                 "cached", required=False)
+    return Check(OK, "CPU kernels", "not built yet: built once at the first model load on CPU (~1 min; "
+                 "`verl check-env --build-kernels` builds them now), then cached", required=False)
 
 
 @contextlib.contextmanager
@@ -164,7 +169,7 @@ def _build() -> Any:
         # Said here in one line: torch's builder would first print its own multi-line compiler warning.
         raise RuntimeError(f"no C++ compiler ({compiler}) on PATH")
     if not built:  # say why the first forward pauses
-        print(f"verl: building the CPU kernels in {directory} (once per machine, ~30 s)", file=sys.stderr, flush=True)
+        print(f"verl: building the CPU kernels in {directory} (once per machine, ~1 min)", file=sys.stderr, flush=True)
     with warnings.catch_warnings(), build_lock(directory):  # torch's builder warns in paragraphs; failures raise
         warnings.simplefilter("ignore")
         return cpp_extension.load(name=name, sources=[str(CSRC / source) for source in SOURCES],
@@ -173,3 +178,24 @@ def _build() -> Any:
                                   extra_cflags=["-O3", "-fopenmp-simd", "-fno-trapping-math",
                                                 *ISA_FLAGS.get(capability, [])],
                                   extra_include_paths=[str(CSRC)], build_directory=str(directory), verbose=False)
+
+
+def main() -> int:
+    """``python -m verl.models.cpu_kernels`` (``make kernels``): build the kernels now, ahead of any model load, and
+    say in one line whether they are built. Imports only torch, so an installer can run it while other packages are
+    still being installed. Exit 1 only when ``VERL_CPU_KERNELS=1`` and they cannot be built."""
+    logging.basicConfig(format="%(message)s")
+    try:
+        module = load_kernels()
+    except (ConfigError, ModelError) as error:
+        print(f"verl: {error}", file=sys.stderr)
+        return 1
+    if module is None:
+        print(f"verl: CPU kernels not built ({build_error()}); torch's operators run", file=sys.stderr)
+    else:
+        print(f"verl: CPU kernels built ({Path(module.__file__).parent})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
