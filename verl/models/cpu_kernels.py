@@ -184,7 +184,7 @@ def main() -> int:
     """``python -m verl.models.cpu_kernels`` (``make kernels``): build the kernels now, ahead of any model load, and
     say in one line whether they are built. Imports only torch, so an installer can run it while other packages are
     still being installed. Exit 1 only when ``VERL_CPU_KERNELS=1`` and they cannot be built."""
-    logging.basicConfig(format="%(message)s")
+    log.setLevel(logging.ERROR)  # the failure's reason is said once, in this function's own line
     try:
         module = load_kernels()
     except (ConfigError, ModelError) as error:
