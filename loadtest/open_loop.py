@@ -222,8 +222,9 @@ def worker_share(count: int, worker: int, workers: int) -> range:
     return range(worker, count, workers)
 
 
-def worker_records_path(csv_prefix: str | Path, worker: int) -> Path:
-    """Where Locust worker process ``worker`` writes its share's records; ``merge_worker_records`` joins them."""
+def worker_records_path(csv_prefix: str | Path, worker: int | str) -> Path:
+    """Where Locust worker process ``worker`` writes its share's records (``worker="*"``: the pattern of all of
+    them); ``merge_worker_records`` joins them."""
     return Path(f"{csv_prefix}{OPEN_RECORDS_SUFFIX.removesuffix('.jsonl')}.w{worker}.jsonl")
 
 
@@ -231,8 +232,7 @@ def merge_worker_records(csv_prefix: str | Path) -> Path:
     """``<prefix>_requests.jsonl`` from the worker processes' files (when there are any: a run with
     ``--processes``), in schedule order; the worker files are removed once the merged file is in place."""
     merged = Path(f"{csv_prefix}{OPEN_RECORDS_SUFFIX}")
-    parts = sorted(merged.parent.glob(f"{Path(str(csv_prefix)).name}{OPEN_RECORDS_SUFFIX.removesuffix('.jsonl')}"
-                                      ".w*.jsonl"))
+    parts = sorted(merged.parent.glob(worker_records_path(csv_prefix, "*").name))
     if not parts:
         return merged
     records = sorted((r for part in parts for r in read_records(part)), key=lambda r: r.scheduled_s)

@@ -143,9 +143,7 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
         def with_usage(payload: dict, index: int) -> dict:
             if not continuous_usage:
                 return payload
-            prompt = len(specs[index].prompt_ids)
-            return {**payload, "usage": {"prompt_tokens": prompt, "completion_tokens": completion_tokens[index],
-                                         "total_tokens": prompt + completion_tokens[index]}}
+            return {**payload, "usage": usage_counts(len(specs[index].prompt_ids), completion_tokens[index])}
 
         for position, item in enumerate(preamble):
             yield sse(with_usage(item, position))
@@ -171,9 +169,7 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
                 yield sse(with_usage(payload, index))
         else:
             if include_usage:
-                total = sum(completion_tokens)
-                yield sse(usage_chunk({"prompt_tokens": prompt_tokens, "completion_tokens": total,
-                                       "total_tokens": prompt_tokens + total}))
+                yield sse(usage_chunk(usage_counts(prompt_tokens, sum(completion_tokens))))
         yield "data: [DONE]\n\n"
 
     def close() -> None:
@@ -186,10 +182,14 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
 # ---------------------------------------------------------------- middleware
 
 
+def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def usage_block(prompt_tokens: int, results: list[SequenceResult]) -> dict:
-    completion = sum(r.tokens for r in results)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+    return usage_counts(prompt_tokens, sum(r.tokens for r in results))
 
 
 def usage_chunk(request_id: str, obj: str, created: int, model: str) -> Callable[[dict], dict]:
