@@ -77,6 +77,7 @@ def test_building_ahead_says_why_not_and_fails_only_when_required(tmp_path):
     checked = run(tmp_path, broken, "-m", "verl.cli", "check-env", "--build-kernels")
     line = next(line for line in checked.stdout.splitlines() if "CPU kernels" in line)
     assert line.startswith("[") and "not built" in line and "no C++ compiler" in line and "g++" in line, line
+    assert (checked.stdout + checked.stderr).count("no C++ compiler") == 1  # said once, in that line
     required = subprocess.run([sys.executable, "-m", "verl.models.cpu_kernels"], cwd=REPO, capture_output=True,
                               text=True, timeout=120, env={**os.environ, **broken, "VERL_CPU_KERNELS": "1",
                                                            "VERL_CACHE_DIR": str(tmp_path / "cache")})

@@ -327,12 +327,12 @@ def check_env_command(
         "model load; the kernels' line then says built, or why not.")] = False,
 ) -> None:
     """Check Python, torch, transformers and the optional parts; print the fix for each problem."""
-    from verl.models.cpu_kernels import load_kernels, status
+    from verl.models.cpu_kernels import build_ahead, status
     from verl.utils.env_check import check_env
 
     def _run() -> bool:
         if build_kernels:
-            load_kernels()  # a failed build in auto mode is reported by the kernels' line below
+            build_ahead()  # a failed build in auto mode is reported by the kernels' line below
         return check_env(extra=[status()])
 
     ok = run_guarded(_run)

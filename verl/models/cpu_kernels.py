@@ -180,13 +180,23 @@ def _build() -> Any:
                                   extra_include_paths=[str(CSRC)], build_directory=str(directory), verbose=False)
 
 
+def build_ahead() -> Any | None:
+    """``load_kernels()`` for a caller that reports the outcome in its own line (``make kernels``,
+    ``verl check-env --build-kernels``): the failure's warning is not logged a second time."""
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return load_kernels()
+    finally:
+        log.setLevel(level)
+
+
 def main() -> int:
     """``python -m verl.models.cpu_kernels`` (``make kernels``): build the kernels now, ahead of any model load, and
     say in one line whether they are built. Imports only torch, so an installer can run it while other packages are
     still being installed. Exit 1 only when ``VERL_CPU_KERNELS=1`` and they cannot be built."""
-    log.setLevel(logging.ERROR)  # the failure's reason is said once, in this function's own line
     try:
-        module = load_kernels()
+        module = build_ahead()
     except (ConfigError, ModelError) as error:
         print(f"verl: {error}", file=sys.stderr)
         return 1
