@@ -44,12 +44,11 @@ def warm_start_dir() -> str:
 def readme_reward_model(tmp_path_factory) -> Path:
     """The README's reward model, trained by the README's own two commands (tests/readme.py; ~3.2 min): the
     reward-model story, verl ship on traffic without answers and the flywheel (round 0's reward model) share it.
-    Trained once per session, or once per `make test-slow` in its second part before the serial tests need it
-    (``$VERL_TEST_SHARED_DIR``). Returns the directory the commands ran in (``data/pairs-tiny``,
-    ``outputs/verl-rm/rm-a``)."""
-    from tests.readme import shared_readme_reward_model
+    Trained once per session, or once per run of the slow group off its critical path (tests/shared.py). Returns
+    the directory the commands ran in (``data/pairs-tiny``, ``outputs/verl-rm/rm-a``)."""
+    from tests.shared import shared_artifact
 
-    return shared_readme_reward_model(lambda: tmp_path_factory.mktemp("readme-rm"))
+    return shared_artifact("readme-rm", lambda: tmp_path_factory.mktemp("readme-rm"))
 
 
 # ---------------------------------------------------------------- skips CI accepts

@@ -1,5 +1,5 @@
-"""The README reward model the slow group's two parts share (tests/readme.py): trained once across processes behind a
-lock, reused by every later caller, trained again after a failed attempt; per session without the shared dir."""
+"""Artefacts the slow group's two parts share (tests/shared.py): trained once across processes behind a lock, reused
+by every later caller, trained again after a failed attempt; per session without the shared dir."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.readme import REPO, SHARED_DIR_ENV, TRAINED_MARKER, shared_readme_reward_model
+from tests.readme import REPO
+from tests.shared import ARTEFACTS, SHARED_DIR_ENV, TRAINED_MARKER, shared_artifact
 
 
 class Trainer:
@@ -37,8 +38,8 @@ def test_callers_at_once_train_it_once_and_share_it(tmp_path, monkeypatch):
     monkeypatch.setenv(SHARED_DIR_ENV, str(tmp_path / "shared"))
     train = Trainer()
     got: list[Path] = []
-    threads = [threading.Thread(target=lambda: got.append(shared_readme_reward_model(
-        lambda: pytest.fail("no session dir with a shared dir"), train))) for _ in range(3)]
+    threads = [threading.Thread(target=lambda: got.append(shared_artifact(
+        "readme-rm", lambda: pytest.fail("no session dir with a shared dir"), train))) for _ in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -52,20 +53,24 @@ def test_a_failed_attempt_is_not_reused(tmp_path, monkeypatch):
     monkeypatch.setenv(SHARED_DIR_ENV, str(tmp_path / "shared"))
     train = Trainer(fail_first=True)
     with pytest.raises(RuntimeError, match="verl rm failed"):
-        shared_readme_reward_model(lambda: tmp_path, train)
-    root = shared_readme_reward_model(lambda: tmp_path, train)
+        shared_artifact("readme-rm", lambda: tmp_path, train)
+    root = shared_artifact("readme-rm", lambda: tmp_path, train)
     assert len(train.calls) == 2 and (root / "model").read_text() == "2" and (root / TRAINED_MARKER).is_file()
 
 
 def test_without_the_shared_dir_each_session_trains_its_own(tmp_path, monkeypatch):
     monkeypatch.delenv(SHARED_DIR_ENV, raising=False)
     train = Trainer()
-    assert shared_readme_reward_model(lambda: tmp_path / "session", train) == tmp_path / "session"
+    assert shared_artifact("readme-rm", lambda: tmp_path / "session", train) == tmp_path / "session"
     assert train.calls == [tmp_path / "session"] and not (tmp_path / "session" / TRAINED_MARKER).exists()
 
 
 def test_the_module_run_needs_the_shared_dir(monkeypatch):
     monkeypatch.delenv(SHARED_DIR_ENV, raising=False)
-    done = subprocess.run([sys.executable, "-m", "tests.readme"], cwd=REPO, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "tests.shared"], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 1 and f"set {SHARED_DIR_ENV}" in done.stderr
+
+
+def test_the_registry_names_what_the_fixtures_ask_for():
+    assert set(ARTEFACTS) == {"readme-rm", "ship-runs"}
