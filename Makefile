@@ -83,7 +83,8 @@ test-slow: install-dev install-real-model kernels
 	@mkdir -p $(VERL_CACHE_DIR)
 	own=; [ -n "$${VERL_TEST_SHARED_DIR:-}" ] || { own=$$(mktemp -d $(VERL_CACHE_DIR)/slow-shared.XXXXXX); \
 	  export VERL_TEST_SHARED_DIR=$$own; }; \
-	( rest=0; [ -z "$$own" ] || nice -n 19 $(BIN)/python -m tests.shared || rest=1; \
+	( rest=0; [ -z "$$own" ] || nice -n 19 $(BIN)/python -m tests.shared \
+	    || echo "shared artefacts not trained ahead: the tests train them"; \
 	  nice -n 19 $(BIN)/python -m pytest -q -m 'slow and not serial' -n 2 --dist loadgroup --durations=10 || rest=1; \
 	  for target in $(BESIDE_SLOW); do echo "--- $$target (nice 19)"; \
 	  nice -n 19 $(BESIDE_MAKE) $$target || rest=1; done; exit $$rest ) \
