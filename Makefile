@@ -74,24 +74,15 @@ test-no-kernels: install-dev kernels
 SLOW_CPU_LOG := $(VERL_CACHE_DIR)/test-slow-cpu.log
 BESIDE_SLOW ?=
 BESIDE_MAKE = $(firstword $(MAKE)) --no-print-directory  # not $(MAKE) in the recipe: `make -n test-slow` would run it
-# What the serial tests share and train for minutes (the README's reward model, ~3.2 min; verl ship's LoRA runs,
-# ~50 s) is trained off the critical path into a directory both parts share (python -m tests.shared): with
-# VERL_TEST_SHARED_DIR given, by whoever gave it (.ci/run, beside the default group); else in a fresh one (removed
-# after) by the second part before its tests. The serial tests (the first user ~7 min in) find them trained, or
-# wait on their lock.
 test-slow: install-dev install-real-model kernels
 	@mkdir -p $(VERL_CACHE_DIR)
-	own=; [ -n "$${VERL_TEST_SHARED_DIR:-}" ] || { own=$$(mktemp -d $(VERL_CACHE_DIR)/slow-shared.XXXXXX); \
-	  export VERL_TEST_SHARED_DIR=$$own; }; \
-	( rest=0; [ -z "$$own" ] || nice -n 19 $(BIN)/python -m tests.shared \
-	    || echo "shared artefacts not trained ahead: the tests train them"; \
-	  nice -n 19 $(BIN)/python -m pytest -q -m 'slow and not serial' -n 2 --dist loadgroup --durations=10 || rest=1; \
-	  for target in $(BESIDE_SLOW); do echo "--- $$target (nice 19)"; \
+	( nice -n 19 $(BIN)/python -m pytest -q -m 'slow and not serial' -n 2 --dist loadgroup --durations=10; \
+	  rest=$$?; for target in $(BESIDE_SLOW); do echo "--- $$target (nice 19)"; \
 	  nice -n 19 $(BESIDE_MAKE) $$target || rest=1; done; exit $$rest ) \
 		> $(SLOW_CPU_LOG) 2>&1 & cpu=$$!; \
 	$(BIN)/python -m pytest -q -m 'slow and serial' --durations=10; serial=$$?; \
 	wait $$cpu; rest=$$?; echo "--- slow, not serial (nice 19, beside the serial tests):"; cat $(SLOW_CPU_LOG); \
-	[ -z "$$own" ] || rm -rf "$$own"; exit $$(( serial || rest ))
+	exit $$(( serial || rest ))
 
 # The vLLM group runs after the slow group, not beside it: tried at nice 19 beside the serial tests (2026-11-27), its
 # engines and servers starved while the flywheel ran and their 120 s start-up waits timed out.

@@ -42,13 +42,12 @@ def warm_start_dir() -> str:
 
 @pytest.fixture(scope="session")
 def readme_reward_model(tmp_path_factory) -> Path:
-    """The README's reward model, trained by the README's own two commands (tests/readme.py; ~3.2 min): the
-    reward-model story, verl ship on traffic without answers and the flywheel (round 0's reward model) share it.
-    Trained once per session, or once per run of the slow group off its critical path (tests/shared.py). Returns
-    the directory the commands ran in (``data/pairs-tiny``, ``outputs/verl-rm/rm-a``)."""
-    from tests.shared import shared_artifact
+    """The README's reward model, trained once per session by the README's own two commands (tests/readme.py): the
+    reward-model story and the flywheel (round 0's reward model) share it, ~3.2 min of the slow group's serial part.
+    Returns the directory the commands ran in (``data/pairs-tiny``, ``outputs/verl-rm/rm-a``)."""
+    from tests.readme import train_readme_reward_model
 
-    return shared_artifact("readme-rm", lambda: tmp_path_factory.mktemp("readme-rm"))
+    return train_readme_reward_model(tmp_path_factory.mktemp("readme-rm"))
 
 
 # ---------------------------------------------------------------- skips CI accepts

@@ -37,8 +37,6 @@ import pytest
 
 from tests.readme import README_RM_CHECKPOINT
 from tests.serve.helpers import REPO
-from tests.shared import shared_artifact
-from tests.ship.helpers import SHIP_RUNS, verl
 from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.serial]  # timed load
@@ -73,6 +71,21 @@ def measured_slo(url: str, out: Path, *runs: Path) -> str:
     for name in names[1:]:
         client.call("DELETE", f"/models/{name}")
     return f"{1.25 * max(p95):.0f}"
+
+
+def verl(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "verl.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def train_lora(root: Path, name: str, lr: str, steps: int = 10, seed: int = 1) -> Path:
+    done = verl("train", "model.lora.rank=16", "model.lora.alpha=32", f"actor.optim.lr={lr}",
+                f"trainer.total_steps={steps}", f"trainer.save_freq={steps}", f"trainer.test_freq={steps}",
+                "trainer.val_before_train=false",
+                "data.val_max_samples=64", f"trainer.seed={seed}", "trainer.logger=[jsonl]",
+                f"trainer.output_dir={root}", f"trainer.experiment_name={name}", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "verl" / name
 
 
 def audit(out: Path) -> list[dict]:
@@ -138,10 +151,10 @@ def stop(proc: subprocess.Popen, grace: float) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The three LoRA runs the tests ship (tests/ship/helpers.py), trained once per session, or once per `make
-    test-slow` off its critical path (tests/shared.py)."""
-    root = shared_artifact("ship-runs", lambda: tmp_path_factory.mktemp("runs"))
-    return {name: root / "verl" / name for name in SHIP_RUNS}
+    """The three LoRA runs both tests ship, trained once: the incumbent, a worse run and a sound one."""
+    root = tmp_path_factory.mktemp("runs")
+    return {"inc": train_lora(root, "inc", "1e-3", steps=5), "bad": train_lora(root, "bad", "2e-4", steps=2),
+            "good": train_lora(root, "good", "1e-3")}
 
 
 @pytest.mark.budget(245)
