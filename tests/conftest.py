@@ -105,7 +105,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 # nice 19 (they take only the CPU the serial tests leave idle), the other slow tests run on two workers (-n 2 --dist
 # loadgroup: a module whose tests share a module-scoped run or server names an xdist_group, the rest spread test by
 # test): training runs and simulations, which time nothing. Measured: 29.9 min for the group, 35.6 run one by one.
-# Tried and dropped: every slow test on two workers at normal priority (two fleet tests lost requests and timings).
+# Tried and dropped: every slow test on two workers at normal priority (two fleet tests lost requests and timings);
+# the README reward model and verl ship's LoRA runs trained ahead at nice 19 beside the default group (2026-11-28:
+# it slowed that group 573 -> 635 s and still needed 127 s after it, as much as it took off the serial part: from
+# the installs to the vLLM group the box is busy, so only less work shortens CI).
 # 45 (was 42) since verl ship on traffic without answers (a reward model and users' feedback, 150 s) joined the serial
 # part, which still ends before the nice'd part beside it. 52 since the flywheel (examples/flywheel.sh, 500 s) joined
 # the serial part, with the canary matrix's seeded cells halved (200 simulations each, -130 s); measured before it:
