@@ -60,12 +60,20 @@ feedback_rate_limit: 1000        # one load generator is one caller
 EOF
 verl serve --config "$OUT/serve.yaml" --port "$PORT" > "$OUT/serve.log" 2>&1 & SERVER=$!
 for _ in $(seq 300); do curl -sf "$URL/health" > /dev/null && break; sleep 1; done
-locust -f loadtest/ --headless -H "$URL" --user-mix feedback -u 4 -r 4 --temperature 1 --run-time 2h --only-summary \
-    > "$OUT/locust.log" 2>&1 & LOAD=$!
+# The users: while a round collects its traffic and while verl ship's canary runs. They pause while the next model
+# trains: what the serving model answers then is not the round's data, and on a small machine their load would take
+# the CPU the training needs.
+users() {
+    locust -f loadtest/ --headless -H "$URL" --user-mix feedback -u 4 -r 4 --temperature 1 --run-time 2h \
+        --only-summary >> "$OUT/locust.log" 2>&1 & LOAD=$!
+}
+pause_users() { kill "$LOAD"; wait "$LOAD" 2> /dev/null || true; LOAD=; }
+users
 
 for round in $(seq 1 "$ROUNDS"); do
     say "round $round: $TRAFFIC_S s of $current's traffic -> training data -> GRPO from $current -> verl ship"
     sleep "$TRAFFIC_S"
+    pause_users
     verl data from-records "$OUT/records.jsonl" --out "$OUT/round$round/data" --model "$current" \
         --reward-source rm:judge --val-fraction 0.1
     # The users' thumbs on the same answers: pairs (a right and a wrong answer to one prompt) that refresh the reward
@@ -86,7 +94,8 @@ for round in $(seq 1 "$ROUNDS"); do
     verl compare "$OUT/round$((round - 1))/eval" "$OUT/round$round/eval" --out "$OUT/round$round/compare" --quiet
     echo "round $round: held-out accuracy $(accuracy "$OUT/round$((round - 1))/eval/results.json") -> $(accuracy "$OUT/round$round/eval/results.json") (report: $OUT/round$round/compare/report.md)"
     # Promoted (exit 0), the next round learns from the new model's traffic; refused or rolled back (exit 10), the
-    # serving model keeps the route and the next round starts from it again.
+    # serving model keeps the route and the next round starts from it again. The users are back for the canary.
+    users
     if verl ship "$OUT/verl/round$round" --ckpt "$next" --name "round$round" --service "$URL" --admin-key "$KEY" \
         --reward-source rm:judge --capacity-users 2 --capacity-s 6 --budget-s 300 --out "$OUT/round$round/ship"; then
         current=round$round
