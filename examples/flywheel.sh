@@ -12,14 +12,16 @@
 #
 #   bash examples/flywheel.sh                 # ~8-9 minutes on 2 cores; everything under outputs/flywheel
 #   SEED=2 RM0=outputs/verl-rm/rm-a/checkpoints/global_step_700 bash examples/flywheel.sh   # another seed, the README's RM
-#   ROUNDS=3 TRAFFIC_S=90 bash examples/flywheel.sh
+#   ROUNDS=3 REQUESTS=6000 bash examples/flywheel.sh
 set -euo pipefail
 
 OUT=${OUT:-outputs/flywheel}
 PORT=${PORT:-8000}
 KEY=${KEY:-change-me}
 ROUNDS=${ROUNDS:-2}
-TRAFFIC_S=${TRAFFIC_S:-45}   # seconds of the current model's traffic collected before each round trains
+REQUESTS=${REQUESTS:-3000}   # requests the current model answers before each round trains (~45 s on an idle 2-core box):
+                             # counted, not timed, so a slower or busier machine collects as much data
+WAIT_S=${WAIT_S:-900}        # ... or the round fails after this long, saying how many came
 STEPS=${STEPS:-5}            # GRPO steps per round: few, so a round stops short of what the reward model can tell apart
 SEED=${SEED:-1}              # the GRPO runs' trainer.seed (sampling and batches); traffic and reward models are seeded apart
 RM0=${RM0:-}                 # a reward model trained as the README's (outputs/verl-rm/rm-a/checkpoints/global_step_700):
@@ -29,6 +31,23 @@ mkdir -p "$OUT"
 trap 'kill ${LOAD:-} ${SERVER:-} 2> /dev/null || true' EXIT
 
 say() { printf '\n== %s\n' "$*"; }
+# answered MODEL SINCE: the requests MODEL answered without an error (the service's records) since epoch time SINCE.
+answered() {
+    python - "$OUT/records.jsonl" "$1" "$2" <<'PYEOF'
+import json, sys
+path, model, since = sys.argv[1], sys.argv[2], float(sys.argv[3])
+tag, n = f'"model": "{model}",', 0
+try:
+    with open(path, encoding="utf-8") as lines:
+        for line in lines:  # the cheap test first: the file holds every model's requests and rewards
+            if tag in line and '"kind": "request"' in line:
+                row = json.loads(line)
+                n += row["model"] == model and row["kind"] == "request" and row["time"] >= since and not row["error"]
+except FileNotFoundError:
+    pass
+print(n)
+PYEOF
+}
 accuracy() { python -c "import json,sys; print(json.load(open(sys.argv[1]))['metrics']['eval/accuracy']['value'])" "$1"; }
 
 say "round 0: a weak run (4 GRPO steps) and a reward model trained offline on the warm start's own answers"
@@ -71,8 +90,17 @@ pause_users() { kill "$LOAD"; wait "$LOAD" 2> /dev/null || true; LOAD=; }
 users
 
 for round in $(seq 1 "$ROUNDS"); do
-    say "round $round: $TRAFFIC_S s of $current's traffic -> training data -> GRPO from $current -> verl ship"
-    sleep "$TRAFFIC_S"
+    say "round $round: $REQUESTS requests of $current's traffic -> training data -> GRPO from $current -> verl ship"
+    since=$(date +%s) waited=0
+    while [ "$(answered "$current" "$since")" -lt "$REQUESTS" ]; do
+        if [ "$waited" -ge "$WAIT_S" ]; then
+            echo "error: $current answered $(answered "$current" "$since") of $REQUESTS requests in $WAIT_S s;" \
+                "$OUT/locust.log and $OUT/serve.log say why (lower REQUESTS or raise WAIT_S)" >&2
+            exit 1
+        fi
+        sleep 5; waited=$((waited + 5))
+    done
+    echo "round $round: $current answered $(answered "$current" "$since") requests in $waited s"
     pause_users
     verl data from-records "$OUT/records.jsonl" --out "$OUT/round$round/data" --model "$current" \
         --reward-source rm:judge --val-fraction 0.1
