@@ -76,10 +76,18 @@ def test_readme_agent_story_runs_as_written(tmp_path: Path) -> None:
         assert "assistant calls calculator({'expression': '37*412'}) -> 15244" in client.stdout
         assert "assistant: >> 15244" in client.stdout
     report = run(commands[5])
-    assert "agent sessions/s" in report.stderr + report.stdout
+    summary = report.stderr + report.stdout
+    capacity = json.loads((tmp_path / "loadtest" / "capacity_report.json").read_text())
+    # The steps measured whole agent sessions. The capacity line counts them when a level meets the README's 2 s
+    # session SLO; on a busy box (CI runs the other slow tests beside this one) none may, and the report then says
+    # so and why (a CI run missed the line) — a latency, not something this test can hold.
+    assert any((step["sessions_per_s"] or 0) > 0 and step["session_latency_p95_ms"] for step in capacity["steps"])
+    if capacity["capacity"]["max_users_within_slo"] is None:
+        assert "No tested level meets the SLO" in summary and "session" in summary, summary
+    else:
+        assert "agent sessions/s" in summary, summary
     # The line as written measures agents (its default budget fits a call and the answer: at 32 tokens every answer
     # was cut before the call closed, and 522 "sessions" made 0 calls in silence).
-    capacity = json.loads((tmp_path / "loadtest" / "capacity_report.json").read_text())
     calls = next(e for e in capacity["llm"] if e["name"] == "session_tool_calls")
     # Greedy, on the task's held-out prompts: sessions call as often as the run's last validation did (100% greedy
     # accuracy on products means a call in every answer: >= 1 call per session, the bar).

@@ -9,7 +9,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,3 +171,22 @@ class BackgroundClients:
         self.stop.set()
         for t in self.threads:
             t.join(90)
+
+
+def replica_states(url: str, headers: dict[str, str], key: Callable[[dict], object], replicas: int = 2,
+                   batches: int = 5) -> list[dict]:
+    """``GET /admin/state`` read by every replica of a fleet: batches of eight concurrent reads on fresh connections
+    until ``replicas`` distinct values of ``key(state)`` answered (or ``batches`` ran out; the caller asserts). One
+    read at a time can go to the same replica every time: Ray Serve's router picks the shorter queue, and on an idle
+    or a busy box one replica's queue is often shorter (a CI run read one node 20 times in a row)."""
+    def read(_: int) -> dict:
+        with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+            return client.get("/admin/state").json()
+
+    reads: list[dict] = []
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(batches):
+            reads.extend(pool.map(read, range(8)))
+            if len({key(r) for r in reads}) >= replicas:
+                break
+    return reads

@@ -32,7 +32,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from tests.serve.helpers import REPO, BackgroundClients
+from tests.serve.helpers import REPO, BackgroundClients, replica_states
 from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.serial]  # Ray, timed load
@@ -110,7 +110,7 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
             promoted = verl("promote", "--service", url, "--model", "b", "--path", "builtin:tiny-arith",
                             "--weight", "1.0")
             assert promoted.returncode == 0, promoted.stderr
-            reads = [state(url) for _ in range(20)]
+            reads = replica_states(url, ADMIN, key=lambda r: r["process"]["pid"])
             version = reads[0]["version"]
             assert version == 3  # one change loads b, one moves the route
             assert {r["process"]["pid"] for r in reads} and len({r["process"]["pid"] for r in reads}) == 2
@@ -293,11 +293,11 @@ def test_replicas_on_two_ray_nodes_started_with_ray_start(tmp_path):
                                    "--ray-address", f"127.0.0.1:{ray_port}"], cwd=REPO, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         wait_for(lambda: httpx.get(url + "/health", timeout=5).json()["replicas"] == 2, 240, "two live replicas")
-        reads = [state(url) for _ in range(20)]
+        reads = replica_states(url, ADMIN, key=lambda r: r["process"]["node"])
         assert len({r["process"]["node"] for r in reads}) == 2  # one replica per node
         promoted = verl("promote", "--service", url, "--model", "b", "--path", "builtin:tiny-arith", "--weight", "1.0")
         assert promoted.returncode == 0, promoted.stderr
-        after = [state(url) for _ in range(20)]
+        after = replica_states(url, ADMIN, key=lambda r: r["process"]["node"])
         assert len({r["process"]["node"] for r in after}) == 2
         assert all(r["version"] == 3 and r["routes"]["default"] == {"b": 1.0} for r in after)
     finally:

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 from tests.readme import README_RM_CHECKPOINT
-from tests.serve.helpers import REPO
+from tests.serve.helpers import REPO, replica_states
 from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.serial]  # timed load
@@ -52,9 +52,12 @@ FEEDBACK_USERS = ("--user-mix", "feedback", "--feedback-share", "0.6", "--feedba
 
 
 def measured_slo(url: str, out: Path, *runs: Path) -> str:
-    """1.25x the service's p95 under the capacity gate's load (on top of the running Locust users), in ms: the
+    """2.5x the service's p95 under the capacity gate's load (on top of the running Locust users), in ms: the
     worst of the incumbent's and each run's (loaded for the probe, then unloaded) — a run whose answers are longer
-    is slower, and the SLO is the service's, not one model's."""
+    is slower, and the SLO is the service's, not one model's. The margin is for the box, not the models: in CI the
+    slow group's other half runs beside these tests (nice 19 yields the CPU, not the memory bandwidth), and a p95
+    measured 1.25x apart once failed a sound run's capacity gate (sample p95 306 ms against an SLO of 248). No test
+    here relies on a tight SLO: the gate's refusals are tested in tests/ship/test_gates.py."""
     from eval.ship.run import ShipSettings, capacity_run
     from serve.promote import AdminClient
 
@@ -70,7 +73,7 @@ def measured_slo(url: str, out: Path, *runs: Path) -> str:
         p95.append(float(np.percentile([r["e2e_s"] for r in rows if not r["error"]], 95)) * 1000)
     for name in names[1:]:
         client.call("DELETE", f"/models/{name}")
-    return f"{1.25 * max(p95):.0f}"
+    return f"{2.5 * max(p95):.0f}"
 
 
 def verl(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -245,11 +248,8 @@ def test_ship_on_the_fleet_every_replica_follows(tmp_path, runs):
         events = audit(tmp_path / "good")
         assert events[-1]["decision"] == "promote"
         name = events[0]["candidate"]["name"]
+        reads = replica_states(url, admin, key=lambda r: r["process"]["pid"])
         with httpx.Client(base_url=url, headers=admin, timeout=30) as client:
-            reads = []
-            for _ in range(12):  # fresh connections: both replicas answer
-                with httpx.Client(base_url=url, headers=admin, timeout=30) as fresh:
-                    reads.append(fresh.get("/admin/state").json())
             rows = client.get("/admin/records").json()["records"]
         assert len({r["process"]["pid"] for r in reads}) == 2
         assert all(r["routes"]["default"][name] == 1.0 and name in {m["name"] for m in r["models"]} for r in reads)
