@@ -154,6 +154,24 @@ def test_worker_failure_names_role_and_rank_and_keeps_the_checkpoint(tmp_path):
     assert (read_pointer(trainer.run_dir) / "model.safetensors").is_file()
 
 
+def test_a_worker_whose_constructor_fails_is_reported_with_the_cause():
+    """Ray's message for a failed constructor starts with 'creation task' and ends with the exception; the
+    trainer's error keeps the exception (the CI log once showed only the first line)."""
+    from verl.trainer.ray import actor_death_cause
+
+    @ray.remote(num_cpus=0)
+    class Broken:
+        def __init__(self):
+            raise OSError("EADDRINUSE: 127.0.0.1:29500")
+
+        def ping(self):
+            return 1
+
+    with pytest.raises(ray.exceptions.RayActorError) as caught:
+        ray.get(Broken.remote().ping.remote(), timeout=120)
+    assert actor_death_cause(caught.value) == "its constructor raised OSError: EADDRINUSE: 127.0.0.1:29500"
+
+
 def compared_values(run_dir) -> dict[str, float]:
     """What the FSDP test compares: step 1 (before any update), step 2 and the validation after it."""
     ppo, rollout, evals = (rows_by_step(run_dir, scope) for scope in ("ppo", "rollout", "eval"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ from verl.rollout.base import SamplingParams, pad_responses
 from verl.trainer.checkpoint import read_pointer
 from verl.trainer.overlap import RayRolloutWorker
 from verl.trainer.ppo import PPOTrainer, prepare_inputs
-from verl.utils.net import free_port
+from verl.utils.net import LOOPBACK
+from verl.workers.dist import open_rendezvous
 from verl.workers.reward import RewardManager
 from verl.workers.role_worker import RoleWorker, needed_roles
 
@@ -48,16 +50,31 @@ def _import_ray():
     return ray
 
 
+def actor_death_cause(exc: Exception) -> str:
+    """One line on why a Ray actor died. A failed constructor's exception is the message's last line (Ray puts
+    the remote traceback between it and the first line, which only says the creation task failed)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(exc).splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        return type(exc).__name__
+    if len(lines) > 1 and "creation task" in lines[0]:
+        return f"its constructor raised {lines[-1]}"
+    return lines[0]
+
+
 class WorkerGroup:
     """Ray actors running ``RoleWorker`` for one role set; ranks 0..n-1."""
 
     def __init__(self, ray, name: str, config: dict, roles: list[str], size: int, num_cpus: float,
                  num_gpus: float, timeout: float, distributed: bool):
         self.ray, self.name, self.timeout = ray, name, timeout
-        port = free_port() if distributed and size > 1 else 0
+        # The driver hosts the group's rendezvous store: its port is bound before any rank starts, so nothing
+        # else on the machine can take it while the ranks' processes start up (held for the group's lifetime).
+        self.store = open_rendezvous(LOOPBACK) if distributed and size > 1 else None
+        port = self.store.port if self.store is not None else 0
         remote = ray.remote(RoleWorker).options(num_cpus=num_cpus, num_gpus=num_gpus)
         self.workers = [
-            remote.remote(config, roles, rank, size if distributed else 1, "127.0.0.1", port) for rank in range(size)
+            remote.remote(config, roles, rank, size if distributed else 1, LOOPBACK, port) for rank in range(size)
         ]
 
     def __len__(self) -> int:
@@ -74,7 +91,7 @@ class WorkerGroup:
                                 f"{self.timeout:.0f} s (trainer.ray.timeout_s)") from None
             except self.ray.exceptions.RayActorError as exc:
                 raise VerlError(f"Ray worker '{self.name}' rank {rank} died during {method}: "
-                                f"{str(exc).splitlines()[0]}") from None
+                                f"{actor_death_cause(exc)}") from None
             except self.ray.exceptions.RayTaskError as exc:
                 cause = exc.cause if getattr(exc, "cause", None) is not None else exc
                 raise VerlError(f"Ray worker '{self.name}' rank {rank} failed in {method}: "

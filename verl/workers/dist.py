@@ -10,7 +10,6 @@ runs in the local executor.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,14 +36,31 @@ class DistInfo:
         return float(self.world_size) if self.fsdp else 1.0
 
 
+def open_rendezvous(host: str = "127.0.0.1") -> dist.TCPStore:
+    """The rendezvous store of one process group, hosted by the caller (the Ray driver, or the only rank).
+
+    It binds a port the OS picks at once and holds it for the store's lifetime. A port chosen with
+    ``free_port()`` and bound seconds later by rank 0 (after its process started and imported torch) could be
+    taken in between by any other connection on a busy machine — the store closes that gap. Keep the returned
+    object alive while the group runs: it is the server."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
+
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device) -> None:
-    """Join the role's process group (TCP rendezvous at ``master_addr:master_port``)."""
+    """Join the role's process group through the store at ``master_addr:master_port`` (see ``open_rendezvous``).
+
+    ``master_port=0`` is for a group of one (FSDP in a single process): it hosts its own store."""
     if dist.is_initialized():
         return
-    os.environ["MASTER_ADDR"] = master_addr
-    os.environ["MASTER_PORT"] = str(master_port)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    if master_port == 0:
+        if world_size != 1:
+            raise ValueError(f"a process group of {world_size} ranks needs the port of a store every rank can "
+                             "reach (open_rendezvous); 0 only serves a group of one")
+        store = open_rendezvous(master_addr)
+    else:
+        store = dist.TCPStore(master_addr, master_port, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
 
 
 def local_shard(data: DataProto, info: DistInfo, group_size: int = 1) -> DataProto:

@@ -26,7 +26,6 @@ from verl.models.weights import load_model_weights, read_model_weights
 from verl.protocol import DataProto
 from verl.rollout.agent_loop import AgentRollout
 from verl.rollout.base import SamplingParams, get_rollout_factory
-from verl.utils.net import free_port
 from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.actor import Actor
 from verl.workers.critic import Critic, load_critic_model
@@ -70,7 +69,7 @@ class RoleWorker:
         fsdp = cfg.actor.strategy == "fsdp"
         self.dist = DistInfo(rank, world_size, fsdp) if trains else DistInfo()
         if trains and (world_size > 1 or fsdp):
-            init_process_group(rank, world_size, master_addr, master_port or free_port(), self.device)
+            init_process_group(rank, world_size, master_addr, master_port, self.device)
         self.tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
                                                      cfg.model.trust_remote_code)
         self.model = self.actor = self.rollout = self.reference = self.critic = self.reward = None
