@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 from probes import gemm_gflops, read_gbs
+from smollm2_recipe import CONFIG, PLAIN_GRPO
 
 REPO = Path(__file__).resolve().parents[1]
 VERL = str(Path(sys.executable).parent / "verl")
-CONFIG = REPO / "configs" / "grpo_smollm2.yaml"
 SIDES = {"sync": [], "one_step_off_policy": ["trainer.one_step_off_policy=true"]}
 
 
@@ -52,7 +52,7 @@ def run_side(side: str, steps: int, out: Path, repeat: int, config: Path = CONFI
     name = f"{side}-{repeat}"
     args = [VERL, "train", "--config", str(config), f"trainer.total_steps={steps}", "trainer.test_freq=0",
             "trainer.val_before_train=false", "trainer.save_freq=0", f"trainer.output_dir={out}",
-            f"trainer.experiment_name={name}", "trainer.logger=[jsonl]",
+            f"trainer.experiment_name={name}", "trainer.logger=[jsonl]", *(PLAIN_GRPO if config == CONFIG else []),
             *(SIDES[side] if overrides is None else overrides)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(args, capture_output=True, text=True, env=env)

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from smollm2_recipe import CONFIG, PLAIN_GRPO
+
 REPO = Path(__file__).resolve().parents[1]
 VERL = str(Path(sys.executable).parent / "verl")
 MODEL = "builtin:smollm2-135m-instruct"
@@ -53,7 +55,8 @@ def main() -> None:
     parser.add_argument("--rm-steps", type=int, default=100)
     parser.add_argument("--rm-batch", type=int, default=8, help="pairs per RM step")
     parser.add_argument("--rm-lr", type=float, default=2e-4)
-    parser.add_argument("--grpo-args", nargs="*", default=["trainer.one_step_off_policy=true"],
+    parser.add_argument("--grpo-args", nargs="*", default=[*PLAIN_GRPO, "trainer.one_step_off_policy=true",
+                                                        "trainer.total_steps=48"],
                         help="extra verl train overrides for every seed")
     parser.add_argument("--out", default="outputs/bench/rm_smollm2")
     parser.add_argument("--json", default="benchmarks/rm_smollm2.json")
@@ -94,7 +97,7 @@ def main() -> None:
     for seed in args.seeds:
         name = f"grpo-rm-seed{seed}"
         shutil.rmtree(out / "verl" / name, ignore_errors=True)
-        seconds, rss = timed([VERL, "train", "--config", str(REPO / "configs" / "grpo_smollm2.yaml"),
+        seconds, rss = timed([VERL, "train", "--config", str(CONFIG),
                               f"reward.model.path={checkpoint}", f"trainer.seed={seed}", "trainer.resume=disable",
                               f"trainer.output_dir={out}", f"trainer.experiment_name={name}",
                               "trainer.logger=[jsonl]", "--quiet", *args.grpo_args], name)
