@@ -38,7 +38,7 @@ from loadtest.report import AGENT_MAX_TOKENS, DEFAULT_MAX_TOKENS, SLO, FleetPlan
 from loadtest.shapes import StepPlan, doubling_levels, parse_levels
 from verl.errors import ConfigError, VerlError
 from verl.utils.fs import atomic_write_text, ensure_writable_dir
-from verl.utils.net import LOOPBACK, free_port
+from verl.utils.net import LOOPBACK, reserved_port
 
 HERE = Path(__file__).resolve().parent
 LOCUSTFILE = HERE / "locustfile.py"
@@ -153,12 +153,12 @@ def _stop(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout_s: float = 3
 def local_service(log_path: Path, env: dict[str, str] | None = None, startup_timeout_s: float = 180.0,
                   cwd: Path | None = None) -> Iterator[str]:
     """``python -m uvicorn serve.api:app`` on a free loopback port; yields its URL once ``/health`` is 200."""
-    port = free_port()
-    url = f"http://{LOOPBACK}:{port}"
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
                 "VERL_SERVE_TORCH_THREADS": "1", **(env or {})}
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("w") as log:
+    # The port stays reserved while the server imports its model and binds it (uvicorn binds with SO_REUSEADDR).
+    with reserved_port() as port, log_path.open("w") as log:
+        url = f"http://{LOOPBACK}:{port}"
         # Its own process group: stopping it never signals us, and a stuck worker is killed with it.
         proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "serve.api:app", "--host", LOOPBACK, "--port",
                                  str(port), "--log-level", "warning", "--timeout-graceful-shutdown", "20"],

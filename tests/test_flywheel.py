@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.ports import free_port
 from tests.readme import README_RM_CHECKPOINT, REPO, readme_block
-from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.serial]  # a canary and a capacity check
 

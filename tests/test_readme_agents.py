@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
 from tests.serve.helpers import REPO, healthy_server_process
-from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

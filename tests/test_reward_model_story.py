@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
 from tests.readme import README_RM_HEADING, REPO, readme_block, readme_rm_commands
 from tests.trainer_utils import rows
-from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.serial]
 

@@ -267,7 +267,7 @@ def test_locust_master_and_workers_as_separate_processes(service, tmp_path):
     Locust's."""
     import subprocess
 
-    from verl.utils.net import free_port
+    from tests.ports import free_port
 
     config = LoadTestConfig(out_dir=tmp_path, step_users="2,4", step_time_s=8, step_settle_s=SETTLE_S,
                             extra_locust_args=["--num-prompts", "32"])

@@ -20,7 +20,7 @@ import uvicorn
 from serve.api import create_app
 from serve.cli import uvicorn_options
 from serve.settings import load_settings
-from verl.utils.net import free_port
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Small, quick defaults for tests: the shipped 1M-parameter warm start, short generations.

@@ -32,8 +32,8 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
+from tests.ports import free_port
 from tests.serve.helpers import REPO, BackgroundClients, replica_states
-from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.serial]  # Ray, timed load
 

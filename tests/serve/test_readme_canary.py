@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
 from tests.readme import REPO, readme_block
-from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.serial]  # timed load
 

@@ -241,8 +241,8 @@ def test_the_default_service_answers_tool_calls_with_the_tool_model(monkeypatch)
 
     import uvicorn
 
+    from tests.ports import free_port
     from tests.serve.helpers import wait_healthy
-    from verl.utils.net import free_port
 
     app, port = create_app(settings), free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

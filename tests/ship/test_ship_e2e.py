@@ -35,9 +35,9 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.ports import free_port
 from tests.readme import README_RM_CHECKPOINT
 from tests.serve.helpers import REPO, replica_states
-from verl.utils.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.serial]  # timed load
 
