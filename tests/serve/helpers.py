@@ -174,19 +174,23 @@ class BackgroundClients:
 
 
 def replica_states(url: str, headers: dict[str, str], key: Callable[[dict], object], replicas: int = 2,
-                   batches: int = 5) -> list[dict]:
-    """``GET /admin/state`` read by every replica of a fleet: batches of eight concurrent reads on fresh connections
-    until ``replicas`` distinct values of ``key(state)`` answered (or ``batches`` ran out; the caller asserts). One
-    read at a time can go to the same replica every time: Ray Serve's router picks the shorter queue, and on an idle
-    or a busy box one replica's queue is often shorter (a CI run read one node 20 times in a row)."""
+                   timeout_s: float = 90.0) -> list[dict]:
+    """``GET /admin/state`` read by every replica of a fleet: batches of eight concurrent reads on fresh connections,
+    a second apart, until ``replicas`` distinct values of ``key(state)`` answered (or ``timeout_s`` passed; the
+    caller asserts). A replica counts in ``/health`` once it has joined the control plane, but Ray Serve's proxy
+    routes to it only after its first health check and the controller's next update of the proxy's replica set —
+    on a saturated CI box, seconds later: two CI runs read one node 20 and 40 times in a row right after /health
+    said two. One read at a time can also go to the same replica every time (the router picks the shorter queue)."""
     def read(_: int) -> dict:
         with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
             return client.get("/admin/state").json()
 
     reads: list[dict] = []
+    deadline = time.monotonic() + timeout_s
     with ThreadPoolExecutor(8) as pool:
-        for _ in range(batches):
+        while True:
             reads.extend(pool.map(read, range(8)))
-            if len({key(r) for r in reads}) >= replicas:
+            if len({key(r) for r in reads}) >= replicas or time.monotonic() > deadline:
                 break
+            time.sleep(1.0)
     return reads

@@ -294,7 +294,8 @@ def test_replicas_on_two_ray_nodes_started_with_ray_start(tmp_path):
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         wait_for(lambda: httpx.get(url + "/health", timeout=5).json()["replicas"] == 2, 240, "two live replicas")
         reads = replica_states(url, ADMIN, key=lambda r: r["process"]["node"])
-        assert len({r["process"]["node"] for r in reads}) == 2  # one replica per node
+        seen = sorted({(r["process"]["node"][:8], r["process"]["pid"]) for r in reads})
+        assert len({node for node, _ in seen}) == 2, f"{len(reads)} reads answered by (node, pid) {seen}"
         promoted = verl("promote", "--service", url, "--model", "b", "--path", "builtin:tiny-arith", "--weight", "1.0")
         assert promoted.returncode == 0, promoted.stderr
         after = replica_states(url, ADMIN, key=lambda r: r["process"]["node"])
