@@ -177,10 +177,11 @@ def replica_states(url: str, headers: dict[str, str], key: Callable[[dict], obje
                    timeout_s: float = 90.0) -> list[dict]:
     """``GET /admin/state`` read by every replica of a fleet: batches of eight concurrent reads on fresh connections,
     a second apart, until ``replicas`` distinct values of ``key(state)`` answered (or ``timeout_s`` passed; the
-    caller asserts). A replica counts in ``/health`` once it has joined the control plane, but Ray Serve's proxy
-    routes to it only after its first health check and the controller's next update of the proxy's replica set —
-    on a saturated CI box, seconds later: two CI runs read one node 20 and 40 times in a row right after /health
-    said two. One read at a time can also go to the same replica every time (the router picks the shorter queue)."""
+    caller asserts). Two CI runs read one node 20 and 40 times in a row right after /health said two; the likely
+    cause (unconfirmed) is that a replica counts in ``/health`` once it has joined the control plane, while Ray
+    Serve's proxy routes to it only after its first health check and the controller's next update of the proxy's
+    replica set — on a saturated CI box, seconds later. One read at a time can also go to the same replica every
+    time (the router picks the shorter queue)."""
     def read(_: int) -> dict:
         with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
             return client.get("/admin/state").json()
