@@ -796,8 +796,8 @@ def summary_line(results: dict) -> str:
             se = metric.get("se")
             parts.append(f"{key[5:]} {metric['value']:.4g}" + (f" ± {1.96 * se:.2g}" if se is not None else ""))
     rate = results["timing"].get("samples_per_second")
-    if rate:
-        parts.append(f"{rate:.0f} samples/s")
+    if rate:  # two significant digits below 10: a 135M agent on one thread runs ~0.3 a second, not "0"
+        parts.append(f"{rate:.0f} samples/s" if rate >= 10 else f"{rate:.2g} samples/s")
     return ", ".join(parts)
 
 

@@ -178,3 +178,14 @@ def test_training_validation_per_kind_equals_verl_eval_per_kind(tmp_path):
         offline = results["groups"]["values"][kind]["metrics"]
         for name in ("accuracy", "reward_mean", "response_length_mean"):
             assert last[f"kind/{kind}/{name}"] == pytest.approx(offline[f"eval/{name}"]["value"]), (kind, name)
+
+
+def test_the_summary_line_gives_a_slow_rate_in_two_digits_not_zero():
+    from eval.runner import summary_line
+
+    def line(rate):
+        return summary_line({"data": {}, "metrics": {}, "timing": {"samples_per_second": rate}})
+
+    # A 135M agent with tool turns on one thread evaluates ~0.3 stories a second: "0 samples/s" hid it.
+    assert line(0.3125).endswith("0.31 samples/s") and line(3.0).endswith("3 samples/s")
+    assert line(123.4).endswith("123 samples/s")
