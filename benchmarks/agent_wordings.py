@@ -12,12 +12,19 @@ comparable with the shipped task's.
         "data.train_files=[data/wide/train.parquet]"
 
 ``wide2`` replaces one new "groups" wording by one where the number of groups follows "each of" ("There are B items
-in each of A boxes"), the construction the validation wording opens with.
+in each of A boxes"), the construction the validation wording opens with. ``each_of`` also opens one with it ("Each of
+A baskets holds B ..."). ``--probes`` writes rewordings of the held-out "groups" story instead, for ``verl eval
+--group-by extra_info.kind``:
+
+    python benchmarks/agent_wordings.py --probes --out data/probes
+    verl eval --ckpt <cold start> --data data/probes/probes.parquet --tools calculator --max-new-tokens 96 \
+        --max-prompt-length 288 -e accuracy --group-by extra_info.kind
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -25,33 +32,52 @@ import pyarrow.parquet as pq
 from verl.data.builtin import resolve_data_file, write_parquet
 from verl.data.tasks import tool_word_problems as task
 
-WIDE = {
-    "add": ["{n} picks {a} {i} in the morning and {b} {i} in the afternoon. How many {i} does {n} pick altogether?",
-            "A library has {a} {i}. It buys {b} more {i}. How many {i} does the library have now?"],
-    "take": ["{n} had {a} {i}. After using {b} of them, how many {i} does {n} have left?",
-             "A farm had {a} {i} and {b} {i} were eaten. How many {i} are left on the farm?"],
-    "groups": ["There are {a} teams and each team has {b} {i}. How many {i} are there altogether?",
-               "{a} children each bring {b} {i} to school. How many {i} do the children bring in total?"],
-    "share": ["{n} puts {a} {i} into {b} bags, the same number in each bag. How many {i} go in each bag?",
-              "{a} {i} are divided equally among {b} boxes. How many {i} are in each box?"],
-    "times": ["A small bag fits {a} {i}. A large bag fits {b} times as many {i}. How many {i} fit in the large bag?",
-              "{n} scored {a} points. The coach scored {b} times as many points. How many points did the coach score?"],
-    "two_steps": ["{n} fills {a} trays with {b} {i} on each tray and keeps {c} more {i} aside. How many {i} does {n} "
-                  "have in all?",
-                  "There are {a} boxes of {b} {i} and a bag of {c} {i}. How many {i} are there in total?"],
-}
+# wide: the built-in train_wide's wordings (task.WIDE_TEMPLATES) with another "groups" pair, the first one tried.
+WIDE = {**task.WIDE_TEMPLATES,
+        "groups": ["There are {a} teams and each team has {b} {i}. How many {i} are there altogether?",
+                   "{a} children each bring {b} {i} to school. How many {i} do the children bring in total?"]}
 EXTRA = {
     "wide": WIDE,
     "wide2": {**WIDE, "groups": ["There are {b} {i} in each of {a} boxes. How many {i} are there altogether?",
                                  WIDE["groups"][1]]},
+    # The sentence opening with "Each of A": the built-in train_wide split (configs/agent_smollm2.yaml's RL prompts).
+    "each_of": task.WIDE_TEMPLATES,
 }
+
+
+# The held-out "groups" wording and five rewordings of it (kind = the probe's name), 32 stories each, the same
+# numbers in every probe: which part of "Each of A students brings B" the model cannot read.
+PROBES = {
+    "p0_val": "Each of {a} students brings {b} {i}. How many {i} do the students bring altogether?",
+    "p1_count_first": "{a} students each bring {b} {i}. How many {i} do the students bring altogether?",
+    "p2_each_of_boxes": "Each of {a} boxes holds {b} {i}. How many {i} are there altogether?",
+    "p3_two_sentences": "There are {a} students. Each student brings {b} {i}. How many {i} do the students bring "
+                        "altogether?",
+    "p4_each_of_the": "Each of the {a} students brings {b} {i}. How many {i} do the students bring altogether?",
+    "p5_train_shape": "{n} has {a} students with {b} {i} for each student. How many {i} are there in all?",
+}
+
+
+def probe_rows(stories_per_probe: int = 32) -> list[dict]:
+    rng = random.Random(5)
+    rows: list[dict] = []
+    for kind, template in PROBES.items():
+        numbers_rng = random.Random(11)  # the same numbers in every probe
+        for _ in range(stories_per_probe):
+            numbers, expression, answer = task.KINDS["groups"](numbers_rng)
+            rows.append(task._row(task.story(template, rng, numbers), kind, expression, answer, "val", len(rows)))
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", choices=sorted(EXTRA), default="wide")
+    parser.add_argument("--probes", action="store_true", help="write probes.parquet (PROBES) instead of a variant")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.probes:
+        print(write_parquet(probe_rows(), args.out / "probes.parquet"))
+        return
     templates = {kind: [*wordings, *EXTRA[args.variant][kind]] for kind, wordings in task.TRAIN_TEMPLATES.items()}
     shipped = task.TRAIN_TEMPLATES
     try:

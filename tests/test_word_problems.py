@@ -52,10 +52,14 @@ def test_tool_word_problems_hold_out_wordings_and_their_expressions_give_the_ans
         return text
 
     train = {wording(r["prompt"][0]["content"]) for r in splits["train"]}
+    wide = {wording(r["prompt"][0]["content"]) for r in splits["train_wide"]}
     val = {wording(r["prompt"][0]["content"]) for r in splits["val"]}
     assert len(val) == len(task.VAL_TEMPLATES) and not train & val
+    # train_wide: train's wordings and two more per kind (120 stories draw all 24), none of them validation's
+    assert train < wide and len(wide) == 4 * len(task.KINDS) and not wide & val
+    assert [r["extra_info"]["kind"] for r in splits["train_wide"]] == [r["extra_info"]["kind"] for r in splits["train"]]
     assert {r["extra_info"]["kind"] for r in splits["val"]} == set(task.KINDS)
-    for row in splits["train"] + splits["val"]:
+    for row in splits["train"] + splits["train_wide"] + splits["val"]:
         assert calculator(row["extra_info"]["expression"]) == row["reward_model"]["ground_truth"]
         assert json.loads(row["tools"])[0]["function"]["name"] == "calculator"
     messages = json.loads(splits["sft_train"][0]["messages"])
@@ -65,3 +69,18 @@ def test_tool_word_problems_hold_out_wordings_and_their_expressions_give_the_ans
     monkeypatch.setenv("VERL_CACHE_DIR", str(tmp_path))
     rows = pq.read_table(resolve_data_file("builtin:tool_word_problems/val")).to_pylist()
     assert len(rows) == task.ToolWordProblemSpec().num_val and rows[0]["data_source"] == "gsm8k"
+
+
+def test_tool_word_problems_splits_are_the_ones_every_measured_number_was_taken_on():
+    """The cold start, the study and the shipped agent config were measured on these exact rows: a change to the
+    generator (a new split, a template) must not move them. Digests of the default spec's splits (JSON, sorted keys)."""
+    import hashlib
+    import json
+
+    from verl.data.tasks import tool_word_problems as task
+
+    splits = task.generate_splits(task.ToolWordProblemSpec())
+    digests = {name: hashlib.sha256(json.dumps(splits[name], sort_keys=True).encode()).hexdigest()[:16]
+               for name in ("train", "val", "sft_train", "train_wide")}
+    assert digests == {"train": "05b74ae16a7e132c", "val": "35cca1ecf8c24136", "sft_train": "10f7d4bb45e396fd",
+                       "train_wide": "459b1721bcbb3549"}

@@ -10,6 +10,9 @@ training* (``VAL_TEMPLATES``), so held-out accuracy measures reading a new story
 Answers are scored like GSM8K (``data_source: gsm8k``, the strict ``#### N`` reward). Every row carries the
 calculator's schema in a ``tools`` column.
 
+``train_wide``: the training stories over four wordings per kind (``TRAIN_TEMPLATES`` and ``WIDE_TEMPLATES``), the
+RL prompts of ``configs/agent_smollm2.yaml``; its cold start learns from ``sft_train``, on ``train``'s two.
+
 ``sft_train`` / ``sft_val``: conversations for a short supervised cold start (as verl's ReTool recipe does): the
 assistant calls the calculator with the story's expression, reads the result, and answers ``#### N``.
 """
@@ -83,6 +86,27 @@ TRAIN_TEMPLATES: dict[str, list[str]] = {
                   "{n} have?",
                   "A class has {a} rows of {b} {i} and {c} extra {i}. How many {i} does the class have?"],
 }
+# Two more training wordings per kind: ``train_wide``, the RL prompts of configs/agent_smollm2.yaml (the cold start's
+# demonstrations stay on ``TRAIN_TEMPLATES``). The "groups" pair opens a story with "Each of A" and puts the count
+# after "in each of": a study of the held-out "groups" story (benchmarks/agent_wordings.py --probes, stop 60) found
+# that the cold start reads "A students each bring B" and "There are A students. Each student brings B" at 100% and
+# fails only where the count follows an opening "Each of" (12.5%). The validation wording stays unseen: other nouns,
+# verb and question (tested).
+WIDE_TEMPLATES: dict[str, list[str]] = {
+    "add": ["{n} picks {a} {i} in the morning and {b} {i} in the afternoon. How many {i} does {n} pick altogether?",
+            "A library has {a} {i}. It buys {b} more {i}. How many {i} does the library have now?"],
+    "take": ["{n} had {a} {i}. After using {b} of them, how many {i} does {n} have left?",
+             "A farm had {a} {i} and {b} {i} were eaten. How many {i} are left on the farm?"],
+    "groups": ["Each of {a} baskets holds {b} {i}. How many {i} are in the baskets?",
+               "There are {b} {i} in each of {a} boxes. How many {i} are there altogether?"],
+    "share": ["{n} puts {a} {i} into {b} bags, the same number in each bag. How many {i} go in each bag?",
+              "{a} {i} are divided equally among {b} boxes. How many {i} are in each box?"],
+    "times": ["A small bag fits {a} {i}. A large bag fits {b} times as many {i}. How many {i} fit in the large bag?",
+              "{n} scored {a} points. The coach scored {b} times as many points. How many points did the coach score?"],
+    "two_steps": ["{n} fills {a} trays with {b} {i} on each tray and keeps {c} more {i} aside. How many {i} does {n} "
+                  "have in all?",
+                  "There are {a} boxes of {b} {i} and a bag of {c} {i}. How many {i} are there in total?"],
+}
 # Wordings only validation uses.
 VAL_TEMPLATES: dict[str, list[str]] = {
     "add": ["On Monday {n} collected {a} {i} and on Tuesday {b} {i}. How many {i} did {n} collect in total?"],
@@ -131,20 +155,34 @@ def conversation(row: dict) -> list[dict]:
             {"role": "assistant", "content": f"#### {answer}"}]
 
 
-def generate_splits(spec: ToolWordProblemSpec) -> dict[str, list[dict]]:
-    """Deterministic splits: training stories use ``TRAIN_TEMPLATES``, validation ``VAL_TEMPLATES``; kinds are
-    balanced (round robin)."""
-    rng = random.Random(spec.seed)
+def _stories(rng: random.Random, count: int, templates: dict[str, list[str]], split: str) -> list[dict]:
+    """``count`` stories, kinds in turn (balanced), each in one of its kind's ``templates``."""
     kinds = list(KINDS)
+    rows = []
+    for index in range(count):
+        kind = kinds[index % len(kinds)]
+        numbers, expression, answer = KINDS[kind](rng)
+        rows.append(_row(story(rng.choice(templates[kind]), rng, numbers), kind, expression, answer, split, index))
+    return rows
+
+
+def wide_templates() -> dict[str, list[str]]:
+    """``train_wide``'s wordings: each kind's ``TRAIN_TEMPLATES`` and ``WIDE_TEMPLATES``."""
+    return {kind: [*TRAIN_TEMPLATES[kind], *WIDE_TEMPLATES[kind]] for kind in KINDS}
+
+
+def generate_splits(spec: ToolWordProblemSpec) -> dict[str, list[dict]]:
+    """Deterministic splits: training stories use ``TRAIN_TEMPLATES`` (``train_wide``: and ``WIDE_TEMPLATES``),
+    validation ``VAL_TEMPLATES``; kinds are balanced (round robin)."""
     splits: dict[str, list[dict]] = {}
-    for split, count, templates in (("val", spec.num_val, VAL_TEMPLATES), ("train", spec.num_train, TRAIN_TEMPLATES)):
-        rows = []
-        for index in range(count):
-            kind = kinds[index % len(kinds)]
-            numbers, expression, answer = KINDS[kind](rng)
-            rows.append(_row(story(rng.choice(templates[kind]), rng, numbers), kind, expression, answer, split,
-                             index))
-        splits[split] = rows
+    rng = random.Random(spec.seed)
+    splits["val"] = _stories(rng, spec.num_val, VAL_TEMPLATES, "val")
+    splits["train"] = _stories(rng, spec.num_train, TRAIN_TEMPLATES, "train")
+    # The same seed and draws for train_wide (the validation stories first, then discarded), so its stories are
+    # what issue 45's study trained on (benchmarks/agent_wordings.py --variant each_of).
+    rng = random.Random(spec.seed)
+    _stories(rng, spec.num_val, VAL_TEMPLATES, "val")
+    splits["train_wide"] = _stories(rng, spec.num_train, wide_templates(), "train")
     for split, source in (("sft_train", "train"), ("sft_val", "val")):
         picked = splits[source][-spec.num_sft:] if source == "train" else splits[source]
         splits[split] = [{**row, "messages": json.dumps(conversation(row))} for row in picked]
