@@ -48,7 +48,7 @@ EXTRA = {
 # The held-out "groups" wording and five rewordings of it (kind = the probe's name), 32 stories each, the same
 # numbers in every probe: which part of "Each of A students brings B" the model cannot read.
 PROBES = {
-    "p0_val": "Each of {a} students brings {b} {i}. How many {i} do the students bring altogether?",
+    "p0_val": task.VAL_TEMPLATES["groups"][0],  # "Each of {a} students brings {b} {i}. ..."
     "p1_count_first": "{a} students each bring {b} {i}. How many {i} do the students bring altogether?",
     "p2_each_of_boxes": "Each of {a} boxes holds {b} {i}. How many {i} are there altogether?",
     "p3_two_sentences": "There are {a} students. Each student brings {b} {i}. How many {i} do the students bring "
