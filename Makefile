@@ -71,13 +71,18 @@ test-no-kernels: install-dev kernels
 # runs and simulations on two workers. The second part's output follows the first's. BESIDE_SLOW names more make
 # targets for the second part, after its tests: it ends 7-9 minutes before the serial part, so CI runs
 # test-no-kernels there (BESIDE_SLOW=test-no-kernels) instead of two minutes of its own before the slow group.
+# The README's reward model (~2 min of one core), which three serial tests use, is trained in the second part too, from
+# its start (tests/readme.py): the serial tests that need it come ~10 minutes in, and find it in SLOW_SHARED.
 SLOW_CPU_LOG := $(VERL_CACHE_DIR)/test-slow-cpu.log
+SLOW_SHARED := $(VERL_CACHE_DIR)/test-slow-shared
 BESIDE_SLOW ?=
 BESIDE_MAKE = $(firstword $(MAKE)) --no-print-directory  # not $(MAKE) in the recipe: `make -n test-slow` would run it
 test-slow: install-dev install-real-model kernels
 	@mkdir -p $(VERL_CACHE_DIR)
-	( nice -n 19 $(BIN)/python -m pytest -q -m 'slow and not serial' -n 2 --dist loadgroup --durations=10; \
-	  rest=$$?; for target in $(BESIDE_SLOW); do echo "--- $$target (nice 19)"; \
+	rm -rf $(SLOW_SHARED); export VERL_TEST_SHARED_DIR=$(SLOW_SHARED); \
+	( nice -n 19 $(BIN)/python -m tests.readme $(SLOW_SHARED) & rm=$$!; \
+	  nice -n 19 $(BIN)/python -m pytest -q -m 'slow and not serial' -n 2 --dist loadgroup --durations=10; \
+	  rest=$$?; wait $$rm || rest=1; for target in $(BESIDE_SLOW); do echo "--- $$target (nice 19)"; \
 	  nice -n 19 $(BESIDE_MAKE) $$target || rest=1; done; exit $$rest ) \
 		> $(SLOW_CPU_LOG) 2>&1 & cpu=$$!; \
 	$(BIN)/python -m pytest -q -m 'slow and serial' --durations=10; serial=$$?; \

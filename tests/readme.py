@@ -1,17 +1,25 @@
-"""The README's code blocks, for the slow tests that run them as written, and the one artefact two of them share."""
+"""The README's code blocks, for the slow tests that run them as written, and the one artefact three of them share.
+
+``python -m tests.readme DIR`` trains that artefact (the README's reward model) into ``DIR`` ahead of the tests that
+use it: `make test-slow` runs it beside its serial part, which finds it there (``VERL_TEST_SHARED_DIR``)."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 README_RM_HEADING = "## Reward models: rewards without answers"
 # Where the README's `verl rm --config configs/rm_tiny.yaml trainer.experiment_name=rm-a` leaves its reward model.
 README_RM_CHECKPOINT = "outputs/verl-rm/rm-a/checkpoints/global_step_700"
+# A directory every pytest process of one `make test-slow` sees (the Makefile sets it): artefacts trained once for all.
+SHARED_DIR_ENV = "VERL_TEST_SHARED_DIR"
 
 
 def readme_block(heading: str) -> str:
@@ -44,3 +52,23 @@ def train_readme_reward_model(root: Path) -> Path:
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     assert (root / README_RM_CHECKPOINT).is_dir()
     return root
+
+
+def shared_readme_reward_model(shared: Path) -> Path:
+    """The README's reward model in ``shared/readme-rm``, trained by whichever process asks first: the others wait on
+    its lock, then reuse it (a run that failed or was killed leaves no ``.done`` mark, so the next asker trains it
+    again). Returns the directory, as :func:`train_readme_reward_model` does."""
+    shared.mkdir(parents=True, exist_ok=True)
+    root, done = shared / "readme-rm", shared / "readme-rm.done"
+    with FileLock(str(shared / "readme-rm.lock")):
+        if not done.exists():
+            shutil.rmtree(root, ignore_errors=True)
+            train_readme_reward_model(root)
+            done.touch()
+    return root
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tests.readme SHARED_DIR  (trains the README's reward model into SHARED_DIR)")
+    print(f"README reward model: {shared_readme_reward_model(Path(sys.argv[1]))}")
