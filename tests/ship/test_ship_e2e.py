@@ -142,14 +142,19 @@ def served_under_load(tmp_path: Path, *serve_args: str, replicas: int | None = N
 
 
 def stop(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM to the process group, then SIGKILL after ``grace`` seconds (never left running behind a test)."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    """SIGTERM to the process, then SIGKILL to its process group: at once when it has stopped (whatever it left
+    behind), after ``grace`` seconds when it has not (never left running behind a test). Not SIGTERM to the group:
+    `verl serve --replicas 2` stops its Ray cluster itself in ~4 s, but with every Ray process signalled at once its
+    shutdown waited on a dying controller (11 s idle, 38 s under the ship test's load)."""
+    proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(grace)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         raise
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -231,11 +236,13 @@ def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path,
         assert lineage and all(r["run"] == "good" and r["step"] == 10 and len(r["weights"]) == 16 for r in lineage)
 
 
-@pytest.mark.budget(160)
+@pytest.mark.budget(60)
 def test_ship_on_the_fleet_every_replica_follows(tmp_path, runs):
     """``verl ship`` against ``verl serve --replicas 2`` (a real local Ray cluster): the candidate is loaded on both
     replicas (the control plane's two-phase change), the canary reads the fleet's merged records, and the promote
-    reaches every replica: state reads answered by both replicas show the candidate with the whole route."""
+    reaches every replica: state reads answered by both replicas show the candidate with the whole route. The
+    capacity gate and the latency guardrail's SLO are the single service's test's (above): a fleet changes neither,
+    and measuring them here took ~30 s of CI's serial part (so the SLO is one no p95 here reaches)."""
     incumbent, good = runs["inc"], runs["good"]
     (tmp_path / "serve.yaml").write_text(
         f"models:\n  - {{name: tiny, path: builtin:tiny-arith}}\n  - {{name: inc, adapter: {incumbent}}}\n"
@@ -243,7 +250,7 @@ def test_ship_on_the_fleet_every_replica_follows(tmp_path, runs):
     admin = {"Authorization": f"Bearer {KEY}"}
     with served_under_load(tmp_path, "--replicas", "2", replicas=2) as url:
         shipped = verl("ship", str(good), "--service", url, "--out", str(tmp_path / "good"), "--skip-offline",
-                       *SHIP, "--slo-p95-ms", measured_slo(url, tmp_path / "slo", good))
+                       "--skip-capacity", *SHIP, "--slo-p95-ms", "60000")
         assert shipped.returncode == 0, shipped.stderr[-3000:]
         events = audit(tmp_path / "good")
         assert events[-1]["decision"] == "promote"
