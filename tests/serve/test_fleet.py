@@ -225,7 +225,7 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
         # per-replica line knows there are 2 replicas, and the fleet's merged /metrics cross-checks this run.
         out = tmp_path / "loadtest"
         run = verl("loadtest", "--url", url, "--processes", "2", "--out", str(out), "--step-users", "2",
-                   "--step-time", "15", "--step-settle", "5", "--slo-p95-ms", "60000", "--target-rps", "100",
+                   "--step-time", "8", "--step-settle", "3", "--slo-p95-ms", "60000", "--target-rps", "100",
                    "--locust-arg=--num-prompts=16", "--quiet")
         assert run.returncode == 0, run.stderr[-3000:]
         report = json.loads((out / "capacity_report.json").read_text())
