@@ -4,9 +4,9 @@ checkpoint), GRPO whose only reward is that served RM raising the rule-checked h
 then shipping on judged traffic: a service whose RM scores the live answers (`score_traffic`), Locust users that send
 no answers and rate some answers later, `verl ship --reward-source rm:judge` promoting the GRPO run over the warm
 start, and the online report on the users' feedback. Only the ports, the repo paths and the servers' lifetimes are
-adapted to a test. The story's first two commands (pairs, `verl rm`) run as written once per session
-(tests/conftest.py `readme_reward_model`): the flywheel starts from the same reward model. Serial: the flywheel's
-test shares that fixture in the same process, and the canary reads live rewards."""
+adapted to a test. The story's first two commands (pairs, `verl rm`) run as written once per session, or once per
+`make test-slow` (tests/conftest.py `readme_reward_model`): the flywheel starts from the same reward model. Serial:
+the canary reads live rewards."""
 
 from __future__ import annotations
 
