@@ -85,7 +85,8 @@ def test_a_run_stops_at_its_target_and_compare_and_dashboard_show_it(tmp_path):
     record = read_target(run_dir)
     assert record["step"] == 2 and record["metric"] == "eval/accuracy" and record["value"] >= 0
     assert 0 < record["seconds"] < record["wall_seconds"] and record["validation_seconds"] > 0
-    assert record["seconds"] + record["validation_seconds"] <= record["wall_seconds"] + 1e-3
+    # Each of the three is rounded to the millisecond on its own, so the sum may exceed the wall by up to 1.5 ms.
+    assert record["seconds"] + record["validation_seconds"] <= record["wall_seconds"] + 2e-3
     assert [r["step"] for r in rows(run_dir / "verl_logs.jsonl", "rollout")] == [1, 2]  # stopped at the target
     assert (run_dir / "checkpoints" / "global_step_2").is_dir()
     finished = [r for r in rows(run_dir / "verl_logs.jsonl", "train") if r.get("status") == "finished"]
