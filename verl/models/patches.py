@@ -27,6 +27,7 @@ from verl.models.packed_linear import use_packed_linear
 from verl.models.rms_norm import RMS_NORM_CLASSES, use_fused_rms_norm
 from verl.models.rotary import MODELING_MODULES, use_fused_rotary
 from verl.models.swiglu import MLP_CLASSES, use_fused_swiglu
+from verl.utils.deferred_imports import DEFERRED
 
 TRANSFORMERS_CHECKED = ">=5.16.1,<5.20"  # the versions tests/test_patches.py ran against; pyproject says the same
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -65,6 +66,10 @@ PATCHES: tuple[Patch, ...] = (
           "SiLU as four fused calls", _architectures(FUSED_LAYER_CLASSES), False, "VERL_FUSED_DECODER",
           use_fused_decoder),
 )
+# Not a forward but an import: ``import verl`` defers scikit-learn's import inside transformers' generation code to
+# its first use (importer -> deferred modules; off switch VERL_DEFER_IMPORTS=0). verl.utils.deferred_imports says
+# why; tests/test_deferred_imports.py checks transformers still imports through it and the results are scikit-learn's.
+IMPORT_DEFERRALS = DEFERRED
 LORA_PATCH = Patch("lora", "peft's LoraLinear.forward: the base product and the rank-r update in one pass",
                    LLAMA_FAMILY, True, "VERL_FUSED_LORA", use_fused_lora)
 
