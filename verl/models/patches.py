@@ -66,9 +66,10 @@ PATCHES: tuple[Patch, ...] = (
           "SiLU as four fused calls", _architectures(FUSED_LAYER_CLASSES), False, "VERL_FUSED_DECODER",
           use_fused_decoder),
 )
-# Not a forward but an import: ``import verl`` defers scikit-learn's import inside transformers' generation code to
-# its first use (importer -> deferred modules; off switch VERL_DEFER_IMPORTS=0). verl.utils.deferred_imports says
-# why; tests/test_deferred_imports.py checks transformers still imports through it and the results are scikit-learn's.
+# Not forwards but imports: ``import verl`` defers transformers' imports of scikit-learn (generation code) and
+# scipy.optimize (detection losses) to their first use (importer -> deferred modules; off switch VERL_DEFER_IMPORTS=0).
+# verl.utils.deferred_imports says why; tests/test_deferred_imports.py checks transformers still imports through each
+# and the deferred functions give the libraries' numbers.
 IMPORT_DEFERRALS = DEFERRED
 LORA_PATCH = Patch("lora", "peft's LoraLinear.forward: the base product and the rank-r update in one pass",
                    LLAMA_FAMILY, True, "VERL_FUSED_LORA", use_fused_lora)

@@ -1,21 +1,22 @@
 """Third-party imports deferred from import time to first use, installed by ``import verl``.
 
-transformers' ``generation/candidate_generator.py`` runs ``from sklearn.metrics import roc_curve`` at import time
-whenever scikit-learn is installed (lm_eval and mlflow install it), for one feature: assisted decoding's adaptive
-confidence threshold. transformers imports that module while it loads any causal LM, so every ``verl`` command,
-server, replica and Ray worker paid for scikit-learn (and the scipy it pulls in): 0.95 s of CPU per process here
-(``python -c "import transformers.generation.candidate_generator"``: 2.44 s, 1.49 s with this hook).
+transformers imports, at import time, two libraries it needs only for features verl never runs, whenever they are
+installed (lm_eval and mlflow install both): ``generation/candidate_generator.py`` runs ``from sklearn.metrics
+import roc_curve`` (assisted decoding's adaptive confidence threshold) and six object-detection losses in
+``transformers/loss/`` run ``from scipy.optimize import linear_sum_assignment`` (DETR's matching). transformers
+imports all of them while it loads any causal LM, so every ``verl`` command, server, replica and Ray worker paid
+for scikit-learn, pandas and scipy.optimize: ~1.3 s of CPU per process here (``python -c "import
+verl.models.loader"``; ``-X importtime`` names the modules).
 
-While that one module executes, ``sys.modules['sklearn.metrics']`` holds a stand-in whose attributes are functions
-that import the real ``sklearn.metrics`` on their first call and then call the real function: the same results, and
-the cost is paid by the process that uses assisted decoding with a confidence threshold, not by every process. The
-stand-in is removed as soon as the module has executed, so any later ``import sklearn.metrics`` gets the real one.
-Where ``sklearn.metrics`` is already imported, the real module is used and nothing is deferred.
-``VERL_DEFER_IMPORTS=0`` turns it off.
+While one of those modules executes, ``sys.modules`` holds a stand-in for the library module it takes names from;
+each name is a function that imports the real module at its first call and calls the real function: the same
+results, the cost paid only by a process that runs that feature. The stand-in is removed as soon as the importer has
+executed, so any later ``import sklearn.metrics`` gets the real one; where the library module is already imported,
+the real one is used and nothing is deferred. ``VERL_DEFER_IMPORTS=0`` turns it off.
 
 This is a substitution into transformers' import, so ``verl.models.patches`` lists it with the transformers versions
-it was checked against; ``tests/test_deferred_imports.py`` fails if transformers stops importing through it or the
-deferred function differs from scikit-learn's.
+it was checked against; ``tests/test_deferred_imports.py`` fails if transformers stops importing through it, imports
+these libraries another way, or the deferred functions differ from the libraries' own.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ from types import ModuleType
 from typing import Any
 
 # importing module -> the modules whose import it makes lazy while it executes.
-DEFERRED: dict[str, tuple[str, ...]] = {"transformers.generation.candidate_generator": ("sklearn.metrics",)}
+DETECTION_LOSSES = ("loss_for_object_detection", "loss_deformable_detr", "loss_grounding_dino", "loss_lw_detr",
+                    "loss_rf_detr", "loss_rt_detr")
+DEFERRED: dict[str, tuple[str, ...]] = {
+    "transformers.generation.candidate_generator": ("sklearn.metrics",),
+    **{f"transformers.loss.{loss}": ("scipy.optimize",) for loss in DETECTION_LOSSES},
+}
 
 
 def deferred_function(module: str, name: str) -> Callable[..., Any]:
@@ -46,7 +52,7 @@ def deferred_function(module: str, name: str) -> Callable[..., Any]:
 
 class _StandIn(ModuleType):
     """Stands in for a module while one importer executes: any attribute is a ``deferred_function`` of the real one.
-    (Every name transformers takes from ``sklearn.metrics`` is a function; a class would not survive this.)"""
+    (Every name the importers take is a function; a class would not survive this.)"""
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("__"):
