@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,29 @@ def test_reuse_needs_matching_hashes(tmp_path):
     assert not gguf._reusable(target, "abc")
 
 
+def test_the_same_gguf_bytes_under_another_name_reuse_the_earlier_conversion(tmp_path):
+    """Not a GGUF transformers could read: reaching the converter would fail, so linking is all that happened."""
+    models = tmp_path / "models"
+    earlier = models / "a"
+    earlier.mkdir(parents=True)
+    (earlier / "model.safetensors").write_bytes(b"weights")
+    (earlier / "config.json").write_text("{}")
+    source = tmp_path / "x.gguf"
+    source.write_bytes(b"not really a gguf")
+    record = {"gguf": "/elsewhere/x.gguf", "gguf_sha256": gguf.sha256_file(source), "weights_bytes": 7,
+              "weights_sha256": gguf.sha256_file(earlier / "model.safetensors"), "parameters": 3}
+    (earlier / gguf.SOURCE_FILE).write_text(json.dumps(record))
+    target = gguf.convert_gguf(source, models / "b")
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", gguf.SOURCE_FILE, "model.safetensors"]
+    assert (target / "model.safetensors").read_bytes() == b"weights"
+    assert json.loads((target / gguf.SOURCE_FILE).read_text()) == {**record, "gguf": str(source)}
+    assert gguf._reusable(target, record["gguf_sha256"])
+    # Other bytes are not the earlier conversion's: the converter is reached, and says the file is unreadable.
+    source.write_bytes(b"other bytes")
+    with pytest.raises(ModelError, match="cannot read the GGUF file"):
+        gguf.convert_gguf(source, models / "c")
+
+
 @pytest.mark.budget(20)
 @pytest.mark.slow
 def test_smollm2_converts_once_and_loads_as_a_normal_hf_model(tmp_path, monkeypatch):
@@ -51,5 +75,9 @@ def test_smollm2_converts_once_and_loads_as_a_normal_hf_model(tmp_path, monkeypa
     assert model.config.vocab_size == 49152 and tokenizer.eos_token == "<|im_end|>"
     assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
-    # A local .gguf path takes the same route.
-    assert (tmp_path / "models").is_dir() and resolve_model_path(str(source)) != path
+    # A local .gguf path takes the same route, and the same bytes are not converted twice.
+    by_path = resolve_model_path(str(source))
+    assert by_path != path
+    linked = json.loads((Path(by_path) / gguf.SOURCE_FILE).read_text())
+    assert Path(by_path).parent == tmp_path / "models" and linked["gguf"] == str(source)
+    assert {**linked, "gguf": record["gguf"]} == record  # the same weights, by hash

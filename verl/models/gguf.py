@@ -9,12 +9,16 @@ dequantizes it to a float model, but refuses to ``save_pretrained`` that model (
 weights are moved into a model built from the same config without the quantization entry and saved from there.
 The result lands atomically in ``$VERL_CACHE_DIR/models/<name>/`` with ``gguf_source.json`` (the GGUF's sha256 and
 the written weights' size and sha256); a later call reuses it when those still match, and converts again when not.
+The same GGUF bytes under another name (the packaged file named by its path, a copy elsewhere) are not converted a
+second time: the earlier conversion's files are linked into the new directory (~13 s of CPU saved for SmolLM2).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,11 +76,39 @@ def _reusable(target: Path, gguf_sha: str) -> bool:
     return sha256_file(weights) == record.get("weights_sha256")
 
 
+def _earlier_conversion(target: Path, gguf_sha: str) -> Path | None:
+    """A complete conversion of the same GGUF bytes beside ``target`` under another name, if there is one."""
+    if not target.parent.is_dir():
+        return None
+    for other in sorted(target.parent.iterdir()):
+        if other != target and not other.name.startswith(".") and _reusable(other, gguf_sha):
+            return other
+    return None
+
+
+def _link_conversion(earlier: Path, gguf: Path, target: Path) -> Path:
+    """``target`` as a copy of ``earlier`` (hard links where the filesystem allows), its record naming ``gguf``."""
+    with atomic_dir(target, overwrite=True) as tmp:
+        for file in earlier.iterdir():
+            if file.name == SOURCE_FILE or not file.is_file():
+                continue
+            try:
+                os.link(file, Path(tmp) / file.name)
+            except OSError:  # another filesystem, or links refused: copy
+                shutil.copy2(file, Path(tmp) / file.name)
+        record = json.loads((earlier / SOURCE_FILE).read_text())
+        (Path(tmp) / SOURCE_FILE).write_text(json.dumps({**record, "gguf": str(gguf)}, indent=2) + "\n")
+    return target
+
+
 def convert_gguf(gguf: Path, target: Path) -> Path:
     """``target``: an HF directory (fp32 safetensors, tokenizer with its chat template) converted from ``gguf``."""
     gguf_sha = sha256_file(gguf)
     if _reusable(target, gguf_sha):
         return target
+    earlier = _earlier_conversion(target, gguf_sha)
+    if earlier is not None:
+        return _link_conversion(earlier, gguf, target)
     try:
         import gguf as _gguf  # noqa: F401  (transformers' GGUF reader needs it; fail with the fix, not deep inside)
     except ImportError:
