@@ -386,8 +386,10 @@ def test_locust_route_user_reports_each_variant_and_the_split_holds(multi, tmp_p
     assert set(variants) == {"tiny", "a"}, report["endpoints"]
     n = sum(v["requests"] for v in variants.values())
     assert n >= 100 and all(v["failures"] == 0 for v in variants.values())
-    # The configured 90/10 split, within the 99.9% binomial interval of the observed share.
-    assert abs(variants["a"]["share"] - 0.1) < 3.29 * math.sqrt(0.1 * 0.9 / n), variants
+    # The configured 90/10 split, within 4 standard errors of the observed share (+-2.7 points at n = 2000). The users
+    # are random here, unlike the tests above: a 99.9% interval (3.29) fails one run in a thousand, and CI runs this
+    # test often enough to see it (z = 3.32 on 2026-11-29).
+    assert abs(variants["a"]["share"] - 0.1) < 4.0 * math.sqrt(0.1 * 0.9 / n), variants
     assert all(v["e2e_p50_ms"] is not None and v["e2e_p50_ms"] > 0 for v in variants.values())
     markdown = (tmp_path / "report" / "capacity_report.md").read_text()
     assert "Variants of the route" in markdown and "| a |" in markdown
