@@ -46,8 +46,12 @@ def abort_reason(log_text: str) -> str | None:
     return None
 
 
-def error_message(status: int, body: bytes | str | None) -> str:
-    """``HTTP 429: the server is at capacity ...`` from an OpenAI-shaped error body (or the raw text)."""
+def error_message(status: int, body: bytes | str | None, error: BaseException | str | None = None) -> str:
+    """``HTTP 429: the server is at capacity ...`` from an OpenAI-shaped error body (or the raw text). Status 0 is
+    no response at all (the connection failed, was reset, or timed out): then ``error``, the client's exception,
+    says which (``HTTP 0: no response: ConnectionResetError(...)``)."""
+    if status == 0:
+        return f"HTTP 0: no response: {error!r}" if error is not None else "HTTP 0: no response"
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else (body or "")
     try:
         detail = json.loads(text)["error"]["message"]

@@ -442,7 +442,7 @@ class LLMUser(FastHttpUser):
                 if variant:
                     response.request_meta["name"] = path + VARIANT_MARK + variant
             if response.status_code != 200:
-                response.failure(error_message(response.status_code, response.content))
+                response.failure(error_message(response.status_code, response.content, response.error))
                 return None
             try:
                 result = check(response.content)
@@ -479,7 +479,7 @@ class LLMUser(FastHttpUser):
                               name=STREAM_NAME) as response:
             if response.status_code != 200:
                 response.request_meta["response_time"] = (time.perf_counter() - start) * 1000
-                response.failure(error_message(response.status_code, response.content))
+                response.failure(error_message(response.status_code, response.content, response.error))
                 return
             reader, payloads, size = SSEReader(), [], 0
             try:
@@ -569,7 +569,7 @@ class AgentUser(LLMUser):
                               ) as response:
             latency = time.perf_counter() - start
             if response.status_code != 200:
-                response.failure(error_message(response.status_code, response.content))
+                response.failure(error_message(response.status_code, response.content, response.error))
                 return None
             try:
                 result = check_chat_turn(response.content)
@@ -660,7 +660,7 @@ class OpenLoopUser(AgentUser):
                               name=OPEN_NAME) as response:
             record.status = response.status_code or None
             if response.status_code != 200:
-                record.error = error_message(response.status_code, response.content)
+                record.error = error_message(response.status_code, response.content, response.error)
                 response.request_meta["response_time"] = (time.perf_counter() - start - record.scheduled_s) * 1000
                 response.failure(record.error)
                 return
@@ -725,7 +725,7 @@ class FeedbackUser(LLMUser):
         with self.client.post(self.FEEDBACK_NAME, json={"id": completion_id, "thumbs": thumbs, "source": "loadtest"},
                               catch_response=True) as response:
             if response.status_code != 200:
-                response.failure(error_message(response.status_code, response.content))
+                response.failure(error_message(response.status_code, response.content, response.error))
             else:
                 response.success()
 

@@ -57,6 +57,10 @@ def test_error_message_uses_openai_shape():
     assert error_message(429, body.encode()) == "HTTP 429: the server is at capacity"
     assert error_message(502, b"Bad Gateway") == "HTTP 502: Bad Gateway"
     assert error_message(500, None) == "HTTP 500"
+    # No response at all: the client's exception says why (a reset, a refused connection, a timeout).
+    assert error_message(0, b"", ConnectionResetError(104, "reset")) == \
+        "HTTP 0: no response: ConnectionResetError(104, 'reset')"
+    assert error_message(0, None) == "HTTP 0: no response"
 
 
 def chunk(content=None, finish=None, role=None, usage=None) -> str:

@@ -138,7 +138,8 @@ def served_under_load(tmp_path: Path, *serve_args: str, replicas: int | None = N
     requests, failures = int(aggregated["Request Count"]), int(aggregated["Failure Count"])
     assert requests > 200 and failures <= 0.04 * requests, (requests, failures)  # the injected 1% only
     with open(f"{prefix}_failures.csv", newline="") as handle:
-        assert all("500" in row["Error"] for row in csv.DictReader(handle))
+        unexpected = [row for row in csv.DictReader(handle) if "500" not in row["Error"]]
+    assert not unexpected, unexpected  # the injected 500s only (2026-11-29: one feedback POST got no response)
 
 
 def stop(proc: subprocess.Popen, grace: float) -> None:
