@@ -45,6 +45,11 @@ KEY = "ship-admin"
 SHIP = ["--route", "default", "--admin-key", KEY, "--stages", "0.25,0.5", "--min-per-stage", "30", "--margin", "0.1",
         "--poll-s", "0.5", "--budget-s", "240", "--capacity-users", "2", "--capacity-s", "6"]
 FAULTS = "fault_error_rate: 0.01\n"  # 1% of every model's requests fail
+# Feedback users send a thumbs a second or so after an answer, on a kept-alive connection that may have sat idle for
+# about the service's 5 s keep-alive: the service closing it as the client reuses it is an HTTP race, not a service
+# failure (two CI runs, 2026-11-29: one feedback POST each, "HTTP 0: no response: HTTPConnectionClosed"). A longer
+# keep-alive takes that race out of the load check, which is there for the service's own failures.
+KEEP_IDLE_FEEDBACK_CONNECTIONS = "keep_alive_timeout_s: 120\n"
 # Locust users whose requests carry the answer (RouteUser: the service scores each answer by the rule) ...
 ROUTE_USERS = ("--user-mix", "route", "--model", "default", "--reward", "arithmetic")
 # ... or users whose requests carry none (FeedbackUser): 60% of the answers get a thumbs up or down ~1 s later.
@@ -282,7 +287,7 @@ def test_ship_on_traffic_without_answers_by_a_reward_model_and_by_feedback(tmp_p
         f"models:\n  - {{name: tiny, path: builtin:tiny-arith}}\n  - {{name: inc, adapter: {incumbent}}}\n"
         f"  - {{name: judge, path: {judge}, kind: reward}}\nroutes:\n  default: {{inc: 1.0}}\nadmin_api_key: {KEY}\n"
         f"records_path: {tmp_path / 'records.jsonl'}\nscore_traffic: {{scorer: judge, routes: [default]}}\n"
-        "feedback_rate_limit: 1000\nfeedback_burst: 1000\n" + FAULTS)
+        "feedback_rate_limit: 1000\nfeedback_burst: 1000\n" + KEEP_IDLE_FEEDBACK_CONNECTIONS + FAULTS)
     admin = {"Authorization": f"Bearer {KEY}"}
     ship = [*SHIP, "--skip-offline", "--skip-capacity", "--reward-timeout-s", "20"]
     # The margin is in the source's units (the RM's probabilities), not the rule's: 0.03 here.
