@@ -148,11 +148,10 @@ def pytest_collection_modifyitems(config, items) -> None:
         if item.get_closest_marker("slow") is None:
             continue
         budget = budget_of(item)
-        if budget is not None:
-            COLLECTED_BUDGETS.append((budget, item.nodeid))
         if budget is None:
             missing.append(item.nodeid)
             continue
+        COLLECTED_BUDGETS.append((budget, item.nodeid))
         if os.environ.get("VERL_PRINT_BUDGETS") == "1":
             print(f"BUDGET {budget:g} {item.nodeid}")
     if missing:

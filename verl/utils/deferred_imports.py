@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-# importing module -> the modules whose import it makes lazy while it executes.
 DETECTION_LOSSES = ("loss_for_object_detection", "loss_deformable_detr", "loss_grounding_dino", "loss_lw_detr",
                     "loss_rf_detr", "loss_rt_detr")
+# importing module -> the modules whose import it makes lazy while it executes.
 DEFERRED: dict[str, tuple[str, ...]] = {
     "transformers.generation.candidate_generator": ("sklearn.metrics",),
     **{f"transformers.loss.{loss}": ("scipy.optimize",) for loss in DETECTION_LOSSES},
