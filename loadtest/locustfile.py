@@ -92,7 +92,11 @@ DEFAULT_HOST = "http://127.0.0.1:8000"  # `uvicorn serve.api:app` / `verl serve`
 STREAM_NAME = "/v1/chat/completions [stream]"  # the HTTP entry of streamed chats
 AGENT_TURN_NAME = "/v1/chat/completions [agent turn]"  # the HTTP entry of each turn of an agent session
 OPEN_NAME = "/v1/chat/completions [open loop]"  # OpenLoopUser's HTTP entry (timed from the scheduled send)
-OPEN_LOOP: dict[str, Any] = {}  # "done": the open-loop schedule has run (the shape then ends the test)
+# "started"/"done": this process's open-loop schedule began/has run (the shape then ends the test); on the master,
+# "workers_done": the worker indices whose OPEN_DONE_MESSAGE came (their records are on disk).
+OPEN_LOOP: dict[str, Any] = {}
+OPEN_DONE_MESSAGE = "verl_open_loop_done"  # worker -> master, sent once the worker's records are written
+OPEN_DONE_GRACE_S = 30.0  # past the schedule and the request timeout, the longest the master waits for a worker
 USER_WEIGHTS = {"GenerateUser": "generate_weight", "CompletionUser": "completion_weight",
                 "ChatStreamUser": "chat_weight"}
 
@@ -269,6 +273,13 @@ def configure(environment: Environment, **_: Any) -> None:
         except VerlError as exc:
             raise SystemExit(f"loadtest: {exc}") from None
     STATE["environment"] = environment
+    if isinstance(environment.runner, MasterRunner):
+        environment.runner.register_message(OPEN_DONE_MESSAGE, _worker_schedule_done)
+
+
+def _worker_schedule_done(msg: Any, **_: Any) -> None:
+    """The master's handler of OPEN_DONE_MESSAGE: the worker's share has run and its records are written."""
+    OPEN_LOOP.setdefault("workers_done", set()).add(int(msg.data["worker"]))
 
 
 @events.request.add_listener
@@ -297,6 +308,9 @@ def prepare(environment: Environment, **_: Any) -> None:
     STATE["ready"] = False
     STATE.pop("first_users_running", None)  # a new test (the web UI's restart) waits for its users again
     STATE.pop("first_users_wait_from", None)
+    OPEN_LOOP.clear()
+    STATE.pop("open_loop_give_up_at", None)
+    STATE.pop("open_loop_finished", None)
     apply_options(environment)
     host = environment.host or DEFAULT_HOST
     headers = _auth_headers(options.api_key)
@@ -604,6 +618,9 @@ class OpenLoopUser(AgentUser):
     concurrency = 4096
 
     def run_schedule(self) -> None:
+        if OPEN_LOOP.get("started"):  # a second user here (the master re-dispatches when a worker heals): the
+            raise locust.exception.StopUser()  # schedule already ran, or runs, in this process
+        OPEN_LOOP["started"] = True
         options = self.options
         if options.replay_schedule:  # the service's own traffic (verl loadtest --replay)
             with open(options.replay_schedule) as handle:
@@ -634,6 +651,8 @@ class OpenLoopUser(AgentUser):
             write_records(worker_records_path(prefix, runner.worker_index) if isinstance(runner, WorkerRunner)
                           else f"{prefix}{OPEN_RECORDS_SUFFIX}", records)
         OPEN_LOOP["done"] = True
+        if isinstance(runner, WorkerRunner):  # the master ends the test once every worker's records are written
+            runner.send_message(OPEN_DONE_MESSAGE, {"worker": runner.worker_index})
         raise locust.exception.StopUser()
 
 
@@ -787,6 +806,34 @@ def _lines(response: Any) -> Iterator[bytes]:
 # ---------------------------------------------------------------- load shape
 
 
+def open_loop_finished(workers: int, options: Any) -> float | None:
+    """On the master: when (``time.monotonic()``) all ``workers`` had sent OPEN_DONE_MESSAGE, else None. A worker
+    silent past the schedule, the request timeout and OPEN_DONE_GRACE_S is given up on (logged; the report then
+    names its missing share), so a dead worker cannot hold the test open."""
+    if "open_loop_finished" in STATE:
+        return STATE["open_loop_finished"]
+    now = time.monotonic()
+    done = OPEN_LOOP.get("workers_done", set())
+    if "open_loop_give_up_at" not in STATE:
+        STATE["open_loop_give_up_at"] = now + schedule_span_s(options) + options.request_timeout + OPEN_DONE_GRACE_S
+    if len(done) >= workers:
+        STATE["open_loop_finished"] = now
+    elif now > STATE["open_loop_give_up_at"]:
+        missing = sorted(set(range(workers)) - done)
+        log.error("loadtest: worker process(es) %s never reported their open-loop share done; ending the test",
+                  missing)
+        STATE["open_loop_finished"] = now
+    return STATE.get("open_loop_finished")
+
+
+def schedule_span_s(options: Any) -> float:
+    """How long the open-loop schedule runs: ``--duration``, or a replay's last offset."""
+    if not options.replay_schedule:
+        return float(options.duration)
+    with open(options.replay_schedule) as handle:
+        return max((float(json.loads(line)["offset_s"]) for line in handle if line.strip()), default=0.0)
+
+
 class StepShape(LoadTestShape):
     """Steps through ``StepPlan`` levels, spawning each level's new users within about a second.
 
@@ -822,13 +869,17 @@ class StepShape(LoadTestShape):
     def open_loop_tick(self, options: Any) -> tuple[int, float] | None:
         """One user runs the schedule and the test ends with it. With ``--processes N`` the master starts one user
         on each of the N workers (each sends its share) and ends the test a few report intervals after the last
-        has finished, so every worker's final stats arrive (as for the user steps)."""
+        worker said its records are written, so every worker's final stats arrive (as for the user steps).
+
+        Not on the workers' user counts: a busy worker that misses heartbeats counts 0 users on the master for a
+        while, and the master used to end the test then, killing that worker before it wrote its records."""
         if not isinstance(self.runner, MasterRunner):
             return None if OPEN_LOOP.get("done") else (1, 1.0)
         workers = max(1, int(options.processes or 1))
-        if STATE.get("first_users_running") and self.runner.user_count == 0:
-            finished = STATE.setdefault("open_loop_finished", time.monotonic())
-            return (0, 100.0) if time.monotonic() - finished < WORKER_DRAIN_S else None
+        if STATE.get("first_users_running"):
+            finished = open_loop_finished(workers, options)
+            if finished is not None:
+                return (0, 100.0) if time.monotonic() - finished < WORKER_DRAIN_S else None
         return workers, float(workers)
 
     def waiting_for_first_users(self) -> bool:

@@ -228,13 +228,19 @@ def worker_records_path(csv_prefix: str | Path, worker: int | str) -> Path:
     return Path(f"{csv_prefix}{OPEN_RECORDS_SUFFIX.removesuffix('.jsonl')}.w{worker}.jsonl")
 
 
-def merge_worker_records(csv_prefix: str | Path) -> Path:
+def merge_worker_records(csv_prefix: str | Path, processes: int = 1) -> Path:
     """``<prefix>_requests.jsonl`` from the worker processes' files (when there are any: a run with
-    ``--processes``), in schedule order; the worker files are removed once the merged file is in place."""
+    ``--processes``), in schedule order; the worker files are removed once the merged file is in place. A worker
+    of ``processes`` with no file is an error: the report would count part of the schedule as all of it."""
     merged = Path(f"{csv_prefix}{OPEN_RECORDS_SUFFIX}")
     parts = sorted(merged.parent.glob(worker_records_path(csv_prefix, "*").name))
     if not parts:
         return merged
+    missing = [w for w in range(processes) if not worker_records_path(csv_prefix, w).is_file()]
+    if missing:
+        raise DataError(f"Locust worker process(es) {missing} of {processes} wrote no open-loop records next to "
+                        f"'{csv_prefix}': their share of the schedule is missing (see '{csv_prefix}.log' for why); "
+                        "run again, with fewer --processes on a busy machine")
     records = sorted((r for part in parts for r in read_records(part)), key=lambda r: r.scheduled_s)
     temporary = merged.with_suffix(".jsonl.tmp")
     write_records(temporary, records)

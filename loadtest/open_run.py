@@ -175,7 +175,7 @@ def run_open_loop(config: OpenLoopConfig, echo: Any = None, sweep: Sweep | None 
             log = Path(f"{prefix}.log")
             code = run_locust(open_command(url, prefix, rate, config),
                               config.duration_s + config_timeout(config) + 90, log, env=env)
-            records_file = merge_worker_records(prefix)
+            records_file = merge_worker_records(prefix, config.service.processes)
             if code not in (0, 1) or not records_file.is_file():
                 raise LoadTestError(f"the open-loop run at {rate:g} requests/s ended with code {code} and no "
                                     f"records; see {log}")

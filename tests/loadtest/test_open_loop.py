@@ -61,6 +61,42 @@ def test_worker_processes_split_one_schedule_and_their_records_merge(tmp_path):
     assert [json.loads(line)["scheduled_s"] for line in merged.read_text().splitlines()] == offsets
     assert sorted(p.name for p in tmp_path.iterdir()) == ["open_8_requests.jsonl"]  # the parts are gone
     assert merge_worker_records(prefix) == merged  # a run without worker files: the one file as written
+    write_records(worker_records_path(prefix, 1), [RequestRecord(scheduled_s=0.1, status=200)])
+    with pytest.raises(DataError, match=r"worker process\(es\) \[0\] of 2 wrote no open-loop records"):
+        merge_worker_records(prefix, processes=2)  # worker 0's share missing: not a report of half the schedule
+
+
+def test_the_master_ends_the_open_loop_when_every_worker_says_its_records_are_written(tmp_path):
+    """With --processes the master waits for each worker's OPEN_DONE_MESSAGE, not for the workers' user counts
+    to read 0 (a busy worker missing heartbeats reads 0: the master ended the test and killed it before it wrote
+    its share), and gives up on a silent worker after the schedule, the request timeout and a grace period."""
+    import subprocess
+    import sys
+
+    from loadtest.run import LOCUST_CONF
+
+    replay = tmp_path / "replay.jsonl"
+    replay.write_text('{"offset_s": 0.5}\n{"offset_s": 12.5}\n')
+    probe = (  # importing locust monkey-patches this process (gevent): drive the locustfile in a child process
+        "import time, types\n"
+        "import loadtest.locustfile as lf\n"
+        "opts = types.SimpleNamespace(duration=8, request_timeout=60, replay_schedule=None)\n"
+        "lf._worker_schedule_done(environment=None, msg=types.SimpleNamespace(data={'worker': 1}))\n"
+        "waits = lf.open_loop_finished(2, opts)\n"
+        "lf._worker_schedule_done(environment=None, msg=types.SimpleNamespace(data={'worker': 0}))\n"
+        "ends = lf.open_loop_finished(2, opts) is not None\n"
+        "lf.STATE.pop('open_loop_finished'); lf.OPEN_LOOP['workers_done'] = {1}\n"
+        "give_up_at = lf.STATE['open_loop_give_up_at'] - time.monotonic()\n"
+        "still = lf.open_loop_finished(2, opts)\n"
+        "lf.STATE['open_loop_give_up_at'] = time.monotonic() - 1\n"
+        "gives_up = lf.open_loop_finished(2, opts) is not None\n"
+        f"span = lf.schedule_span_s(types.SimpleNamespace(duration=8, replay_schedule={str(replay)!r}))\n"
+        "print(waits, ends, still, gives_up, round(give_up_at), span)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          cwd=LOCUST_CONF.parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == f"None True None True {8 + 60 + 30} 12.5"
+    assert "worker process(es) [0] never reported" in done.stderr
 
 
 def test_the_open_loop_user_runs_only_its_schedule():
@@ -180,7 +216,8 @@ def test_replay_schedule_from_records_by_hand():
 @pytest.mark.e2e
 def test_open_loop_rates_then_a_replay_of_the_recorded_traffic(tmp_path):
     """Two rates against the real service (records kept with texts), then the same traffic replayed from its
-    records at twice the speed: every request again, the recorded gaps halved, the recorded prompts and lengths."""
+    records at twice the speed from two Locust processes: every request again (both shares merged), the recorded
+    gaps halved, the recorded prompts and lengths."""
     from loadtest.run import local_service  # noqa: PLC0415
     from tests.eval.test_cli_e2e import cli  # noqa: PLC0415
 
@@ -210,7 +247,7 @@ def test_open_loop_rates_then_a_replay_of_the_recorded_traffic(tmp_path):
 
         replayed = tmp_path / "replay"
         cli("loadtest", "--url", url, "--replay", str(records_path), "--replay-speed", "2", "--max-lag-p99-ms",
-            "200", "--out", str(replayed))
+            "200", "--processes", "2", "--out", str(replayed))  # two Locust processes: each sends half
     recorded = [json.loads(line) for line in records_path.read_text().splitlines()]
     first_run = [r for r in recorded if r.get("kind", "request") == "request"][:sent]
     schedule = [json.loads(line) for line in (replayed / "replay_schedule.jsonl").read_text().splitlines()]
@@ -220,6 +257,7 @@ def test_open_loop_rates_then_a_replay_of_the_recorded_traffic(tmp_path):
     assert sorted(row["max_tokens"] for row in schedule) == sorted(max(1, r["completion_tokens"]) for r in first_run)
     replay_results = json.loads((replayed / "open_loop.json").read_text())
     (run,) = replay_results["runs"]
+    assert replay_results["processes"] == 2 and "The last worker quit" in (replayed / "replay.log").read_text()
     assert run["arrival"] == "replay" and run["num_prompts"] == sent and run["completed"] == sent
     # The replayed answers have the recorded lengths (the same prompts, greedy, max_tokens = the recorded length).
     answers = [json.loads(line)["output_tokens"] for line in (replayed / "replay_requests.jsonl").read_text()
