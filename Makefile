@@ -60,6 +60,8 @@ XDIST := -n 2 --dist loadfile
 # two cores idle (vmstat). Measured on the idle 2-core box, `pytest --dist loadfile --ignore=$(NO_COMPILER)`, one run
 # each (2026-11-29): -n 2 422 s, -n 3 380 s, -n 4 405 s; the same 1022 passed each time.
 DEFAULT_XDIST := -n 3 --dist loadfile
+# The vLLM group too (engine start-ups wait): 236 s on two workers, 222 s on three (the same box, one run each).
+VLLM_XDIST := -n 3 --dist loadfile
 # The no-compiler simulation (six CLI runs, about a minute of the default group's ten) runs with test-no-kernels,
 # beside the kernels-off tests of what it protects; CI runs that group inside the slow one (BESIDE_SLOW, below).
 NO_COMPILER := tests/test_no_compiler.py
@@ -112,7 +114,7 @@ install-vllm:
 
 # Two workers, a module per worker (each vLLM engine runs one CPU thread): 6.3 min here against 9.5 one by one.
 test-vllm: install-dev install-vllm
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm $(XDIST) --durations=10
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm $(VLLM_XDIST) --durations=10
 
 test-all: test test-slow test-vllm
 
