@@ -328,6 +328,21 @@ def _pct(row: HistoryRow | None) -> tuple[float | None, float | None, float | No
     return tuple(v if v else None for v in (row.p50, row.p95, row.p99))  # type: ignore[return-value]
 
 
+def window_pct(step: list[Snapshot], entry: Any, window_s: int) -> tuple[float | None, float | None, float | None]:
+    """The windowed p50/p95/p99 of ``entry(snapshot)`` at the step's end: from its last row, or, where Locust
+    wrote 0 there ("not computed": with worker processes the master's window often finds no snapshot in the
+    second after a report), from the latest earlier row of the step within its measuring window. A CI run's first
+    level lost its p95 that way (0 at the level's last row, 76 ms a second before) and was judged "no latency"."""
+    end = step[-1].timestamp
+    for snap in reversed(step):
+        if snap.timestamp < end - window_s:
+            break
+        values = _pct(entry(snap))
+        if values[1] is not None:
+            return values
+    return None, None, None
+
+
 def step_metrics(steps: list[list[Snapshot]], snapshots: list[Snapshot], window_s: int) -> list[dict]:
     """Per-step numbers (see the module docstring for what each covers)."""
     has_llm = any(s.llm(LATENCY_ENTRY) for s in snapshots)
@@ -349,10 +364,10 @@ def step_metrics(steps: list[list[Snapshot]], snapshots: list[Snapshot], window_
         seconds = end.timestamp - base.timestamp if base else 0
         base_requests = base.http_total() if base else 0
         base_tokens = base.llm_sum(TOKENS_ENTRY) if base else 0.0
-        latency_row = end.llm(LATENCY_ENTRY) if has_llm else end.aggregated()
-        p50, p95, p99 = _pct(latency_row)
-        ttft50, ttft95, _ = _pct(end.llm(TTFT_ENTRY))
-        session50, session95, _ = _pct(end.llm(SESSION_ENTRY))
+        p50, p95, p99 = window_pct(step, lambda snap: snap.llm(LATENCY_ENTRY) if has_llm else snap.aggregated(),
+                                   window_s)
+        ttft50, ttft95, _ = window_pct(step, lambda snap: snap.llm(TTFT_ENTRY), window_s)
+        session50, session95, _ = window_pct(step, lambda snap: snap.llm(SESSION_ENTRY), window_s)
         sessions_end = end.llm(SESSION_ENTRY).total_requests if end.llm(SESSION_ENTRY) else 0
         sessions_base = base.llm(SESSION_ENTRY).total_requests if base and base.llm(SESSION_ENTRY) else 0
         out.append({

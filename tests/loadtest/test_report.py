@@ -296,6 +296,26 @@ def test_uncomputed_percentile_never_passes(tmp_path):
     assert report["capacity"]["max_users_within_slo"] == 1
 
 
+def test_an_uncomputed_percentile_at_a_steps_end_reads_the_latest_computed_one_in_its_window(tmp_path):
+    """Locust with worker processes often writes 0 at a level's last row (its window found no snapshot in the
+    second after a report): the level's p95 is then the latest computed one of the level within its window (a CI
+    run judged a fleet's first level "no latency" for that), never one from before the window."""
+    rows = []
+    timeline = ((10, 1, 5, 70), (11, 1, 10, 80), (12, 1, 12, 0),  # level 1: 0 at its end, 80 a second before
+                (13, 2, 14, 300), (14, 2, 16, 0), (15, 2, 18, 0), (16, 2, 20, 0))  # level 2: 300 is too old
+    for ts, users, total, p95 in timeline:
+        rows += [history_row(ts, users, "GET", "/", total, 0, 50.0, 40, 90, 99),
+                 history_row(ts, users, "", "Aggregated", total, 0, 50.0, p95 and 40, p95, p95 and 99)]
+    info = {"plan": {"levels": [1, 2], "step_time_s": 3, "settle_s": 1, "window_s": 2}, "percentile_window_s": 2}
+    prefix = write_run(tmp_path, [stats_row("GET", "/", 20, 0, 50.0), stats_row("", "Aggregated", 20, 0, 50.0)],
+                       rows, [], info)
+    report = build_report(prefix, SLO(p95_ms=100))
+    first, second = report["steps"]
+    assert (first["latency_p50_ms"], first["latency_p95_ms"], first["latency_p99_ms"]) == (40, 80, 99)
+    assert first["meets_slo"] and second["latency_p95_ms"] is None and not second["meets_slo"]
+    assert report["capacity"]["max_users_within_slo"] == 1
+
+
 def test_per_replica_planning_line():
     """Measured on 2 replicas: 10 users hold at 45 requests/s, so plan 36 requests/s (20% headroom), 18 per
     replica; 100 requests/s then needs ceil(100 / 18) = 6 replicas, 36 exactly needs 2 (not 3 by rounding)."""
