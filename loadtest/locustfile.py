@@ -93,7 +93,8 @@ STREAM_NAME = "/v1/chat/completions [stream]"  # the HTTP entry of streamed chat
 AGENT_TURN_NAME = "/v1/chat/completions [agent turn]"  # the HTTP entry of each turn of an agent session
 OPEN_NAME = "/v1/chat/completions [open loop]"  # OpenLoopUser's HTTP entry (timed from the scheduled send)
 # "started"/"done": this process's open-loop schedule began/has run (the shape then ends the test); on the master,
-# "workers_done": the worker indices whose OPEN_DONE_MESSAGE came (their records are on disk).
+# "workers_done": the worker indices whose OPEN_DONE_MESSAGE came (their records are on disk), "give_up_at" and
+# "finished_at" (time.monotonic(); see open_loop_finished). Cleared at each test start.
 OPEN_LOOP: dict[str, Any] = {}
 OPEN_DONE_MESSAGE = "verl_open_loop_done"  # worker -> master, sent once the worker's records are written
 OPEN_DONE_GRACE_S = 30.0  # past the schedule and the request timeout, the longest the master waits for a worker
@@ -309,8 +310,6 @@ def prepare(environment: Environment, **_: Any) -> None:
     STATE.pop("first_users_running", None)  # a new test (the web UI's restart) waits for its users again
     STATE.pop("first_users_wait_from", None)
     OPEN_LOOP.clear()
-    STATE.pop("open_loop_give_up_at", None)
-    STATE.pop("open_loop_finished", None)
     apply_options(environment)
     host = environment.host or DEFAULT_HOST
     headers = _auth_headers(options.api_key)
@@ -623,8 +622,7 @@ class OpenLoopUser(AgentUser):
         OPEN_LOOP["started"] = True
         options = self.options
         if options.replay_schedule:  # the service's own traffic (verl loadtest --replay)
-            with open(options.replay_schedule) as handle:
-                rows = [json.loads(line) for line in handle if line.strip()]
+            rows = replay_rows(options.replay_schedule)
             offsets = [float(row["offset_s"]) for row in rows]
             requests = [{"messages": row["messages"], "max_tokens": int(row["max_tokens"])} for row in rows]
         else:
@@ -810,28 +808,33 @@ def open_loop_finished(workers: int, options: Any) -> float | None:
     """On the master: when (``time.monotonic()``) all ``workers`` had sent OPEN_DONE_MESSAGE, else None. A worker
     silent past the schedule, the request timeout and OPEN_DONE_GRACE_S is given up on (logged; the report then
     names its missing share), so a dead worker cannot hold the test open."""
-    if "open_loop_finished" in STATE:
-        return STATE["open_loop_finished"]
+    if "finished_at" in OPEN_LOOP:
+        return OPEN_LOOP["finished_at"]
     now = time.monotonic()
     done = OPEN_LOOP.get("workers_done", set())
-    if "open_loop_give_up_at" not in STATE:
-        STATE["open_loop_give_up_at"] = now + schedule_span_s(options) + options.request_timeout + OPEN_DONE_GRACE_S
+    give_up_at = OPEN_LOOP.setdefault("give_up_at", now + schedule_span_s(options) + options.request_timeout
+                                      + OPEN_DONE_GRACE_S)
     if len(done) >= workers:
-        STATE["open_loop_finished"] = now
-    elif now > STATE["open_loop_give_up_at"]:
+        OPEN_LOOP["finished_at"] = now
+    elif now > give_up_at:
         missing = sorted(set(range(workers)) - done)
         log.error("loadtest: worker process(es) %s never reported their open-loop share done; ending the test",
                   missing)
-        STATE["open_loop_finished"] = now
-    return STATE.get("open_loop_finished")
+        OPEN_LOOP["finished_at"] = now
+    return OPEN_LOOP.get("finished_at")
+
+
+def replay_rows(path: str) -> list[dict[str, Any]]:
+    """The rows of a replay schedule (``verl loadtest --replay`` writes it: offset_s, messages, max_tokens)."""
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
 
 
 def schedule_span_s(options: Any) -> float:
     """How long the open-loop schedule runs: ``--duration``, or a replay's last offset."""
     if not options.replay_schedule:
         return float(options.duration)
-    with open(options.replay_schedule) as handle:
-        return max((float(json.loads(line)["offset_s"]) for line in handle if line.strip()), default=0.0)
+    return max((float(row["offset_s"]) for row in replay_rows(options.replay_schedule)), default=0.0)
 
 
 class StepShape(LoadTestShape):

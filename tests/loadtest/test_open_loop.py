@@ -85,10 +85,10 @@ def test_the_master_ends_the_open_loop_when_every_worker_says_its_records_are_wr
         "waits = lf.open_loop_finished(2, opts)\n"
         "lf._worker_schedule_done(environment=None, msg=types.SimpleNamespace(data={'worker': 0}))\n"
         "ends = lf.open_loop_finished(2, opts) is not None\n"
-        "lf.STATE.pop('open_loop_finished'); lf.OPEN_LOOP['workers_done'] = {1}\n"
-        "give_up_at = lf.STATE['open_loop_give_up_at'] - time.monotonic()\n"
+        "lf.OPEN_LOOP.pop('finished_at'); lf.OPEN_LOOP['workers_done'] = {1}\n"
+        "give_up_at = lf.OPEN_LOOP['give_up_at'] - time.monotonic()\n"
         "still = lf.open_loop_finished(2, opts)\n"
-        "lf.STATE['open_loop_give_up_at'] = time.monotonic() - 1\n"
+        "lf.OPEN_LOOP['give_up_at'] = time.monotonic() - 1\n"
         "gives_up = lf.open_loop_finished(2, opts) is not None\n"
         f"span = lf.schedule_span_s(types.SimpleNamespace(duration=8, replay_schedule={str(replay)!r}))\n"
         "print(waits, ends, still, gives_up, round(give_up_at), span)\n")
