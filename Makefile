@@ -112,7 +112,7 @@ VLLM_VENV ?= $(VENV)-vllm
 install-vllm:
 	VLLM_VENV=$(VLLM_VENV) bash scripts/vllm_env.sh
 
-# Two workers, a module per worker (each vLLM engine runs one CPU thread): 6.3 min here against 9.5 one by one.
+# A module per worker (each vLLM engine runs one CPU thread), on VLLM_XDIST's three workers (above).
 test-vllm: install-dev install-vllm
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm $(VLLM_XDIST) --durations=10
 
