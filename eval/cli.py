@@ -1,4 +1,4 @@
-"""``verl eval`` and ``verl compare`` (registered into the ``verl`` typer app by ``verl.cli``).
+"""``verl eval`` and ``verl compare`` (contributed to the ``verl`` CLI through the ``verl.commands`` entry point).
 
 Only typer is imported at module level: ``verl --help`` must work without torch models or matplotlib loaded.
 """
@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from eval.ship.cli import register as register_ship
-from verl.utils.cli import run_guarded
+from verl.utils.cli import new_console, run_guarded
 
 
 def eval_command(
@@ -77,8 +77,6 @@ def eval_command(
     """Evaluate a checkpoint (or every checkpoint of a run): metrics with 95% CIs, samples, report, plots."""
 
     def _run():
-        from rich.console import Console
-
         from eval.runner import EvalSettings, run_eval
         from verl.utils.fs import ensure_writable_dir
         from verl.utils.log import quiet_hf
@@ -98,9 +96,9 @@ def eval_command(
         if watch:
             from eval.watch import watch_run
 
-            watch_run(ckpt, settings, out, Console(stderr=True))
+            watch_run(ckpt, settings, out, new_console())
             return
-        run_eval(ckpt, settings, out, Console(stderr=True))
+        run_eval(ckpt, settings, out, new_console())
 
     run_guarded(_run)
 
@@ -150,8 +148,6 @@ def compare_command(
         run_guarded(_usage_error, "verl compare needs at least two runs (A B ...), or --online URL|FILE")
 
     def _run():
-        from rich.console import Console
-
         from eval.compare import compare
         from eval.runner import EvalSettings
         from verl.utils.fs import ensure_writable_dir
@@ -164,7 +160,7 @@ def compare_command(
                                 seed=seed, max_samples=max_samples, select=metric, quiet=quiet,
                                 max_prompt_length=max_prompt_length)
         compare(runs, ckpt=ckpt, out=out, alpha=alpha, settings=settings, n_boot=bootstrap,
-                seed=seed if seed is not None else 0, console=Console(stderr=True))
+                seed=seed if seed is not None else 0, console=new_console())
 
     run_guarded(_run)
 
@@ -185,24 +181,22 @@ def _usage_error(message: str) -> None:
 def _compare_online(source: str, out: Path | None, baseline: str | None, models: list[str] | None, alpha: float,
                     n_boot: int, seed: int | None, since: float | None, admin_key: str | None,
                     reward_source: str | None = None) -> None:
-    from rich.console import Console
-
     from eval.online import compare_online
 
     out_dir = out or Path("outputs/compare/online")
     report = compare_online(source, out_dir, baseline, models, alpha, n_boot, seed or 0, since, admin_key,
                             reward_source)
-    console = Console()
-    console.print(f"rewards: {report['reward_source'] or 'none recorded'}")
+    printer = new_console(stderr=False)
+    printer.print(f"rewards: {report['reward_source'] or 'none recorded'}")
     for name, s in report["models"].items():
         reward = "–" if s["reward_mean"] is None else f"{s['reward_mean']:.3f} (n={s['rewarded']})"
         e2e = "–" if s["e2e_mean"] is None else f"{s['e2e_mean']:.3f}"
-        console.print(f"{name}: {s['requests']} requests, {s['errors']} errors, {s['aborted']} aborted, reward "
+        printer.print(f"{name}: {s['requests']} requests, {s['errors']} errors, {s['aborted']} aborted, reward "
                       f"{reward}, e2e mean {e2e} s")
     for pair in report["comparisons"]:
         reward = pair["reward"]["verdict"] if pair["reward"] else "no rewards recorded"
-        console.print(f"{pair['candidate']} vs {pair['baseline']}: reward {reward}; latency {pair['e2e']['verdict']}")
-    console.print(f"report: {out_dir / 'report.md'}")
+        printer.print(f"{pair['candidate']} vs {pair['baseline']}: reward {reward}; latency {pair['e2e']['verdict']}")
+    printer.print(f"report: {out_dir / 'report.md'}")
 
 
 def joined_specs(evaluators: list[str] | None) -> str | None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.text import Text
 
 from eval import plots
 from eval.pairwise import PairEvaluation, check_settings, rm_config_of
@@ -411,7 +412,8 @@ def compare(paths: list[str], ckpt: str = "best", out: str | Path | None = None,
     _write(out_dir, report, entries)
     if console is not None and not settings.quiet:
         for pair in pairs:
-            console.print(f"[bold]{pair['candidate']} vs {pair['baseline']}[/] ({pair['num_prompts']} prompts)",
+            console.print(Text.assemble((f"{pair['candidate']} vs {pair['baseline']}", "bold"),
+                                        f" ({pair['num_prompts']} prompts)"),
                           highlight=False)
             for row in list(pair["metrics"].values())[:6]:
                 console.print(f"  {row['metric']}: {fmt(row['baseline'])} -> {fmt(row['candidate'])} "

@@ -1,4 +1,5 @@
-"""The contamination check of ``verl eval`` (DESIGN §14): the evaluation prompts against the run's training data
+"""The contamination check of ``verl eval`` (docs/architecture.md §14): the evaluation prompts against the run's
+training data
 (``verl.data.contamination``: exact after normalisation, or a shared word 13-gram), the count in ``results.json``
 and the report, every metric recomputed on the clean prompts beside the whole, and ``--strict`` refusing."""
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from verl.data.contamination import TrainingIndex, prompts_of, summary
+from verl.data.contamination import NGRAM, TrainingIndex, prompts_of, summary
 from verl.errors import ConfigError
 
 
@@ -41,8 +42,16 @@ def clean_metrics(samples: list[dict], metrics: dict[str, dict]) -> dict[str, di
     return out
 
 
+def not_checked(reason: str) -> dict[str, Any]:
+    """The results' entry when nothing could be checked (no run, or a run without training files)."""
+    return {"checked": 0, "overlapping": 0, "exact": 0, "ngram": 0, "n": NGRAM, "against": [], "clean": {},
+            "not_checked": reason}
+
+
 def line(info: dict[str, Any]) -> str:
     """The report's sentence."""
+    if info.get("not_checked"):
+        return f"Contamination: not checked ({info['not_checked']})."
     text = (f"Contamination: {info['overlapping']} of {info['checked']} prompts overlap the training data "
             f"({info['exact']} exactly, {info['ngram']} by a shared {info['n']}-gram; checked against "
             f"{', '.join(f'`{f}`' for f in info['against'])}).")

@@ -13,7 +13,7 @@ import numpy as np
 
 from verl.utils.fs import atomic_path
 
-INSTALL_HINT = "plots need matplotlib: pip install 'verl-suite[eval]'"
+INSTALL_HINT = "plots need matplotlib: pip install matplotlib (or, in a checkout: pip install -e '.[eval]')"
 
 
 def _pyplot():

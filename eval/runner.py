@@ -38,6 +38,7 @@ import torch
 from peft import PeftModel
 from pydantic import TypeAdapter, ValidationError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 import verl.config as config_module
 from eval import contamination as contamination_check
@@ -83,7 +84,7 @@ from verl.models.loader import (
 )
 from verl.protocol import DataProto
 from verl.rollout.agent_loop import AgentRollout
-from verl.rollout.base import SamplingParams, get_rollout_factory, pad_responses
+from verl.rollout.base import EngineSpec, SamplingParams, build_rollout, pad_responses
 from verl.tools.templates import ToolPrompting
 from verl.trainer.checkpoint import STEP_DIR, list_checkpoints
 from verl.utils.seeding import set_num_threads
@@ -314,7 +315,8 @@ def _sft_as_run_config(raw: dict, run_dir: Path) -> Any:
         return None
     d = sft.data
     return build_config({"model": sft.model.model_dump(), "data": {
-        "val_files": d.val_files, "val_max_samples": d.val_max_samples, "prompt_key": d.prompt_key,
+        "train_files": d.train_files, "val_files": d.val_files, "val_max_samples": d.val_max_samples,
+        "prompt_key": d.prompt_key,
         "ground_truth_key": d.ground_truth_key, "max_prompt_length": d.max_prompt_length,
         "max_response_length": d.max_response_length, "arithmetic": d.arithmetic.model_dump()},
         "rollout": {"multi_turn": sft.rollout.multi_turn.model_dump()}, "trainer": {"seed": sft.trainer.seed}},
@@ -579,6 +581,9 @@ class Evaluation:
                 row["contaminated"] = kinds[row["index"]]
             results["contamination"] = {**info, "clean": contamination_check.clean_metrics(samples,
                                                                                           results["metrics"])}
+        else:  # said, not left out: a report without the line would read as a clean bill
+            known = "this checkpoint (no run directory)" if self.run_cfg is None else "this run"
+            results["contamination"] = contamination_check.not_checked(f"no training data is known for {known}")
         self._add_groups(results, samples)
         write_results(out_dir, results, samples)
 
@@ -605,19 +610,15 @@ class Evaluation:
 
     def _build_engine(self, policy: Any, model_path: str) -> Any:
         """The rollout engine the run's validation used, around ``policy`` (vLLM loads ``model_path`` itself)."""
-        factory = get_rollout_factory(self.resolved.engine)
-        if self.resolved.engine == "hf":
-            # The run's generation chunking and autocast, so samples match the trainer's validation exactly.
-            micro = self.run_cfg.rollout.micro_batch_size if self.run_cfg is not None else None
-            bf16 = self.run_cfg is not None and self.run_cfg.actor.autocast == "bf16"
-            if self.run_cfg is not None and self.run_cfg.rollout.dtype is not None:  # the run's engine dtype
-                bf16 = self.run_cfg.rollout.dtype == "bfloat16"
-            engine = factory(policy, self.tokenizer, micro, self._torch.bfloat16 if bf16 else None)
-        else:
-            rollout_cfg = self.run_cfg.rollout if self.run_cfg is not None else RolloutConfig()
-            engine = factory(model_path=model_path, tokenizer=self.tokenizer, config=rollout_cfg,
-                             max_model_len=self.data_cfg.max_prompt_length + self.resolved.max_new_tokens,
-                             seed=self.resolved.seed, actor_model=policy, dtype=rollout_cfg.dtype)
+        # The run's generation chunking and autocast, so samples match the trainer's validation exactly.
+        rollout_cfg = self.run_cfg.rollout if self.run_cfg is not None else RolloutConfig()
+        bf16 = self.run_cfg is not None and self.run_cfg.actor.autocast == "bf16"
+        if rollout_cfg.dtype is not None:  # the run's engine dtype
+            bf16 = rollout_cfg.dtype == "bfloat16"
+        engine = build_rollout(self.resolved.engine, EngineSpec(
+            policy, model_path, self.tokenizer, rollout_cfg,
+            self.data_cfg.max_prompt_length + self.resolved.max_new_tokens, self.resolved.seed,
+            micro_batch_size=rollout_cfg.micro_batch_size, autocast_dtype=self._torch.bfloat16 if bf16 else None))
         turns = self._multi_turn_config()
         return engine if turns is None else AgentRollout(engine, turns, self.resolved.max_new_tokens)
 
@@ -842,7 +843,7 @@ def run_eval(ckpt: str | Path, settings: EvalSettings, out: str | Path | None = 
     run_cfg, raw, notes = load_run_config(target.run_dir)
     if console is not None and notes and not settings.quiet:
         for note in notes:
-            console.print(f"[yellow]note:[/] {note}")
+            console.print(Text.assemble(("note:", "yellow"), f" {note}"))
     resolved = resolve_settings(settings, run_cfg, settings.reference)
     resolved.notes.extend(notes)
     if target.kind == "run":

@@ -1,4 +1,4 @@
-"""``verl loadtest`` and ``verl loadtest-report`` (registered on the ``verl`` CLI by ``verl.cli.register_subcommands``).
+"""``verl loadtest`` and ``verl loadtest-report``, contributed to the ``verl`` CLI by the ``verl.commands`` entry point.
 
 Only typer is imported at module level: ``verl --help`` must not load Locust, matplotlib or the service. (Locust
 also imports this file when given ``-f loadtest/``; it defines no users, so it adds nothing to the test.)
@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from verl.utils.cli import run_guarded
+from verl.utils.cli import new_console, run_guarded
 
 SLO_HELP = "p95 latency SLO in ms (end-to-end, successful requests of every endpoint)."
 
@@ -86,7 +86,7 @@ def loadtest_command(
     max_rate: Annotated[float, typer.Option("--max-rate", help="--sweep: the highest rate tried.")] = 1024.0,
     replay: Annotated[str | None, typer.Option(
         "--replay", help="Open loop on the service's own traffic: its records (a records_path file, or a "
-                         "service URL's /admin/records with VERL_SERVE_ADMIN_KEY), at the recorded arrival times, "
+                         "service URL's /admin/records with VERL_SERVE_ADMIN_API_KEY), at the recorded arrival times, "
                          "prompts (where kept) and output lengths.")] = None,
     replay_speed: Annotated[float, typer.Option(
         "--replay-speed", help="--replay: divide the recorded gaps by this (2 = twice the recorded rate).")] = 1.0,
@@ -96,8 +96,6 @@ def loadtest_command(
     with --rate), stop the service, write a capacity report."""
 
     def _run() -> None:
-        from rich.console import Console
-
         from loadtest.render import summary_text
         from loadtest.report import SLO
         from loadtest.run import LoadTestConfig, run_loadtest
@@ -105,7 +103,7 @@ def loadtest_command(
 
         if user_mix not in ("mixed", "classes", "agent", "feedback"):
             raise ConfigError(f"--user-mix must be mixed, classes, agent or feedback (got {user_mix!r})")
-        console = Console(stderr=True, highlight=False)
+        console = new_console()
         config = LoadTestConfig(
             out_dir=out, model=model, engine=engine, max_users=max_users, step_users=step_users,
             step_time_s=step_time, step_settle_s=step_settle, user_mix=user_mix, user_classes=users or [],
@@ -188,8 +186,6 @@ def loadtest_report_command(
     """Capacity report (Markdown, HTML, JSON, PNG) from Locust's CSVs: per-step numbers and max users in SLO."""
 
     def _run() -> None:
-        from rich.console import Console
-
         from loadtest.render import make_report, summary_text
         from loadtest.report import SLO, FleetPlan, resolve_prefix
         from verl.errors import ConfigError
@@ -201,7 +197,7 @@ def loadtest_report_command(
                 raise ConfigError("give either a Locust CSV prefix or --compare A B, not both")
             second = Path(compare[1])
             report, paths = compare_runs(compare[0], second, out or (second if second.is_dir() else second.parent))
-            console = Console(stderr=True, highlight=False)
+            console = new_console()
             for row in report["rows"]:
                 console.print(compare_line(row), soft_wrap=True)
             console.print(f"comparison: {paths['markdown']} (also .json)")
@@ -212,7 +208,7 @@ def loadtest_report_command(
         slo = SLO(slo_p95_ms, max_failure_rate, slo_ttft_p95_ms, headroom, slo_session_p95_ms)
         report, paths = make_report(prefix, out or prefix.parent, slo, plots=not no_plots,
                                     server_metrics=server_metrics, plan=FleetPlan(replicas, target_rps))
-        console = Console(stderr=True, highlight=False)
+        console = new_console()
         console.print(summary_text(report), soft_wrap=True)
         console.print(f"report: {paths['markdown']} (also .html and .json)")
 

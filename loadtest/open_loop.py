@@ -1,5 +1,5 @@
-"""Open-loop load (DESIGN §15): requests sent on a schedule that does not wait for answers, latency counted from the
-**scheduled** send time, and the numbers ``vllm bench serve`` reports, under its names.
+"""Open-loop load (docs/architecture.md §15): requests sent on a schedule that does not wait for answers, latency
+counted from the **scheduled** send time, and the numbers ``vllm bench serve`` reports, under its names.
 
 A closed-loop user waits for each answer before it sends the next request, so when the service slows down the load
 slows down with it and the latency under overload is under-reported (coordinated omission). Here the schedule is

@@ -1,5 +1,5 @@
-"""``verl export``, ``verl serve`` and ``verl promote``, registered on the ``verl`` CLI by
-``verl.cli.register_subcommands``.
+"""``verl export``, ``verl serve``, ``verl promote`` and ``verl data from-records``, contributed to the ``verl`` CLI
+through the ``verl.commands`` entry point (pyproject.toml).
 
 Heavy imports (torch, transformers, fastapi, uvicorn) happen inside the commands, so ``verl --help`` works in an
 environment without the serving extra.
@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.text import Text
 
-from verl.utils.cli import run_guarded
+from verl.utils.cli import command_group, err, new_console, run_guarded
 
 
 def export_command(
@@ -34,8 +35,6 @@ def export_command(
     """Export a checkpoint as a servable HF model dir (LoRA merged, safetensors, tokenizer, export.json)."""
 
     def _run() -> None:
-        from rich.console import Console
-
         from serve.export import run_export
         from verl.errors import ConfigError
 
@@ -44,9 +43,9 @@ def export_command(
         _quiet_transformers()
         path, selection = run_export(to, run=run, ckpt=ckpt, select=select, metric=metric, force=force,
                                      base=base, dtype=dtype, logs=logs, verify=not no_verify)
-        console = Console(stderr=True, highlight=False)
+        console = new_console()
         for note in selection.notes:
-            console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+            console.print(Text.assemble(("note:", "yellow"), f" {note}"), soft_wrap=True)
         why = selection.selected_by
         if selection.metric:
             m = selection.metric
@@ -117,12 +116,52 @@ def promote_command(
     def _run() -> None:
         import json
 
-        from rich.console import Console
-
         from serve.promote import promote
 
         state = promote(service, route, model, weight, admin_key, path, adapter, base, unload)
-        Console().print_json(json.dumps(state))
+        new_console(stderr=False).print_json(json.dumps(state))
+
+    run_guarded(_run)
+
+
+def data_from_records(
+    records: Annotated[list[str], typer.Argument(help="Records files (a service's records_path) or service URLs "
+                                                      "(their /admin/records; a fleet's holds every replica's).")],
+    out: Annotated[Path, typer.Option("--out", help="Output directory: train/val.parquet, pairs/, summary.json.")
+                   ] = Path("data/from-records"),
+    route: Annotated[list[str] | None, typer.Option("--route", help="Only requests to this route (repeatable).")
+                     ] = None,
+    model: Annotated[list[str] | None, typer.Option("--model", help="Only answers of this model (repeatable).")
+                     ] = None,
+    since: Annotated[float | None, typer.Option("--since", help="Only records after this Unix time.")] = None,
+    until: Annotated[float | None, typer.Option("--until", help="Only records before this Unix time.")] = None,
+    reward_source: Annotated[str | None, typer.Option("--reward-source", help="The rewards exported: rule, "
+                                                      "feedback, rm:NAME or judge:NAME (needed when the records "
+                                                      "hold several; sources are never mixed).")] = None,
+    min_rewards: Annotated[int, typer.Option("--min-rewards", help="Prompts with fewer rewarded answers are "
+                                             "dropped (0: keep prompts without any).")] = 1,
+    prompts: Annotated[str, typer.Option("--prompts", help="Which prompts: chat (messages, the default) or "
+                                         "completion (/v1/completions texts); one file holds one kind.")] = "chat",
+    near_dup: Annotated[float, typer.Option("--near-dup", help="Jaccard similarity (character 5-grams) at which a "
+                                            "prompt is a near duplicate of an earlier one; 1 turns it off.")] = 0.8,
+    val_fraction: Annotated[float, typer.Option("--val-fraction", help="Share of user groups held out (no user "
+                                                "in both files).")] = 0.1,
+    seed: int = 0,
+    admin_key: Annotated[str | None, typer.Option("--admin-key", help="A service URL's admin_api_key (default: "
+                                                  "$VERL_SERVE_ADMIN_API_KEY).")] = None,
+) -> None:
+    """A service's online records into training data: prompts with their rewards and lineage, preference pairs for
+    `verl rm`, deduplicated and split by user; records marked not-for-training are never exported."""
+
+    def _run() -> None:
+        from serve.from_records import RecordFilters, export_records, summary_line
+
+        filters = RecordFilters(routes=route or None, models=model or None, since=since, until=until,
+                                reward_source=reward_source, min_rewards=min_rewards, prompts=prompts)
+        summary = export_records(records, out, filters, val_fraction=val_fraction, near_dup_threshold=near_dup,
+                                 seed=seed, admin_key=admin_key)
+        err.print(summary_line(summary), highlight=False, soft_wrap=True)
+        err.print(f"-> {out} (summary.json says which records went where and why)", highlight=False)
 
     run_guarded(_run)
 
@@ -132,6 +171,7 @@ def register(app: typer.Typer) -> None:
     app.command("export")(export_command)
     app.command("serve")(serve_command)
     app.command("promote")(promote_command)
+    command_group(app, "data").command("from-records")(data_from_records)
 
 
 def uvicorn_options(settings) -> dict:

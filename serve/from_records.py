@@ -1,4 +1,4 @@
-"""``verl data from-records``: a service's online records into the trainer's parquet files (DESIGN §14).
+"""``verl data from-records``: a service's online records into the trainer's parquet files (docs/architecture.md §14).
 
 Input: records files (``records_path``), or running services (their ``/admin/records``: a fleet's is the merged log
 of every replica). Only request rows that carry their texts (the service's ``record_texts``) can become training

@@ -1,4 +1,4 @@
-"""The shape of the code (shared/DESIGN.md §2): no import cycles, imports that flow down, plug-ins as lazy tables.
+"""The shape of the code (docs/architecture.md §2): no import cycles, imports that flow down, plug-ins as lazy tables.
 
 Imports are read from the source with ``ast`` — every ``import`` statement anywhere in a file, so an import inside a
 function ("lazy") counts like one at the top. An import names the module it loads, not its parent packages.
@@ -17,18 +17,16 @@ import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("verl", "eval", "serve", "loadtest", "benchmarks")
-# Every module's level (DESIGN §2): a module may import — at its top, lazily, or by naming it in a string — its own
-# level or a lower one, never a higher one. verl's core first, in its internal order; then the service, the load
-# generator (it drives the service's clients), eval (its ship stage drives both), the faces, the benchmarks.
+# Every module's level (docs/architecture.md §2): a module may import — at its top, lazily, or by naming it in a
+# string — its own level or a lower one, never a higher one. verl's core first, in its internal order (its CLI
+# last); then the service, the load generator (it drives the service's clients), eval (its ship stage drives both),
+# the benchmarks. No exceptions: the packages above the core contribute their commands as entry points.
 VERL_LEVELS = {
-    "algos": 0, "protocol": 0, "utils": 0, "errors": 0, "config": 0, "config_aliases": 0,
+    "algos": 0, "protocol": 0, "utils": 0, "errors": 0, "config": 0, "config_aliases": 0, "registry": 0,
     "models": 1, "data": 1, "rewards": 1, "tracking": 1, "tools": 1, "dashboard": 1,
-    "rollout": 2, "evaluators": 2, "workers": 3, "trainer": 4,
+    "rollout": 2, "evaluators": 2, "workers": 3, "trainer": 4, "cli": 5,
 }
 PACKAGE_LEVELS = {"serve": 6, "loadtest": 7, "eval": 8, "benchmarks": 10}
-# The faces: `verl` (verl.cli attaches every feature's commands) and `python3 -m verl.trainer.main_ppo`, verl's
-# launch line, which has to live in the trainer package.
-MODULE_LEVELS = {"verl.cli": 9, "verl.trainer.main_ppo": 9}
 # "a.b.c" or "a.b.c:Name": how a plug-in table or import_module names a module.
 MODULE_STRING = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?::[\w.]+)?")
 
@@ -141,8 +139,6 @@ def test_no_import_cycles_anywhere(graph):
 
 def level(module: str) -> int | None:
     """A module's level, or None when nothing gives it one."""
-    if module in MODULE_LEVELS:
-        return MODULE_LEVELS[module]
     parts = module.split(".")
     if parts[0] == "verl":
         return VERL_LEVELS.get(parts[1]) if len(parts) > 1 else 0
@@ -164,7 +160,7 @@ def test_every_module_has_a_level(graph):
 
 
 def test_verl_core_never_imports_eval_serve_or_loadtest(references):
-    bad = {(m, i) for m, deps in references.items() if m.startswith("verl.") and level(m) < 9
+    bad = {(m, i) for m, deps in references.items() if m.startswith("verl.")
            for i in deps if i.split(".")[0] in ("eval", "serve", "loadtest", "benchmarks")}
     assert bad == set()
 
@@ -234,7 +230,7 @@ def test_commands_are_module_level_functions():
     assert nested == []
 
 
-# The service's roles (shared/DESIGN.md §7), one module each, below the composition that wires them (serve.service)
+# The service's roles (docs/architecture.md §7), one module each, below the composition that wires them (serve.service)
 # and the endpoints above it. A role never reaches the composition or an endpoint: each is testable alone.
 SERVICE_ROLES = ("serve.lifecycle", "serve.admission", "serve.shadow", "serve.pumps", "serve.changes",
                  "serve.fleet_sync")
@@ -256,3 +252,94 @@ def test_the_service_is_a_thin_composition_of_its_roles(references):
     [service] = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Service"]
     assert service.end_lineno - service.lineno + 1 <= MAX_SERVICE_LINES
     assert {n for n in references["serve.service"] if n.startswith("serve.")} >= set(SERVICE_ROLES)
+
+
+# Every pluggable table (docs/architecture.md, "Registries"): (module, its Registry).
+REGISTRIES = {("verl.algos.advantages", "ADV_ESTIMATORS"), ("verl.algos.advantages", "ESTIMATOR_FACTS"),
+              ("verl.algos.kl", "KL_ESTIMATORS"), ("verl.algos.losses", "POLICY_LOSSES"),
+              ("verl.rewards.registry", "REWARD_FNS"), ("verl.evaluators.registry", "EVALUATORS"),
+              ("verl.rollout.base", "ROLLOUT_ENGINES"), ("serve.engines", "ENGINES"),
+              ("verl.tracking.base", "TRACKERS"), ("verl.tools.registry", "BUILTIN_TOOLS"), ("verl.cli", "COMMANDS")}
+
+
+def registry_assignments(modules: dict[str, Path]) -> set[tuple[str, str]]:
+    """(module, name) of every module-level ``NAME = Registry(...)`` / ``NAME: ... = Registry(...)``."""
+    found = set()
+    for name, file in modules.items():
+        for node in ast.parse(file.read_text()).body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "Registry":
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found |= {(name, t.id) for t in targets if isinstance(t, ast.Name)}
+    return found
+
+
+def tables_written_by_registering_functions(modules: dict[str, Path]) -> list[str]:
+    """``module:function`` for every ``register*`` function that stores into a module-level table itself
+    (``TABLE[name] = ...``) instead of going through a Registry."""
+    found = []
+    for name, file in modules.items():
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("register"):
+                found += [f"{name}:{node.name}" for inner in ast.walk(node) if isinstance(inner, ast.Assign)
+                          for t in inner.targets if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)
+                          and t.value.id.isupper()]
+    return found
+
+
+def test_every_pluggable_table_is_one_registry_type_that_refuses_a_second_definition():
+    import importlib
+
+    from verl.registry import Registry, RegistryError
+
+    modules = project_modules()
+    assert registry_assignments(modules) == REGISTRIES
+    assert tables_written_by_registering_functions(modules) == []
+    for module, attr in sorted(REGISTRIES):
+        table = getattr(importlib.import_module(module), attr)
+        assert isinstance(table, Registry) and len(table) > 0, module
+        name = next(iter(table))
+        with pytest.raises(RegistryError, match=f"{table.kind} '{name}' is defined twice: .* and "):
+            table.copy().register(name, object())
+        table.copy().register(name, table._entries[name])  # the same definition again (a re-import) is fine
+    probe = {"x": Path()}
+    assert tables_written_by_registering_functions({"x": _write(probe, "TABLE = {}\n\ndef register_x(n, f):\n"
+                                                                      "    TABLE[n] = f\n")}) == ["x:register_x"]
+
+
+def _write(_: dict, text: str) -> Path:
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "probe.py"
+    path.write_text(text)
+    return path
+
+
+def test_every_console_prints_verbatim():
+    """Consoles come from ``verl.utils.cli.new_console`` (markup off), so a message's ``[...]`` survives."""
+    made_elsewhere = [name for name, file in project_modules().items() if name != "verl.utils.cli"
+                      for node in ast.walk(ast.parse(file.read_text())) if isinstance(node, ast.Call)
+                      and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Console"]
+    assert made_elsewhere == []
+
+
+def test_every_design_reference_points_into_docs_architecture():
+    """The architecture lives in the repository; a ``docs/architecture.md §N`` in the code names a section of it."""
+    sections = set(re.findall(r"^## (\d+)\.", (REPO / "docs" / "architecture.md").read_text(), re.M))
+    files = [*project_modules().values(), *(REPO / "tests").rglob("*.py")]
+    cited = {(f.name, n) for f in files for n in re.findall(r"docs/architecture\.md §(\d+)", f.read_text())}
+    assert len(cited) >= 10 and {n for _, n in cited} <= sections
+    assert not [f for f in files if re.search(r"DESIGN(\.md)? §", f.read_text())]
+
+
+def test_every_environment_switch_is_documented_in_one_table():
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("### Environment switches"):doc.index("## 9.")]
+    read = {m for f in project_modules().values() for m in re.findall(r"VERL_[A-Z0-9_]*[A-Z0-9]", f.read_text())}
+    assert len(read) > 20
+    assert sorted(v for v in read if v not in table and not v.startswith("VERL_SERVE_")) == []
+    assert "VERL_SERVE_<SETTING>" in table
+    from serve.settings import ServeSettings  # each VERL_SERVE_ name is a setting (a help text named a wrong one)
+
+    settings = {f"VERL_SERVE_{name.upper()}" for name in ServeSettings.model_fields} | {"VERL_SERVE_CONFIG"}
+    assert sorted(v for v in read if v.startswith("VERL_SERVE_") and v not in settings) == []

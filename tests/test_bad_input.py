@@ -60,6 +60,17 @@ def truncated_copy(checkpoint: Path, to: Path) -> Path:
     return to
 
 
+def test_messages_print_verbatim_brackets_included(tmp_path):
+    """rich's markup would read ``[console,jsonl,tensorboard]`` as a style tag and drop it: the console prints
+    messages as they are, and an install hint names a command that works from a checkout."""
+    from verl.models.gguf import INSTALL_SMOLLM2
+
+    flat = one_line_error(cli("train", "trainer.logger=[console,nosuch]", f"trainer.output_dir={tmp_path}"),
+                          "unknown tracker(s) ['nosuch']", "(e.g. trainer.logger=[console,jsonl,tensorboard])")
+    assert "'nosuch'" in flat
+    assert INSTALL_SMOLLM2.startswith("make install-real-model") and "'.[real-model]'" in INSTALL_SMOLLM2
+
+
 def test_a_config_that_is_not_utf8_is_named(tmp_path):
     bad = tmp_path / "grpo.yaml"
     bad.write_bytes(b"\xff\xfe\x00binary")

@@ -170,7 +170,7 @@ def test_shipped_configs_load(path):
 def test_the_config_reads_kl_estimator_names_from_the_registry(monkeypatch):
     from verl.algos import kl
 
-    monkeypatch.setattr(kl, "KL_ESTIMATORS", dict(kl.KL_ESTIMATORS))
+    monkeypatch.setattr(kl, "KL_ESTIMATORS", kl.KL_ESTIMATORS.copy())
     with pytest.raises(ConfigError, match="unknown KL estimator 'k4'"):
         build_config({"actor": {"kl_loss_type": "k4"}})
     kl.register_kl_estimator("k4")(lambda log_r: log_r.abs() ** 3)

@@ -1,6 +1,6 @@
-"""Contamination (DESIGN §14): evaluation prompts the training data holds too — lm-evaluation-harness's definition
-checked by hand, `verl eval` reporting the overlap and the clean-subset score on a deliberately contaminated run
-(and `--strict` refusing), and `verl data decontaminate` removing the overlaps."""
+"""Contamination (docs/architecture.md §14): evaluation prompts the training data holds too — lm-evaluation-harness's
+definition checked by hand, `verl eval` reporting the overlap and the clean-subset score on a deliberately
+contaminated run (and `--strict` refusing), and `verl data decontaminate` removing the overlaps."""
 
 from __future__ import annotations
 
@@ -148,3 +148,21 @@ def test_compare_reports_the_clean_prompts_beside_the_whole(contaminated_run, tm
     assert pair["metrics"]["eval/accuracy"]["clean"]["candidate"] == pytest.approx(sum(clean) / len(clean))
     assert pair["metrics"]["eval/accuracy"]["clean"]["n_prompts"] == 8
     assert "On the clean prompts alone" in (tmp_path / "cmp" / "report.md").read_text()
+
+
+def test_an_sft_run_is_checked_against_its_own_training_data_and_no_data_is_said(tmp_path):
+    """A `verl sft` run's config becomes a run config with its train_files (the agent's cold start was once checked
+    against the config default instead); with no run, the results say nothing was checked."""
+    import yaml
+
+    from eval.contamination import line, not_checked
+    from eval.runner import load_run_config
+    from verl.config import SFTConfig
+
+    sft = SFTConfig()
+    sft.data.train_files = ["builtin:word_problems/train"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(sft.model_dump(mode="json")))
+    run_cfg, _, notes = load_run_config(tmp_path)
+    assert run_cfg.data.train_files == ["builtin:word_problems/train"] and "verl sft" in notes[0]
+    assert line(not_checked("no training data is known for this run")) == (
+        "Contamination: not checked (no training data is known for this run).")

@@ -8,21 +8,23 @@
     verl check-env                                 what is installed, what is missing, how to fix it
 
 Errors a user can act on (``VerlError``) print as one line and exit 1; ``--debug`` shows the traceback.
-Feature modules add their own commands (eval, compare, export, tensorboard, dashboard, ...) in
-``register_subcommands`` below.
+The packages add their own commands (eval, compare, export, serve, loadtest, tensorboard, dashboard, ...) through
+``COMMANDS`` below.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from verl.errors import VerlError
-from verl.utils.cli import STATE, err, run_guarded
+from verl.registry import Registry
+from verl.trainer.cli import train_command
+from verl.utils.cli import OVERRIDE_CONTEXT, STATE, err, run_guarded, split_overrides
 from verl.utils.log import quiet_hf
 
 app = typer.Typer(
@@ -33,8 +35,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-# Extra CLI args are dotted overrides: `verl train actor.optim.lr=1e-5 --trainer.total_steps=10`.
-OVERRIDE_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
 @app.callback()
@@ -44,59 +44,7 @@ def main_options(
     STATE["debug"] = debug or os.environ.get("VERL_DEBUG") == "1"
 
 
-def _split_overrides(extra: list[str]) -> list[str]:
-    bad = [a for a in extra if "=" not in a]
-    if bad:
-        raise VerlError(f"unexpected argument(s) {bad}; overrides look like key=value, e.g. trainer.total_steps=10")
-    return extra
-
-
-@app.command(context_settings=OVERRIDE_CONTEXT)
-def train(
-    ctx: typer.Context,
-    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in GRPO).")] = None,
-    log_dir: Annotated[
-        Path | None, typer.Option("--log_dir", "--log-dir", help="Directory for verl_logs.jsonl.")
-    ] = None,
-    log_level: Annotated[str | None, typer.Option("--log_level", "--log-level", help="INFO or DEBUG.")] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Resolve the config and check shapes; load no weights.")
-    ] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No console lines.")] = False,
-) -> None:
-    """RL post-training (PPO / GRPO / RLOO / REINFORCE++ / ReMax). Extra args are key=value overrides."""
-
-    def _run():
-        from verl.trainer.resume import load_train_config
-
-        overrides = _split_overrides(list(ctx.args))
-        if log_dir is not None:
-            overrides.append(f"trainer.log_dir={log_dir}")
-        if log_level is not None:
-            overrides.append(f"trainer.log_level={log_level.upper()}")
-        cfg, resume = load_train_config(config, overrides)
-        if resume is not None:
-            err.print(resume.summary(), soft_wrap=True, markup=False)
-        if dry_run:
-            from verl.trainer.dry_run import dry_run as check
-
-            err.print(check(cfg))
-            return
-        from verl.utils.fs import ensure_writable_dir
-
-        ensure_writable_dir(cfg.trainer.output_dir, "trainer.output_dir")  # before minutes of model loading
-        quiet_hf()
-        from verl.trainer.factory import build_trainer
-
-        trainer = build_trainer(cfg, quiet=quiet)
-        try:
-            metrics = trainer.fit()
-        finally:
-            trainer.shutdown()
-        summary = {k: round(v, 4) for k, v in metrics.items() if k.startswith(("eval/accuracy", "rollout/reward_mean"))}
-        err.print(f"run directory: {cfg.run_dir()}  {summary}")
-
-    run_guarded(_run)
+app.command("train", context_settings=OVERRIDE_CONTEXT)(train_command)
 
 
 @app.command(context_settings=OVERRIDE_CONTEXT)
@@ -125,7 +73,7 @@ def sft(
             train_builtin_warm_start(target, warm_start)
             err.print(f"builtin:{warm_start} rebuilt in {target}")
             return
-        cfg = load_config(config, _split_overrides(list(ctx.args)), schema=SFTConfig, default_name="sft_tiny")
+        cfg = load_config(config, split_overrides(list(ctx.args)), schema=SFTConfig, default_name="sft_tiny")
         path = SFTTrainer(cfg, quiet=quiet).fit()
         err.print(f"final checkpoint: {path}")
 
@@ -146,7 +94,7 @@ def rm(
         from verl.trainer.rm import RewardModelTrainer
 
         quiet_hf()
-        cfg = load_config(config, _split_overrides(list(ctx.args)), schema=RMConfig, default_name="rm_tiny")
+        cfg = load_config(config, split_overrides(list(ctx.args)), schema=RMConfig, default_name="rm_tiny")
         trainer = RewardModelTrainer(cfg, quiet=quiet)
         path = trainer.fit()
         err.print(f"final checkpoint: {path}  best held-out pairwise accuracy: {trainer.best_accuracy:.3f}")
@@ -230,49 +178,6 @@ def data_pairs(
     run_guarded(_run)
 
 
-@data_app.command("from-records")
-def data_from_records(
-    records: Annotated[list[str], typer.Argument(help="Records files (a service's records_path) or service URLs "
-                                                      "(their /admin/records; a fleet's holds every replica's).")],
-    out: Annotated[Path, typer.Option("--out", help="Output directory: train/val.parquet, pairs/, summary.json.")
-                   ] = Path("data/from-records"),
-    route: Annotated[list[str] | None, typer.Option("--route", help="Only requests to this route (repeatable).")
-                     ] = None,
-    model: Annotated[list[str] | None, typer.Option("--model", help="Only answers of this model (repeatable).")
-                     ] = None,
-    since: Annotated[float | None, typer.Option("--since", help="Only records after this Unix time.")] = None,
-    until: Annotated[float | None, typer.Option("--until", help="Only records before this Unix time.")] = None,
-    reward_source: Annotated[str | None, typer.Option("--reward-source", help="The rewards exported: rule, "
-                                                      "feedback, rm:NAME or judge:NAME (needed when the records "
-                                                      "hold several; sources are never mixed).")] = None,
-    min_rewards: Annotated[int, typer.Option("--min-rewards", help="Prompts with fewer rewarded answers are "
-                                             "dropped (0: keep prompts without any).")] = 1,
-    prompts: Annotated[str, typer.Option("--prompts", help="Which prompts: chat (messages, the default) or "
-                                         "completion (/v1/completions texts); one file holds one kind.")] = "chat",
-    near_dup: Annotated[float, typer.Option("--near-dup", help="Jaccard similarity (character 5-grams) at which a "
-                                            "prompt is a near duplicate of an earlier one; 1 turns it off.")] = 0.8,
-    val_fraction: Annotated[float, typer.Option("--val-fraction", help="Share of user groups held out (no user "
-                                                "in both files).")] = 0.1,
-    seed: int = 0,
-    admin_key: Annotated[str | None, typer.Option("--admin-key", help="A service URL's admin_api_key (default: "
-                                                  "$VERL_SERVE_ADMIN_API_KEY).")] = None,
-) -> None:
-    """A service's online records into training data: prompts with their rewards and lineage, preference pairs for
-    `verl rm`, deduplicated and split by user; records marked not-for-training are never exported."""
-
-    def _run():
-        from serve.from_records import RecordFilters, export_records, summary_line
-
-        filters = RecordFilters(routes=route or None, models=model or None, since=since, until=until,
-                                reward_source=reward_source, min_rewards=min_rewards, prompts=prompts)
-        summary = export_records(records, out, filters, val_fraction=val_fraction, near_dup_threshold=near_dup,
-                                 seed=seed, admin_key=admin_key)
-        err.print(summary_line(summary), highlight=False, soft_wrap=True)
-        err.print(f"-> {out} (summary.json says which records went where and why)", highlight=False)
-
-    run_guarded(_run)
-
-
 @data_app.command("decontaminate")
 def data_decontaminate(
     train: Annotated[list[str], typer.Argument(help="Training parquet file(s) to clean.")],
@@ -339,18 +244,19 @@ def check_env_command(
     raise typer.Exit(0 if ok else 1)
 
 
-def register_subcommands() -> None:
-    """Attach commands that live with their feature (kept out of this file so each feature owns its CLI). Each
-    module imports only typer at its top, so ``verl train`` pays nothing for them. This is the face (DESIGN §2): the
-    one module of ``verl`` that may reach eval, serve and loadtest, as imports the architecture test sees."""
-    from eval.cli import register as register_eval  # noqa: PLC0415
-    from loadtest.cli import register as register_loadtest  # noqa: PLC0415
-    from serve.cli import register as register_serve  # noqa: PLC0415
-    from verl.dashboard.cli import register as register_dashboard  # noqa: PLC0415
-    from verl.tracking.cli import register as register_tracking  # noqa: PLC0415
+# The command groups the packages contribute (docs/architecture.md, "Package map"): each entry is a function
+# ``register(app)`` that attaches its commands. The core's own are here; the packages above it (eval, serve,
+# loadtest) declare theirs as entry points of the group ``verl.commands`` in pyproject.toml, so the core names none
+# of them. Each module imports only typer at its top, so ``verl train`` pays nothing for them.
+COMMANDS: Registry[Callable[[typer.Typer], None]] = Registry("command group", group="verl.commands")
+COMMANDS.lazy("tracking", "verl.tracking.cli:register")
+COMMANDS.lazy("dashboard", "verl.dashboard.cli:register")
 
-    for register in (register_tracking, register_dashboard, register_eval, register_serve, register_loadtest):
-        register(app)
+
+def register_subcommands() -> None:
+    """Attach every contributed command group's commands to ``app``."""
+    for name in COMMANDS.available():
+        COMMANDS[name](app)
 
 
 def main() -> None:

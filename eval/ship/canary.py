@@ -36,7 +36,7 @@ from eval.ship.units import Randomization
 from serve.records import source_matches
 
 Outcome = Literal["promote", "rollback", "inconclusive"]
-# Where the rewards come from (DESIGN §13): a rule checker, users' feedback, a reward model or a judge.
+# Where the rewards come from (docs/architecture.md §13): a rule checker, users' feedback, a reward model or a judge.
 REWARD_SOURCE = re.compile(r"(rule|feedback|rm|judge)(:[\w.\-]+)?")
 
 

@@ -10,30 +10,33 @@ demand so that importing ``serve`` never imports vLLM.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from transformers import AutoConfig
 
-from verl.errors import ConfigError, MissingDependencyError
+from verl.errors import MissingDependencyError
 from verl.models.loader import load_tokenizer, resolve_model_path
+from verl.registry import Registry
 
 if TYPE_CHECKING:
     from serve.engines.base import Engine
     from serve.settings import ServeSettings
 
-ENGINES: dict[str, type[Engine]] = {}
-# Built-in engines and the module that registers each, imported only when asked for.
-BUILTIN_MODULES = {"transformers": "serve.engines.hf_engine", "hf": "serve.engines.hf_engine",
-                   "vllm": "serve.engines.vllm_engine"}
+# Every entry is an Engine class built as ``cls(settings=, tokenizer=, model_path=, max_model_len=)``; the built-ins
+# are imported only when named.
+ENGINES: Registry[type[Engine]] = Registry("serving engine", key="engine")
+for _name in ("transformers", "hf"):
+    ENGINES.lazy(_name, "serve.engines.hf_engine:TransformersEngine")
+ENGINES.lazy("vllm", "serve.engines.vllm_engine:VLLMEngine")
 
 
 def register_engine(*names: str) -> Callable[[type[Engine]], type[Engine]]:
+    """Register an Engine class under each of ``names``; another class under a taken name raises."""
     def wrap(cls: type[Engine]) -> type[Engine]:
         for name in names:
-            ENGINES[name] = cls
+            ENGINES.register(name, cls)
         return cls
 
     return wrap
@@ -53,11 +56,6 @@ def resolve_engine_name(name: str) -> str:
 
 
 def get_engine_class(name: str) -> type[Engine]:
-    if name not in ENGINES and name in BUILTIN_MODULES:
-        importlib.import_module(BUILTIN_MODULES[name])
-    if name not in ENGINES:
-        known = sorted(set(ENGINES) | set(BUILTIN_MODULES))
-        raise ConfigError(f"unknown serving engine '{name}'; known: {', '.join(known)}")
     return ENGINES[name]
 
 

@@ -50,7 +50,6 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from serve.constrained import GrammarMatcher, GrammarTokenizer
-from serve.engines import register_engine
 from serve.engines.base import (
     Engine,
     EngineDeadError,
@@ -100,7 +99,6 @@ class _Seq:
         return self.request.sampling
 
 
-@register_engine("transformers", "hf")
 class TransformersEngine(Engine):
     """Continuous batching over ``AutoModelForCausalLM`` (any model whose cache is a plain ``DynamicCache``)."""
 

@@ -23,12 +23,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from serve.engines import register_engine
 from serve.engines.base import Engine, EngineDeadError, EngineError, EngineOutput, EngineRequest, TokenLogprob
 from serve.settings import ServeSettings
 
 
-@register_engine("vllm")
 class VLLMEngine(Engine):
     name = "vllm"
 

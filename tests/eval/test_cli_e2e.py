@@ -148,7 +148,7 @@ def test_bad_inputs_give_one_line_errors(runs, tmp_path):
     result = cli("eval", "--ckpt", str(tmp_path / "nope"), ok=False)
     assert result.exit_code == 1 and "no such directory" in result.output and "Traceback" not in result.output
     result = cli("eval", "--ckpt", str(runs["a"]), "--evaluators", "accuracy,bleu", ok=False)
-    assert result.exit_code == 1 and "unknown evaluator 'bleu'" in result.output
+    assert result.exit_code == 1 and "evaluator 'bleu' is unknown; available: accuracy" in result.output
     result = cli("eval", "--ckpt", "builtin:tiny-arith", "--evaluators", "kl", ok=False)
     assert result.exit_code == 1 and "--reference" in result.output
     result = cli("compare", str(runs["a"]), ok=False)

@@ -10,12 +10,12 @@ import importlib.util
 import pytest
 
 from verl.errors import MissingDependencyError
-from verl.rollout.base import get_rollout_factory
+from verl.rollout.base import ROLLOUT_ENGINES
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_vllm_engine_without_vllm_names_the_install_command():
     with pytest.raises(MissingDependencyError) as info:
-        get_rollout_factory("vllm")
+        ROLLOUT_ENGINES["vllm"]
     message = str(info.value)
     assert "rollout.name=vllm" in message and "bash scripts/vllm_env.sh" in message

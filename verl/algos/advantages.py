@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from verl.algos.masked import masked_whiten
-from verl.algos.registry import register
-from verl.errors import ConfigError
+from verl.registry import Registry
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
+ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator", key="algorithm.adv_estimator")
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class EstimatorFacts:
     needs_greedy_baseline: bool = False  # the reward of a greedy response per prompt (one extra rollout)
 
 
-ESTIMATOR_FACTS: dict[str, EstimatorFacts] = {}
+ESTIMATOR_FACTS: Registry[EstimatorFacts] = Registry("advantage estimator's facts")
 
 
 def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: bool = False,
@@ -47,8 +46,8 @@ def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: boo
     facts = EstimatorFacts(needs_critic, needs_groups, needs_greedy_baseline)
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
-        register(ADV_ESTIMATORS, name, fn, "advantage estimator")
-        ESTIMATOR_FACTS[name] = facts
+        ADV_ESTIMATORS.register(name, fn)
+        ESTIMATOR_FACTS.register(name, facts)
         return fn
 
     return decorator
@@ -60,10 +59,6 @@ def estimator_facts(name: str) -> EstimatorFacts:
 
 
 def get_adv_estimator(name: str) -> AdvantageFn:
-    if name not in ADV_ESTIMATORS:
-        raise ConfigError(
-            f"algorithm.adv_estimator='{name}' is unknown; available: {', '.join(sorted(ADV_ESTIMATORS))}"
-        )
     return ADV_ESTIMATORS[name]
 
 

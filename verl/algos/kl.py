@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from verl.algos.registry import register
+from verl.registry import Registry
 
 KLEstimator = Callable[[torch.Tensor], torch.Tensor]  # per-token estimate from log r = ref_logp - logp
-KL_ESTIMATORS: dict[str, KLEstimator] = {}
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 
 
 def register_kl_estimator(*names: str) -> Callable[[KLEstimator], KLEstimator]:
@@ -26,7 +26,7 @@ def register_kl_estimator(*names: str) -> Callable[[KLEstimator], KLEstimator]:
 
     def decorator(fn: KLEstimator) -> KLEstimator:
         for name in names:
-            register(KL_ESTIMATORS, name, fn, "KL estimator")
+            KL_ESTIMATORS.register(name, fn)
         return fn
 
     return decorator

@@ -10,8 +10,7 @@ from collections.abc import Callable
 import torch
 
 from verl.algos.masked import masked_mean
-from verl.algos.registry import register
-from verl.errors import ConfigError
+from verl.registry import Registry
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -65,7 +64,7 @@ def global_agg_denominators(mask: torch.Tensor, norm_length: float | None = None
 
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", key="actor.policy_loss")
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -74,15 +73,13 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     order works unchanged. Registering a name again with another function raises."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        register(POLICY_LOSSES, name, fn, "policy loss")
+        POLICY_LOSSES.register(name, fn)
         return fn
 
     return decorator
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    if name not in POLICY_LOSSES:
-        raise ConfigError(f"actor.policy_loss='{name}' is unknown; available: {', '.join(sorted(POLICY_LOSSES))}")
     return POLICY_LOSSES[name]
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from verl.utils.cli import run_guarded
+from verl.utils.cli import new_console, run_guarded
 
 
 def dashboard_command(
@@ -23,7 +23,6 @@ def dashboard_command(
     """Live dashboard: reward, KL, losses, length, throughput, eval accuracy; runs overlaid; latest samples."""
 
     def _run() -> None:
-        from rich.console import Console
 
         from verl.dashboard.server import serve
         from verl.errors import VerlError
@@ -33,7 +32,7 @@ def dashboard_command(
             raise VerlError(f"unexpected option(s) {extra}; usage: verl dashboard --log_dir RUN [RUN2 ...] "
                             "[--port 8265] [--host 127.0.0.1] [--refresh 5]")
         paths = [*log_dir, *(Path(a) for a in ctx.args)]
-        serve(paths, host=host, port=port, refresh_seconds=refresh, console=Console(stderr=True, highlight=False))
+        serve(paths, host=host, port=port, refresh_seconds=refresh, console=new_console())
 
     run_guarded(_run)
 

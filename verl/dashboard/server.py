@@ -6,6 +6,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from rich.text import Text
+
 from verl.dashboard.app import create_app
 from verl.errors import ConfigError, VerlError
 from verl.tracking.follow import find_logs
@@ -50,6 +52,7 @@ def serve(paths: list[Path], host: str = "127.0.0.1", port: int = 8265, refresh_
         for run in app.state.runs:
             console.print(f"run {run.name}: {run.log_path}")
         if host not in LOCAL_HOSTS:
-            console.print(f"[yellow]warning:[/] listening on {host}: anyone who can reach this port sees the logs")
+            console.print(Text.assemble(("warning:", "yellow"), f" listening on {host}: anyone who can reach this port "
+                                      "sees the logs"))
         console.print(f"dashboard: http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}  (Ctrl-C stops)")
     uvicorn.run(app, host=host, port=port, log_level="warning")

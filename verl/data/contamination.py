@@ -1,4 +1,4 @@
-"""Contamination: evaluation prompts that the training data holds too (DESIGN §14).
+"""Contamination: evaluation prompts that the training data holds too (docs/architecture.md §14).
 
 A prompt of an evaluation set is **contaminated** when the training data holds it (exact match after
 normalisation: lower case, punctuation as a word break, runs of whitespace as one) or shares one word 13-gram with a

@@ -1,4 +1,5 @@
-"""Directories of training data made by ``verl data from-records`` (DESIGN §14), read where a parquet file is.
+"""Directories of training data made by ``verl data from-records`` (docs/architecture.md §14), read where a parquet
+file is.
 
 An export holds ``train.parquet`` / ``val.parquet`` (prompts), ``pairs/train.parquet`` / ``pairs/val.parquet``
 (preference pairs) and ``summary.json`` (which records, from where, over which time window, how many went where).

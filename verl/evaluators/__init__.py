@@ -1,4 +1,4 @@
-"""Evaluators: one home for what training validation and ``verl eval`` measure (DESIGN §6).
+"""Evaluators: one home for what training validation and ``verl eval`` measure (docs/architecture.md §6).
 
     from verl.evaluators import build_evaluators
     evaluators = build_evaluators("accuracy,diversity(ngrams=1;2;3, tokenize=chars),length")

@@ -165,7 +165,8 @@ class Judge(Evaluator):
 
     def _pointwise(self, client: JudgeClient, kind: str, prompts: list[str], responses: list[str]) -> np.ndarray:
         """One score in [0, 1] per (prompt, response); NaN where the judge gave none."""
-        if kind == "reward":  # the client the trainer and the live scorer use (DESIGN §13): NaN where missing
+        # The client the trainer and the live scorer use (docs/architecture.md §13): NaN where missing.
+        if kind == "reward":
             from verl.rewards.remote import RemoteRewardModel  # noqa: PLC0415
 
             key = os.environ.get(self.api_key_env) if self.api_key_env else None

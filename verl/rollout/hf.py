@@ -17,14 +17,13 @@ from verl.models.fused_decoder import fused_decoder_layers
 from verl.models.packed_linear import packed_weights
 from verl.protocol import DataProto
 from verl.rollout.agent_loop import AgentLoop
-from verl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, pad_responses, register_rollout
+from verl.rollout.base import EngineSpec, RolloutEngine, SamplingParams, assemble_rollout, pad_responses
 from verl.rollout.sampler import sample_with_shared_prefill, supports_shared_prefill
 from verl.tools.registry import ToolSet
 from verl.tools.runner import ToolRunner
 from verl.utils.allocator import keep_freed_memory
 
 
-@register_rollout("hf")
 class HFRollout(RolloutEngine):
     name = "hf"
 
@@ -52,6 +51,11 @@ class HFRollout(RolloutEngine):
         # rollout in a plain script page-faults its multi-MB temporaries at every step (sampling from SmolLM2's
         # 49,152-entry vocabulary at 16 rows: 5.6 ms a step against 0.64 ms).
         keep_freed_memory()
+
+    @classmethod
+    def build(cls, spec: EngineSpec) -> HFRollout:
+        return cls(spec.model, spec.tokenizer, spec.micro_batch_size, spec.autocast_dtype, stop_when=spec.stop_when,
+                   max_num_seqs=spec.max_num_seqs)
 
     @torch.no_grad()
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:

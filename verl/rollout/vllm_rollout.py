@@ -46,7 +46,7 @@ from verl.errors import ConfigError, MissingDependencyError, ModelError
 from verl.models.loader import resolve_model_path
 from verl.models.lora import merged_copy
 from verl.protocol import DataProto
-from verl.rollout.base import RolloutEngine, SamplingParams, assemble_rollout, register_rollout
+from verl.rollout.base import EngineSpec, RolloutEngine, SamplingParams, assemble_rollout
 from verl.rollout.vllm_agent_loop import VLLMAgentLoop
 from verl.tools.registry import ToolSet
 from verl.tools.runner import ToolRunner
@@ -149,7 +149,6 @@ def serialize_state_dict(model: torch.nn.Module, dtype: torch.dtype) -> bytes:
     return buffer.getvalue()
 
 
-@register_rollout("vllm")
 class VLLMRollout(RolloutEngine):
     """Rollouts through ``vllm.LLM``; one engine (two child processes) per instance until ``shutdown()``."""
 
@@ -217,6 +216,11 @@ class VLLMRollout(RolloutEngine):
         self.syncs = 0
         if actor_model is not None:
             self.sync_weights(actor_model)
+
+    @classmethod
+    def build(cls, spec: EngineSpec) -> VLLMRollout:
+        return cls(model_path=spec.model_path, tokenizer=spec.tokenizer, config=spec.config,
+                   max_model_len=spec.max_model_len, seed=spec.seed, actor_model=spec.model, dtype=spec.config.dtype)
 
     # ------------------------------------------------------------------ generation
 

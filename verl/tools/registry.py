@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from verl.errors import ConfigError, DataError
+from verl.registry import Registry
 from verl.tools.calculator import SCHEMA as CALCULATOR_SCHEMA
 from verl.utils.imports import import_file
 
@@ -59,19 +60,10 @@ class Tool:
         return self.schema["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
-BUILTIN_TOOLS: dict[str, Tool] = {
-    "calculator": Tool(CALCULATOR_SCHEMA, "verl.tools.calculator:calculator", pure=True, timeout_s=5.0),
-}
-
-
-def register_tool(tool: Tool) -> Tool:
-    """Make ``tool`` available by name (``rollout.multi_turn.tools=[name]``); a taken name is refused."""
-    known = BUILTIN_TOOLS.get(tool.name)
-    if known is not None and known != tool:
-        raise ValueError(f"tool '{tool.name}' is already registered ({known.target}); register yours under another "
-                         "name")
-    BUILTIN_TOOLS[tool.name] = tool
-    return tool
+# Tools by name (``rollout.multi_turn.tools=[NAME]``): every entry is a ``Tool``, called with its schema's arguments.
+BUILTIN_TOOLS: Registry[Tool] = Registry("tool", key="rollout.multi_turn.tools")
+BUILTIN_TOOLS.register("calculator", Tool(CALCULATOR_SCHEMA, "verl.tools.calculator:calculator", pure=True,
+                                          timeout_s=5.0))
 
 
 def load_function(target: str) -> Callable[..., Any]:

@@ -7,15 +7,15 @@ their (heavy, optional) packages are loaded only by runs that use them.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 from verl.tracking.base import Tracker
 from verl.tracking.common import histogram_summary
 from verl.utils import log
+from verl.utils.cli import new_console
 
 # (metric key, short label) shown on the console line, in order, when present.
 CONSOLE_FIELDS = (
@@ -37,7 +37,7 @@ class ConsoleTracker(Tracker):
     def __init__(self, total_steps: int | None = None, quiet: bool = False, **_: Any):
         self.total_steps = total_steps
         self.quiet = quiet
-        self.console = Console(file=sys.stderr, highlight=False)
+        self.console = new_console()
         self.progress = None
         # On a terminal a progress bar (steps, elapsed, ETA) stays under the step lines; piped output gets the
         # lines alone, so log files stay clean.
@@ -64,7 +64,8 @@ class ConsoleTracker(Tracker):
 
     def log_alert(self, alert: dict[str, Any], step: int) -> None:
         if not self.quiet:
-            self.console.print(f"[bold yellow]ALERT[/] step {step}: {alert.get('rule')}: {alert.get('message')}",
+            self.console.print(Text.assemble(("ALERT", "bold yellow"), f" step {step}: {alert.get('rule')}: "
+                                             f"{alert.get('message')}"),
                                soft_wrap=True)
 
 

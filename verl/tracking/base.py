@@ -8,11 +8,11 @@ step with the install command, never mid-run. A new backend is a ``Tracker`` sub
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from verl.errors import ConfigError
+from verl.registry import Registry, load_target
 
 
 class Tracker:
@@ -42,39 +42,24 @@ class Tracker:
         """Flush and close."""
 
 
-TRACKERS: dict[str, Callable[..., Tracker]] = {}  # trackers registered at run time (plug-ins, tests)
-
-# The built-in backends: name -> "module:Class", imported only when a run names them, so their (heavy, optional)
-# packages load only for runs that use them, and this module imports none of them (they import it).
-BUILTIN_TRACKERS = {
+# Every entry is a Tracker class or factory called with the run's context keywords (``create_trackers``). The
+# built-in backends are imported only when a run names them, so their (heavy, optional) packages load only for runs
+# that use them, and this module imports none of them (they import it).
+TRACKERS: Registry[Callable[..., Tracker]] = Registry("tracker", key="trainer.logger")
+for _name, _target in {
     "console": "verl.tracking.backends:ConsoleTracker",
     "jsonl": "verl.tracking.backends:JsonlTracker",
     "tensorboard": "verl.tracking.tensorboard_tracker:TensorBoardTracker",
     "wandb": "verl.tracking.wandb_tracker:WandbTracker",
     "mlflow": "verl.tracking.mlflow_tracker:MlflowTracker",
     "swanlab": "verl.tracking.swanlab_tracker:SwanlabTracker",
-}
+}.items():
+    TRACKERS.lazy(_name, _target)
 
 
-def tracker_factory(name: str) -> Callable[..., Tracker]:
-    """The class or factory for ``name``: a registered one first, else the built-in table."""
-    if name in TRACKERS:
-        return TRACKERS[name]
-    return _load(BUILTIN_TRACKERS[name])
-
-
-def _load(spec: str) -> Any:
-    """The object a ``"module:attribute"`` string names (both tables here hold such strings)."""
-    module, attribute = spec.split(":")
-    return getattr(importlib.import_module(module), attribute)
-
-
-def register_tracker(name: str):
-    def decorator(factory):
-        TRACKERS[name] = factory
-        return factory
-
-    return decorator
+def register_tracker(name: str) -> Callable[[Callable[..., Tracker]], Callable[..., Tracker]]:
+    """Register a Tracker class or factory as ``trainer.logger=[NAME]``; a taken name raises."""
+    return TRACKERS.register(name)
 
 
 # Checks that need no run directory, run before one is made: "module:function(config)" per tracker name.
@@ -87,7 +72,7 @@ PREFLIGHTS = {
 
 
 def _check_names(names: list[str]) -> None:
-    known = set(TRACKERS) | set(BUILTIN_TRACKERS)
+    known = set(TRACKERS)
     unknown = [name for name in names if name not in known]
     if unknown:
         raise ConfigError(
@@ -102,7 +87,7 @@ def check_trackers(names: list[str], config: Any = None) -> None:
     _check_names(names)
     for name in dict.fromkeys(names):
         if name in PREFLIGHTS:
-            _load(PREFLIGHTS[name])(config)
+            load_target(PREFLIGHTS[name])(config)
 
 
 def create_trackers(names: list[str], **context: Any) -> list[Tracker]:
@@ -117,7 +102,7 @@ def create_trackers(names: list[str], **context: Any) -> list[Tracker]:
     trackers: list[Tracker] = []
     try:
         for name in dict.fromkeys(names):  # a name given twice would log every point twice
-            trackers.append(tracker_factory(name)(**context))
+            trackers.append(TRACKERS[name](**context))
     except BaseException:
         for tracker in trackers:  # e.g. close a wandb run already started when mlflow is missing
             tracker.finish()

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from verl.utils.cli import run_guarded
+from verl.utils.cli import err, run_guarded
 
 
 def tensorboard_command(
@@ -25,12 +25,9 @@ def tensorboard_command(
     """
 
     def _run() -> None:
-        from rich.console import Console
-
         from verl.tracking.converter import follow
         from verl.tracking.follow import resolve_log_path
 
-        err = Console(stderr=True, highlight=False)
         # A run directory without its log yet is fine when following (the trainer is starting up).
         log_path = resolve_log_path(log_dir, must_exist=once or not log_dir.exists())
         target = tb_dir or (log_path.parent / "tb")

@@ -137,7 +137,8 @@ def require(module: str, package: str, tracker: str) -> Any:
         return importlib.import_module(module)
     except ImportError:
         raise MissingDependencyError(
-            package, f"trainer.logger={tracker}", f"pip install {package}  (or: pip install 'verl-suite[tracking]')"
+            package, f"trainer.logger={tracker}",
+            f"pip install {package}  (or, in a checkout: pip install -e '.[tracking]')"
         ) from None
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from verl.cli import app, register_subcommands
+from verl.trainer.cli import train_app
 
 
 def hydra_to_train_args(argv: list[str]) -> list[str]:
@@ -42,9 +42,8 @@ def hydra_to_train_args(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    register_subcommands()
-    app(["train", *hydra_to_train_args(list(sys.argv[1:] if argv is None else argv))],
-        prog_name="python -m verl.trainer.main_ppo")
+    prog = "python -m verl.trainer.main_ppo"
+    train_app(prog)(hydra_to_train_args(list(sys.argv[1:] if argv is None else argv)), prog_name=prog)
 
 
 if __name__ == "__main__":

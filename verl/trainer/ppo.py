@@ -552,7 +552,8 @@ class PPOTrainer:
 
     def _step_metrics(self, step: int, batch: DataProto, rollout: dict[str, float], actor: dict[str, float],
                       critic: dict[str, float], kl_metrics: dict[str, float]) -> dict[str, float]:
-        """The step's ``scope/name`` metrics (DESIGN §5): rollout, ppo, critic, timing, throughput, train, system."""
+        """The step's ``scope/name`` metrics (docs/architecture.md §5): rollout, ppo, critic, timing, throughput, train,
+        system."""
         cfg = self.config
         lengths = batch.batch["response_mask"].sum(-1).float()
         ppo = {name: actor.get(key) for name, key in PPO_METRICS.items()}

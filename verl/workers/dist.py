@@ -119,10 +119,6 @@ def _reduce_flag(flag: bool, info: DistInfo, op: Any) -> bool:
     return bool(value.item() > 0)
 
 
-def any_rank(flag: bool, info: DistInfo) -> bool:
-    return _reduce_flag(flag, info, dist.ReduceOp.MAX)
-
-
 def all_ranks(flag: bool, info: DistInfo) -> bool:
     return _reduce_flag(flag, info, dist.ReduceOp.MIN)
 

@@ -25,7 +25,7 @@ from verl.models.lora import apply_lora, is_lora
 from verl.models.weights import load_model_weights, read_model_weights
 from verl.protocol import DataProto
 from verl.rollout.agent_loop import AgentRollout
-from verl.rollout.base import SamplingParams, get_rollout_factory
+from verl.rollout.base import EngineSpec, SamplingParams, build_rollout
 from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.actor import Actor
 from verl.workers.critic import Critic, load_critic_model
@@ -99,21 +99,17 @@ class RoleWorker:
                            cfg.data.max_response_length, group_size=cfg.rollout.n, dist_info=self.dist,
                            seed=cfg.trainer.seed, remove_padding=cfg.model.use_remove_padding and not self.dist.fsdp,
                            rollout_correction=cfg.algorithm.rollout_correction)
-        factory = get_rollout_factory(cfg.rollout.name)
         # rollout.dtype: the engine computes in its own dtype (a bf16 rollout against an fp32 trainer); None: the
         # trainer's (actor.autocast).
         autocast = torch.bfloat16 if cfg.actor.autocast == "bf16" else None
         if cfg.rollout.dtype is not None:
             autocast = torch.bfloat16 if cfg.rollout.dtype == "bfloat16" else None
-        if cfg.rollout.name == "hf":
-            # Sharded models run collectives in every forward: ranks must agree on when decoding stops.
-            stop_when = (lambda done: all_ranks(done, self.dist)) if self.dist.fsdp else None
-            self.rollout = factory(model, self.tokenizer, cfg.rollout.micro_batch_size, autocast,
-                                   stop_when=stop_when, max_num_seqs=cfg.rollout.max_num_seqs)
-        else:
-            self.rollout = factory(model_path=cfg.model.path, tokenizer=self.tokenizer, config=cfg.rollout,
-                                   max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                                   seed=cfg.trainer.seed, actor_model=model, dtype=cfg.rollout.dtype)
+        # Sharded models run collectives in every forward: ranks must agree on when decoding stops.
+        stop_when = (lambda done: all_ranks(done, self.dist)) if self.dist.fsdp else None
+        self.rollout = build_rollout(cfg.rollout.name, EngineSpec(
+            model, cfg.model.path, self.tokenizer, cfg.rollout, cfg.data.max_prompt_length +
+            cfg.data.max_response_length, cfg.trainer.seed, cfg.rollout.micro_batch_size, cfg.rollout.max_num_seqs,
+            autocast, stop_when))
         if cfg.rollout.multi_turn.enable:  # tool-calling trajectories on the same engine (agent_loop.py)
             self.rollout = AgentRollout(self.rollout, cfg.rollout.multi_turn, cfg.data.max_response_length)
 
