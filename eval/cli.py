@@ -10,97 +10,37 @@ from typing import Annotated
 
 import typer
 
+from eval.settings import EvalSettings, joined_specs
 from eval.ship.cli import register as register_ship
-from verl.utils.cli import new_console, run_guarded
+from verl.utils.cli import command, new_console, parameter, run_guarded
 
 
-def eval_command(
-    ckpt: Annotated[str, typer.Option("--ckpt", help="Checkpoint dir, run dir (every checkpoint), HF model dir "
-                                                     "or builtin:NAME.")],
-    data: Annotated[list[str] | None, typer.Option("--data", help="Parquet prompt file(s) or builtin:TASK/SPLIT; "
-                                                                  "default: the run's validation files.")] = None,
-    evaluators: Annotated[list[str] | None, typer.Option(
-        "--evaluators", "-e", help="Comma-separated specs (or -e again): reward,kl,diversity,accuracy,length,tools; "
-                                   "on request judge(...), mismatch; options in parentheses, e.g. "
-                                   "diversity(ngrams=1;2;3, tokenize=chars); your own as file.py:Class or "
-                                   "module:Class. Default: all built-ins.")] = None,
-    n: Annotated[int | None, typer.Option("--n", help="Samples per prompt (pass@k / maj@k when > 1).")] = None,
-    temperature: Annotated[float | None, typer.Option("--temperature", help="0 = greedy (the run's validation "
-                                                                            "default).")] = None,
-    top_p: Annotated[float | None, typer.Option("--top-p")] = None,
-    top_k: Annotated[int | None, typer.Option("--top-k")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens")] = None,
-    seed: Annotated[int | None, typer.Option("--seed", help="Sampling and bootstrap seed (default: the run's).")
-                    ] = None,
-    batch_size: Annotated[int | None, typer.Option("--batch-size", help="Prompts per generate() call.")] = None,
-    max_prompt_length: Annotated[int | None, typer.Option(
-        "--max-prompt-length", help="Longest prompt in tokens after the chat template (default: the run's "
-                                    "data.max_prompt_length, else 64); longer ones are dropped and counted "
-                                    "in the notes.")] = None,
-    max_samples: Annotated[int | None, typer.Option("--max-samples", help="Evaluate the first N prompts.")
-                           ] = None,
-    reference: Annotated[str | None, typer.Option("--reference", help="Reference model for kl (default: the "
-                                                                      "run's model.path).")] = None,
-    tools: Annotated[str | None, typer.Option(
-        "--tools", help="Multi-turn (agent) rollouts with these built-in tools, comma-separated (calculator); "
-                        "default: as the run did (rollout.multi_turn).")] = None,
-    tool_config: Annotated[str | None, typer.Option(
-        "--tool-config", help="Multi-turn rollouts with the tools of this YAML file (verl's tool config).")
-                           ] = None,
-    max_turns: Annotated[int | None, typer.Option(
-        "--max-turns", help="Assistant turns per trajectory (default: the run's max_assistant_turns).")] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Output dir (default: <run>/eval/<checkpoint>).")
-                   ] = None,
-    select: Annotated[str, typer.Option("--select", help="Best checkpoint of a run dir by METRIC:max|min.")
-                      ] = "eval/accuracy:max",
-    bootstrap: Annotated[int, typer.Option("--bootstrap", help="Bootstrap replicates for CIs without a closed "
-                                                               "form.")] = 1000,
-    engine: Annotated[str, typer.Option("--engine", help="Rollout engine (hf; vllm when installed).")] = "hf",
-    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
-    threads: Annotated[int | None, typer.Option("--threads", help="torch threads (default: the run's).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Recompute even when results for the same weights and "
-                                                        "settings exist.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary lines.")] = False,
-    strict: Annotated[bool, typer.Option("--strict", help="Refuse when evaluation prompts overlap the run's "
-                                         "training data (exactly or by a 13-gram) instead of reporting it.")] = False,
-    executor: Annotated[str, typer.Option("--executor", help="A run dir's checkpoints: local (one after "
-                                          "another) or ray (spread over --workers Ray workers).")] = "local",
-    workers: Annotated[int, typer.Option("--workers", help="With --executor ray: how many workers (one CPU "
-                                         "each; RAY_ADDRESS joins a cluster).")] = 1,
-    group_by: Annotated[str | None, typer.Option(
-        "--group-by", help="Also report every metric per group of prompts: a column of the data, dotted inside a "
-                           "dict column (extra_info.kind, data_source).")] = None,
-    watch: Annotated[bool, typer.Option("--watch", help="--ckpt RUN: evaluate each checkpoint as it lands while "
-                                        "the run trains (the run dir may not exist yet); exits when the run "
-                                        "finishes, with the run summary and best.json.")] = False,
-) -> None:
+def run_eval_command(ckpt: str, out: Path | None, watch: bool, settings: EvalSettings) -> None:
     """Evaluate a checkpoint (or every checkpoint of a run): metrics with 95% CIs, samples, report, plots."""
+    from eval.runner import run_eval
+    from verl.utils.fs import ensure_writable_dir
+    from verl.utils.log import quiet_hf
 
-    def _run():
-        from eval.runner import EvalSettings, run_eval
-        from verl.utils.fs import ensure_writable_dir
-        from verl.utils.log import quiet_hf
+    quiet_hf()
+    if out is not None:  # before the model loads, not after the generation
+        ensure_writable_dir(out, "--out")
+    if watch:
+        from eval.watch import watch_run
 
-        quiet_hf()
-        if out is not None:  # before the model loads, not after the generation
-            ensure_writable_dir(out, "--out")
-        settings = EvalSettings(data=data or None, evaluators=joined_specs(evaluators), n=n, temperature=temperature,
-                                top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed,
-                                batch_size=batch_size, max_samples=max_samples, reference=reference,
-                                max_prompt_length=max_prompt_length,
-                                tools=[t.strip() for t in tools.split(",") if t.strip()] if tools else None,
-                                tool_config=tool_config, max_turns=max_turns,
-                                engine=engine, device=device, num_threads=threads, n_bootstrap=bootstrap,
-                                select=select, force=force, quiet=quiet, executor=executor, workers=workers,
-                                strict=strict, group_by=group_by)
-        if watch:
-            from eval.watch import watch_run
+        watch_run(ckpt, settings, out, new_console())
+        return
+    run_eval(ckpt, settings, out, new_console())
 
-            watch_run(ckpt, settings, out, new_console())
-            return
-        run_eval(ckpt, settings, out, new_console())
 
-    run_guarded(_run)
+# `verl eval`: the checkpoint, where results go and --watch, then one option per EvalSettings field.
+eval_command = command(
+    run_eval_command, EvalSettings,
+    parameter("ckpt", str, typer.Option("--ckpt", help="Checkpoint dir, run dir (every checkpoint), HF model dir or "
+                                                       "builtin:NAME.")),
+    parameter("out", Path | None, typer.Option("--out", help="Output dir (default: <run>/eval/<checkpoint>)."), None),
+    parameter("watch", bool, typer.Option("--watch", help="--ckpt RUN: evaluate each checkpoint as it lands while the "
+                                          "run trains (the run dir may not exist yet); exits when the run finishes, "
+                                          "with the run summary and best.json."), False))
 
 
 def compare_command(
@@ -197,8 +137,3 @@ def _compare_online(source: str, out: Path | None, baseline: str | None, models:
         reward = pair["reward"]["verdict"] if pair["reward"] else "no rewards recorded"
         printer.print(f"{pair['candidate']} vs {pair['baseline']}: reward {reward}; latency {pair['e2e']['verdict']}")
     printer.print(f"report: {out_dir / 'report.md'}")
-
-
-def joined_specs(evaluators: list[str] | None) -> str | None:
-    """``-e a -e b,c`` as ``a,b,c``: every ``-e`` counts (a repeated option used to keep only the last)."""
-    return ",".join(evaluators) if evaluators else None

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from eval.settings import DEFAULT_SELECT
 from verl.errors import ConfigError, VerlError
 from verl.models.loader import resolve_model_path
 from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
@@ -20,7 +21,6 @@ from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_
 SCHEMA = "verl-eval/1"
 METRIC_PREFIX = "eval/"
 # A policy's runs are ranked by it unless --select says otherwise; a reward model's by its pairwise accuracy.
-DEFAULT_SELECT = "eval/accuracy:max"
 
 
 def model_hash(path: str) -> str:

@@ -31,12 +31,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
 import torch
 from peft import PeftModel
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
@@ -46,7 +46,6 @@ from eval.groups import group_lines, group_results
 from eval.pairwise import evaluate_reward_model
 from eval.report import write_checkpoint_report, write_run_report
 from eval.results import (
-    DEFAULT_SELECT,
     METRIC_PREFIX,
     SCHEMA,
     content_ids,
@@ -59,6 +58,7 @@ from eval.results import (
     write_results,
     write_run_summary,
 )
+from eval.settings import EvalSettings
 from verl.config import (
     DataConfig,
     RewardConfig,
@@ -91,84 +91,6 @@ from verl.utils.seeding import set_num_threads
 from verl.workers.reward import RewardManager, decode_responses
 
 # ---------------------------------------------------------------------------------------------- settings
-
-
-@dataclass
-class EvalSettings:
-    """What the user asked for; ``None`` means "as the run did" (or the built-in default without a run)."""
-
-    data: list[str] | None = None
-    # None: reward, kl (when a reference is known), diversity, accuracy, length
-    evaluators: str | list[str] | None = None
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_new_tokens: int | None = None
-    seed: int | None = None
-    batch_size: int | None = None
-    max_samples: int | None = None
-    max_prompt_length: int | None = None
-    reference: str | None = None
-    engine: str = "hf"
-    device: str = "auto"
-    dtype: str | None = None
-    num_threads: int | None = None
-    n_bootstrap: int = 1000
-    kl_micro_batch_size: int = 32
-    select: str = DEFAULT_SELECT
-    # Multi-turn (agent) rollouts: None = as the run did (rollout.multi_turn); tools or a tool config turn them on.
-    tools: list[str] | None = None
-    tool_config: str | None = None
-    max_turns: int | None = None
-    force: bool = False
-    quiet: bool = False
-    # Refuse to evaluate prompts that overlap the run's training data (eval/contamination.py) instead of reporting it.
-    strict: bool = False
-    # Every checkpoint of a run: "local" (one after another) or "ray" (spread over ``workers`` Ray workers).
-    executor: str = "local"
-    workers: int = 1
-    # Every metric per group of prompts (a dataset column, dotted for a dict column: extra_info.kind); eval/groups.py.
-    group_by: str | None = None
-
-    def __post_init__(self) -> None:
-        check_flags({name: getattr(self, name) for name in FLAG_RULES})
-        if self.executor not in ("local", "ray"):
-            raise ConfigError(f"--executor '{self.executor}' must be local or ray")
-        if self.workers < 1:
-            raise ConfigError(f"--workers {self.workers} must be at least 1")
-
-
-# Each eval flag obeys the rule of the config key it stands for (verl/config.py), so `--top-p 5` fails exactly as
-# `rollout.val_kwargs.top_p=5` does: flag -> (section, field, the flag's spelling).
-FLAG_RULES: dict[str, tuple[str, str, str]] = {
-    "n": ("ValidationSampling", "n", "--n"),
-    "temperature": ("ValidationSampling", "temperature", "--temperature"),
-    "top_p": ("ValidationSampling", "top_p", "--top-p"),
-    "top_k": ("ValidationSampling", "top_k", "--top-k"),
-    "max_new_tokens": ("DataConfig", "max_response_length", "--max-new-tokens"),
-    "batch_size": ("DataConfig", "val_batch_size", "--batch-size"),
-    "max_samples": ("DataConfig", "val_max_samples", "--max-samples"),
-    "max_prompt_length": ("DataConfig", "max_prompt_length", "--max-prompt-length"),
-    "num_threads": ("TrainerConfig", "num_threads", "--threads"),
-}
-
-
-def check_flags(values: dict[str, Any]) -> None:
-    """Validate the given (non-None) flag values against their config keys' constraints; one line per problem."""
-    problems = []
-    for name, value in values.items():
-        if value is None:
-            continue
-        section, key, flag = FLAG_RULES[name]
-        info = getattr(config_module, section).model_fields[key]
-        try:
-            TypeAdapter(Annotated[(info.annotation, *info.metadata)]).validate_python(value)
-        except ValidationError as exc:
-            reason = exc.errors()[0]["msg"].lower()
-            problems.append(f"{flag} {value!r}: {reason} (the same rule as the config key {key})")
-    if problems:
-        raise ConfigError("; ".join(problems))
 
 
 @dataclass

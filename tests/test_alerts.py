@@ -58,17 +58,16 @@ def test_repetition_rate_is_zero_for_varied_and_high_for_looping_text():
 # ---------------------------------------------------------------------------------------------- rules
 
 
-def default_rules(**alerts) -> dict[str, list[MetricRule]]:
-    """The shipped rules as ``trainer.alerts`` (deprecated) sets them, by name."""
+def default_rules(target_kl: float = 0.1) -> dict[str, list[MetricRule]]:
+    """The shipped rules, by name (their KL bound scales with ``algorithm.kl_ctrl.target_kl``)."""
     rules: dict[str, list[MetricRule]] = {}
-    for rule in build_health_rules(build_config({"trainer": {"alerts": alerts}})):
+    for rule in build_health_rules(build_config({"algorithm": {"kl_ctrl": {"target_kl": target_kl}}})):
         rules.setdefault(rule.name, []).append(rule)
     return rules
 
 
 def test_default_rules_fire_on_their_conditions():
-    rules = default_rules(kl_target=0.1, kl_factor=5, reward_collapse_drop=0.5, reward_window=2,
-                          entropy_collapse_ratio=0.1)
+    rules = default_rules(target_kl=0.1)
     [kl] = rules["kl_far_above_target"]
     assert kl.check(1, {"ppo/kl_div": 0.4}) is None
     alert = kl.check(2, {"ppo/kl_div": 2.0})
@@ -77,11 +76,12 @@ def test_default_rules_fire_on_their_conditions():
     assert "actor.optim.lr" in alert.message
 
     [collapse] = rules["reward_collapse"]
-    fired = [collapse.check(s, {"rollout/reward_mean": r}) for s, r in enumerate([1.0, 1.0, 0.8, 0.3, 0.1], 1)]
-    assert [a is not None for a in fired] == [False, False, False, False, True]  # mean(0.3, 0.1) < 0.5
+    rewards = [1.0] * 5 + [0.8, 0.3, 0.1, 0.1]
+    fired = [collapse.check(s, {"rollout/reward_mean": r}) for s, r in enumerate(rewards, 1)]
+    assert [a is not None for a in fired] == [False] * 8 + [True]  # the mean of the last five, 0.46 < 0.5
     [entropy] = rules["entropy_collapse"]
-    fired = [entropy.check(s, {"ppo/entropy": e}) for s, e in enumerate([1.0, 0.8, 0.5, 0.05], 1)]
-    assert [a is not None for a in fired] == [False, False, False, True]  # 0.05 < 0.1 x mean(1.0, 0.8)
+    fired = [entropy.check(s, {"ppo/entropy": e}) for s, e in enumerate([1.0, 0.8, 1.0, 0.8, 0.9, 0.5, 0.05], 1)]
+    assert [a is not None for a in fired] == [False] * 6 + [True]  # 0.05 < 0.1 x the mean of the first five
     [clip] = rules["length_clip_high"]
     assert clip.check(1, {"rollout/response_length_clip_ratio": 0.9}).value == 0.9
     assert clip.check(1, {}) is None  # a metric this run does not log is not an alert
@@ -109,39 +109,34 @@ def test_conditions_patience_and_actions_from_rule_specs():
 
 
 def test_non_finite_reports_every_step_and_stops_after_patience():
-    rules = default_rules(nan_patience=2)
+    rules = default_rules()
     monitor = HealthMonitor(rules["non_finite"], cooldown_steps=10)
     host = Host(None, [])
     monitor.on_step_end(host, 1, {"ppo/nan_skipped": 0.0, "ppo/policy_loss": 0.1})
     monitor.on_step_end(host, 2, {"ppo/nan_skipped": 1.0, "ppo/policy_loss": float("nan")})
     monitor.on_step_end(host, 3, {"ppo/nan_skipped": 0.0})  # a good step resets the streak
     monitor.on_step_end(host, 4, {"ppo/nan_skipped": 1.0})
+    monitor.on_step_end(host, 5, {"ppo/nan_skipped": 1.0})
     assert host.stop_reason is None
-    monitor.on_step_end(host, 5, {"ppo/grad_norm": float("inf"), "ppo/nan_skipped": 1.0})
+    monitor.on_step_end(host, 6, {"ppo/grad_norm": float("inf"), "ppo/nan_skipped": 1.0})
     fired = [(a["rule"], a["action"]) for a in monitor.fired]
-    assert fired == [("non_finite", "warn"), ("non_finite", "warn"), ("non_finite", "stop")]  # one row per step
+    assert fired == [("non_finite", "warn")] * 3 + [("non_finite", "stop")]  # one row per step
     assert "ppo/policy_loss" in monitor.fired[0]["message"]
-    assert "for 2 consecutive step(s), stopping at step 5" in host.stop_reason
+    assert "for 3 consecutive step(s), stopping at step 6" in host.stop_reason
 
 
-def test_legacy_sections_still_configure_the_rules_with_a_notice_and_rules_replace_them(capsys):
-    from verl.utils import log
-
-    log._SAID.clear()
-    assert "trainer.alerts" not in capsys.readouterr().err
-    build_health_rules(build_config({}))
-    assert "deprecated" not in capsys.readouterr().err  # the defaults alone: no notice
-    rules = default_rules(kl_factor=10, kl_target=0.01)
-    assert rules["kl_far_above_target"][0].spec.threshold == pytest.approx(0.1)
-    build_health_rules(build_config({"trainer": {"alerts": {"kl_factor": 7}}}))
-    err = capsys.readouterr().err
-    assert err.count("deprecated") == 1 and "trainer.health.rules" in err
-    build_health_rules(build_config({"trainer": {"alerts": {"kl_factor": 7}}}))
-    assert capsys.readouterr().err == ""  # once per process
-
-    stop = build_config({"trainer": {"callbacks": {"early_stop": {"enable": True, "kl_threshold": 0.3}}}})
-    early = [r for r in build_health_rules(stop) if r.name == "early_stop"]
-    assert {(r.spec.metric, r.spec.action) for r in early} >= {("ppo/kl_div", "stop")}
+def test_the_removed_sections_name_their_replacement_and_rules_replace_the_defaults():
+    """trainer.alerts and trainer.callbacks.early_stop are gone: a value is refused naming trainer.health; the
+    sections at their old defaults (every config.yaml written before) still load, so those runs resume."""
+    with pytest.raises(ConfigError, match=r"trainer.alerts was removed; use trainer.health.rules .*"
+                                          r"trainer.alerts.kl_factor"):
+        build_config({"trainer": {"alerts": {"kl_factor": 7}}})
+    with pytest.raises(ConfigError, match=r"trainer.callbacks.early_stop was removed; use "
+                                          r"trainer.health.add_rules with action: stop"):
+        build_config({"trainer": {"callbacks": {"early_stop": {"enable": True}}}})
+    old = build_config({"trainer": {"alerts": {"enable": True, "kl_factor": 5.0},
+                                    "callbacks": {"early_stop": {"enable": False, "patience": 5}}}})
+    assert [r.name for r in build_health_rules(old)] == [r.name for r in build_health_rules(build_config({}))]
     own = build_config({"trainer": {"health": {"rules": [{"name": "kl", "metric": "ppo/kl_div", "when": "above",
                                                           "threshold": 1.0, "action": "stop"}],
                                                "add_rules": [{"name": "nan", "when": "non_finite"}]}}})
@@ -167,8 +162,9 @@ def test_monitor_writes_rows_tracker_events_and_rate_limits(tmp_path):
     logger = RunLogger(tmp_path / "verl_logs.jsonl")
     tracker = TensorBoardTracker(log_dir=tmp_path / "tb")
     host = Host(logger, [tracker])
-    rules = default_rules(kl_target=0.1, kl_factor=5, nan_patience=2)
-    monitor = HealthMonitor([*rules["kl_far_above_target"], *rules["non_finite"]], cooldown_steps=3)
+    rules = default_rules(target_kl=0.1)
+    stop = MetricRule.of(name="non_finite", when="non_finite", patience=2, action="stop")
+    monitor = HealthMonitor([*rules["kl_far_above_target"], rules["non_finite"][0], stop], cooldown_steps=3)
     kl = [2.0, 2.0, 2.0, 2.0, 0.0, 2.0]  # violating, cleared at step 5, violating again
     for step, value in enumerate(kl, 1):
         monitor.on_step_end(host, step, {"ppo/kl_div": value, "ppo/nan_skipped": 0.0})
@@ -194,7 +190,8 @@ def test_kl_blow_up_alerts_and_stops_early_with_a_checkpoint(tmp_path):
     config = {**TINY, "actor": {"ppo_mini_batch_size": 4, "optim": {"lr": 0.05}},  # a far too large step size
               "trainer": {"total_steps": 8, "test_freq": -1, "val_before_train": False, "save_freq": -1,
                           "output_dir": str(tmp_path), "experiment_name": "kl-blowup",
-                          "callbacks": {"early_stop": {"enable": True, "patience": 2, "kl_threshold": 1.0}}}}
+                          "health": {"add_rules": [{"name": "early_stop", "metric": "ppo/kl_div", "when": "above",
+                                                    "threshold": 1.0, "patience": 2, "action": "stop"}]}}}
     path = tmp_path / "kl_blowup.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = subprocess.run([sys.executable, "-m", "verl.cli", "train", "--config", str(path)], cwd=tmp_path,
@@ -235,7 +232,8 @@ def test_nan_loss_is_skipped_reported_and_stops_after_patience(tmp_path):
     config = {**TINY, "actor": {"ppo_mini_batch_size": 4, "policy_loss": "test_nan_after_first_step"},
               "trainer": {"total_steps": 6, "test_freq": -1, "val_before_train": False, "save_freq": 1,
                           "output_dir": str(tmp_path), "experiment_name": "nan", "logger": ["jsonl"],
-                          "alerts": {"nan_patience": 2}}}
+                          "health": {"add_rules": [{"name": "non_finite", "when": "non_finite", "patience": 2,
+                                                    "action": "stop"}]}}}
     trainer = LocalPPOTrainer(config, quiet=True)
     trainer.fit()
     run_dir = tmp_path / "verl" / "nan"

@@ -343,3 +343,23 @@ def test_every_environment_switch_is_documented_in_one_table():
 
     settings = {f"VERL_SERVE_{name.upper()}" for name in ServeSettings.model_fields} | {"VERL_SERVE_CONFIG"}
     assert sorted(v for v in read if v.startswith("VERL_SERVE_") and v not in settings) == []
+
+
+def test_a_command_built_from_its_settings_declares_each_option_once():
+    """``verl eval``'s options are ``EvalSettings``' fields: the same names, flags and defaults, so the Python API and
+    the command line cannot disagree (they did: ``verl ship``'s ``slo_p95_ms`` and ``capacity``)."""
+    import dataclasses
+
+    import typer
+
+    from eval.cli import eval_command
+    from eval.settings import EvalSettings
+
+    app = typer.Typer(add_completion=False)
+    app.command()(eval_command)
+    params = {p.name: p for p in typer.main.get_command(app).params}
+    fields = [f for f in dataclasses.fields(EvalSettings) if "flags" in f.metadata]
+    assert len(fields) >= 25 and set(params) == {f.name for f in fields} | {"ckpt", "out", "watch"}
+    for f in fields:
+        assert set(f.metadata["flags"]) <= set(params[f.name].opts + params[f.name].secondary_opts), f.name
+        assert params[f.name].default == (f.default if f.default is not dataclasses.MISSING else f.default_factory())

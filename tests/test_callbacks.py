@@ -72,8 +72,8 @@ def test_callbacks_reject_bad_settings():
         BestCheckpointSaver("eval/accuracy", mode="best")
     with pytest.raises(ConfigError, match="patience must be >= 1"):
         EarlyStopper(patience=0)
-    with pytest.raises(ConfigError, match="trainer.callbacks.early_stop.patience"):
-        build_config({"trainer": {"callbacks": {"early_stop": {"patience": 0}}}})
+    with pytest.raises(ConfigError, match="trainer.health.add_rules.0.patience"):
+        build_config({"trainer": {"health": {"add_rules": [{"name": "s", "when": "non_finite", "patience": 0}]}}})
 
 
 def test_custom_callbacks_load_from_yaml_specs(tmp_path):
@@ -82,8 +82,9 @@ def test_custom_callbacks_load_from_yaml_specs(tmp_path):
                       "class Counter(TrainerCallback):\n"
                       "    def __init__(self):\n        self.steps = 0\n"
                       "class NotACallback:\n    pass\n")
-    config = build_config({"trainer": {"callbacks": {"custom": [f"{source}:Counter"],
-                                                     "early_stop": {"enable": True}}}})
+    config = build_config({"trainer": {"callbacks": {"custom": [f"{source}:Counter"]},
+                                       "health": {"add_rules": [{"name": "early_stop", "when": "non_finite",
+                                                                 "action": "stop"}]}}})
     callbacks = callbacks_from_config(config)
     assert [type(c).__name__ for c in callbacks] == ["HealthMonitor", "Counter"]
     assert "early_stop" in {rule.name for rule in callbacks[0].rules}
@@ -96,7 +97,7 @@ def test_custom_callbacks_load_from_yaml_specs(tmp_path):
         load_callback("no_such_module_xyz:Thing")
     with pytest.raises(ConfigError, match="is not 'package.module:Class'"):
         load_callback("just_a_name")
-    assert callbacks_from_config(build_config({"trainer": {"alerts": {"enable": False}}})) == []
+    assert callbacks_from_config(build_config({"trainer": {"health": {"rules": []}}})) == []
     assert callbacks_from_config(build_config({"trainer": {"health": {"enable": False}}})) == []
 
 

@@ -525,57 +525,36 @@ class BestCheckpointConfig(Section):
     )
 
 
-class EarlyStopConfig(Section):
-    """Deprecated: read into ``trainer.health``'s default rules (``early_stop`` rules with action ``stop``)."""
-
-    enable: bool = Field(False, description="Stop the run (final checkpoint, exit 0) when training goes unstable.")
-    patience: int = Field(5, ge=1, description="Consecutive violating steps before stopping.")
-    kl_threshold: float | None = Field(0.2, gt=0.0, description="Stop when ppo/kl_div stays above this; None = off.")
-    reward_drop: float | None = Field(
-        0.2, gt=0.0, description="Stop when smoothed reward falls this fraction below its peak; None = off."
-    )
-    reward_window: int = Field(5, ge=1, description="Steps averaged for the reward rule.")
-    min_response_length: float | None = Field(
-        1.0, ge=0.0, description="Stop when mean response length stays below this (collapse); None = off."
-    )
-    max_repetition_rate: float | None = Field(
-        0.9, gt=0.0, le=1.0, description="Stop when rollout/repetition_rate stays above this; None = off."
-    )
+def retire_section(data: Any, key: str, old_defaults: dict[str, Any], replacement: str, where: str) -> Any:
+    """``data`` without the removed section ``key``. Every config.yaml written before the removal holds the section at
+    its defaults, and those runs still resume and evaluate: that is dropped; any other value is refused, naming the
+    replacement."""
+    if not isinstance(data, dict) or key not in data:
+        return data
+    data = dict(data)
+    section = data.pop(key)
+    changed = [k for k, v in section.items() if old_defaults.get(k, ...) != v] if isinstance(section, dict) else [""]
+    if changed:
+        raise ValueError(f"{where}.{key} was removed; use {replacement} (this config sets {where}.{key}.{changed[0]})")
+    return data
 
 
 class CallbacksConfig(Section):
     """Callbacks attached from YAML (Python code can also call trainer.add_callback)."""
 
     best_checkpoint: BestCheckpointConfig = Field(default_factory=BestCheckpointConfig)
-    early_stop: EarlyStopConfig = Field(default_factory=EarlyStopConfig)
     custom: list[str] = Field(
         default_factory=list, description="Extra callbacks as 'package.module:Class' or 'file.py:Class' (no args)."
     )
 
-
-class AlertsConfig(Section):
-    """Deprecated: the thresholds of ``trainer.health``'s default warn rules (used while ``health.rules`` is unset)."""
-
-    enable: bool = Field(True, description="Include the default warn rules in trainer.health.")
-    kl_target: float | None = Field(None, gt=0.0, description="Expected KL; None = algorithm.kl_ctrl.target_kl.")
-    kl_factor: float = Field(5.0, gt=1.0, description="Alert when ppo/kl_div exceeds kl_factor * kl_target.")
-    reward_collapse_drop: float = Field(
-        0.5, gt=0.0, description="Alert when smoothed reward falls this fraction below its peak."
-    )
-    reward_window: int = Field(5, ge=1, description="Steps averaged for the reward and entropy baselines.")
-    entropy_collapse_ratio: float = Field(
-        0.1, gt=0.0, lt=1.0, description="Alert when entropy falls below this fraction of its starting value."
-    )
-    clip_ratio_max: float = Field(
-        0.5, gt=0.0, le=1.0, description="Alert when this fraction of responses hit max_response_length."
-    )
-    repetition_rate_max: float = Field(
-        0.5, gt=0.0, le=1.0, description="Alert when rollout/repetition_rate (repeated n-grams) exceeds this."
-    )
-    nan_patience: int = Field(
-        3, ge=0, description="Consecutive non-finite (skipped) steps that stop the run; 0 = never stop."
-    )
-    cooldown_steps: int = Field(10, ge=1, description="While a rule keeps firing, repeat its alert every N steps.")
+    @model_validator(mode="before")
+    @classmethod
+    def _early_stop_removed(cls, data: Any) -> Any:
+        return retire_section(data, "early_stop", {"enable": False, "patience": 5, "kl_threshold": 0.2,
+                                                   "reward_drop": 0.2, "reward_window": 5, "min_response_length": 1.0,
+                                                   "max_repetition_rate": 0.9},
+                              "trainer.health.add_rules with action: stop (docs/monitoring.md, 'Health rules')",
+                              "trainer.callbacks")
 
 
 class HealthRuleConfig(Section):
@@ -623,7 +602,7 @@ class HealthConfig(Section):
     cooldown_steps: int = Field(10, ge=1, description="While a warn rule keeps holding, repeat it every N steps.")
     rules: list[HealthRuleConfig] | None = Field(
         None, description="The rules; None = the defaults (KL, reward/entropy collapse, length clipping, "
-        "repetition, non-finite), with thresholds from the deprecated trainer.alerts / callbacks.early_stop.",
+        "repetition, non-finite; docs/monitoring.md lists them); [] = none.",
     )
     add_rules: list[HealthRuleConfig] = Field(default_factory=list, description="Rules added to `rules`.")
 
@@ -700,7 +679,15 @@ class TrainerConfig(Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Tracker settings.")
     callbacks: CallbacksConfig = Field(default_factory=CallbacksConfig, description="Callbacks from YAML.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="Health rules over logged metrics.")
-    alerts: AlertsConfig = Field(default_factory=AlertsConfig, description="Deprecated: use trainer.health.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _alerts_removed(cls, data: Any) -> Any:
+        return retire_section(data, "alerts", {"enable": True, "kl_target": None, "kl_factor": 5.0,
+                                               "reward_collapse_drop": 0.5, "reward_window": 5,
+                                               "entropy_collapse_ratio": 0.1, "clip_ratio_max": 0.5,
+                                               "repetition_rate_max": 0.5, "nan_patience": 3, "cooldown_steps": 10},
+                              "trainer.health.rules (docs/monitoring.md, 'Health rules')", "trainer")
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainerConfig:

@@ -16,9 +16,9 @@ Conditions: ``above`` / ``below`` a threshold; ``drop_from_peak`` (the mean over
 ``window`` steps); ``non_finite`` (a NaN/Inf loss or gradient; the actor already skipped that optimizer step). A rule
 acts once its condition has held for ``patience`` consecutive steps.
 
-The default rules (used while ``trainer.health.rules`` is unset) are the former alerts and early-stop conditions,
-with thresholds read from the deprecated ``trainer.alerts`` and ``trainer.callbacks.early_stop`` sections, which
-still work (a notice says so). Python code adds rules with ``trainer.add_callback(HealthMonitor([...]))``; a rule is
+The default rules (used while ``trainer.health.rules`` is unset) warn on KL, reward and entropy collapse, clipped
+lengths, repetition and non-finite steps (docs/monitoring.md lists them); ``early_stop_rules`` builds the stop rules
+for Python code. Python code adds rules with ``trainer.add_callback(HealthMonitor([...]))``; a rule is
 any object with a ``name`` and ``check(step, metrics) -> Alert | None`` (and, for ``skip_step``, ``before_update =
 True``). Best-checkpoint selection is not a health rule: it stays a callback (``BestCheckpointSaver``).
 """
@@ -29,14 +29,12 @@ import math
 import sys
 from collections import deque
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
 from typing import Any, Literal, Protocol
 
-from verl.config import AlertsConfig, EarlyStopConfig, HealthRuleConfig
+from verl.config import HealthRuleConfig
 from verl.errors import ConfigError
 from verl.tracking.backends import ConsoleTracker
 from verl.trainer.callbacks import BestCheckpointSaver, TrainerCallback, _is_scheduled_save, load_callback
-from verl.utils.log import say_once
 
 Action = Literal["warn", "skip_step", "checkpoint", "stop"]
 ACTION_RANK = {"warn": 0, "skip_step": 1, "checkpoint": 2, "stop": 3}
@@ -281,74 +279,40 @@ class HealthMonitor(TrainerCallback):
 
 # ---------------------------------------------------------------------------------------------- defaults
 
+KL_FACTOR = 5.0  # the KL warning fires at this multiple of the controller's target
+
 
 def default_rules(config: Any) -> list[HealthRuleConfig]:
-    """The shipped rules, thresholds from the deprecated ``trainer.alerts`` and ``trainer.callbacks.early_stop``."""
-    alerts, stop = config.trainer.alerts, config.trainer.callbacks.early_stop
-    rules: list[dict[str, Any]] = []
-    if alerts.enable:
-        target = alerts.kl_target or config.algorithm.kl_ctrl.target_kl
-        rules += [
-            dict(name="kl_far_above_target", metric="ppo/kl_div", when="above", threshold=alerts.kl_factor * target,
-                 advice=f"{alerts.kl_factor:g}x the KL target {target:g}: the policy is leaving the reference fast; "
-                        "lower actor.optim.lr or raise actor.kl_loss_coef"),
-            dict(name="reward_collapse", metric="rollout/reward_mean", when="drop_from_peak",
-                 threshold=alerts.reward_collapse_drop, window=alerts.reward_window,
-                 advice="look at the latest samples for reward hacking or degenerate outputs"),
-            dict(name="entropy_collapse", metric="ppo/entropy", when="below_start",
-                 threshold=alerts.entropy_collapse_ratio, window=alerts.reward_window,
-                 advice="the policy is becoming deterministic (mode collapse): consider actor.entropy_coeff > 0 or "
-                        "a lower learning rate"),
-            dict(name="length_clip_high", metric="rollout/response_length_clip_ratio", when="above",
-                 threshold=alerts.clip_ratio_max,
-                 advice="responses are being cut at data.max_response_length: raise it, or penalise length"),
-            dict(name="repetition_collapse", metric="rollout/repetition_rate", when="above",
-                 threshold=alerts.repetition_rate_max,
-                 advice="responses repeat themselves (degenerate loops): check the samples, lower the learning rate"),
-            dict(name="non_finite", when="non_finite", cooldown_steps=1),  # every skipped update is reported
-        ]
-        if alerts.nan_patience:
-            rules.append(dict(name="non_finite", when="non_finite", patience=alerts.nan_patience, action="stop",
-                              advice="lower actor.optim.lr, check the reward for NaN, or use float32"))
-    if stop.enable:
-        early = dict(name="early_stop", patience=stop.patience, action="stop")
-        if stop.kl_threshold is not None:
-            rules.append(dict(early, metric="ppo/kl_div", when="above", threshold=stop.kl_threshold))
-        if stop.reward_drop is not None:
-            rules.append(dict(early, metric="rollout/reward_mean", when="drop_from_peak", threshold=stop.reward_drop,
-                              window=stop.reward_window))
-        if stop.min_response_length is not None:
-            rules.append(dict(early, metric="rollout/response_length_mean", when="below",
-                              threshold=stop.min_response_length,
-                              advice="response collapse: responses shrink to nothing"))
-        if stop.max_repetition_rate is not None:
-            rules.append(dict(early, metric="rollout/repetition_rate", when="above",
-                              threshold=stop.max_repetition_rate, advice="responses collapse into loops"))
+    """The shipped warn rules (and the stop after three non-finite steps in a row); the KL bound is 5x
+    ``algorithm.kl_ctrl.target_kl``."""
+    target = config.algorithm.kl_ctrl.target_kl
+    rules: list[dict[str, Any]] = [
+        dict(name="kl_far_above_target", metric="ppo/kl_div", when="above", threshold=KL_FACTOR * target,
+             advice=f"{KL_FACTOR:g}x the KL target {target:g}: the policy is leaving the reference fast; "
+                    "lower actor.optim.lr or raise actor.kl_loss_coef"),
+        dict(name="reward_collapse", metric="rollout/reward_mean", when="drop_from_peak", threshold=0.5, window=5,
+             advice="look at the latest samples for reward hacking or degenerate outputs"),
+        dict(name="entropy_collapse", metric="ppo/entropy", when="below_start", threshold=0.1, window=5,
+             advice="the policy is becoming deterministic (mode collapse): consider actor.entropy_coeff > 0 or "
+                    "a lower learning rate"),
+        dict(name="length_clip_high", metric="rollout/response_length_clip_ratio", when="above", threshold=0.5,
+             advice="responses are being cut at data.max_response_length: raise it, or penalise length"),
+        dict(name="repetition_collapse", metric="rollout/repetition_rate", when="above", threshold=0.5,
+             advice="responses repeat themselves (degenerate loops): check the samples, lower the learning rate"),
+        dict(name="non_finite", when="non_finite", cooldown_steps=1),  # every skipped update is reported
+        dict(name="non_finite", when="non_finite", patience=3, action="stop",
+             advice="lower actor.optim.lr, check the reward for NaN, or use float32"),
+    ]
     return [HealthRuleConfig(**rule) for rule in rules]
-
-
-def _deprecation_notice(config: Any) -> None:
-    """Once per process: the old sections still work, and where their replacement is."""
-    used = [name for name, section, default in (
-        ("trainer.alerts", config.trainer.alerts, AlertsConfig()),
-        ("trainer.callbacks.early_stop", config.trainer.callbacks.early_stop, EarlyStopConfig()),
-    ) if section != default]
-    if used:
-        say_once(f"{' and '.join(used)} are deprecated; they still set trainer.health's default rules. Write the "
-                 "rules under trainer.health.rules instead (docs/monitoring.md, 'Health rules').")
 
 
 def build_health_rules(config: Any) -> list[Rule]:
     """The rules ``trainer.health`` configures (``config`` is a ``VerlConfig``)."""
     health = config.trainer.health
-    if health.rules is None:
-        _deprecation_notice(config)
-        specs = default_rules(config)
-    else:
-        specs = list(health.rules)
+    specs = default_rules(config) if health.rules is None else list(health.rules)
     rules: list[Rule] = [MetricRule(spec) for spec in [*specs, *health.add_rules]]
     model = config.reward.model
-    if health.rules is None and config.trainer.alerts.enable and (model.path or model.url):
+    if health.rules is None and (model.path or model.url):
         rules.append(RewardModelGaming())  # a reward model gives the reward: watch it against the rule
     return rules
 
@@ -356,17 +320,21 @@ def build_health_rules(config: Any) -> list[Rule]:
 def early_stop_rules(patience: int = 5, kl_threshold: float | None = 0.2, reward_drop: float | None = 0.2,
                      reward_window: int = 5, min_response_length: float | None = 1.0,
                      max_repetition_rate: float | None = 0.9) -> list[Rule]:
-    """The ``early_stop`` stop rules for Python code: ``trainer.add_callback(HealthMonitor(early_stop_rules(...)))``."""
+    """The ``early_stop`` stop rules for Python code: ``trainer.add_callback(HealthMonitor(early_stop_rules(...)))``;
+    a condition set to None is left out."""
     if patience < 1:
         raise ConfigError(f"EarlyStopper patience must be >= 1, got {patience}")
+    conditions = [("ppo/kl_div", "above", kl_threshold, 1, ""),
+                  ("rollout/reward_mean", "drop_from_peak", reward_drop, reward_window, ""),
+                  ("rollout/response_length_mean", "below", min_response_length, 1,
+                   "response collapse: responses shrink to nothing"),
+                  ("rollout/repetition_rate", "above", max_repetition_rate, 1, "responses collapse into loops")]
     try:
-        stop = EarlyStopConfig(enable=True, patience=patience, kl_threshold=kl_threshold, reward_drop=reward_drop,
-                               reward_window=reward_window, min_response_length=min_response_length,
-                               max_repetition_rate=max_repetition_rate)
+        return [MetricRule(HealthRuleConfig(name="early_stop", metric=metric, when=when, threshold=threshold,
+                                            window=window, patience=patience, action="stop", advice=advice))
+                for metric, when, threshold, window, advice in conditions if threshold is not None]
     except ValueError as exc:
         raise ConfigError(f"early_stop_rules: {exc}") from None
-    trainer = SimpleNamespace(alerts=AlertsConfig(enable=False), callbacks=SimpleNamespace(early_stop=stop))
-    return [MetricRule(spec) for spec in default_rules(SimpleNamespace(trainer=trainer, algorithm=None))]
 
 
 class EarlyStopper(HealthMonitor):
