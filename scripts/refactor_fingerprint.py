@@ -1,6 +1,7 @@
-"""Per-step metrics of fixed-seed runs (GRPO local, PPO with critic local, GRPO on Ray) and the sha256 of
-`verl eval`'s results.json and samples.jsonl for the GRPO run's last checkpoint, for a before/after check of a
-refactor that must not change numbers:
+"""Per-step metrics of fixed-seed runs (GRPO local, PPO with critic local, GRPO on Ray, one-step off-policy, DAPO's
+filter_groups, bypass mode, the tiny agent, SFT and a reward model) and the sha256 of `verl eval`'s results.json and
+samples.jsonl for the GRPO run's last checkpoint, for a before/after check of a refactor that must not change
+numbers:
 
     python scripts/refactor_fingerprint.py /tmp/before.json     # on the old code
     python scripts/refactor_fingerprint.py /tmp/after.json      # on the new code, then compare the two files
@@ -70,9 +71,29 @@ def run(name, cfg_file, extra, with_eval=False):
         return keep
 
 
+def cli_run(name, command, args):
+    """A `verl sft` / `verl rm` run of a few steps in a subprocess: its train and eval rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "verl.cli", command, *args, f"trainer.output_dir={tmp}",
+                        f"trainer.experiment_name={name}", "trainer.num_threads=1", "--quiet"], check=True)
+        [log] = Path(tmp).rglob("verl_logs.jsonl")
+        return {f"{name}/{r['step']}/{k}": v for r in read_jsonl(log) if "step" in r for k, v in r.items()
+                if isinstance(v, float) and not k.endswith(("seconds", "per_second")) and "time" not in k}
+
+
 out = {}
 out.update(run("grpo", None, [], with_eval=True))
 out.update(run("ppo", "configs/ppo_tiny.yaml", []))
 out.update(run("grpo_ray", None, ["trainer.executor=ray", "trainer.n_workers=1"]))
+out.update(run("off_policy", None, ["trainer.one_step_off_policy=true"]))
+out.update(run("filter_groups", None, ["algorithm.filter_groups.enable=true"]))
+out.update(run("bypass_ppo_clip", None, ["algorithm.rollout_correction.preset=bypass_ppo_clip"]))
+out.update(run("bypass_pg_is", None, ["algorithm.rollout_correction.preset=bypass_pg_is"]))
+out.update(run("agent", "configs/agent_tiny.yaml", ["data.max_response_length=48"]))
+out.update(cli_run("sft", "sft", ["trainer.total_steps=3", "data.batch_size=8", "trainer.test_freq=3",
+                                  "data.val_max_samples=8"]))
+out.update(cli_run("rm", "rm", ["trainer.total_steps=3", "data.batch_size=8", "trainer.test_freq=3",
+                                "data.train_files=[builtin:arithmetic/pairs_train]",
+                                "data.val_files=[builtin:arithmetic/pairs_val]"]))
 Path(sys.argv[1]).write_text(json.dumps(out, indent=0, sort_keys=True))
 print(len(out), "values")

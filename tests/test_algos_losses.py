@@ -287,3 +287,20 @@ def test_a_loss_ported_with_verls_argument_order_gets_the_current_policy_as_log_
         assert seen and all(current and not old for current, old in seen)
     finally:
         POLICY_LOSSES.pop("test_verl_order")
+
+
+def test_bypass_mode_is_a_policy_loss_with_the_common_call():
+    """verl registers bypass mode as a policy loss: -A * w * log pi_theta with w = pi_theta / pi_rollout (detached,
+    truncated at the threshold), pi_rollout arriving as old_log_prob; the clip options of the common call are
+    accepted and do not apply. By hand: w = (exp(0.5), exp(-0.5)), token-mean of (1.6487 * 1, 0.6065 * 2) = 1.4309."""
+    from verl.algos.losses import POLICY_LOSSES
+
+    log_prob = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
+    old = torch.tensor([[-1.5, -1.5]], dtype=F64)
+    loss, metrics = POLICY_LOSSES["bypass_mode"](
+        log_prob=log_prob, old_log_prob=old, advantages=torch.ones(1, 2, dtype=F64), mask=torch.ones(1, 2, dtype=F64),
+        rollout_is="token", rollout_is_threshold=2.0, clip_low=0.2, clip_high=0.2, clip_c=3.0, rollout_is_weights=None,
+        num_tokens=2.0, num_seqs=1.0, norm_length=2.0)
+    assert loss.item() == pytest.approx((math.exp(0.5) * 1.0 + math.exp(-0.5) * 2.0) / 2, abs=1e-12)
+    assert metrics["ppo_kl"].item() == pytest.approx(((-1.5 + 1.0) + (-1.5 + 2.0)) / 2, abs=1e-12)
+    assert any(key.startswith("rollout_corr/") for key in metrics)

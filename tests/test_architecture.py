@@ -345,21 +345,49 @@ def test_every_environment_switch_is_documented_in_one_table():
     assert sorted(v for v in read if v.startswith("VERL_SERVE_") and v not in settings) == []
 
 
-def test_a_command_built_from_its_settings_declares_each_option_once():
-    """``verl eval``'s options are ``EvalSettings``' fields: the same names, flags and defaults, so the Python API and
-    the command line cannot disagree (they did: ``verl ship``'s ``slo_p95_ms`` and ``capacity``)."""
+def option_fields(settings: type) -> list:
+    """The ``option`` fields of a settings class and of its nested settings."""
+    import dataclasses
+
+    found = []
+    for f in dataclasses.fields(settings):
+        if "nested" in f.metadata:
+            found += option_fields(f.metadata["nested"])
+        elif "option" in f.metadata:
+            found.append(f)
+    return found
+
+
+@pytest.mark.parametrize("command_name", ["eval", "ship"])
+def test_a_command_built_from_its_settings_declares_each_option_once(command_name):
+    """``verl eval``'s and ``verl ship``'s options are their settings' fields: the same names, flags and defaults, so
+    the Python API and the command line cannot disagree (they did: ``slo_p95_ms`` 1000 on the command line, None in
+    the canary's settings; ``capacity`` True and False)."""
     import dataclasses
 
     import typer
 
     from eval.cli import eval_command
     from eval.settings import EvalSettings
+    from eval.ship.cli import ship_command
+    from eval.ship.settings import ShipSettings
 
+    command, settings, leading = {"eval": (eval_command, EvalSettings, {"ckpt", "out", "watch"}),
+                                  "ship": (ship_command, ShipSettings, set())}[command_name]
     app = typer.Typer(add_completion=False)
-    app.command()(eval_command)
+    app.command()(command)
     params = {p.name: p for p in typer.main.get_command(app).params}
-    fields = [f for f in dataclasses.fields(EvalSettings) if "flags" in f.metadata]
-    assert len(fields) >= 25 and set(params) == {f.name for f in fields} | {"ckpt", "out", "watch"}
+    fields = option_fields(settings)
+    assert len(fields) >= 25 and set(params) == {f.name for f in fields} | leading
     for f in fields:
-        assert set(f.metadata["flags"]) <= set(params[f.name].opts + params[f.name].secondary_opts), f.name
-        assert params[f.name].default == (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+        flags = {flag for spec in f.metadata["flags"] for flag in spec.split("/")}  # --x/--no-x: both
+        assert flags <= set(params[f.name].opts + params[f.name].secondary_opts), f.name
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory() if (
+            f.default_factory is not dataclasses.MISSING) else None
+        if f.metadata["cli_default"] is not dataclasses.MISSING:
+            assert f.metadata["parse"](f.metadata["cli_default"]) == default, f.name
+        else:
+            assert params[f.name].default == default, f.name
+    if command_name == "ship":  # the canary runs the guardrails and stages the ship runs
+        shipped = ShipSettings(run="r", service="s", shadow_fraction=0.1)
+        assert (shipped.canary.slo_p95_ms, shipped.canary.capacity, shipped.canary.shadow) == (1000.0, True, True)

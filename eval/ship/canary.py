@@ -24,65 +24,18 @@ Every decision (and every stage change) goes to the audit log with its evidence 
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
-from eval.ship.sequential import METHODS, ExceedanceTest, PairedWorseTest, RateIncreaseTest, RewardTest
+from eval.ship.sequential import ExceedanceTest, PairedWorseTest, RateIncreaseTest, RewardTest
+from eval.ship.settings import CanarySettings
 from eval.ship.units import Randomization
 from serve.records import source_matches
 
 Outcome = Literal["promote", "rollback", "inconclusive"]
-# Where the rewards come from (docs/architecture.md §13): a rule checker, users' feedback, a reward model or a judge.
-REWARD_SOURCE = re.compile(r"(rule|feedback|rm|judge)(:[\w.\-]+)?")
-
-
-@dataclass(frozen=True)
-class CanarySettings:
-    stages: tuple[float, ...] = (0.05, 0.25, 0.5)
-    min_per_stage: int = 40
-    margin: float = 0.05
-    alpha: float = 0.05
-    test: str = "betting"  # betting (rewards in [0, 1]) | mixture (asymptotic, any scale)
-    min_per_arm: int = 30
-    max_error_increase: float = 0.02
-    max_missing_increase: float = 0.02
-    slo_p95_ms: float | None = None
-    reward_timeout_s: float = 60.0  # a reward not in by then is missing
-    budget_requests: int = 10_000
-    budget_s: float = 600.0
-    poll_s: float = 1.0
-    shadow: bool = False  # a shadow stage runs first (it takes a share of alpha)
-    capacity: bool = False  # a capacity gate runs first (it takes a share of alpha)
-    reward_source: str = "rule"  # the rewards decided on: rule, feedback, rm:NAME, judge:NAME (serve.records)
-
-    def __post_init__(self) -> None:
-        if not self.stages or any(not 0 < s < 1 for s in self.stages) or list(self.stages) != sorted(self.stages):
-            raise ValueError(f"canary stages must rise within (0, 1), e.g. 0.05,0.25,0.5 (got {list(self.stages)}); "
-                             "the last step to 100% is the promote")
-        if not 0 < self.alpha < 1:
-            raise ValueError(f"alpha must be in (0, 1) (got {self.alpha})")
-        if not REWARD_SOURCE.fullmatch(self.reward_source):
-            raise ValueError(f"the reward source must be rule, feedback, rm:NAME or judge:NAME (got "
-                             f"{self.reward_source!r})")
-        if self.shadow and self.reward_source.startswith("feedback"):
-            raise ValueError("a shadow stage cannot be judged by feedback: users never see a mirrored answer; use "
-                             "--reward-source rule, rm:NAME or judge:NAME, or no --shadow")
-        if self.test not in METHODS:
-            raise ValueError(f"the test must be one of {', '.join(METHODS)} (got {self.test!r})")
-
-    def alpha_split(self) -> dict[str, float]:
-        """Each test's alpha. Turning a candidate away (rollback, or a refusal at the capacity gate or in shadow):
-        the reward test takes half; the guardrails that run (errors, missing rewards, latency when an SLO is set),
-        the capacity gate and the shadow stage share the other half equally. Promoting: only the reward test's
-        non-inferiority side promotes, so it has the whole alpha."""
-        others = ["errors", "missing_rewards"] + (["latency"] if self.slo_p95_ms is not None else []) + (
-            ["capacity"] if self.capacity else []) + (["shadow"] if self.shadow else [])
-        split = {"reward_worse": self.alpha / 2, **{name: self.alpha / 2 / len(others) for name in others}}
-        return {**split, "reward_non_inferior": self.alpha}
 
 
 class RecordReader:

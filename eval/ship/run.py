@@ -15,42 +15,17 @@ import json
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from eval.ship.canary import Canary, CanarySettings, describe_reward, settings_dict
+from eval.ship.canary import Canary, describe_reward, settings_dict
 from eval.ship.gates import Gate, capacity_gate, guardrail_gate, quality_gate, training_trend, tripwire_gate
+from eval.ship.settings import ShipSettings
 from serve.promote import ADMIN_KEY_ENV, AdminClient, PromoteError, new_weights
 from verl.errors import ConfigError, VerlError
 
 EXIT_PROMOTED, EXIT_NOT_PROMOTED = 0, 10
-
-
-@dataclass
-class ShipSettings:
-    run: str
-    service: str
-    route: str = "default"
-    ckpt: str | None = None
-    name: str | None = None  # the candidate's model name in the service (default: <run>-step<N>)
-    admin_key: str | None = None
-    api_key: str | None = None
-    out: Path | None = None
-    canary: CanarySettings = field(default_factory=CanarySettings)
-    gate_metric: str = "eval/accuracy"
-    offline: bool = True
-    capacity: bool = True
-    capacity_users: int = 2
-    capacity_s: float = 10.0
-    slo_p95_ms: float = 1000.0
-    max_samples: int | None = None
-    max_kl: float | None = None  # guardrail: the candidate's exact KL to its base (None: reported only)
-    shadow_fraction: float = 0.0  # > 0: a shadow stage before the canary, mirroring this share of the route
-    shadow_requests: int = 50
-    gate_data: list[str] | None = None  # offline gate prompts (default: a split the checkpoint selection never saw)
-    dry_run: bool = False
-    strict: bool = False  # the offline gate refuses prompts that overlap the run's training data
 
 
 class AuditLog:

@@ -44,10 +44,10 @@ from typing import Literal
 
 import numpy as np
 
+from eval.ship.settings import METHODS
 from verl.errors import ConfigError
 
 Decision = Literal["rollback", "non_inferior", "continue"]
-METHODS = ("betting", "mixture")
 BET_CAP = 0.5  # no bet risks more than half the wealth: 1 + lambda x >= 1 - BET_CAP
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from verl.algos.masked import masked_mean
+from verl.algos.rollout_correction import is_weights
 from verl.registry import Registry
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -53,6 +54,9 @@ def agg_loss(
 def valid_sequences(mask: torch.Tensor) -> torch.Tensor:
     """Number of rows of a ``(batch, response_len)`` mask with at least one valid token (a 0-dim tensor)."""
     return (mask.sum(-1) > 0).sum()
+
+
+AGG_DENOMINATORS = ("num_tokens", "num_seqs", "norm_length")  # what global_agg_denominators gives agg_loss
 
 
 def global_agg_denominators(mask: torch.Tensor, norm_length: float | None = None) -> dict[str, float]:
@@ -136,6 +140,34 @@ def reinforce_policy_loss(
     losses = -advantages * weights * log_prob
     return agg_loss(losses, mask, loss_agg_mode, **agg_kwargs), {
         "ppo_kl": masked_mean(rollout_log_prob - log_prob.detach(), mask)}
+
+
+@register_policy_loss("bypass_mode")
+def bypass_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    rollout_is: str | None = None,
+    rollout_is_threshold: str | float = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    loss_agg_mode: str = "token-mean",
+    **options,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bypass mode's REINFORCE (``algorithm.rollout_correction`` with ``bypass_mode`` and ``loss_type: reinforce``;
+    verl registers it as a policy loss too). In bypass mode ``old_log_prob`` is the rollout engine's log-prob of each
+    token: the weights w = pi_theta / pi_rollout of these very tokens (detached; ``rollout_is`` sets how, None: 1)
+    times -A log pi_theta, no clipping (``reinforce_policy_loss``). The weights' statistics come back as
+    ``rollout_corr/*`` metrics; the clip options of the common call do not apply."""
+    weights, found = None, {}
+    if rollout_is is not None:
+        weights, found = is_weights(log_prob.detach() - old_log_prob, mask, rollout_is, rollout_is_threshold,
+                                    rollout_is_batch_normalize)
+    agg_kwargs = {k: v for k, v in options.items() if k in AGG_DENOMINATORS}
+    loss, metrics = reinforce_policy_loss(log_prob=log_prob, rollout_log_prob=old_log_prob, advantages=advantages,
+                                          mask=mask, rollout_is_weights=weights, loss_agg_mode=loss_agg_mode,
+                                          **agg_kwargs)
+    return loss, {**{f"rollout_corr/{k}": torch.tensor(v, dtype=torch.float64) for k, v in found.items()}, **metrics}
 
 
 def value_loss(

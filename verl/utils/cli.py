@@ -62,16 +62,24 @@ def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 
-def option(default: Any = None, *flags: str, help: str = "", parse: Callable[[Any], Any] | None = None,
-           cli_type: Any = None, **typer_kwargs: Any) -> Any:
-    """A settings field that is also its command's option: one declaration, one default. ``flags`` and
-    ``typer_kwargs`` as typer's; ``cli_type`` and ``parse`` when the command line's value has another type than the
-    field's (``parse`` turns one into the other); a list default is copied per instance."""
-    meta = {"option": typer.Option(*flags, help=help, **typer_kwargs), "flags": flags, "parse": parse,
-            "cli_type": cli_type}
+
+def option(default: Any = dataclasses.MISSING, *flags: str, help: str = "", parse: Callable[[Any], Any] | None = None,
+           cli_type: Any = None, cli_default: Any = dataclasses.MISSING, argument: bool = False,
+           **typer_kwargs: Any) -> Any:
+    """A settings field that is also its command's option: one declaration, one default (none: required).
+    ``flags`` and ``typer_kwargs`` as typer's (``argument``: a positional argument); ``cli_type``, ``cli_default`` and
+    ``parse`` when the command line's value has another type than the field's (``parse`` turns one into the other);
+    a list default is copied per instance."""
+    info = typer.Argument(help=help, **typer_kwargs) if argument else typer.Option(*flags, help=help, **typer_kwargs)
+    meta = {"option": info, "flags": flags, "parse": parse, "cli_type": cli_type, "cli_default": cli_default}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def nested(settings: type) -> Any:
+    """A settings field holding another settings dataclass whose options join the command's."""
+    return dataclasses.field(default_factory=settings, metadata={"nested": settings})
 
 
 def parameter(name: str, kind: Any, info: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
@@ -79,21 +87,46 @@ def parameter(name: str, kind: Any, info: Any, default: Any = inspect.Parameter.
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, info])
 
 
+def _options(settings: type) -> list[inspect.Parameter]:
+    """One typer parameter per ``option`` field of ``settings`` and of its ``nested`` settings, in field order."""
+    hints, found = typing.get_type_hints(settings), []
+    for f in dataclasses.fields(settings):
+        if "nested" in f.metadata:
+            found += _options(f.metadata["nested"])
+        elif "option" in f.metadata:
+            meta = f.metadata
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            default = meta["cli_default"] if meta["cli_default"] is not dataclasses.MISSING else default
+            found.append(parameter(f.name, meta["cli_type"] or hints[f.name], meta["option"],
+                                   inspect.Parameter.empty if default is dataclasses.MISSING else default))
+    return found
+
+
+def build_settings(settings: type, values: dict[str, Any]) -> Any:
+    """``settings`` from a command's ``values`` (each option's ``parse`` applied; nested settings built first). A
+    settings class's ValueError is the user's input: a ConfigError."""
+    kwargs = {}
+    for f in dataclasses.fields(settings):
+        if "nested" in f.metadata:
+            kwargs[f.name] = build_settings(f.metadata["nested"], values)
+        elif "option" in f.metadata:
+            parse, value = f.metadata["parse"], values[f.name]
+            kwargs[f.name] = parse(value) if parse and value is not None else value
+    try:
+        return settings(**kwargs)
+    except ValueError as exc:
+        raise VerlError(str(exc)) from None
+
+
 def command(run: Callable[..., Any], settings: type, *leading: inspect.Parameter) -> Callable[..., Any]:
     """A typer command: the ``leading`` parameters, then one option per ``option`` field of ``settings``. It calls
-    ``run(**leading values, settings=settings(**fields, each option's parse applied))`` under ``run_guarded``;
-    ``run``'s docstring is its help."""
-    hints, fields = typing.get_type_hints(settings), [f for f in dataclasses.fields(settings) if "option" in f.metadata]
+    ``run(**leading values, settings=build_settings(...))`` under ``run_guarded``; ``run``'s docstring is its
+    help."""
     names = {p.name for p in leading}
 
     def invoke(**values: Any) -> Any:
-        parsed = {f.name: f.metadata["parse"](values[f.name]) if f.metadata["parse"] and values[f.name] is not None
-                  else values[f.name] for f in fields}
-        return run_guarded(lambda: run(**{k: values[k] for k in names}, settings=settings(**parsed)))
+        return run_guarded(lambda: run(**{k: values[k] for k in names}, settings=build_settings(settings, values)))
 
-    options = [parameter(f.name, f.metadata["cli_type"] or hints[f.name], f.metadata["option"],
-                         f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
-               for f in fields]
-    invoke.__signature__ = inspect.Signature([*leading, *options])
+    invoke.__signature__ = inspect.Signature([*leading, *_options(settings)])
     invoke.__doc__, invoke.__name__ = run.__doc__, run.__name__
     return invoke

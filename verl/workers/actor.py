@@ -18,6 +18,7 @@ engine's numerics alone; in bypass or one-step off-policy mode it includes the p
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 
@@ -25,9 +26,9 @@ import numpy as np
 import torch
 
 from verl.algos.kl import kl_penalty
-from verl.algos.losses import agg_loss, get_policy_loss, global_agg_denominators, reinforce_policy_loss
+from verl.algos.losses import agg_loss, get_policy_loss, global_agg_denominators
 from verl.algos.masked import masked_mean
-from verl.algos.rollout_correction import MismatchStats, is_weights, rejection_mask
+from verl.algos.rollout_correction import MismatchStats, rejection_mask
 from verl.config import ActorConfig, RolloutCorrectionConfig
 from verl.models.packed_linear import packed_weights
 from verl.protocol import DataProto
@@ -75,6 +76,12 @@ class Actor:
         self.temperature = temperature
         self.max_response_length = max_response_length
         self.policy_loss_fn = get_policy_loss(config.policy_loss)
+        correction = self.rollout_correction
+        if correction.bypass_mode and correction.loss_type == "reinforce":  # verl's bypass loss, as a policy loss
+            self.policy_loss_fn = functools.partial(
+                get_policy_loss("bypass_mode"), rollout_is=correction.rollout_is,
+                rollout_is_threshold=correction.rollout_is_threshold,
+                rollout_is_batch_normalize=correction.rollout_is_batch_normalize)
         self.autocast_dtype = torch.bfloat16 if config.autocast == "bf16" else None
         self.optimizer = build_optimizer(model.parameters(), config.optim)
         # The schedule counts training steps (one scheduler.step() per update_policy), not optimizer steps.
@@ -160,25 +167,13 @@ class Actor:
             correction = self.rollout_correction
             if correction.bypass_mode and correction.rollout_rs is not None:
                 mask = self._bypass_rejection(log_prob, rollout_log_prob, mask, sums, weight)
-            if correction.bypass_mode and correction.loss_type == "reinforce":
-                # Bypass REINFORCE: w = pi_theta / pi_rollout of these very tokens (detached), no clipping.
-                weights = None
-                if correction.rollout_is is not None:
-                    weights, found = is_weights(log_prob.detach() - rollout_log_prob, mask, correction.rollout_is,
-                                                correction.rollout_is_threshold, correction.rollout_is_batch_normalize)
-                    for key, value in found.items():
-                        sums[f"rollout_corr/{key}"] += weight * value
-                pg_loss, pg_metrics = reinforce_policy_loss(
-                    log_prob=log_prob, rollout_log_prob=rollout_log_prob, advantages=batch["advantages"], mask=mask,
-                    rollout_is_weights=weights, loss_agg_mode=cfg.loss_agg_mode, **agg_kwargs)
-            else:
-                # By keyword: verl's ported losses take (old_log_prob, log_prob); a positional call would invert
-                # the ratio.
-                pg_loss, pg_metrics = self.policy_loss_fn(
-                    log_prob=log_prob, old_log_prob=old_log_prob, advantages=batch["advantages"], mask=mask,
-                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_ratio_c,
-                    loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=batch.get("rollout_is_weights"), **agg_kwargs,
-                )
+            # By keyword: verl's ported losses take (old_log_prob, log_prob); a positional call would invert the ratio.
+            # In bypass mode old_log_prob is the rollout engine's.
+            pg_loss, pg_metrics = self.policy_loss_fn(
+                log_prob=log_prob, old_log_prob=old_log_prob, advantages=batch["advantages"], mask=mask,
+                clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_ratio_c,
+                loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=batch.get("rollout_is_weights"), **agg_kwargs,
+            )
             loss = pg_loss
             if need_entropy_grad:
                 loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **agg_kwargs)
