@@ -81,19 +81,24 @@ def cli_run(name, command, args):
                 if isinstance(v, float) and not k.endswith(("seconds", "per_second")) and "time" not in k}
 
 
-out = {}
-out.update(run("grpo", None, [], with_eval=True))
-out.update(run("ppo", "configs/ppo_tiny.yaml", []))
-out.update(run("grpo_ray", None, ["trainer.executor=ray", "trainer.n_workers=1"]))
-out.update(run("off_policy", None, ["trainer.one_step_off_policy=true"]))
-out.update(run("filter_groups", None, ["algorithm.filter_groups.enable=true"]))
-out.update(run("bypass_ppo_clip", None, ["algorithm.rollout_correction.preset=bypass_ppo_clip"]))
-out.update(run("bypass_pg_is", None, ["algorithm.rollout_correction.preset=bypass_pg_is"]))
-out.update(run("agent", "configs/agent_tiny.yaml", ["data.max_response_length=48"]))
-out.update(cli_run("sft", "sft", ["trainer.total_steps=3", "data.batch_size=8", "trainer.test_freq=3",
-                                  "data.val_max_samples=8"]))
-out.update(cli_run("rm", "rm", ["trainer.total_steps=3", "data.batch_size=8", "trainer.test_freq=3",
-                                "data.train_files=[builtin:arithmetic/pairs_train]",
-                                "data.val_files=[builtin:arithmetic/pairs_val]"]))
-Path(sys.argv[1]).write_text(json.dumps(out, indent=0, sort_keys=True))
-print(len(out), "values")
+def main() -> None:
+    out = {}
+    out.update(run("grpo", None, [], with_eval=True))
+    out.update(run("ppo", "configs/ppo_tiny.yaml", []))
+    out.update(run("grpo_ray", None, ["trainer.executor=ray", "trainer.n_workers=1"]))
+    out.update(run("off_policy", None, ["trainer.one_step_off_policy=true"]))
+    out.update(run("filter_groups", None, ["algorithm.filter_groups.enable=true"]))
+    out.update(run("bypass_ppo_clip", None, ["algorithm.rollout_correction.preset=bypass_ppo_clip"]))
+    out.update(run("bypass_pg_is", None, ["algorithm.rollout_correction.preset=bypass_pg_is"]))
+    out.update(run("agent", "configs/agent_tiny.yaml", ["data.max_response_length=48"]))
+    out.update(cli_run("sft", "sft", ["trainer.total_steps=3", "data.batch_size=8", "trainer.test_freq=3",
+                                      "data.val_max_samples=8"]))
+    out.update(cli_run("rm", "rm", ["trainer.total_steps=3", "data.batch_size=8", "trainer.test_freq=3",
+                                    "data.train_files=[builtin:arithmetic/pairs_train]",
+                                    "data.val_files=[builtin:arithmetic/pairs_val]"]))
+    Path(sys.argv[1]).write_text(json.dumps(out, indent=0, sort_keys=True))
+    print(len(out), "values")
+
+
+if __name__ == "__main__":  # the one-step off-policy run spawns a process that imports this file
+    main()
