@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from verl.errors import VerlError
+from verl.errors import ConfigError, VerlError
 
 STATE = {"debug": os.environ.get("VERL_DEBUG") == "1"}  # or `verl --debug`
 # Extra CLI args are dotted overrides: `verl train actor.optim.lr=1e-5 --trainer.total_steps=10`.
@@ -59,8 +59,6 @@ def run_guarded(fn: Any, *args: Any, **kwargs: Any) -> Any:
     except KeyboardInterrupt:
         err.print("interrupted")
         raise typer.Exit(130) from None
-
-
 
 
 def option(default: Any = dataclasses.MISSING, *flags: str, help: str = "", parse: Callable[[Any], Any] | None = None,
@@ -115,7 +113,7 @@ def build_settings(settings: type, values: dict[str, Any]) -> Any:
     try:
         return settings(**kwargs)
     except ValueError as exc:
-        raise VerlError(str(exc)) from None
+        raise ConfigError(str(exc)) from None
 
 
 def command(run: Callable[..., Any], settings: type, *leading: inspect.Parameter) -> Callable[..., Any]:
