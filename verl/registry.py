@@ -44,8 +44,8 @@ def load_target(target: str) -> Any:
 class Registry(MutableMapping[str, T], Generic[T]):
     """Names -> definitions of one ``kind`` of plug-in, chosen by config ``key`` (for errors)."""
 
-    def __init__(self, kind: str, key: str | None = None, group: str | None = None):
-        self.kind, self.key, self.group = kind, key, group
+    def __init__(self, kind: str, key: str | None = None, group: str | None = None, hint: str = ""):
+        self.kind, self.key, self.group, self.hint = kind, key, group, hint  # hint: appended to an unknown name's error
         self._entries: dict[str, Any] = {}  # a definition, or a "module:attr" string not imported yet
 
     def register(self, name: str, obj: Any = None) -> Any:
@@ -89,7 +89,8 @@ class Registry(MutableMapping[str, T], Generic[T]):
             return known
         if name not in points:
             where = f"{self.key}='{name}'" if self.key else f"{self.kind} '{name}'"
-            raise ConfigError(f"{where} is unknown; available: {', '.join(self.available())}")
+            raise ConfigError(f"{where} is unknown; available: {', '.join(self.available())}"
+                              + (f"; {self.hint}" if self.hint else ""))
         try:
             return points[name].load()
         except Exception as exc:
@@ -113,6 +114,6 @@ class Registry(MutableMapping[str, T], Generic[T]):
 
     def copy(self) -> Registry[T]:
         """A registry with the same entries (tests register into a copy)."""
-        other: Registry[T] = Registry(self.kind, self.key, self.group)
+        other: Registry[T] = Registry(self.kind, self.key, self.group, self.hint)
         other._entries = dict(self._entries)
         return other

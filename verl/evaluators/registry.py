@@ -48,7 +48,8 @@ from verl.utils.imports import import_file
 # only on multi-turn rollouts). Their names are their classes'.
 BUILTIN_EVALUATORS: tuple[type[Evaluator], ...] = (Reward, KL, Diversity, Accuracy, Length, Tools)
 # Every entry is a class (or function) called with a spec's options; installed packages add theirs as entry points.
-EVALUATORS: Registry[Any] = Registry("evaluator", group="verl.evaluators")
+EVALUATORS: Registry[Any] = Registry("evaluator", group="verl.evaluators",
+                                     hint="or give path/to/file.py:Class or module:Class")
 
 
 def register_evaluator(name: str) -> Callable[[type], type]:
@@ -160,12 +161,7 @@ def resolve_target(target: str) -> Any:
         if where.endswith(".py") or "/" in where or "\\" in where:
             return _load_from_file(where, attr, target)
         return _load_from_module(target)
-    try:
-        return EVALUATORS[target]
-    except ConfigError as exc:
-        if "is unknown" not in str(exc):
-            raise
-        raise ConfigError(f"{exc}; or give path/to/file.py:Class or module:Class") from None
+    return EVALUATORS[target]
 
 
 def build_evaluator(spec: str) -> Any:
