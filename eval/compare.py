@@ -176,8 +176,10 @@ def _verdict(diff: float, p_value: float, alpha: float, higher_is_better: bool |
     return "better" if (diff > 0) == higher_is_better else "worse"
 
 
-def compare_pair(base: Entry, cand: Entry, alpha: float, n_boot: int, seed: int) -> dict:
-    """Every metric both evaluations report, paired by prompt id."""
+def compare_pair(base: Entry, cand: Entry, alpha: float, n_boot: int, seed: int,
+                 bound_alpha: float | None = None) -> dict:
+    """Every metric both evaluations report, paired by prompt id; ``bound_alpha``: each row also has its one-sided
+    bounds at that level (``lower``, ``upper``; eval.stats.paired_resample)."""
     common = sorted(set(r["prompt_id"] for r in base.samples) & set(r["prompt_id"] for r in cand.samples))
     if not common:
         raise VerlError(f"{base.name} and {cand.name} share no prompts (prompt ids differ); evaluate both on the "
@@ -206,7 +208,7 @@ def compare_pair(base: Entry, cand: Entry, alpha: float, n_boot: int, seed: int)
         def mean_diff(w: np.ndarray, diff: np.ndarray = diff) -> dict[str, float]:
             return {"d": float(np.average(diff, weights=w)) if w.sum() else float("nan")}
 
-        test = paired_resample(mean_diff, len(ids), "bootstrap", n_boot, seed)["d"]
+        test = paired_resample(mean_diff, len(ids), "bootstrap", n_boot, seed, bound_alpha=bound_alpha)["d"]
         row = _row(name, mb, float(a.mean()), float(b.mean()), test, len(ids), pearson(a, b))
         if mb.get("binary") and np.isin(a, (0.0, 1.0)).all() and np.isin(b, (0.0, 1.0)).all():
             row["mcnemar"] = mcnemar(a, b)
@@ -219,21 +221,22 @@ def compare_pair(base: Entry, cand: Entry, alpha: float, n_boot: int, seed: int)
                             "diff": float(diff[clean].mean()), "n_prompts": len(clean)}
         rows[name] = row
     for spec, metric_names in corpus_groups.items():
-        rows.update(_compare_corpus(spec, metric_names, base, cand, common, alpha, n_boot, seed))
+        rows.update(_compare_corpus(spec, metric_names, base, cand, common, alpha, n_boot, seed, bound_alpha))
     ordered = {name: rows[name] for name in ordered_metrics(rows)}
     return {"baseline": base.name, "candidate": cand.name, "num_prompts": len(common), "alpha": alpha,
             "contaminated_prompts": len(dirty & set(common)), "metrics": ordered}
 
 
 def _row(name: str, meta: dict, mean_a: float, mean_b: float, test: dict, n: int, corr: float) -> dict:
+    bounds = {k: test[k] for k in ("lower", "upper", "bound_alpha", "replicates") if k in test}
     return {"metric": name, "baseline": mean_a, "candidate": mean_b, "diff": test["diff"],
             "ci_low": test["ci_low"], "ci_high": test["ci_high"], "se": test["se"], "p_value": test["p_value"],
             "test": f"paired {test['method']}", "n_prompts": n, "correlation": corr,
-            "higher_is_better": meta.get("higher_is_better")}
+            "higher_is_better": meta.get("higher_is_better"), **bounds}
 
 
 def _compare_corpus(spec: str, names: list[str], base: Entry, cand: Entry, common: list[str], alpha: float,
-                    n_boot: int, seed: int) -> dict[str, dict]:
+                    n_boot: int, seed: int, bound_alpha: float | None = None) -> dict[str, dict]:
     """Corpus metrics: recompute them from both sides' responses under the same resampling of shared prompts."""
     evaluator = build_evaluator(spec)
     unit = {p: i for i, p in enumerate(common)}
@@ -254,7 +257,8 @@ def _compare_corpus(spec: str, names: list[str], base: Entry, cand: Entry, commo
         return {n: vb[n.split("/", 1)[-1]] - va[n.split("/", 1)[-1]] for n in names}
 
     method = getattr(evaluator, "corpus_resampling", "bootstrap")
-    tests = paired_resample(diff_at, len(common), method, min(n_boot, 1000), seed)
+    tests = paired_resample(diff_at, len(common), method, min(n_boot, 1000) if bound_alpha is None else n_boot, seed,
+                            bound_alpha=bound_alpha)
     va, vb = values(np.ones(len(common), dtype=np.int64))
     rows = {}
     for name in names:

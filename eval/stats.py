@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from statistics import NormalDist
 
 import numpy as np
 
@@ -35,12 +36,15 @@ def paired_bootstrap(a: np.ndarray, b: np.ndarray, n_boot: int = 1000, seed: int
 
 
 def paired_resample(diff_at: Callable[[np.ndarray], dict[str, float]], n_units: int, method: str = "bootstrap",
-                    n_boot: int = 1000, seed: int = 0, max_groups: int = 200) -> dict[str, dict[str, float]]:
+                    n_boot: int = 1000, seed: int = 0, max_groups: int = 200,
+                    bound_alpha: float | None = None) -> dict[str, dict[str, float]]:
     """Resample units (prompts) to get CIs and p-values of differences ``diff_at(weights (P,)) -> {name: d}``.
 
     ``bootstrap``: weights = how often each unit is drawn; percentile CI; p-value from the replicates shifted to
     the null. ``jackknife``: delete-a-group SE, normal CI and p-value (for statistics a bootstrap biases).
-    Returns ``{name: {diff, ci_low, ci_high, se, p_value, n, method}}``.
+    Returns ``{name: {diff, ci_low, ci_high, se, p_value, n, method}}``; with ``bound_alpha`` also the one-sided
+    bounds at level ``1 - bound_alpha`` (``lower``, ``upper``: the replicates' ``bound_alpha`` quantiles, or
+    ``d -/+ z se``), which a decision with that share of an error budget reads (``verl ship``'s offline gates).
     """
     nan = float("nan")
     observed = diff_at(np.ones(n_units, dtype=np.int64)) if n_units else {}
@@ -71,13 +75,21 @@ def paired_resample(diff_at: Callable[[np.ndarray], dict[str, float]], n_units: 
             se = math.sqrt((g - 1) / g * float(np.sum((r - r.mean()) ** 2)))
             low, high = normal_ci(d, se)
             p_value = math.erfc(abs(d) / se / math.sqrt(2.0)) if se > 0 else (1.0 if d == 0 else 0.0)
+            if bound_alpha is not None:
+                z = float(NormalDist().inv_cdf(1.0 - bound_alpha))
+                bounds = {"lower": d - z * se, "upper": d + z * se}
         else:
             se = float(r.std(ddof=1))
             low, high = (float(v) for v in np.percentile(r, [2.5, 97.5]))
             extreme = int(np.sum(np.abs(r - d) >= abs(d) - 1e-12))
             p_value = 1.0 if d == 0 else min(1.0, (1 + extreme) / (1 + r.size))
+            if bound_alpha is not None:
+                lower, upper = np.quantile(r, [bound_alpha, 1.0 - bound_alpha])
+                bounds = {"lower": float(lower), "upper": float(upper)}
         out[key] = {"diff": float(d), "ci_low": float(low), "ci_high": float(high), "se": se,
                     "p_value": float(p_value), "n": n_units, "method": method}
+        if bound_alpha is not None:
+            out[key].update(bounds, bound_alpha=bound_alpha, replicates=int(r.size))
     return out
 
 

@@ -36,6 +36,7 @@ class Responder:
     route_share: float | None = None  # the model's share of the route then
     prompt: Any = None  # the prompt as sent, kept only with record_texts (serve.records.clip_prompt)
     not_for_training: bool = False  # the client's verl.not_for_training, or the service's setting
+    choices: int = 1  # the request's sequences (prompts x n), set at admission
 
     @property
     def name(self) -> str:
@@ -64,7 +65,7 @@ class Responder:
         return OnlineRecord(
             time=now, model=self.name, route=self.route, prompt_id=prompt_id or "", prompt_tokens=prompt_tokens,
             completion_tokens=produced, ttft_s=ttft, e2e_s=e2e, finish_reason=finish, error=error, reward=reward,
-            shadow=self.shadow, id=request_id, index=index, user=self.user, arrival=self.arrival,
+            shadow=self.shadow, id=request_id, index=index, choices=self.choices, user=self.user, arrival=self.arrival,
             config_version=self.config_version, route_share=self.route_share, reward_expected=ruled,
             reward_source=f"rule:{online.reward}" if ruled else None,
             scorer_version=RULE_SCORER_VERSION if ruled else None, not_for_training=self.not_for_training,
@@ -138,6 +139,8 @@ class Admission:
     def admit(self, sequences: int, target: Responder | None = None, request_id: str | None = None) -> None:
         """Reserve ``sequences`` slots or refuse: the queue never grows past ``max_queue_size``. A refusal at
         capacity is recorded as failed requests of ``target`` (the canary counts it against the model)."""
+        if target is not None:
+            target.choices = sequences
         if sequences > self.capacity:
             raise ApiError(400, f"the request needs {sequences} sequences (prompts x n) but this server holds at "
                            f"most {self.capacity}; split it", param="n")

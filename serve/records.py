@@ -79,6 +79,7 @@ class OnlineRecord:
     kind: str = "request"
     id: str | None = None  # the completion id the client saw (a mirror carries its original's)
     index: int = 0  # the choice index within the completion
+    choices: int = 1  # the completion's choices (prompts x n): the rows its one routing draw gave
     user: str | None = None  # the routed user, hashed (user_hash)
     arrival: float | None = None  # when the request arrived (wall clock)
     config_version: int | None = None  # the service's models-and-routes version it was routed under

@@ -4,7 +4,11 @@ Each stage gives the candidate a share of the route (``PUT /admin/routes/R``; th
 version the new weights carry), then reads the service's online records (``GET /admin/records``) every ``poll_s``.
 The records say, per request, which model answered, under which config version and for which (hashed) user it was
 routed, whether it failed, how long it took, and its reward — in the row, or in a reward row that arrives later and
-is joined by the completion id. ``eval.ship.units`` turns them into randomized units; on those:
+is joined by the completion id. ``eval.ship.units`` turns them into randomized units. The unit is the request,
+never a choice: a request with n choices (prompts x n for a completion) was routed once, and its choices share its
+prompt, so they enter as one unit — the mean reward of its rewarded choices, the share of its choices that failed,
+the share of those expecting a reward that have none (counted as separate units, identical models were rolled back
+20.7% of the time at n = 4 on prompts of varying difficulty). On the units:
 
 - **reward** (``eval.ship.sequential.RewardTest``): "worse" rolls back at once, at any stage; the last stage
   promotes only on "non-inferior";
@@ -65,7 +69,8 @@ class ArmTraffic:
     """What one model's requests showed during the canary (for the evidence; the tests read units)."""
 
     requests: int = 0
-    errors: int = 0
+    sequences: int = 0  # the requests' choices (rows): n per request
+    errors: int = 0  # failed sequences
     latencies_ms: list[np.ndarray] = field(default_factory=list)
 
     def p95_ms(self) -> float | None:
@@ -73,16 +78,27 @@ class ArmTraffic:
         return float(np.percentile(values, 95)) if values.size else None
 
     def summary(self) -> dict:
-        return {"requests": self.requests, "errors": self.errors,
-                "error_rate": self.errors / self.requests if self.requests else None, "p95_ms": self.p95_ms()}
+        return {"requests": self.requests, "sequences": self.sequences, "errors": self.errors,
+                "error_rate": self.errors / self.sequences if self.sequences else None, "p95_ms": self.p95_ms()}
 
 
 @dataclass
 class Unit:
+    """A randomized request and what its choices showed so far; it enters the error test once all ``choices``
+    rows are read and the reward tests once none of its rewards is still awaited (or at ``deadline``)."""
+
     candidate: bool
     q: float
     version: int
-    deadline: float  # wall time by which its reward must be in
+    deadline: float  # wall time by which its rewards must be in
+    choices: int = 1  # rows the request has (the record's `choices`; 1 in records written before it)
+    rows: int = 0
+    failed: int = 0
+    expected: int = 0  # choices expecting a reward
+    rewards: list[float] = field(default_factory=list)
+    missing: int = 0
+    waiting: int = 0  # expected rewards neither in nor past the deadline
+    counted_errors: bool = False
 
 
 def request_rows(rows: list[dict], route: str) -> list[dict]:
@@ -117,7 +133,10 @@ class Canary:
         self.missing = RateIncreaseTest(allowed=s.max_missing_increase, alpha=a["missing_rewards"])
         self.latency = ExceedanceTest(slo=s.slo_p95_ms, alpha=a["latency"]) if s.slo_p95_ms is not None else None
         self.traffic = {self.incumbent: ArmTraffic(), self.candidate: ArmTraffic()}
-        self.pending: dict[tuple, Unit] = {}  # units waiting for their reward, by (completion id, index)
+        self.requests: dict[Any, Unit | None] = {}  # requests read, by completion id: their unit (None: not one,
+        # or already entered: a straggling row of it changes nothing)
+        self.live: dict[Any, Unit] = {}  # units not yet in every test
+        self.pending: dict[tuple, Unit] = {}  # units waiting for a choice's reward, by (completion id, index)
         self.early: dict[tuple, float] = {}  # rewards whose request row has not been read yet
         self.read: set[tuple] = set()  # (completion id, index) of every request row read
         self.stage_version = -1
@@ -129,67 +148,102 @@ class Canary:
     def _take(self) -> None:
         """Read new records into the tests."""
         rows = self.reader.new_rows()
-        rewards, missing, failed = Columns(), Columns(), Columns()  # (arm, q, outcome) per unit
         latencies: dict[str, list[float]] = {model: [] for model in self.traffic}
-        stage_version, timeout = self.stage_version, self.settings.reward_timeout_s
-
-        def rewarded(candidate: bool, q: float, version: int, value: float) -> None:
-            rewards.add(candidate, q, value)
-            missing.add(candidate, q, 0.0)
-            if candidate and version == stage_version:
-                self.at_stage += 1
-
         for row in request_rows(rows, self.route):
-            model = row["model"]
-            version = row.get("config_version")
-            q = self.assignment.assign(version, model, row.get("user"))
-            traffic = self.traffic.get(model)
+            unit = self._request_unit(row)
+            traffic = self.traffic.get(row["model"])
             if traffic is None:
                 continue
-            self.read.add((row.get("id"), row.get("index", 0)))
-            traffic.requests += 1
+            index = row.get("index", 0)
+            self.read.add((row.get("id"), index))
             error = bool(row.get("error"))
+            traffic.sequences += 1
             traffic.errors += error
             if not error and row.get("e2e_s") is not None:
-                latencies[model].append(1000.0 * row["e2e_s"])
-            if q is None:
+                latencies[row["model"]].append(1000.0 * row["e2e_s"])
+            if unit is None:
                 continue
-            self.units += 1
-            candidate = model == self.candidate
-            failed.add(candidate, q, float(error))
+            unit.rows += 1
+            unit.failed += error
             reward, expected = self._own_reward(row)
             if reward is not None and not error:
-                rewarded(candidate, q, version, float(reward))
-            elif error and expected:
-                missing.add(candidate, q, 1.0)
+                unit.expected += 1
+                unit.rewards.append(float(reward))
+            elif expected and error:
+                unit.expected += 1
+                unit.missing += 1
             elif expected and row.get("id") is not None:
-                key = (row["id"], row.get("index", 0))
+                key = (row["id"], index)
+                unit.expected += 1
                 if key in self.early:
-                    rewarded(candidate, q, version, self.early.pop(key))
+                    unit.rewards.append(self.early.pop(key))
                 else:
-                    self.pending[key] = Unit(candidate, q, int(version), float(row.get("time") or self.wall()) +
-                                             timeout)
+                    unit.waiting += 1
+                    self.pending[key] = unit
         for row in rows:
             if row.get("kind") != "reward" or row.get("shadow") or not self._wanted(row):
                 continue
             key = (row.get("id"), row.get("index", 0))
             unit = self.pending.pop(key, None)
             if unit is not None:
-                rewarded(unit.candidate, unit.q, unit.version, float(row["reward"]))
+                unit.waiting -= 1
+                unit.rewards.append(float(row["reward"]))
             elif key not in self.read:  # its request is still to come (a reward for a non-unit is not kept)
                 self.early.setdefault(key, float(row["reward"]))
-        if self.pending:
-            now = self.wall()
-            for key in [k for k, u in self.pending.items() if u.deadline <= now]:
-                unit = self.pending.pop(key)
-                missing.add(unit.candidate, unit.q, 1.0)
-        self.reward.add(*rewards.arrays())
-        self.errors.add(*failed.arrays())
-        self.missing.add(*missing.arrays())
+        now = self.wall()
+        for key in [k for k, u in self.pending.items() if u.deadline <= now]:
+            unit = self.pending.pop(key)
+            unit.waiting -= 1
+            unit.missing += 1
+        self._enter(now)
         for model, values in latencies.items():
             self.traffic[model].latencies_ms.append(np.asarray(values, dtype=np.float64))
         if self.latency is not None:
             self.latency.add(self.traffic[self.candidate].latencies_ms[-1])
+
+    def _request_unit(self, row: dict) -> Unit | None:
+        """The unit of the request this row is a choice of, drawn at its first row (None: not a unit). Rows
+        without an id (records before rows had them) are requests of their own."""
+        key = row.get("id") if row.get("id") is not None else object()
+        if key in self.requests:
+            return self.requests[key]
+        model, version = row["model"], row.get("config_version")
+        q = self.assignment.assign(version, model, row.get("user"))
+        unit = None
+        if model in self.traffic:
+            self.traffic[model].requests += 1
+            if q is not None:
+                self.units += 1
+                unit = Unit(model == self.candidate, q, int(version),
+                            float(row.get("time") or self.wall()) + self.settings.reward_timeout_s,
+                            choices=max(1, int(row.get("choices") or 1)))
+        self.requests[key] = unit
+        if unit is not None:
+            self.live[key] = unit
+        return unit
+
+    def _enter(self, now: float) -> None:
+        """Units whose choices are all read enter the error test; those with no reward still awaited enter the
+        reward and missing-reward tests: one unit each, its choices' mean."""
+        rewards, missing, failed = Columns(), Columns(), Columns()  # (arm, q, outcome) per unit
+        for key, unit in list(self.live.items()):
+            complete = unit.rows >= unit.choices or now >= unit.deadline  # a row never written: what was read
+            if complete and not unit.counted_errors and unit.rows:
+                failed.add(unit.candidate, unit.q, unit.failed / unit.rows)
+                unit.counted_errors = True
+            if not complete or unit.waiting:
+                continue
+            if unit.expected:
+                missing.add(unit.candidate, unit.q, unit.missing / unit.expected)
+            if unit.rewards:
+                rewards.add(unit.candidate, unit.q, float(np.mean(unit.rewards)))
+                if unit.candidate and unit.version == self.stage_version:
+                    self.at_stage += 1
+            del self.live[key]
+            self.requests[key] = None
+        self.reward.add(*rewards.arrays())
+        self.errors.add(*failed.arrays())
+        self.missing.add(*missing.arrays())
 
     def _wanted(self, row: dict) -> bool:
         """A reward row of the source decided on (serve.records.source_matches)."""
@@ -239,7 +293,7 @@ class Canary:
                 "alpha": self.alpha}
 
     def _used(self) -> int:
-        return sum(t.requests for t in self.traffic.values())
+        return sum(t.requests for t in self.traffic.values())  # requests, whatever their n
 
     def run(self) -> tuple[Outcome, str, dict]:
         """Ramp until promote, rollback or a budget; returns (outcome, reason, evidence). The caller moves the
@@ -378,4 +432,4 @@ def describe_reward(evidence: dict, side: str | None = None) -> str:
 
 def settings_dict(settings: CanarySettings) -> dict:
     """The settings and the alpha split, as the plan prints them."""
-    return {**asdict(settings), "alpha_split": settings.alpha_split()}
+    return {**asdict(settings), "alpha_split": settings.alpha_split(), "offline_bounds": settings.offline_bounds()}

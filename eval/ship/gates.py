@@ -2,9 +2,12 @@
 
 - **quality** (paired, non-inferiority): the candidate and the incumbent evaluated on the same prompts (the
   candidate run's validation set, the run's validation sampling), compared prompt by prompt as ``verl compare``
-  does (McNemar for 0/1 outcomes, a paired bootstrap otherwise). It passes when the 95% interval of the difference
-  on the gate metric lies above ``-margin``.
-- **guardrails**: diversity must not collapse (``eval/distinct_1`` under half the incumbent's, significantly), the
+  does (a paired bootstrap of the prompts). It passes when the difference's one-sided lower bound at level
+  ``1 - alpha`` lies above ``-margin``, ``alpha`` its share of ``--alpha`` (``CanarySettings.offline_bounds``: the
+  turn-away half, shared with the guardrails, capacity and shadow; 20 / alpha replicates, at least 2,000).
+- **guardrails**: diversity must not collapse (the share of distinct responses, ``eval/distinct_responses``, under
+  half the incumbent's, its one-sided upper bound at its own share of alpha below 0; ``eval/distinct_1`` for
+  evaluations without it), the
   mean response length must not shrink to under half the incumbent's, and the candidate's exact KL to its run's
   base model is reported (refused above ``--max-kl`` when given).
 - **reward-hacking tripwire**: the candidate run's training reward rose by more than the margin while its held-out
@@ -38,20 +41,28 @@ class Gate:
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
+def bound(row: dict, side: str) -> tuple[float, str]:
+    """A pair row's one-sided bound (``side``: lower or upper) and how to name it: at the offline gates' share of
+    alpha when ``compare_pair`` was given one, else the 95% interval's end."""
+    if row.get(side) is not None and row.get("bound_alpha") is not None:
+        return row[side], f"one-sided {1 - row['bound_alpha']:.2%} bound"
+    return row["ci_low" if side == "lower" else "ci_high"], "95% CI"
+
+
 def quality_gate(pair: dict, metric: str, margin: float) -> Gate:
-    """``pair``: ``eval.compare.compare_pair(incumbent, candidate)``."""
+    """``pair``: ``eval.compare.compare_pair(incumbent, candidate)``; it passes when the lower bound of the difference
+    lies above ``-margin``."""
     row = pair["metrics"].get(metric)
     if row is None:
         return Gate("quality", False, f"no {metric} in both evaluations (available: {', '.join(pair['metrics'])})")
-    evidence = {k: row.get(k) for k in ("baseline", "candidate", "diff", "ci_low", "ci_high", "p_value", "test",
-                                        "n_prompts")}
-    if row["ci_low"] > -margin:
-        return Gate("quality", True, f"{metric}: candidate {row['candidate']:.3f} vs incumbent {row['baseline']:.3f}, "
-                    f"difference {row['diff']:+.3f} (95% CI {row['ci_low']:+.3f} .. {row['ci_high']:+.3f}) above "
-                    f"-{margin:g}", evidence)
-    return Gate("quality", False, f"{metric}: candidate {row['candidate']:.3f} vs incumbent {row['baseline']:.3f}, "
-                f"difference {row['diff']:+.3f} (95% CI {row['ci_low']:+.3f} .. {row['ci_high']:+.3f}) does not rule "
-                f"out being worse by more than the margin {margin:g}", evidence)
+    evidence = {k: row.get(k) for k in ("baseline", "candidate", "diff", "ci_low", "ci_high", "lower", "bound_alpha",
+                                        "replicates", "p_value", "test", "n_prompts")}
+    low, what = bound(row, "lower")
+    head = (f"{metric}: candidate {row['candidate']:.3f} vs incumbent {row['baseline']:.3f}, difference "
+            f"{row['diff']:+.3f} ({what} {low:+.3f})")
+    if low > -margin:
+        return Gate("quality", True, f"{head} above -{margin:g}", evidence)
+    return Gate("quality", False, f"{head} does not rule out being worse by more than the margin {margin:g}", evidence)
 
 
 def guardrail_gate(pair: dict, margin: float, kl: float | None = None, max_kl: float | None = None) -> Gate:
@@ -61,14 +72,22 @@ def guardrail_gate(pair: dict, margin: float, kl: float | None = None, max_kl: f
     evidence: dict[str, Any] = {"kl_to_base": kl, "max_kl": max_kl}
     if kl is not None and max_kl is not None and kl > max_kl:
         return Gate("guardrails", False, f"KL to the base model {kl:.4g} above --max-kl {max_kl:g}", evidence)
-    diversity = metrics.get("eval/distinct_1")
+    distinct_1 = metrics.get("eval/distinct_1")
+    if distinct_1 is not None:
+        evidence["distinct_1"] = {k: distinct_1.get(k) for k in ("baseline", "candidate", "diff", "ci_low", "ci_high")}
+    # A collapse is different prompts getting the same answer: the share of distinct responses. distinct-1 (the
+    # rule before, and the fallback for evaluations that lack the share) also falls when every answer gains a
+    # format marker, and a model that learnt terse answers is less diverse than one that rambles, so the guardrail
+    # asks for a fall to under half the incumbent's, and a significant one.
+    name = "distinct_responses" if "eval/distinct_responses" in metrics else "distinct_1"
+    diversity = metrics.get(f"eval/{name}")
     if diversity is not None:
-        evidence["distinct_1"] = {k: diversity.get(k) for k in ("baseline", "candidate", "diff", "ci_low", "ci_high")}
-        # A collapse, not a style: a model that learnt terse answers is less diverse than one that rambles, so the
-        # guardrail asks for a fall to under half the incumbent's distinct-1, and a significant one.
-        if diversity["candidate"] < 0.5 * diversity["baseline"] and diversity["ci_high"] < 0:
-            return Gate("guardrails", False, f"diversity collapsed: distinct-1 {diversity['candidate']:.3f} vs "
-                        f"{diversity['baseline']:.3f} (under half; 95% CI of the difference wholly below 0)",
+        evidence[name] = {k: diversity.get(k) for k in ("baseline", "candidate", "diff", "ci_low", "ci_high", "upper",
+                                                         "bound_alpha")}
+        high, what = bound(diversity, "upper")
+        if diversity["candidate"] < 0.5 * diversity["baseline"] and high < 0:
+            return Gate("guardrails", False, f"diversity collapsed: {name} {diversity['candidate']:.3f} vs "
+                        f"{diversity['baseline']:.3f} (under half; the difference's {what} {high:+.3f} below 0)",
                         evidence)
     length = metrics.get("eval/response_length_mean")
     if length is not None:

@@ -157,8 +157,10 @@ def offline_gates(settings: ShipSettings, shipping: dict, out: Path) -> list[Gat
     if incumbent["kind"] == "adapter":
         source = resolve_adapter_dir(source)
     run_eval(source, base, out / "incumbent")
+    bounds = settings.canary.offline_bounds()  # one-sided, at the offline gates' share of the budget
     pair = compare_pair(resolve_entry(str(out / "incumbent"), "best", base, None),
-                        resolve_entry(str(out / "candidate"), "best", base, None), settings.canary.alpha, 2000, 0)
+                        resolve_entry(str(out / "candidate"), "best", base, None), settings.canary.alpha,
+                        bounds["replicates"], 0, bound_alpha=bounds["alpha"])
     margin = settings.canary.margin
     trend = training_trend(run, shipping["candidate"]["step"])
     quality = quality_gate(pair, settings.gate_metric, margin)
@@ -230,6 +232,10 @@ class Shipment:
         say(f"candidate {self.cand} ({shipping['candidate']['checkpoint']}) against incumbent {self.inc} on route "
             f"{self.route}")
         say("alpha split: " + ", ".join(f"{k} {v:.4g}" for k, v in shipping["canary"]["alpha_split"].items()))
+        bounds = shipping["canary"].get("offline_bounds")
+        if bounds:
+            say(f"offline gates: one-sided {bounds['level']:.2%} bounds from {bounds['replicates']:,} bootstrap "
+                "replicates")
         prompts = shipping["gates"]["gate_data"]
         if prompts is not None:
             say(f"offline gate judged on {', '.join(prompts['judged_by'])} (checkpoint chosen on "
@@ -386,6 +392,10 @@ def report_gates(doc: Any, record: dict) -> None:
               f"{', '.join(prompts['chosen_by'])}" + ("." if prompts["independent"] else f" — {prompts['warning']}."))
     doc.p("Alpha split (one budget for every decision): " + ", ".join(
         f"{k} {v:.4g}" for k, v in plan_["canary"]["alpha_split"].items()) + ".")
+    bounds = plan_["canary"].get("offline_bounds")
+    if bounds:
+        doc.p(f"Offline gates: one-sided {bounds['level']:.2%} bounds from {bounds['replicates']:,} bootstrap "
+              "replicates (their shares of alpha).")
 
 
 def report_canary(doc: Any, record: dict) -> None:

@@ -7,6 +7,7 @@ Light on purpose (dataclasses and typer): ``verl --help`` imports it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ class CanarySettings:
     poll_s: float = option(1.0, "--poll-s", help="Seconds between two looks at the records.")
     shadow: bool = False  # a shadow stage runs first (it takes a share of alpha)
     capacity: bool = False  # a capacity gate runs first (it takes a share of alpha)
+    offline: bool = False  # the offline gates run first: their quality and diversity bounds take a share each
     reward_source: str = option("rule", "--reward-source", help="The canary's rewards: rule (requests that carry an "
                                 "answer), feedback (users' POST /v1/feedback), rm:NAME or judge:NAME (a scorer's "
                                 "reward rows).")
@@ -79,14 +81,25 @@ class CanarySettings:
             raise ValueError(f"the test must be one of {', '.join(METHODS)} (got {self.test!r})")
 
     def alpha_split(self) -> dict[str, float]:
-        """Each test's alpha. Turning a candidate away (rollback, or a refusal at the capacity gate or in shadow):
-        the reward test takes half; the guardrails that run (errors, missing rewards, latency when an SLO is set),
-        the capacity gate and the shadow stage share the other half equally. Promoting: only the reward test's
-        non-inferiority side promotes, so it has the whole alpha."""
+        """Each test's alpha. Turning a candidate away (rollback, or a refusal at an offline gate, the capacity
+        gate or in shadow): the reward test takes half; the guardrails that run (errors, missing rewards, latency
+        when an SLO is set), the offline quality gate and diversity guardrail (their one-sided bounds), the capacity
+        gate and the shadow stage share the other half equally. Promoting: only the reward test's non-inferiority
+        side promotes, so it has the whole alpha."""
         others = ["errors", "missing_rewards"] + (["latency"] if self.slo_p95_ms is not None else []) + (
+            ["offline_quality", "offline_diversity"] if self.offline else []) + (
             ["capacity"] if self.capacity else []) + (["shadow"] if self.shadow else [])
         split = {"reward_worse": self.alpha / 2, **{name: self.alpha / 2 / len(others) for name in others}}
         return {**split, "reward_non_inferior": self.alpha}
+
+    def offline_bounds(self) -> dict[str, float] | None:
+        """The offline gates' one-sided bounds (None when they do not run): each at level 1 - its share of alpha,
+        from enough bootstrap replicates for that level (20 / alpha, so the bound's tail holds 20 of them; at
+        least 2,000)."""
+        if not self.offline:
+            return None
+        alpha = self.alpha_split()["offline_quality"]
+        return {"alpha": alpha, "level": 1.0 - alpha, "replicates": max(2000, math.ceil(20.0 / alpha))}
 
 
 @dataclass
@@ -132,4 +145,4 @@ class ShipSettings:
                               f"{self.shadow_fraction})")
         # The canary's guardrails and stages follow what this ship runs: one source for each.
         self.canary = dataclasses.replace(self.canary, slo_p95_ms=self.slo_p95_ms, capacity=self.capacity,
-                                          shadow=self.shadow_fraction > 0)
+                                          shadow=self.shadow_fraction > 0, offline=self.offline)

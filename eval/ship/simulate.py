@@ -48,6 +48,8 @@ class Traffic:
     candidate_latency_factor: float = 1.0  # the candidate's latencies, times this
     candidate_missing: float = 0.0  # share of the candidate's rewards that never arrive
     reward_source: str = "rule:simulated"  # "feedback", "rm:x", ...: requests carry no answer, rewards come later
+    choices: int = 1  # n: each request's choices, one row each (its rewards, latency and error shared draws)
+    prompt_sd: float = 0.0  # per-request prompt difficulty on the reward's log-odds (bernoulli): its choices share it
 
     def mean(self) -> float:
         if self.reward == "beta":
@@ -109,25 +111,31 @@ class SimulatedService:
     # ------------------------------------------------------------ the users and the models
 
     def _rewards(self, n: int, candidate: np.ndarray, users: np.ndarray | None, start: int) -> np.ndarray:
+        """``(n, choices)`` rewards of ``n`` requests."""
         t, rng = self.traffic, self.rng
-        shift = np.where(candidate, self.effect, 0.0)
+        shape = (n, t.choices)
+        shift = np.where(candidate, self.effect, 0.0)[:, None]
         if t.reward == "bernoulli":
-            p = np.full(n, t.mu)
+            logit = np.full(n, np.log(t.mu / (1 - t.mu)))
             if self.traffic.users and self.skill is not None:
-                p = 1.0 / (1.0 + np.exp(-(np.log(t.mu / (1 - t.mu)) + self.skill[users])))
+                logit = logit + self.skill[users]
+            if t.prompt_sd:
+                logit = logit + rng.normal(0.0, t.prompt_sd, n)
+            varies = (t.users and self.skill is not None) or t.prompt_sd
+            p = 1.0 / (1.0 + np.exp(-logit)) if varies else np.full(n, t.mu)
             if t.drift:
                 p = p + t.drift * np.minimum((start + np.arange(n)) / 5000.0, 1.0)
-            return (rng.random(n) < np.clip(p + shift, 0.0, 1.0)).astype(np.float64)
+            return (rng.random(shape) < np.clip(p[:, None] + shift, 0.0, 1.0)).astype(np.float64)
         if t.reward == "beta":
-            y = rng.beta(*t.beta, n)
+            y = rng.beta(*t.beta, shape)
             return y * (1.0 + shift / t.mean())  # the candidate's mean moves by `effect`, still in [0, 1]
         if t.reward == "lognormal":
-            return np.exp(rng.normal(0.0, t.sigma, n)) + shift
+            return np.exp(rng.normal(0.0, t.sigma, shape)) + shift
         if t.reward == "empirical":  # the candidate's rewards scaled so their mean moves by `effect`
             sample = np.asarray(t.sample, dtype=np.float64)
             if np.all((sample == 0.0) | (sample == 1.0)):  # 0/1 rewards stay 0/1
-                return (rng.random(n) < np.clip(t.mean() + shift, 0.0, 1.0)).astype(np.float64)
-            y = rng.choice(sample, n) * (1.0 + shift / max(abs(t.mean()), 1e-9))
+                return (rng.random(shape) < np.clip(t.mean() + shift, 0.0, 1.0)).astype(np.float64)
+            y = rng.choice(sample, shape) * (1.0 + shift / max(abs(t.mean()), 1e-9))
             return np.clip(y, 0.0, 1.0) if sample.min() >= 0.0 and sample.max() <= 1.0 else y
         raise ValueError(f"unknown simulated reward {t.reward!r}")
 
@@ -153,30 +161,33 @@ class SimulatedService:
             model = self.candidate if candidate[k] else self.incumbent
             delay = math.inf if lost[k] else None if delays is None else float(delays[k])
             self._record(f"cmpl-{self.sent + k}", model, float(arrival[k]), float(latency[k]), bool(errors[k]),
-                         float(rewards[k]), bool(asked[k]), None if users is None else f"u{users[k]}", delay, False)
+                         rewards[k], bool(asked[k]), None if users is None else f"u{users[k]}", delay, False)
             if mirror is not None and mirror[k]:
                 reward = self._rewards(1, np.ones(1, dtype=bool), None if users is None else users[k:k + 1],
                                        self.sent + k)[0]
                 self._record(f"cmpl-{self.sent + k}", self.candidate, float(arrival[k]), float(latency[k]),
-                             bool(rng.random() < t.error_rate), float(reward), bool(asked[k]), None, None, True)
+                             bool(rng.random() < t.error_rate), reward, bool(asked[k]), None, None, True)
         self.sent += n
 
-    def _record(self, rid: str, model: str, arrival: float, latency: float, error: bool, reward: float,
+    def _record(self, rid: str, model: str, arrival: float, latency: float, error: bool, rewards: np.ndarray,
                 asked: bool, user: str | None, delay: float | None, shadow: bool) -> None:
+        """A request's rows, one per choice (``rewards``: ``(choices,)``), as the service writes them."""
         finish = arrival + latency
-        row = {"kind": "request", "id": rid, "index": 0, "time": finish, "arrival": arrival, "model": model,
-               "route": self.route, "config_version": self.version, "user": user, "e2e_s": latency,
-               "error": "RequestFailedError: injected" if error else None,
-               "reward_expected": asked and self.traffic.reward_source.startswith("rule"),
-               "reward": None, "reward_source": None, "shadow": shadow}
-        if asked and not error:
-            if delay is None:
-                row["reward"], row["reward_source"] = reward, self.traffic.reward_source
-            elif math.isfinite(delay):
-                self.late.append((finish + delay, {"kind": "reward", "id": rid, "index": 0, "time": finish + delay,
-                                                   "model": model, "route": self.route, "reward": reward,
-                                                   "reward_source": self.traffic.reward_source, "shadow": shadow}))
-        self.outbox.append(row)
+        for index, reward in enumerate(rewards.tolist()):
+            row = {"kind": "request", "id": rid, "index": index, "choices": len(rewards), "time": finish,
+                   "arrival": arrival, "model": model, "route": self.route, "config_version": self.version,
+                   "user": user, "e2e_s": latency, "error": "RequestFailedError: injected" if error else None,
+                   "reward_expected": asked and self.traffic.reward_source.startswith("rule"),
+                   "reward": None, "reward_source": None, "shadow": shadow}
+            if asked and not error:
+                if delay is None:
+                    row["reward"], row["reward_source"] = reward, self.traffic.reward_source
+                elif math.isfinite(delay):
+                    self.late.append((finish + delay, {
+                        "kind": "reward", "id": rid, "index": index, "time": finish + delay, "model": model,
+                        "route": self.route, "reward": reward, "reward_source": self.traffic.reward_source,
+                        "shadow": shadow}))
+            self.outbox.append(row)
 
 
 @dataclass(frozen=True)
@@ -270,6 +281,8 @@ def cells() -> list[Cell]:
         replace(base, name="errors 1% on both arms", traffic=replace(t, error_rate=0.01)),
         replace(base, name="errors 5% on both arms", traffic=replace(t, error_rate=0.05)),
         replace(base, name="both arms' p95 at 0.9x the SLO", traffic=replace(t, latency_p95_ratio=0.9)),
+        replace(base, name="n = 4 choices a request, prompts of varying difficulty (sd 2 log-odds)",
+                traffic=replace(t, choices=4, prompt_sd=2.0)),
         replace(base, name="sticky users (20,000, Zipf) with per-user effects (sd 1 log-odds)",
                 traffic=replace(t, users=20_000, user_sd=1.0)),
         replace(base, name="reward rate drifts 60% -> 40% during the canary", traffic=replace(t, drift=-0.2)),

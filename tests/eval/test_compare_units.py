@@ -13,8 +13,9 @@ from eval.stats import mcnemar
 
 
 def fake_eval(path, accuracy: list[float], responses: list[str], lr: float, kl_coef: float = 0.04,
-              order: list[int] | None = None) -> None:
-    """An eval dir as `verl eval` writes it: one sample per prompt p0..pN, accuracy + distinct-1."""
+              order: list[int] | None = None, corpus: tuple[str, ...] = ("distinct_1",)) -> None:
+    """An eval dir as `verl eval` writes it: one sample per prompt p0..pN, accuracy + the diversity evaluator's
+    ``corpus`` metrics (distinct-1)."""
     order = order or list(range(len(accuracy)))
     samples = [{"prompt_id": f"p{i}", "index": i, "sample": 0, "prompt": f"q{i}", "response": responses[i],
                 "ground_truth": "1", "data_source": "arithmetic", "response_length": len(responses[i].split()),
@@ -27,9 +28,9 @@ def fake_eval(path, accuracy: list[float], responses: list[str], lr: float, kl_c
             "eval/accuracy": {"value": acc, "se": 0.1, "ci_low": 0, "ci_high": 1, "n": len(accuracy),
                               "method": "mean", "aggregate": "mean", "column": "accuracy", "binary": True,
                               "higher_is_better": True, "evaluator": "accuracy"},
-            "eval/distinct_1": {"value": 0.5, "se": 0.1, "ci_low": 0, "ci_high": 1, "n": len(accuracy),
+            **{f"eval/{name}": {"value": 0.5, "se": 0.1, "ci_low": 0, "ci_high": 1, "n": len(accuracy),
                                 "method": "jackknife", "aggregate": "corpus", "column": None, "binary": False,
-                                "higher_is_better": None, "evaluator": "diversity"},
+                                "higher_is_better": None, "evaluator": "diversity"} for name in corpus},
         },
         "config": {"actor": {"optim": {"lr": lr}, "kl_loss_coef": kl_coef}, "trainer": {"experiment_name": path.name}},
     }

@@ -77,6 +77,36 @@ def test_delayed_rewards_are_counted_when_they_arrive_never_as_zero():
     assert evidence["reward"]["mean_incumbent"] == pytest.approx(0.6, abs=0.05)  # not dragged towards 0
 
 
+def test_a_request_with_n_choices_is_one_unit_its_choices_mean():
+    """A request's choices were routed once: four rows of one completion id enter as one unit — the mean of its
+    rewarded choices (1, 0 and a late 1 -> 2/3), a quarter failed, a quarter missing — once every row is read
+    and no reward is awaited: a choice whose reward comes later holds the unit back (rows over two polls)."""
+    polls: list[list[dict]] = [[], []]
+    clock = [1000.0]
+
+    def row(rid: str, index: int, model: str, reward: float | None, error: str | None = None) -> dict:
+        return {"kind": "request", "id": rid, "index": index, "choices": 4, "time": clock[0], "arrival": clock[0],
+                "model": model, "route": "default", "config_version": 2, "user": None, "e2e_s": 0.1,
+                "error": error, "reward_expected": True, "reward": reward,
+                "reward_source": None if reward is None else "rule:arithmetic"}
+
+    canary = Canary(SETTINGS, "inc", "cand", "default", lambda share: (2, {"inc": 0.5, "cand": 0.5}),
+                    lambda since: polls.pop(0) if polls else [], lambda event: None, wall=lambda: clock[0])
+    canary.assignment.add_layout(2, {"inc": 0.5, "cand": 0.5})
+    polls[0] = [row("a", 0, "cand", 1.0), row("a", 1, "cand", None), row("a", 2, "cand", None, "engine failed"),
+                row("b", 0, "inc", 1.0), row("b", 1, "inc", 1.0)]
+    canary._take()
+    assert canary.units == 2 and canary.reward.units.candidate.n == 0 and canary.errors.units.candidate.n == 0
+    polls[0] = [row("a", 3, "cand", 0.0), row("b", 2, "inc", 0.0), row("b", 3, "inc", 1.0),
+                {"kind": "reward", "id": "a", "index": 1, "reward": 1.0, "reward_source": "rule:arithmetic"}]
+    canary._take()
+    reward, errors, missing = canary.reward.units, canary.errors.units, canary.missing.units
+    assert (reward.candidate.n, reward.incumbent.n) == (1, 1)  # 8 rows, two units
+    assert reward.candidate.total == pytest.approx(2 / 3) and reward.incumbent.total == pytest.approx(0.75)
+    assert errors.candidate.total == pytest.approx(0.25) and missing.candidate.total == pytest.approx(0.25)
+    assert canary.traffic["cand"].summary()["requests"] == 1 and canary.traffic["cand"].sequences == 4
+
+
 def test_sticky_users_count_once_per_stage():
     canary, service, _ = canary_for(Traffic(users=300, user_sd=1.0), 0.0, seed=1)
     canary.run()

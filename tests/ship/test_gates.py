@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 
@@ -86,6 +88,34 @@ def test_guardrails_refuse_collapse_shrinking_and_kl():
     assert not refused.passed and "KL to the base model 0.3 above --max-kl 0.1" in refused.reason
 
 
+def test_a_format_marker_is_not_a_collapse_and_one_answer_for_every_prompt_is(tmp_path):
+    """The guardrail on pairs that ``verl compare`` recomputes from the responses (paired jackknife), in the shape a
+    CI run's offline gate met (distinct-1 0.403 vs 0.810, every learnt answer behind ``>>``): 60 distinct one-word
+    answers against 50 distinct ones each behind a ``>>`` marker halve distinct-1 (1.0 -> 51/120, its CI wholly
+    below 0) but not the share of distinct responses (1.0 -> 50/60): it passes, and distinct-1 alone (the rule
+    before, kept for evaluations without the share) refuses it; one answer for every prompt is refused on the share
+    (1/60)."""
+    from eval.compare import compare
+    from eval.ship.gates import guardrail_gate
+    from tests.eval.test_compare_units import fake_eval
+
+    both = ("distinct_1", "distinct_responses")
+    fake_eval(tmp_path / "base", [1] * 60, [f"{i}" for i in range(60)], 1e-4, corpus=both)
+    fake_eval(tmp_path / "marked", [1] * 60, [f">> {i % 50}" for i in range(60)], 1e-4, corpus=both)
+    fake_eval(tmp_path / "one", [1] * 60, [">> 7"] * 60, 1e-4, corpus=both)
+    report = compare([str(tmp_path / n) for n in ("base", "marked", "one")], out=tmp_path / "cmp", n_boot=200)
+    marked, one = report["comparisons"]
+    distinct_1 = marked["metrics"]["eval/distinct_1"]
+    assert distinct_1["baseline"] == pytest.approx(1.0) and distinct_1["candidate"] == pytest.approx(51 / 120)
+    assert marked["metrics"]["eval/distinct_responses"]["candidate"] == pytest.approx(50 / 60)
+    gate = guardrail_gate(marked, 0.05)
+    assert gate.passed and gate.evidence["distinct_1"]["candidate"] == pytest.approx(51 / 120)
+    without_share = {"metrics": {k: v for k, v in marked["metrics"].items() if k != "eval/distinct_responses"}}
+    assert "diversity collapsed: distinct_1 0.425 vs 1.000" in guardrail_gate(without_share, 0.05).reason
+    refused = guardrail_gate(one, 0.05)
+    assert not refused.passed and "diversity collapsed: distinct_responses 0.017 vs 1.000" in refused.reason
+
+
 def test_the_tripwire_knows_a_reward_model_being_gamed(tmp_path):
     """The two shapes measured with an RM as the only reward (docs/rewards.md): accuracy up, then down from its peak
     while the RM's reward held (refused at the last step, passed at the peak); and an RM's reward far above its
@@ -109,3 +139,36 @@ def test_the_tripwire_knows_a_reward_model_being_gamed(tmp_path):
     assert not gate.passed and "rose 5.0 times its starting spread" in gate.reason
     assert tripwire_gate(run([0.1, 0.1, 0.1, 0.6, 0.6, 0.6], [(0, 0.01), (6, 0.03)], rm=False), pair,
                          "eval/accuracy", 0.05).passed
+
+
+def test_the_offline_gates_bounds_widen_as_their_share_of_alpha_shrinks(tmp_path):
+    """The quality gate reads a one-sided bound at its share of ``--alpha`` (CanarySettings.offline_bounds: the
+    turn-away half split with the canary's guardrails, capacity and shadow), from 20 / alpha replicates. A candidate
+    2.5 points worse on 400 prompts (12 lost, 2 won) passes a 5-point margin at --alpha 0.5 and is refused at
+    0.01: the bound moves down as alpha shrinks, and the reason names its level."""
+    from eval.compare import compare_pair, resolve_entry
+    from eval.settings import EvalSettings
+    from eval.ship.gates import quality_gate
+    from eval.ship.settings import CanarySettings
+    from tests.eval.test_compare_units import fake_eval
+
+    split = CanarySettings(alpha=0.05, slo_p95_ms=1000.0, capacity=True, offline=True).alpha_split()
+    assert split["offline_quality"] == split["offline_diversity"] == split["errors"] == pytest.approx(0.025 / 6)
+    assert sum(v for k, v in split.items() if k != "reward_non_inferior") == pytest.approx(0.05)
+    base = [1.0] * 200 + [0.0] * 200
+    cand = [0.0] * 12 + [1.0] * 188 + [1.0] * 2 + [0.0] * 198
+    fake_eval(tmp_path / "inc", base, ["x"] * 400, 1e-4)
+    fake_eval(tmp_path / "cand", cand, ["x"] * 400, 1e-4)
+    entries = [resolve_entry(str(tmp_path / n), "best", EvalSettings(), None) for n in ("inc", "cand")]
+    lows, gates = [], []
+    for alpha in (0.5, 0.05, 0.01):
+        bounds = CanarySettings(alpha=alpha, slo_p95_ms=1000.0, capacity=True, offline=True).offline_bounds()
+        assert bounds["replicates"] == max(2000, math.ceil(20 / bounds["alpha"]))
+        pair = compare_pair(*entries, alpha, bounds["replicates"], 0, bound_alpha=bounds["alpha"])
+        row = pair["metrics"]["eval/accuracy"]
+        assert row["replicates"] == bounds["replicates"] and row["bound_alpha"] == bounds["alpha"]
+        lows.append(row["lower"])
+        gates.append(quality_gate(pair, "eval/accuracy", 0.05))
+    assert lows[0] > lows[1] > lows[2]
+    assert gates[0].passed and not gates[2].passed
+    assert f"one-sided {1 - 0.005 / 6:.2%} bound" in gates[2].reason

@@ -194,6 +194,9 @@ def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path,
         decision = events[-1]
         assert decision["decision"] == "refused" and "quality gate" in decision["reason"]
         assert decision["evidence"]["diff"] < 0 and decision["evidence"]["ci_low"] < -0.1
+        # Its bound at the offline quality gate's share of --alpha (one-sided), below the 95% interval's end.
+        assert decision["evidence"]["lower"] < decision["evidence"]["ci_low"]
+        assert decision["evidence"]["replicates"] >= 20 / decision["evidence"]["bound_alpha"]
         assert decision["evidence"]["prompts"]["judged_by"] == ["builtin:arithmetic/test"]  # not the selection's
         assert not any(e["event"] == "loaded" for e in events)  # the service never loaded it
         # 1b. Without the offline gates, the canary rolls it back on live rewards.
@@ -226,8 +229,8 @@ def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path,
         assert set(guards) == {"errors", "missing_rewards", "latency"}  # each ran, none fired
         assert all(g["e_value"] < g["threshold"] for g in guards.values())
         alpha = decision["evidence"]["alpha"]
-        assert set(alpha) == {"reward_worse", "errors", "missing_rewards", "latency", "capacity", "shadow",
-                              "reward_non_inferior"}
+        assert set(alpha) == {"reward_worse", "errors", "missing_rewards", "latency", "offline_quality",
+                              "offline_diversity", "capacity", "shadow", "reward_non_inferior"}
         assert sum(v for k, v in alpha.items() if k != "reward_non_inferior") == pytest.approx(0.05)
         for label in ("bad-offline", "bad-canary", "good"):  # the figures for the record
             last = audit(tmp_path / label)[-1]

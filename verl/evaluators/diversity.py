@@ -3,6 +3,10 @@
 Definitions (REFERENCES.md, "Evaluation definitions"):
 
 - distinct-n (Li et al. 2016), corpus form: ``|unique n-grams| / |n-gram occurrences|`` over all responses.
+- distinct responses: ``|unique responses| / |responses|`` (a response's tokens joined by one space): how often
+  different prompts get the same answer, which is what a mode collapse is. distinct-n confounds it with length and
+  format: a marker every answer gains (``>> 42`` for ``42``) halves distinct-1 of one-word answers while every
+  answer stays its own.
 - n-gram entropy: ``-Σ_g p_g ln p_g`` over the corpus n-gram frequencies (nats).
 - seq-rep-n (Welleck et al. 2019): per response ``1 - |unique n-grams| / |n-grams|``, averaged over responses
   that have at least one n-gram.
@@ -179,9 +183,15 @@ class Diversity(Evaluator):
     # ---- corpus metrics: distinct-n and entropy from a (sample x n-gram) count matrix
 
     def corpus_state(self, responses: list[str], columns: dict[str, np.ndarray]) -> Any:
-        """Per order, a sparse ``(N, distinct n-grams)`` count matrix so a weighted corpus is one product."""
+        """Per order, a sparse ``(N, distinct n-grams)`` count matrix so a weighted corpus is one product; under
+        ``"responses"`` the ``(N, distinct responses)`` one."""
         token_lists = [tokenize(t, self.tokenize) for t in responses]
         state = {}
+        # Whole responses as the items of a one-order count matrix: one row, one count each.
+        texts: dict[str, int] = {}
+        ids = [texts.setdefault(" ".join(tokens), len(texts)) for tokens in token_lists]
+        state["responses"] = (np.arange(len(ids), dtype=np.int64), np.asarray(ids, dtype=np.int64),
+                              np.ones(len(ids)), len(texts))
         for n in self.orders:
             vocab: dict[tuple, int] = {}
             rows, cols, vals = [], [], []
@@ -200,10 +210,13 @@ class Diversity(Evaluator):
         for n, (rows, cols, vals, size) in state.items():
             counts = np.bincount(cols, weights=vals * w[rows], minlength=size) if size else np.zeros(0)
             total = counts.sum()
+            present = counts[counts > 0]
+            if n == "responses":
+                out["distinct_responses"] = float(present.size / total) if total > 0 else float("nan")
+                continue
             if total <= 0:
                 out[f"distinct_{n}"] = out[f"entropy_{n}"] = float("nan")
                 continue
-            present = counts[counts > 0]
             p = present / total
             out[f"distinct_{n}"] = float(present.size / total)
             out[f"entropy_{n}"] = float(-(p * np.log(p)).sum())
