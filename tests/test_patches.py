@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from tests.decode_utils import left_padded_prompts, prefill_then_decode
 from tests.kernels import require_kernels
 from verl.models.fused_decoder import fused_decoder_layers
 from verl.models.packed_linear import packed_weights
-from verl.models.patches import LLAMA_FAMILY, PATCHES, TRANSFORMERS_CHECKED
+from verl.models.patches import LLAMA_FAMILY, PATCHES, SCOPED, SUBSTITUTIONS, TRANSFORMERS_CHECKED
 from verl.models.rotary import _ORIGINALS, MODELING_MODULES, fused_apply_rotary_pos_emb
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,3 +104,27 @@ def test_every_patch_is_listed_with_its_switch_and_pyproject_pins_the_checked_ra
                                                                                                          "qwen2")
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"transformers{TRANSFORMERS_CHECKED}" in dependencies
+
+
+# Lines that substitute into transformers' or peft's code: a forward replaced on a module, an attention function
+# registered or switched to, a cache's layers swapped, a modeling module's function replaced.
+SUBSTITUTION_SITE = re.compile(r"\.forward = types\.MethodType|AttentionInterface\.register\(|_attn_implementation = "
+                               r"|\.layers = \[|module\.apply_rotary_pos_emb = ")
+
+
+def test_every_substitution_in_the_code_is_listed_with_a_drift_test_that_exists():
+    """A scan of verl/ and serve/ for substitution sites: each lies in the module of a listed entry (PATCHES, which
+    loading applies, or SCOPED, applied where used), and each entry's ``checked_by`` names a test that exists."""
+    assert {p.name for p in SCOPED} == {"lora", "packed_attention", "growing_cache", "slot_cache"}
+    sites: dict[str, list[int]] = {}
+    for root in ("verl", "serve"):
+        for path in sorted((REPO / root).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if SUBSTITUTION_SITE.search(line) and not line.lstrip().startswith("#"):
+                    sites.setdefault(".".join(path.relative_to(REPO).with_suffix("").parts), []).append(number)
+    listed = {p.where for p in SUBSTITUTIONS}
+    assert len(sites) >= 9, sites  # the scan finds the sites it looks for
+    assert set(sites) <= listed, {module: lines for module, lines in sites.items() if module not in listed}
+    for patch in SUBSTITUTIONS:
+        file, test = patch.checked_by.split("::")
+        assert re.search(rf"^def {test}\(", (REPO / file).read_text(), re.M), (patch.name, patch.checked_by)

@@ -9,7 +9,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
 from verl.config import LoraConfig
-from verl.models.fused_lora import use_fused_lora
+from verl.models.patches import LORA_PATCH
 
 
 def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
@@ -23,7 +23,7 @@ def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
     model = get_peft_model(model, peft_config)
     # Each adapted layer as one autograd node, the adapter's term summed inside a GEMM (CPU fp32; peft's own
     # forward elsewhere); see verl/models/fused_lora.py.
-    use_fused_lora(model)
+    LORA_PATCH.apply(model)
     return model
 
 

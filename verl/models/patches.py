@@ -11,6 +11,12 @@ range): ``tests/test_patches.py`` runs each (architecture, substitution) pair th
 own forward on a tiny random config — logits, and gradients where the substitution runs under autograd — so a
 transformers upgrade that changes a replaced forward fails there, not in a user's run. The pattern is
 Liger-Kernel's (``apply_liger_kernel_to_llama`` and friends): one module, one switch per substitution.
+
+``SCOPED`` lists the substitutions made elsewhere, where they apply: peft's LoRA forward (``verl.models.lora``),
+the attention a packed forward switches to (``verl.models.packed_sequences``), and the KV-cache layers the samplers
+decode into (``verl.models.kv_cache``, ``verl.models.slot_cache``). ``SUBSTITUTIONS`` is both; each entry names the
+test that holds it against transformers' (or peft's) own code, and ``tests/test_patches.py`` fails on a
+substitution into their code that no entry lists.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ from verl.models.attention import use_cpu_attention
 from verl.models.fused_decoder import FUSED_LAYER_CLASSES, use_fused_decoder
 from verl.models.fused_lora import use_fused_lora
 from verl.models.packed_linear import use_packed_linear
+from verl.models.packed_sequences import PACKABLE_MODEL_TYPES
 from verl.models.rms_norm import RMS_NORM_CLASSES, use_fused_rms_norm
 from verl.models.rotary import MODELING_MODULES, use_fused_rotary
 from verl.models.swiglu import MLP_CLASSES, use_fused_swiglu
-from verl.utils.deferred_imports import DEFERRED
 
 TRANSFORMERS_CHECKED = ">=5.16.1,<5.20"  # the versions tests/test_patches.py ran against; pyproject says the same
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
@@ -39,8 +45,15 @@ class Patch:
     replaces: str  # what of transformers' (or peft's) it stands in for
     architectures: tuple[str, ...]  # model_type values it applies to
     under_autograd: bool  # it runs in training forwards (then its gradients are checked too)
-    switch: str  # VAR=0 turns it off
-    apply: Callable[[nn.Module], int | bool]  # returns how many modules took it (or whether the model did)
+    switch: str  # VAR=0 (or a config key) turns it off
+    apply: Callable[[nn.Module], int | bool] | None  # how many modules took it (or whether the model did); None:
+    # applied where it is used (SCOPED)
+    module: str = ""  # where the substitution is made (default: apply's module)
+    checked_by: str = "tests/test_patches.py::test_each_substitution_equals_transformers_forward"
+
+    @property
+    def where(self) -> str:
+        return self.module or getattr(self.apply, "__module__", "")
 
 
 def _architectures(class_names: frozenset[str]) -> tuple[str, ...]:
@@ -61,18 +74,33 @@ PATCHES: tuple[Patch, ...] = (
     Patch("swiglu", "LlamaMLP.forward's silu(gate) * up: one autograd node", _architectures(MLP_CLASSES), True,
           "VERL_FUSED_SWIGLU", use_fused_swiglu),
     Patch("rotary", "the module-level apply_rotary_pos_emb of each modeling module: one autograd node",
-          tuple(MODELING_MODULES), True, "VERL_FUSED_ROTARY", lambda model: use_fused_rotary()),
+          tuple(MODELING_MODULES), True, "VERL_FUSED_ROTARY", lambda model: use_fused_rotary(),
+          module="verl.models.rotary"),
     Patch("decoder_layer", "LlamaDecoderLayer.forward / Qwen2DecoderLayer.forward inside generation: norms, RoPE and "
           "SiLU as four fused calls", _architectures(FUSED_LAYER_CLASSES), False, "VERL_FUSED_DECODER",
           use_fused_decoder),
 )
-# Not forwards but imports: ``import verl`` defers transformers' imports of scikit-learn (generation code) and
-# scipy.optimize (detection losses) to their first use (importer -> deferred modules; off switch VERL_DEFER_IMPORTS=0).
-# verl.utils.deferred_imports says why; tests/test_deferred_imports.py checks transformers still imports through each
-# and the deferred functions give the libraries' numbers.
-IMPORT_DEFERRALS = DEFERRED
 LORA_PATCH = Patch("lora", "peft's LoraLinear.forward: the base product and the rank-r update in one pass",
-                   LLAMA_FAMILY, True, "VERL_FUSED_LORA", use_fused_lora)
+                   LLAMA_FAMILY, True, "VERL_FUSED_LORA", use_fused_lora,
+                   checked_by="tests/test_fused_lora.py::test_output_and_gradients_equal_peft")
+SCOPED: tuple[Patch, ...] = (
+    LORA_PATCH,
+    Patch("packed_attention", "config._attn_implementation -> 'verl_packed' for the duration of a packed forward "
+          "(AttentionInterface): the padded forward's key slots gathered per query", tuple(sorted(
+              PACKABLE_MODEL_TYPES)), True, "actor_rollout_ref.model.use_remove_padding=False", None,
+          module="verl.models.packed_sequences",
+          checked_by="tests/test_packed_sequences.py::test_packed_log_probs_and_loss_equal_the_padded_path_bit_for_bit"),
+    Patch("growing_cache", "DynamicCache.layers -> GrowingLayer (DynamicLayer.update appending in place)",
+          LLAMA_FAMILY, False, "always (a generation cache)", None, module="verl.models.kv_cache",
+          checked_by="tests/serve/test_engine_hf.py::test_growing_cache_layer_matches_dynamic_layer_past_its_headroom"),
+    Patch("slot_cache", "DynamicCache.layers -> SlotLayer (slot stores the agent loop decodes into)", LLAMA_FAMILY,
+          False, "always (a generation cache)", None, module="verl.models.slot_cache",
+          checked_by="tests/test_slot_cache.py::test_every_forward_on_slots_is_each_sequences_full_forward"),
+)
+SUBSTITUTIONS: tuple[Patch, ...] = PATCHES + SCOPED
+# Not forwards but imports: ``import verl`` defers transformers' imports of scikit-learn (generation code) and
+# scipy.optimize (detection losses) to their first use (verl.utils.deferred_imports; off switch
+# VERL_DEFER_IMPORTS=0); tests/test_deferred_imports.py checks transformers still imports through each.
 
 
 def apply_cpu_patches(model: nn.Module) -> dict[str, int]:
