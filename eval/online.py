@@ -1,6 +1,6 @@
 """``verl compare --online URL|FILE``: the A/B report of models served side by side, from the service's own records.
 
-The service records one row per finished sequence (``serve/records.py``): model, route, prompt id, TTFT, e2e
+The service records one row per finished sequence (``verl/data/records.py``): model, route, prompt id, TTFT, e2e
 latency, tokens, error, and the rule reward when the request carried the ``verl`` extension. This module reads
 those rows (from a running service's ``/admin/records`` or a ``records_path`` JSONL file) and compares each model
 with the baseline (``--baseline``, else the model with the most requests — the incumbent of a canary split):
@@ -28,7 +28,7 @@ import numpy as np
 
 from eval.report import Doc, fmt
 from eval.stats import mcnemar, paired_bootstrap
-from serve.records import join_rewards, load_records
+from verl.data.records import join_rewards, load_records
 from verl.errors import ConfigError
 from verl.utils.fs import atomic_write_json
 
@@ -132,7 +132,7 @@ def compare_online(source: str, out: str | Path | None = None, baseline: str | N
                    since: float | None = None, admin_key: str | None = None,
                    reward_source: str | None = None) -> dict:
     """Build the online A/B report; writes it to ``out`` when given and returns it. ``reward_source`` picks the
-    rewards compared (``rule``, ``feedback``, ``rm:NAME``, ``judge:NAME``; serve.records.source_matches); without
+    rewards compared (``rule``, ``feedback``, ``rm:NAME``, ``judge:NAME``; verl.data.records.source_matches); without
     it the records must hold one source only — sources are never mixed."""
     rows = [r for r in load_records(source, admin_key) if since is None or r.get("time", 0) >= since]
     if reward_source is None:

@@ -272,7 +272,7 @@ REPLAY_SUFFIX = "replay_schedule.jsonl"  # in --out: the schedule a replay sends
 
 def replay_schedule(records: list[dict], speed: float, task_prompts: list[tuple[dict, ...]]
                     ) -> tuple[list[dict], list[str]]:
-    """The service's own records (``serve/records.py`` request rows) as a schedule to send again.
+    """The service's own records (``verl/data/records.py`` request rows) as a schedule to send again.
 
     Each request once (the first choice of a completion, never a shadow copy), at its recorded ``arrival`` from the
     first one, divided by ``speed`` (2 = twice as fast); ``max_tokens`` = its recorded output length (``ignore_eos``

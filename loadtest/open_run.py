@@ -126,7 +126,7 @@ def find_knee(probe: Any, start: float, sweep: Sweep) -> dict[str, Any]:
 def replay_config(source: str, speed: float) -> tuple[list[dict], list[str]]:
     """``--replay SOURCE``: the schedule from the service's records, task prompts standing in where none was kept."""
     from loadtest.prompts import DEFAULT_PROMPT_FILE, load_prompts  # noqa: PLC0415
-    from serve.records import load_records  # noqa: PLC0415 (httpx; only for a replay)
+    from verl.data.records import load_records  # noqa: PLC0415 (httpx; only for a replay)
 
     records = load_records(source)
     task = [p.messages for p in load_prompts(DEFAULT_PROMPT_FILE, "prompt", 10_000)]

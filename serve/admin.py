@@ -36,10 +36,10 @@ from pydantic import Field, ValidationError
 
 from serve.auth import service_of
 from serve.errors import ApiError
-from serve.records import reward_row
 from serve.schemas import _Strict
 from serve.service import Service
 from serve.settings import ModelEntry, ServeSettings
+from verl.data.records import reward_row
 
 ADMIN_PREFIX = "/admin"
 

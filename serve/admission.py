@@ -14,10 +14,11 @@ from serve.engines.base import Engine
 from serve.errors import ApiError
 from serve.lifecycle import ModelLifecycle
 from serve.metrics import ServeMetrics
-from serve.records import RULE_SCORER_VERSION, OnlineRecord, OnlineRecords, clip_prompt, score, user_hash
+from serve.records import RULE_SCORER_VERSION, OnlineRecords, clip_prompt, score
 from serve.registry import ServedModel, UnknownModelError
 from serve.schemas import VerlExtension
 from serve.settings import ServeSettings
+from verl.data.records import OnlineRecord, user_hash
 from verl.errors import ConfigError
 
 
@@ -30,7 +31,7 @@ class Responder:
     route: str | None = None
     online: VerlExtension | None = None
     shadow: bool = False  # a mirrored copy of a request (never returned)
-    user: str | None = None  # the routed user, hashed (serve.records.user_hash)
+    user: str | None = None  # the routed user, hashed (verl.data.records.user_hash)
     arrival: float | None = None  # wall clock when it was routed
     config_version: int | None = None  # the models-and-routes version it was routed under
     route_share: float | None = None  # the model's share of the route then

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from serve.errors import ApiError
-from serve.records import FEEDBACK_SOURCE, OnlineRecords, reward_row
+from serve.records import FEEDBACK_SOURCE, OnlineRecords
 from serve.schemas import FeedbackRequest, FeedbackResponse
+from verl.data.records import reward_row
 
 if TYPE_CHECKING:
     from serve.service import Service

@@ -8,7 +8,7 @@ data. The steps, each counted in ``summary.json`` with the reason a row went whe
    (an error, or aborted), rows without texts, prompts of the other kind (chat messages by default, or completion
    prompts: one file holds one kind), and rows the filters leave out (route, model, time window);
 2. **rewards**: late reward rows (feedback, a reward model, a judge) are joined to their requests by completion id,
-   one ``reward_source`` only (``serve.records.join_rewards``: sources are never mixed); prompts left with fewer
+   one ``reward_source`` only (``verl.data.records.join_rewards``: sources are never mixed); prompts left with fewer
    than ``min_rewards`` rewarded answers (after step 4) are dropped;
 3. **duplicates**: prompts equal after normalisation (case, whitespace) are one prompt (their answers pooled); then
    near duplicates — MinHash of character 5-grams, Jaccard ≥ ``near_dup_threshold`` found by LSH (``datasketch``) —
@@ -37,8 +37,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from serve.records import join_rewards, load_records
 from verl.data.exports import SUMMARY_FILE
+from verl.data.records import join_rewards, load_records
 from verl.errors import ConfigError
 from verl.utils.fs import atomic_dir, atomic_write_json
 

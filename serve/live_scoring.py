@@ -30,8 +30,9 @@ from typing import Any
 from serve.admission import Responder
 from serve.lifecycle import ModelLifecycle
 from serve.metrics import ServeMetrics
-from serve.records import OnlineRecords, reward_row
+from serve.records import OnlineRecords
 from serve.settings import LiveScoringSettings
+from verl.data.records import reward_row
 from verl.errors import DataError
 
 log = logging.getLogger("uvicorn.error.serve")

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from verl.data.records import ADMIN_KEY_ENV
 from verl.errors import VerlError
-
-ADMIN_KEY_ENV = "VERL_SERVE_ADMIN_API_KEY"
 
 
 class PromoteError(VerlError):

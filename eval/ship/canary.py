@@ -37,7 +37,7 @@ import numpy as np
 from eval.ship.sequential import ExceedanceTest, PairedWorseTest, RateIncreaseTest, RewardTest
 from eval.ship.settings import CanarySettings
 from eval.ship.units import Randomization
-from serve.records import source_matches
+from verl.data.records import source_matches
 
 Outcome = Literal["promote", "rollback", "inconclusive"]
 
@@ -246,7 +246,7 @@ class Canary:
         self.missing.add(*missing.arrays())
 
     def _wanted(self, row: dict) -> bool:
-        """A reward row of the source decided on (serve.records.source_matches)."""
+        """A reward row of the source decided on (verl.data.records.source_matches)."""
         return source_matches(row.get("reward_source"), self.settings.reward_source)
 
     def _own_reward(self, row: dict) -> tuple[float | None, bool]:

@@ -12,8 +12,8 @@ import pytest
 
 from loadtest.prompts import load_prompts
 from loadtest.run import LoadTestConfig, locust_command, run_locust
-from serve.records import join_rewards
 from tests.serve.helpers import run_server
+from verl.data.records import join_rewards
 from verl.rewards import get_reward_fn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(170)]

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from serve.records import join_rewards
 from tests.serve.helpers import run_server
+from verl.data.records import join_rewards
 
 pytestmark = pytest.mark.e2e  # real servers
 

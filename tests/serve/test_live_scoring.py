@@ -13,11 +13,11 @@ import httpx
 import numpy as np
 import pytest
 
-from serve.records import join_rewards
 from tests.ports import free_port
 from tests.serve.helpers import run_server
 from tests.serve.test_reward_serving import reward_model  # noqa: F401  (the module's RM fixture)
 from tests.test_judge import between, judge_server, said, solve
+from verl.data.records import join_rewards
 
 pytestmark = pytest.mark.e2e  # real servers
 

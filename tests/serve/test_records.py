@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from serve.records import join_rewards, reward_row, user_hash
 from tests.serve.helpers import make_lora_adapters, run_server
+from verl.data.records import join_rewards, reward_row, user_hash
 
 pytestmark = pytest.mark.e2e  # real servers
 
