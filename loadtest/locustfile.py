@@ -80,7 +80,8 @@ from loadtest.open_loop import (
     write_records,
 )
 from loadtest.prompts import DEFAULT_PROMPT_FILE, Prompt, load_prompts, render_with_server
-from loadtest.report import AGENT_MAX_TOKENS, CUT_ENTRY, DEFAULT_MAX_TOKENS, NO_TOOL_ENTRY, VARIANT_MARK
+from loadtest.report import CUT_ENTRY, NO_TOOL_ENTRY, VARIANT_MARK
+from loadtest.settings import AGENT_MAX_TOKENS, DEFAULT_MAX_TOKENS
 from loadtest.shapes import StepPlan
 from verl.errors import VerlError
 from verl.utils.fs import atomic_write_json

@@ -24,7 +24,8 @@ from loadtest.open_loop import (
     summarise,
 )
 from loadtest.render import fmt
-from loadtest.run import AGENT_PROMPTS, LOCUST_CONF, LOCUSTFILE, LoadTestConfig, LoadTestError, _service, run_locust
+from loadtest.run import LOCUST_CONF, LOCUSTFILE, LoadTestError, _service, run_locust
+from loadtest.settings import AGENT_PROMPTS, LoadTestConfig
 from verl.errors import ConfigError
 from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from loadtest.report import LATENCY_ENTRY, PLOTS, REPORT_STEM, SLO, TTFT_ENTRY, FleetPlan, build_report
+from loadtest.report import LATENCY_ENTRY, PLOTS, REPORT_STEM, TTFT_ENTRY, FleetPlan, build_report
+from loadtest.settings import SLO
 from verl.utils.fs import atomic_path, atomic_write_json, atomic_write_text, ensure_writable_dir
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.settings import SLO
 from verl.errors import DataError, MissingDependencyError
 
 LLM = "LLM"  # request type of the locustfile's custom entries
@@ -40,9 +41,6 @@ SESSION_ENTRY, SESSION_TURNS_ENTRY = "session_latency_ms", "session_turns"  # Ag
 # 1/0 per answer and per session (their means are shares): answers cut at max_tokens (finish_reason "length"), one
 # entry per endpoint ("answers_cut_at_max_tokens /v1/completions"), and agent sessions that made no tool call.
 CUT_ENTRY, NO_TOOL_ENTRY = "answers_cut_at_max_tokens", "sessions_without_tool_call"
-# max_tokens per request; agent users get room for a call, the tool's turn and the answer (the README's agent test
-# measured sessions of 0 tool calls at 32: every answer of the tiny agent was cut before its call closed).
-DEFAULT_MAX_TOKENS, AGENT_MAX_TOKENS = 32, 128
 # A share at or above this gets a warning line: the run measured cut answers or sessions that were no agent's.
 WARN_SHARE = 0.25
 VARIANT_MARK = " @"  # RouteUser names entries "<endpoint> @<model>": requests a route's variant answered
@@ -53,29 +51,6 @@ HISTORY_COLUMNS = ("Timestamp", "User Count", "Type", "Name", "50%", "95%", "99%
 FAILURES_COLUMNS = ("Method", "Name", "Error", "Occurrences")
 REPORT_STEM = "capacity_report"
 PLOTS = {"latency": "latency_vs_users.png", "throughput": "throughput_vs_users.png"}
-
-
-@dataclass(frozen=True)
-class SLO:
-    """What "within the SLO" means for one step; the capacity search uses it."""
-
-    p95_ms: float = 1000.0
-    max_failure_rate: float = 0.01
-    ttft_p95_ms: float | None = None
-    headroom: float = 0.2
-    session_p95_ms: float | None = None  # agent runs: also require this p95 on whole sessions
-
-    def __post_init__(self) -> None:
-        if self.p95_ms <= 0:
-            raise DataError(f"the p95 SLO must be > 0 ms (got {self.p95_ms})")
-        if not 0 <= self.max_failure_rate <= 1:
-            raise DataError(f"the failure-rate limit must be within 0..1 (got {self.max_failure_rate})")
-        if self.ttft_p95_ms is not None and self.ttft_p95_ms <= 0:
-            raise DataError(f"the TTFT p95 SLO must be > 0 ms (got {self.ttft_p95_ms})")
-        if self.session_p95_ms is not None and self.session_p95_ms <= 0:
-            raise DataError(f"the session p95 SLO must be > 0 ms (got {self.session_p95_ms})")
-        if not 0 <= self.headroom < 1:
-            raise DataError(f"headroom must be within 0..1 (got {self.headroom}); 0.2 keeps 20% spare")
 
 
 @dataclass(frozen=True)

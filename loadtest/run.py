@@ -28,15 +28,15 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loadtest.checks import ABORT_EXIT_CODE, abort_reason
 from loadtest.render import make_report
-from loadtest.report import AGENT_MAX_TOKENS, DEFAULT_MAX_TOKENS, SLO, FleetPlan
-from loadtest.shapes import StepPlan, doubling_levels, parse_levels
-from verl.errors import ConfigError, VerlError
+from loadtest.report import FleetPlan
+from loadtest.settings import AGENT_PROMPTS, LoadTestConfig
+from loadtest.shapes import StepPlan
+from verl.errors import VerlError
 from verl.utils.fs import atomic_write_text, ensure_writable_dir
 from verl.utils.net import LOOPBACK, reserved_port
 
@@ -51,59 +51,6 @@ FLEET_METRICS_LAG_S = 1.5
 
 class LoadTestError(VerlError):
     """The service or Locust did not start or finish as expected (the message points at the log)."""
-
-
-# Agent runs (--user-mix agent) without a model or prompt file: the shipped tool-using model on the task it learnt.
-AGENT_MODEL, AGENT_PROMPTS = "builtin:tiny-agent", "builtin:tool_arithmetic/val"
-
-
-@dataclass
-class LoadTestConfig:
-    """A capacity run; the defaults match ``loadtest/locust.conf``."""
-
-    out_dir: Path
-    model: str | None = None  # VERL_SERVE_MODEL (None: the service's default, the built-in tiny model)
-    engine: str | None = None  # VERL_SERVE_ENGINE
-    max_users: int = 8
-    step_users: str = ""  # explicit levels, e.g. "1,2,4,8,12" (wins over max_users)
-    step_time_s: float = 20.0
-    step_settle_s: float = 5.0
-    user_mix: str = "mixed"
-    user_classes: list[str] = field(default_factory=list)  # e.g. ["ChatStreamUser"]; empty: per user_mix
-    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, or AGENT_MAX_TOKENS for --user-mix agent
-    extra_locust_args: list[str] = field(default_factory=list)
-    slo: SLO = field(default_factory=SLO)
-    startup_timeout_s: float = 180.0
-    server_env: dict[str, str] = field(default_factory=dict)  # more VERL_SERVE_* settings
-    url: str | None = None  # a running service (no local one is started)
-    api_key: str | None = None  # its key (sent by Locust, and for /metrics)
-    processes: int = 1  # Locust worker processes generating the load
-    target_rps: float | None = None  # the load to plan replicas for
-
-    def __post_init__(self) -> None:
-        if self.processes < 1:
-            raise ConfigError(f"--processes must be >= 1 (got {self.processes})")
-        if self.url is not None:
-            if not self.url.startswith(("http://", "https://")):
-                raise ConfigError(f"--url must be the service's base URL, e.g. http://127.0.0.1:8000 "
-                                  f"(got {self.url!r})")
-            if self.model or self.engine or self.server_env:
-                raise ConfigError("--model and --engine choose what a local service loads; with --url the running "
-                                  "service decides (drop them, or drop --url)")
-            self.url = self.url.rstrip("/")
-        if self.user_mix == "agent" and self.model is None:
-            self.model = AGENT_MODEL  # the default model's template renders no tools
-        # 0 would make every request a 400: minutes of 100% failures that measure nothing (the plan's own values
-        # are checked by plan(); the SLO's by SLO).
-        if self.max_tokens is None:
-            agents = self.user_mix == "agent" or "AgentUser" in self.user_classes
-            self.max_tokens = AGENT_MAX_TOKENS if agents else DEFAULT_MAX_TOKENS
-        if self.max_tokens < 1:
-            raise ConfigError(f"--max-tokens must be >= 1 (got {self.max_tokens})")
-
-    def plan(self) -> StepPlan:
-        levels = parse_levels(self.step_users) if self.step_users else doubling_levels(self.max_users)
-        return StepPlan(tuple(levels), self.step_time_s, self.step_settle_s)
 
 
 def http_get(url: str, timeout: float = 5.0, api_key: str | None = None) -> tuple[int, bytes]:

@@ -358,11 +358,11 @@ def option_fields(settings: type) -> list:
     return found
 
 
-@pytest.mark.parametrize("command_name", ["eval", "ship"])
+@pytest.mark.parametrize("command_name", ["eval", "ship", "loadtest", "loadtest-report"])
 def test_a_command_built_from_its_settings_declares_each_option_once(command_name):
-    """``verl eval``'s and ``verl ship``'s options are their settings' fields: the same names, flags and defaults, so
-    the Python API and the command line cannot disagree (they did: ``slo_p95_ms`` 1000 on the command line, None in
-    the canary's settings; ``capacity`` True and False)."""
+    """``verl eval``'s, ``verl ship``'s and ``verl loadtest``'s options are their settings' fields: the same names,
+    flags and defaults, so the Python API and the command line cannot disagree (they did: ``slo_p95_ms`` 1000 on the
+    command line, None in the canary's settings; ``capacity`` True and False)."""
     import dataclasses
 
     import typer
@@ -371,14 +371,19 @@ def test_a_command_built_from_its_settings_declares_each_option_once(command_nam
     from eval.settings import EvalSettings
     from eval.ship.cli import ship_command
     from eval.ship.settings import ShipSettings
+    from loadtest.cli import loadtest_command, loadtest_report_command
+    from loadtest.settings import LoadTestSettings, ReportSettings
 
     command, settings, leading = {"eval": (eval_command, EvalSettings, {"ckpt", "out", "watch"}),
-                                  "ship": (ship_command, ShipSettings, set())}[command_name]
+                                  "ship": (ship_command, ShipSettings, set()),
+                                  "loadtest": (loadtest_command, LoadTestSettings, set()),
+                                  "loadtest-report": (loadtest_report_command, ReportSettings, set())}[command_name]
     app = typer.Typer(add_completion=False)
     app.command()(command)
     params = {p.name: p for p in typer.main.get_command(app).params}
     fields = option_fields(settings)
-    assert len(fields) >= 25 and set(params) == {f.name for f in fields} | leading
+    assert len(fields) >= (10 if command_name == "loadtest-report" else 25)
+    assert set(params) == {f.name for f in fields} | leading
     for f in fields:
         flags = {flag for spec in f.metadata["flags"] for flag in spec.split("/")}  # --x/--no-x: both
         assert flags <= set(params[f.name].opts + params[f.name].secondary_opts), f.name

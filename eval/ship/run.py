@@ -174,8 +174,8 @@ def offline_gates(settings: ShipSettings, shipping: dict, out: Path) -> list[Gat
 def capacity_run(settings: ShipSettings, client: AdminClient, name: str, out: Path,
                  allowance: float = 0.01) -> tuple[dict, list[dict]]:
     """A short load test of model ``name`` alone: its capacity report and the service's records of its requests."""
-    from loadtest.report import SLO  # noqa: PLC0415
-    from loadtest.run import LoadTestConfig, run_loadtest  # noqa: PLC0415
+    from loadtest.run import run_loadtest  # noqa: PLC0415
+    from loadtest.settings import SLO, LoadTestConfig  # noqa: PLC0415
 
     config = LoadTestConfig(out_dir=out, url=settings.service, api_key=settings.api_key,
                             step_users=str(settings.capacity_users), step_time_s=settings.capacity_s,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from loadtest.render import make_report
-from loadtest.report import SLO
-from loadtest.run import AGENT_MODEL, AGENT_PROMPTS, LoadTestConfig, local_service, locust_command, run_locust
+from loadtest.run import local_service, locust_command, run_locust
+from loadtest.settings import AGENT_MODEL, AGENT_PROMPTS, SLO, LoadTestConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(170)]
 

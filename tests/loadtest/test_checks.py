@@ -169,7 +169,8 @@ def test_step_defaults_agree_in_help_conf_docs_and_verl_loadtest():
     import subprocess
     import sys
 
-    from loadtest.run import LOCUST_CONF, LoadTestConfig
+    from loadtest.run import LOCUST_CONF
+    from loadtest.settings import LoadTestConfig
 
     # Importing locust monkey-patches this process (gevent): read the locustfile's defaults in a child process.
     probe = ("import json; from loadtest.locustfile import add_arguments; d = {}\n"

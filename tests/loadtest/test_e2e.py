@@ -31,8 +31,9 @@ import httpx
 import pytest
 
 from loadtest.render import make_report
-from loadtest.report import SLO, parse_server_metrics
-from loadtest.run import LOCUST_CONF, LOCUSTFILE, LoadTestConfig, http_get, local_service, locust_command, run_locust
+from loadtest.report import parse_server_metrics
+from loadtest.run import LOCUST_CONF, LOCUSTFILE, http_get, local_service, locust_command, run_locust
+from loadtest.settings import SLO, LoadTestConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(170), pytest.mark.serial]  # timed load
 

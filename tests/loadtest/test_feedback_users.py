@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from loadtest.prompts import load_prompts
-from loadtest.run import LoadTestConfig, locust_command, run_locust
+from loadtest.run import locust_command, run_locust
+from loadtest.settings import LoadTestConfig
 from tests.serve.helpers import run_server
 from verl.data.records import join_rewards
 from verl.rewards import get_reward_fn

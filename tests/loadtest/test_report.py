@@ -9,7 +9,6 @@ import pytest
 
 from loadtest.render import make_report, summary_text
 from loadtest.report import (
-    SLO,
     FleetPlan,
     build_report,
     capacity,
@@ -17,6 +16,7 @@ from loadtest.report import (
     parse_server_metrics,
     resolve_prefix,
 )
+from loadtest.settings import SLO
 from tests.loadtest.locust_csv import history_row, stats_row, write_run
 from verl.errors import DataError
 
@@ -373,7 +373,7 @@ def test_answer_shares_and_their_warnings(tmp_path):
 
 
 def test_agent_users_get_a_budget_that_fits_a_tool_call(tmp_path):
-    from loadtest.run import LoadTestConfig  # noqa: PLC0415
+    from loadtest.settings import LoadTestConfig  # noqa: PLC0415
 
     assert LoadTestConfig(out_dir=tmp_path).max_tokens == 32
     assert LoadTestConfig(out_dir=tmp_path, user_mix="agent").max_tokens == 128
