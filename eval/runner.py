@@ -367,6 +367,35 @@ def load_policy(path: str, run_cfg: Any, device: Any, dtype: str) -> Any:
     return load_causal_lm(path, dtype, device)
 
 
+def sample_rows(batch: Any, texts: list[str], scores: Any, columns: dict[str, np.ndarray],
+                prompt_ids: list[str]) -> list[dict]:
+    """``samples.jsonl``'s rows: one per generated response, keyed by (prompt id, sample number), with its
+    reward, an agent's trace and each evaluator's per-sample column."""
+    index = np.asarray(batch.non_tensor["index"], dtype=np.int64)
+    lengths = batch.batch["response_mask"].sum(-1).tolist()
+    rows, seen = [], {}
+    for i, text in enumerate(texts):
+        k = seen.get(int(index[i]), 0)
+        seen[int(index[i])] = k + 1
+        row = {"prompt_id": prompt_ids[int(index[i])], "index": int(index[i]), "sample": k,
+               "prompt": str(batch.non_tensor["raw_prompt"][i]), "response": text,
+               "ground_truth": jsonable(batch.non_tensor["ground_truth"][i]),
+               "data_source": str(batch.non_tensor["data_source"][i]), "response_length": int(lengths[i])}
+        if scores is not None:
+            row["reward"] = float(scores[i])
+        if "tool_trace" in batch.non_tensor:  # an agent trajectory: its turns and calls, structured
+            row["turns"] = int(batch.non_tensor["num_turns"][i])
+            row["finish_reason"] = str(batch.non_tensor["finish_reason"][i])
+            row["tool_trace"] = jsonable(list(batch.non_tensor["tool_trace"][i]))
+        for name, column in columns.items():
+            if name in row:  # e.g. response_length: the base field already holds it (as an int)
+                continue
+            value = float(column[i])
+            row[name] = value if np.isfinite(value) else None
+        rows.append(row)
+    return rows
+
+
 class Evaluation:
     """Shared state for evaluating one or more checkpoints with the same settings (tokenizer, dataset, reward
     manager, reference model and evaluators are built once)."""
@@ -496,7 +525,7 @@ class Evaluation:
         timing["evaluator_seconds"] = time.perf_counter() - t2
         timing["total_seconds"] = time.perf_counter() - t0
         results = self._assemble(model_path, label, step, run_dir, digest, batch, len(texts), metrics, notes, timing)
-        samples = self._sample_rows(batch, texts, scores, columns)
+        samples = sample_rows(batch, texts, scores, columns, self.prompt_ids)
         if contamination is not None:
             kinds, info = contamination
             for row in samples:
@@ -641,31 +670,6 @@ class Evaluation:
         batch = DataProto.concat(pad_responses(outputs, self.tokenizer.pad_token_id))
         merged = {k: np.concatenate(v) for k, v in extras.items() if len(v) == len(outputs)}
         return batch, texts, (np.concatenate(scores) if scores else None), merged, seconds
-
-    def _sample_rows(self, batch: Any, texts: list[str], scores: Any, columns: dict[str, np.ndarray]) -> list[dict]:
-        index = np.asarray(batch.non_tensor["index"], dtype=np.int64)
-        lengths = batch.batch["response_mask"].sum(-1).tolist()
-        rows, seen = [], {}
-        for i, text in enumerate(texts):
-            k = seen.get(int(index[i]), 0)
-            seen[int(index[i])] = k + 1
-            row = {"prompt_id": self.prompt_ids[int(index[i])], "index": int(index[i]), "sample": k,
-                   "prompt": str(batch.non_tensor["raw_prompt"][i]), "response": text,
-                   "ground_truth": jsonable(batch.non_tensor["ground_truth"][i]),
-                   "data_source": str(batch.non_tensor["data_source"][i]), "response_length": int(lengths[i])}
-            if scores is not None:
-                row["reward"] = float(scores[i])
-            if "tool_trace" in batch.non_tensor:  # an agent trajectory: its turns and calls, structured
-                row["turns"] = int(batch.non_tensor["num_turns"][i])
-                row["finish_reason"] = str(batch.non_tensor["finish_reason"][i])
-                row["tool_trace"] = jsonable(list(batch.non_tensor["tool_trace"][i]))
-            for name, column in columns.items():
-                if name in row:  # e.g. response_length: the base field already holds it (as an int)
-                    continue
-                value = float(column[i])
-                row[name] = value if np.isfinite(value) else None
-            rows.append(row)
-        return rows
 
     # ------------------------------------------------------------------ console
 

@@ -451,16 +451,7 @@ def build_report(prefix: str | Path, slo: SLO | None = None, server_metrics: str
     """
     slo = slo or SLO()
     run = load_run(prefix)
-    server = None
-    if server_metrics is not None:
-        path = Path(server_metrics)
-        if not path.is_file():
-            raise DataError(f"server metrics file '{path}' does not exist (save the service's /metrics page)")
-        try:
-            baseline = Path(server_baseline).read_text() if server_baseline is not None else None
-            server = parse_server_metrics(path.read_text(), baseline)
-        except ValueError as exc:
-            raise DataError(f"'{path}' is not Prometheus text format ({exc})") from None
+    server = read_server_metrics(server_metrics, server_baseline) if server_metrics is not None else None
     info = run.info or {}
     window = (info.get("plan") or {}).get("window_s") or info.get("percentile_window_s")
     # Without our locustfile's info, assume Locust's default percentile window (10 s).
@@ -503,10 +494,6 @@ def build_report(prefix: str | Path, slo: SLO | None = None, server_metrics: str
     answers = answer_quality(run.entries)
     warnings = quality_warnings(answers, info)
 
-    def entry(e: Entry) -> dict[str, Any]:
-        return {"type": e.type, "name": e.name, "requests": e.requests, "failures": e.failures, "mean": e.mean_ms,
-                "p50": e.p50, "p95": e.p95, "p99": e.p99, "max": e.max_ms, "rps": e.rps}
-
     return {
         "source": {"prefix": str(run.prefix), "run": run.info},
         "slo": {"p95_ms": slo.p95_ms, "max_failure_rate": slo.max_failure_rate, "ttft_p95_ms": slo.ttft_p95_ms,
@@ -516,15 +503,33 @@ def build_report(prefix: str | Path, slo: SLO | None = None, server_metrics: str
         "totals": totals,
         "steps": steps,
         "capacity": capacity(steps, slo, plan),
-        "endpoints": [entry(e) for e in http],
+        "endpoints": [entry_row(e) for e in http],
         "variants": variants(run.entries),
-        "llm": [entry(e) for e in run.entries if e.type == LLM],
+        "llm": [entry_row(e) for e in run.entries if e.type == LLM],
         "failures": run.failures,
         "server": server,
         "answers": answers,
         "warnings": warnings,
         "notes": notes,
     }
+
+
+def read_server_metrics(server_metrics: str | Path, server_baseline: str | Path | None) -> dict[str, Any]:
+    """The service's saved ``/metrics`` page after the run, less the page before it when given (``build_report``)."""
+    path = Path(server_metrics)
+    if not path.is_file():
+        raise DataError(f"server metrics file '{path}' does not exist (save the service's /metrics page)")
+    try:
+        baseline = Path(server_baseline).read_text() if server_baseline is not None else None
+        return parse_server_metrics(path.read_text(), baseline)
+    except ValueError as exc:
+        raise DataError(f"'{path}' is not Prometheus text format ({exc})") from None
+
+
+def entry_row(e: Entry) -> dict[str, Any]:
+    """One Locust entry as the report's JSON has it."""
+    return {"type": e.type, "name": e.name, "requests": e.requests, "failures": e.failures, "mean": e.mean_ms,
+            "p50": e.p50, "p95": e.p95, "p99": e.p99, "max": e.max_ms, "rps": e.rps}
 
 
 def answer_quality(entries: list[Entry]) -> dict[str, Any]:
