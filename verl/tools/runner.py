@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import heapq
 import itertools
 import json
@@ -136,7 +137,8 @@ class ToolRunner:
 
         deadline = self._deadlines.add(
             tool.timeout_s, lambda: settle(failed(f"'{tool.name}' did not answer within {tool.timeout_s:g} s")))
-        self._threads.submit(function, **kwargs).add_done_callback(finished)
+        # The tool runs in the caller's context: its log.info() lands in the run's rows (verl.utils.log).
+        self._threads.submit(contextvars.copy_context().run, function, **kwargs).add_done_callback(finished)
         return result
 
     def _run_in_process(self, tool: Tool, kwargs: dict[str, Any]) -> ToolResult:

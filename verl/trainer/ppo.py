@@ -35,7 +35,7 @@ from verl.algos.advantages import estimator_facts, get_adv_estimator
 from verl.algos.kl import build_kl_controller, kl_penalty
 from verl.algos.masked import masked_mean
 from verl.algos.rollout_correction import correct, mismatch_metrics
-from verl.config import VerlConfig, dump_config
+from verl.config import VerlConfig
 from verl.data.dataset import PromptSampler, RLHFDataset
 from verl.data.exports import DATA_LINEAGE_FILE, records_lineage
 from verl.errors import ConfigError
@@ -43,18 +43,18 @@ from verl.models.loader import load_tokenizer
 from verl.protocol import DataProto
 from verl.rollout.base import SamplingParams, pad_responses
 from verl.tools.templates import ToolPrompting
-from verl.tracking import check_trackers, create_trackers
+from verl.tracking import check_trackers
 from verl.trainer.callbacks import CallbackList, TrainerCallback
 from verl.trainer.checkpoint import (
     checkpoint_step,
     find_resume_checkpoint,
     load_trainer_state,
-    remove_stale_temp_dirs,
     write_checkpoint,
 )
 from verl.trainer.health import callbacks_from_config
 from verl.trainer.missing_rewards import Dropped, mask_missing_rewards
 from verl.trainer.resume import check_resumable, saved_config
+from verl.trainer.run import Run
 from verl.trainer.step_metrics import group_metrics, rollout_metrics
 from verl.trainer.target import TARGET_SCOPE, Target, TargetClock
 from verl.trainer.validation import (
@@ -70,7 +70,7 @@ from verl.trainer.validation import (
     validation_overlap,
 )
 from verl.utils import log
-from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_dir
+from verl.utils.fs import atomic_write_json
 from verl.utils.profiling import profile_step
 from verl.utils.seeding import rng_state, seed_everything, set_num_threads, set_rng_state
 from verl.utils.system import SystemMonitor
@@ -181,9 +181,8 @@ class PPOTrainer:
         self.adv_fn = get_adv_estimator(config.algorithm.adv_estimator)
         self.evaluators: list[Any] = []  # register_evaluator() objects
         self._configured_evaluators: list[Any] | None = None  # trainer.evaluators, built on first use
-        # Run outputs: opened by _open_run, closed by _end_run.
-        self.trackers: list[Any] = []
-        self.logger: log.RunLogger | None = None
+        # The run's directory, trackers and logger: opened by _open_run, bound for fit, closed by _end_run.
+        self.run = Run(config, quiet)
         self.monitor: SystemMonitor | None = None
         self.policy_version = 0  # actor updates applied so far: the version of the weights a rollout samples from
         # trainer.one_step_off_policy: a verl.trainer.overlap.RolloutWorker, started by this factory at the first step
@@ -232,7 +231,15 @@ class PPOTrainer:
 
     @property
     def run_dir(self) -> Path:
-        return self.config.run_dir()
+        return self.run.dir
+
+    @property
+    def logger(self) -> log.RunLogger | None:
+        return self.run.logger
+
+    @property
+    def trackers(self) -> list[Any]:
+        return self.run.trackers
 
     # ------------------------------------------------------------------ the loop
 
@@ -247,34 +254,35 @@ class PPOTrainer:
             self.target_clock.start()  # after the models and a resumed checkpoint are loaded, as MLPerf times it
         metrics: dict[str, float] = {}
         try:
-            self.callbacks.on_train_start(self)
-            if cfg.trainer.one_step_off_policy and self.global_step < cfg.trainer.total_steps:
-                # Start the rollout worker and its first batch now, so both overlap the first validation.
-                self.rollout_worker = self.rollout_worker_factory()
-                self._submit_rollout(self.global_step + 1)
-            if validating and cfg.trainer.val_before_train and self.global_step == 0:
-                self.validate()
-            while self.global_step < cfg.trainer.total_steps and self.stop_reason is None:
-                self.global_step += 1
-                step = self.global_step
-                self.logger.set_step(step)
-                profiled = step in cfg.trainer.profile_steps
-                measured = self._profiled_step(step) if profiled else self.train_step(step)
-                if self.target_clock is not None:
-                    self.target_clock.mark_update(step)
-                metrics = self.logger.log_step(step, measured)  # JSONL rows + trackers, with log.info() fields
-                self.callbacks.on_log(metrics, step=step)
-                self._check_target(step, metrics)
-                self.callbacks.on_step_end(self, step, metrics)  # health rules may request a stop here
-                final = step == cfg.trainer.total_steps or self.stop_reason is not None
-                if validating and (step % cfg.trainer.test_freq == 0 or final):
-                    metrics.update(self.validate())
-                    final = final or self.stop_reason is not None  # e.g. the target, reached in validation
-                if final or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
-                    self._checkpoint(step, metrics)
-            reason = self.stop_reason or "completed"
-            self.logger.event("train", step=self.global_step, status="finished", reason=reason)
-            self.callbacks.on_train_end(self, reason)
+            with self.run.bound():  # log.info() from callbacks and rewards: this run's rows
+                self.callbacks.on_train_start(self)
+                if cfg.trainer.one_step_off_policy and self.global_step < cfg.trainer.total_steps:
+                    # Start the rollout worker and its first batch now, so both overlap the first validation.
+                    self.rollout_worker = self.rollout_worker_factory()
+                    self._submit_rollout(self.global_step + 1)
+                if validating and cfg.trainer.val_before_train and self.global_step == 0:
+                    self.validate()
+                while self.global_step < cfg.trainer.total_steps and self.stop_reason is None:
+                    self.global_step += 1
+                    step = self.global_step
+                    self.logger.set_step(step)
+                    profiled = step in cfg.trainer.profile_steps
+                    measured = self._profiled_step(step) if profiled else self.train_step(step)
+                    if self.target_clock is not None:
+                        self.target_clock.mark_update(step)
+                    metrics = self.logger.log_step(step, measured)  # JSONL rows + trackers, with log.info() fields
+                    self.callbacks.on_log(metrics, step=step)
+                    self._check_target(step, metrics)
+                    self.callbacks.on_step_end(self, step, metrics)  # health rules may request a stop here
+                    final = step == cfg.trainer.total_steps or self.stop_reason is not None
+                    if validating and (step % cfg.trainer.test_freq == 0 or final):
+                        metrics.update(self.validate())
+                        final = final or self.stop_reason is not None  # e.g. the target, reached in validation
+                    if final or (cfg.trainer.save_freq > 0 and step % cfg.trainer.save_freq == 0):
+                        self._checkpoint(step, metrics)
+                reason = self.stop_reason or "completed"
+                self.logger.event("train", step=self.global_step, status="finished", reason=reason)
+                self.callbacks.on_train_end(self, reason)
         finally:
             self._stop_rollout_worker()  # a batch generated ahead of a stop is dropped; resume regenerates it
             self._end_run()
@@ -704,19 +712,12 @@ class PPOTrainer:
 
     def _open_run(self, resume_from: Path | None, changes: list[tuple[str, Any, Any]]) -> None:
         cfg = self.config
-        ensure_writable_dir(self.run_dir, "the run directory (trainer.output_dir)")
-        remove_stale_temp_dirs(self.run_dir)
-        atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
+        self.run.open(resumed_step=None if resume_from is None else checkpoint_step(resume_from))
         # The traffic behind a run trained on `verl data from-records` exports, kept with the run (and copied into
         # its exports), so a shipped model traces back to the records it learned from.
         lineage = records_lineage([*cfg.data.train_files, *cfg.data.val_files])
         if lineage:
             atomic_write_json(self.run_dir / DATA_LINEAGE_FILE, {"records": lineage})
-        self.trackers = create_trackers(cfg.trainer.logger, total_steps=cfg.trainer.total_steps, quiet=self.quiet,
-                                        config=cfg, run_dir=self.run_dir,
-                                        resumed_step=None if resume_from is None else checkpoint_step(resume_from))
-        self.logger = log.RunLogger(cfg.log_path(), self.trackers, cfg.trainer.log_level)
-        log.set_active(self.logger)
         self.monitor = SystemMonitor()
         for tracker in self.trackers:
             tracker.log_config(cfg.model_dump(mode="json"))
@@ -744,9 +745,4 @@ class PPOTrainer:
 
     def _end_run(self) -> None:
         """Close what ``_open_run`` opened (also after a start-up failure part-way through it)."""
-        for tracker in self.trackers:
-            tracker.finish()
-        self.trackers = []
-        log.set_active(None)
-        if self.logger is not None:
-            self.logger.close()
+        self.run.close()

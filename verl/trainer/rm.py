@@ -33,8 +33,8 @@ from verl.data.pairs import Pair, read_pair
 from verl.errors import DataError, ModelError
 from verl.models.loader import DTYPES, load_tokenizer, pick_device, resolve_model_path
 from verl.models.sequence_scores import sequence_scores
-from verl.trainer.checkpoint import save_checkpoint, write_pointer
-from verl.trainer.run_dir import open_run
+from verl.trainer.checkpoint import write_pointer
+from verl.trainer.run import Run
 from verl.utils import log
 from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.optim import build_optimizer, build_scheduler
@@ -152,7 +152,8 @@ class RewardModelTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(params, config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.trainer.total_steps)
-        self.run_dir, self.logger = open_run(config, quiet)
+        self.run = Run(config, quiet).open()
+        self.run_dir, self.logger = self.run.dir, self.run.logger
         self.best_accuracy = -1.0
 
     def _with_lora(self, model):
@@ -179,8 +180,7 @@ class RewardModelTrainer:
         model = self.model
         if self.config.model.lora.rank > 0:  # a merged copy: the checkpoint loads without peft
             model = copy.deepcopy(self.model).merge_and_unload()
-        path = save_checkpoint(self.run_dir, step, model, self.tokenizer, {"step": step, "kind": "reward_model"},
-                               metrics)
+        path = self.run.save_checkpoint(step, model, self.tokenizer, {"step": step, "kind": "reward_model"}, metrics)
         accuracy = metrics.get(VALIDATION_METRIC)
         if accuracy is not None and accuracy > self.best_accuracy:
             self.best_accuracy = accuracy
@@ -205,7 +205,6 @@ class RewardModelTrainer:
     def fit(self) -> Path:
         """Train ``trainer.total_steps`` steps of ``data.batch_size`` pairs; the last checkpoint's path."""
         cfg = self.config.trainer
-        log.set_active(self.logger)
         rng = np.random.default_rng(cfg.seed)
         order, cursor = rng.permutation(len(self.train_data)), 0
         batch_size = min(self.config.data.batch_size, len(self.train_data))
@@ -215,7 +214,7 @@ class RewardModelTrainer:
                             disable=self.quiet)
         last_path = self.run_dir
         try:
-            with progress:
+            with progress, self.run.bound():
                 task = progress.add_task("rm", total=cfg.total_steps)
                 # started / finished, as the policy trainer logs them: the dashboard and `verl eval --watch` read them
                 self.logger.event("train", step=0, status="started", run_dir=str(self.run_dir))
@@ -237,6 +236,5 @@ class RewardModelTrainer:
                     progress.advance(task)
                 self.logger.event("train", step=cfg.total_steps, status="finished", reason="total_steps")
         finally:
-            log.set_active(None)
-            self.logger.close()
+            self.run.close()
         return last_path

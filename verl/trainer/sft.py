@@ -28,8 +28,7 @@ from verl.rollout.base import SamplingParams
 from verl.rollout.hf import HFRollout
 from verl.tools.registry import tools_for_row
 from verl.tools.templates import ConversationTokens, ToolPrompting
-from verl.trainer.checkpoint import save_checkpoint
-from verl.trainer.run_dir import open_run
+from verl.trainer.run import Run
 from verl.trainer.validation import generate_and_score, validation_metrics
 from verl.utils import log
 from verl.utils.fs import atomic_dir
@@ -145,7 +144,8 @@ class SFTTrainer:
             self.engine = AgentRollout(self.engine, config.rollout.multi_turn, config.data.max_response_length)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, config.trainer.total_steps)
-        self.run_dir, self.logger = open_run(config, quiet)
+        self.run = Run(config, quiet).open()
+        self.run_dir, self.logger = self.run.dir, self.run.logger
 
     def validate(self) -> dict[str, float]:
         assert self.val_data is not None
@@ -158,7 +158,6 @@ class SFTTrainer:
 
     def fit(self) -> Path:
         cfg = self.config.trainer
-        log.set_active(self.logger)
         rng = np.random.default_rng(cfg.seed)
         order = rng.permutation(len(self.train_data))
         cursor = 0
@@ -167,7 +166,7 @@ class SFTTrainer:
         progress = Progress(TextColumn("sft"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                             disable=self.quiet)
         try:
-            with progress:
+            with progress, self.run.bound():
                 task = progress.add_task("sft", total=cfg.total_steps)
                 # started / finished, as the policy trainer logs them: the dashboard and `verl eval --watch` read them
                 self.logger.event("train", step=0, status="started", run_dir=str(self.run_dir))
@@ -195,14 +194,13 @@ class SFTTrainer:
                     if self.val_data is not None and cfg.test_freq > 0 and (step % cfg.test_freq == 0 or last):
                         metrics.update(log.scoped("eval", self.validate()))
                     if last or (cfg.save_freq > 0 and step % cfg.save_freq == 0):
-                        save_checkpoint(self.run_dir, step, self.model, self.tokenizer,
-                                        {"step": step, "optimizer": self.optimizer.state_dict()})
+                        self.run.save_checkpoint(step, self.model, self.tokenizer,
+                                                 {"step": step, "optimizer": self.optimizer.state_dict()})
                     self.logger.log_step(step, metrics)
                     progress.advance(task)
                 self.logger.event("train", step=cfg.total_steps, status="finished", reason="total_steps")
         finally:
-            log.set_active(None)
-            self.logger.close()
+            self.run.close()
             self.engine.shutdown()  # the tool runner's threads and processes, when there is one
         return self.run_dir / "checkpoints" / f"global_step_{cfg.total_steps}"
 

@@ -16,6 +16,7 @@ Readers (``read_jsonl``) skip a torn last line, so a log being written by a live
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 import sys
@@ -137,32 +138,42 @@ def scoped(scope: str, fields: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- module-level API
 
-_ACTIVE: RunLogger | None = None
+# The logger of the run being fitted in this context: ``verl.trainer.run.Run.bound`` sets it for the duration of
+# ``fit()``. A context variable, not a module global: two runs fitted in one process (threads, tests) each log into
+# their own file. Threads the run starts for user code (the tool runner's) carry it (contextvars.copy_context).
+_ACTIVE: contextvars.ContextVar[RunLogger | None] = contextvars.ContextVar("verl_run_logger", default=None)
 
 
-def set_active(logger: RunLogger | None) -> None:
-    global _ACTIVE
-    _ACTIVE = logger
+def bind(logger: RunLogger) -> contextvars.Token:
+    """Make ``logger`` the one ``info`` / ``debug`` / ``warning`` write to in this context; ``unbind`` the token."""
+    return _ACTIVE.set(logger)
+
+
+def unbind(token: contextvars.Token) -> None:
+    _ACTIVE.reset(token)
 
 
 def get_active() -> RunLogger | None:
-    return _ACTIVE
+    return _ACTIVE.get()
 
 
 def info(scope: str, step: int | None = None, **fields: Any) -> None:
     """Merge ``fields`` into the current step's row for ``scope`` (no-op outside a run)."""
-    if _ACTIVE is not None:
-        _ACTIVE.info(scope, step=step, **fields)
+    logger = _ACTIVE.get()
+    if logger is not None:
+        logger.info(scope, step=step, **fields)
 
 
 def debug(scope: str, **fields: Any) -> None:
-    if _ACTIVE is not None:
-        _ACTIVE.debug(scope, **fields)
+    logger = _ACTIVE.get()
+    if logger is not None:
+        logger.debug(scope, **fields)
 
 
 def warning(scope: str, **fields: Any) -> None:
-    if _ACTIVE is not None:
-        _ACTIVE.warning(scope, **fields)
+    logger = _ACTIVE.get()
+    if logger is not None:
+        logger.warning(scope, **fields)
 
 
 # ---------------------------------------------------------------- reading

@@ -1,0 +1,70 @@
+"""A training run's outputs, which every trainer shares (``verl train``'s ``PPOTrainer``, ``verl sft``, ``verl rm``).
+
+``Run`` owns the run directory (``trainer.output_dir / project / experiment``), the config snapshot
+(``config.yaml``), the trackers ``trainer.logger`` names and the JSONL logger (``verl_logs.jsonl``), and the
+checkpoints written into ``checkpoints/``. Its life: ``open`` (the directory, the snapshot, the trackers and the
+logger; leftovers of checkpoints a killed run was writing removed), ``bound`` around ``fit`` (``log.info`` from
+callbacks, reward functions and tools writes into this run's rows: a context variable, ``verl.utils.log``), then
+``close`` (trackers finished, the log closed), also after a start-up failure part-way through ``open``.
+
+The layout is what every other command reads (``verl eval`` on a run, ``verl compare``, the dashboard, resume).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from verl.config import dump_config
+from verl.tracking import create_trackers
+from verl.trainer.checkpoint import remove_stale_temp_dirs, save_checkpoint
+from verl.utils import log
+from verl.utils.fs import atomic_write_text, ensure_writable_dir
+
+
+class Run:
+    """One run's directory, config snapshot, trackers and logger (see the module docstring). ``config``: a
+    ``VerlConfig``, ``SFTConfig`` or ``RMConfig`` (each has ``run_dir()``, ``log_path()`` and ``trainer``)."""
+
+    def __init__(self, config: Any, quiet: bool = False):
+        self.config, self.quiet = config, quiet
+        self.dir: Path = config.run_dir()
+        self.trackers: list[Any] = []
+        self.logger: log.RunLogger | None = None
+
+    def open(self, resumed_step: int | None = None) -> Run:
+        """Create (or reopen) the directory — a clear error when it cannot be written — write ``config.yaml`` and
+        start the trackers and the logger. ``resumed_step``: the checkpoint step a resumed run continues from."""
+        cfg = self.config
+        ensure_writable_dir(self.dir, "the run directory (trainer.output_dir)")
+        remove_stale_temp_dirs(self.dir)
+        atomic_write_text(self.dir / "config.yaml", dump_config(cfg))
+        self.trackers = create_trackers(cfg.trainer.logger, total_steps=cfg.trainer.total_steps, quiet=self.quiet,
+                                        config=cfg, run_dir=self.dir, resumed_step=resumed_step)
+        self.logger = log.RunLogger(cfg.log_path(), self.trackers, cfg.trainer.log_level)
+        return self
+
+    @contextlib.contextmanager
+    def bound(self) -> Iterator[log.RunLogger]:
+        """``verl.utils.log``'s module functions write to this run's logger inside the block (``fit``)."""
+        token = log.bind(self.logger)
+        try:
+            yield self.logger
+        finally:
+            log.unbind(token)
+
+    def save_checkpoint(self, step: int, model: Any, tokenizer: Any, state: dict[str, Any],
+                        metrics: dict[str, float] | None = None) -> Path:
+        """``checkpoints/global_step_<step>``: one model (HF layout), its tokenizer, ``state`` and ``metrics``
+        (``latest`` points at it). The policy trainer's roles write their own parts (``write_checkpoint``)."""
+        return save_checkpoint(self.dir, step, model, tokenizer, state, metrics)
+
+    def close(self) -> None:
+        """Finish the trackers and close the log (idempotent; what ``open`` got to, after a failure in it)."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+        if self.logger is not None:
+            self.logger.close()
