@@ -112,11 +112,11 @@ def test_flatten_config_and_samples_markdown():
 
 def test_jsonl_tracker_writes_histogram_rows_the_converter_reads(tmp_path):
     logger = RunLogger(tmp_path / "verl_logs.jsonl")
-    log.set_active(logger)
+    token = log.bind(logger)
     try:
         JsonlTracker().log_histograms({"rollout/rewards": [0.0, 1.0, 1.0], "empty": []}, step=7)
     finally:
-        log.set_active(None)
+        log.unbind(token)
         logger.close()
     rows = read_jsonl(tmp_path / "verl_logs.jsonl")
     assert len(rows) == 1
