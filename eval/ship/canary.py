@@ -8,7 +8,8 @@ is joined by the completion id. ``eval.ship.units`` turns them into randomized u
 never a choice: a request with n choices (prompts x n for a completion) was routed once, and its choices share its
 prompt, so they enter as one unit — the mean reward of its rewarded choices, the share of its choices that failed,
 the share of those expecting a reward that have none (counted as separate units, identical models were rolled back
-20.7% of the time at n = 4 on prompts of varying difficulty). On the units:
+12.0% of the time in eval.ship.simulate's n = 4 cell, prompts of varying difficulty; docs/shipping.md). On the
+units:
 
 - **reward** (``eval.ship.sequential.RewardTest``): "worse" rolls back at once, at any stage; the last stage
   promotes only on "non-inferior";
