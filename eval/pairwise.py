@@ -33,7 +33,6 @@ from eval.results import (
     DEFAULT_SELECT,
     METRIC_PREFIX,
     SCHEMA,
-    content_ids,
     model_hash,
     parse_select,
     reusable_results,
@@ -41,6 +40,7 @@ from eval.results import (
     write_results,
     write_run_summary,
 )
+from verl.batch import content_ids
 from verl.config import RMConfig, build_config, load_yaml
 from verl.errors import CheckpointError, ConfigError
 from verl.evaluators.stats import mean_metric

@@ -54,29 +54,6 @@ def versions() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------- the evaluation
 
 
-def jsonable(value: Any) -> Any:
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, (list, tuple, np.ndarray)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    return str(value)
-
-
-def content_ids(values: list[Any]) -> list[str]:
-    """A stable id per value from its content (sha1 of its JSON); a repeated value gets ``#2``, ``#3`` ..."""
-    ids, seen = [], {}
-    for value in values:
-        content = json.dumps(jsonable(value), sort_keys=True, ensure_ascii=False)
-        base = hashlib.sha1(content.encode()).hexdigest()[:16]
-        seen[base] = seen.get(base, 0) + 1
-        ids.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
-    return ids
-
-
 # ---------------------------------------------------------------------------------------------- files
 
 

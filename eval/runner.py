@@ -48,8 +48,6 @@ from eval.report import write_checkpoint_report, write_run_report
 from eval.results import (
     METRIC_PREFIX,
     SCHEMA,
-    content_ids,
-    jsonable,
     load_samples,
     model_hash,
     parse_select,
@@ -59,6 +57,7 @@ from eval.results import (
     write_run_summary,
 )
 from eval.settings import EvalSettings
+from verl.batch import jsonable
 from verl.config import (
     DataConfig,
     RewardConfig,
@@ -82,9 +81,9 @@ from verl.models.loader import (
     missing_dir_error,
     pick_device,
 )
-from verl.protocol import DataProto
+from verl.protocol import DataProto, pad_responses
 from verl.rollout.agent_loop import AgentRollout
-from verl.rollout.base import EngineSpec, SamplingParams, build_rollout, pad_responses
+from verl.rollout.base import EngineSpec, SamplingParams, build_rollout
 from verl.tools.templates import ToolPrompting
 from verl.trainer.checkpoint import STEP_DIR, list_checkpoints
 from verl.utils.seeding import set_num_threads
@@ -431,7 +430,8 @@ class Evaluation:
         if self._dataset is None:
             self._dataset = RLHFDataset(self.resolved.data_files, self.tokenizer, self.data_cfg, "--data",
                                         tools=self._tool_prompting())
-            self.prompt_ids = _prompt_ids(self._dataset, self.data_cfg.prompt_key)
+            # The rows' identity keys (content ids of the raw prompts): two models with different templates pair.
+            self.prompt_ids = self._dataset.sample_keys
             dropped, cut = self._dataset.num_filtered, getattr(self._dataset, "num_truncated", 0)
             if dropped or cut:  # said in results.json and the report: a comparison pairs fewer prompts because of it
                 what = f"{dropped} dropped" if dropped else f"{cut} truncated"
@@ -726,12 +726,6 @@ def summary_line(results: dict) -> str:
     if rate:  # two significant digits below 10: a 135M agent on one thread runs ~0.3 a second, not "0"
         parts.append(f"{rate:.0f} samples/s" if rate >= 10 else f"{rate:.2g} samples/s")
     return ", ".join(parts)
-
-
-def _prompt_ids(dataset: Any, prompt_key: str) -> list[str]:
-    """A stable id per dataset row from the prompt's *content* (before any chat template), so two models with
-    different templates still pair up."""
-    return content_ids([row.get(prompt_key) for row in dataset.rows])
 
 
 REPORT_FILES = ("report.md", "report.html", "length_hist.png")

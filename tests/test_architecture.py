@@ -22,7 +22,7 @@ PACKAGES = ("verl", "eval", "serve", "loadtest", "benchmarks")
 # last); then the service, the load generator (it drives the service's clients), eval (its ship stage drives both),
 # the benchmarks. No exceptions: the packages above the core contribute their commands as entry points.
 VERL_LEVELS = {
-    "algos": 0, "protocol": 0, "utils": 0, "errors": 0, "config": 0, "config_aliases": 0, "registry": 0,
+    "algos": 0, "protocol": 0, "batch": 0, "utils": 0, "errors": 0, "config": 0, "config_aliases": 0, "registry": 0,
     "models": 1, "data": 1, "rewards": 1, "tracking": 1, "tools": 1, "dashboard": 1,
     "rollout": 2, "evaluators": 2, "workers": 3, "trainer": 4, "cli": 5,
 }
@@ -197,25 +197,84 @@ def test_evaluators_have_one_home_and_pyproject_declares_no_builtins(graph):
     assert not any(module.startswith("eval.evaluators") for module in graph)
 
 
-MAX_BODY_LINES = 80  # a function's body (its docstring and signature aside: a command's options may be long)
+MAX_FUNCTION_LINES = 80  # a function, its signature and docstring included
+MAX_CLASS_LINES = 300
 
 
-def function_bodies(modules: dict[str, Path]) -> list[tuple[int, str]]:
-    """(body lines, "module:function") for every function, nested ones included."""
+def definition_lengths(modules: dict[str, Path], kinds: tuple[type, ...]) -> list[tuple[int, str]]:
+    """(lines from ``def``/``class`` to its end, "module:name") of every definition of ``kinds``, nested included."""
+    return [(node.end_lineno - node.lineno + 1, f"{name}:{node.name}") for name, file in modules.items()
+            for node in ast.walk(ast.parse(file.read_text(), str(file))) if isinstance(node, kinds)]
+
+
+def test_no_function_is_longer_than_80_lines_and_no_class_longer_than_300():
+    modules = project_modules()
+    functions = definition_lengths(modules, (ast.FunctionDef, ast.AsyncFunctionDef))
+    assert sorted((n, f) for n, f in functions if n > MAX_FUNCTION_LINES) == []
+    assert sorted((n, c) for n, c in definition_lengths(modules, (ast.ClassDef,)) if n > MAX_CLASS_LINES) == []
+    probe = _write({}, "class A:\n" + "    x = 1\n" * 300 + "\ndef f():\n" + "    y = 1\n" * 79)
+    assert [n for n, _ in definition_lengths({"p": probe}, (ast.ClassDef,))] == [301]
+    assert [n for n, _ in definition_lengths({"p": probe}, (ast.FunctionDef,))] == [80]
+
+
+# The training step's stages (docs/architecture.md §3): every function of these modules (and these classes' methods)
+# that takes a batch takes the typed one, annotates every parameter and its return value, and reads the batch by
+# field, never by a string key (``batch.batch["old_log_probs"]``, ``non_tensor.get("uid")``). Roles take the wire
+# format (``DataProto``) and are not stages.
+STAGE_MODULES = ("verl.trainer.stages", "verl.trainer.step_metrics", "verl.trainer.rollout_stage", "verl.trainer.ppo")
+STAGE_METHODS = {"verl.workers.actor": ("Actor.update_policy", "Actor._update_mini_batch"),
+                 "verl.workers.critic": ("Critic.update",)}
+BATCH_PARAMETERS = ("batch", "data", "mini", "micro")
+WIRE_ATTRIBUTES = ("batch", "non_tensor")
+
+
+def stage_functions(modules: dict[str, Path]) -> list[tuple[str, ast.FunctionDef]]:
     found = []
-    for name, file in modules.items():
-        for node in ast.walk(ast.parse(file.read_text(), str(file))):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                body = node.body
-                if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                    body = body[1:]  # the docstring
-                found.append((node.end_lineno - body[0].lineno + 1, f"{name}:{node.name}"))
+    for module in (*STAGE_MODULES, *STAGE_METHODS):
+        tree = ast.parse(modules[module].read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == "Roles":
+                continue  # the roles' protocol: the wire format
+            if isinstance(node, ast.FunctionDef) and module in STAGE_MODULES:
+                found.append((f"{module}:{node.name}", node))
+            elif isinstance(node, ast.ClassDef):
+                found += [(f"{module}:{node.name}.{f.name}", f) for f in node.body if isinstance(f, ast.FunctionDef)
+                          and (module in STAGE_MODULES or f"{node.name}.{f.name}" in STAGE_METHODS[module])]
     return found
 
 
-def test_no_function_body_is_longer_than_80_lines():
-    long = sorted((n, f) for n, f in function_bodies(project_modules()) if n > MAX_BODY_LINES)
-    assert long == []
+def stage_violations(name: str, node: ast.FunctionDef) -> list[str]:
+    args = [a for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs) if a.arg not in ("self",)]
+    takes_batch = [a for a in args if a.arg in BATCH_PARAMETERS]
+    if not takes_batch:
+        return []
+    found = [f"{name}: {a.arg} is not a TrainBatch" for a in takes_batch
+             if a.annotation is None or "TrainBatch" not in ast.unparse(a.annotation)]
+    found += [f"{name}: {a.arg} has no annotation" for a in args if a.annotation is None]
+    found += [f"{name}: no return annotation"] if node.returns is None else []
+    for inner in ast.walk(node):
+        keyed = (isinstance(inner, ast.Subscript) and isinstance(inner.slice, ast.Constant)
+                 and isinstance(inner.slice.value, str))
+        got = (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)
+               and inner.func.attr in ("get", "pop")
+               and inner.args and isinstance(inner.args[0], ast.Constant) and isinstance(inner.args[0].value, str))
+        target = inner.value if keyed else inner.func.value if got else None
+        if target is not None and (isinstance(target, ast.Attribute) and target.attr in WIRE_ATTRIBUTES
+                                   or isinstance(target, ast.Name) and target.id in BATCH_PARAMETERS):
+            found.append(f"{name}: indexes the batch by a string key ({ast.unparse(inner)})")
+    return found
+
+
+def test_every_stage_takes_the_typed_batch_and_reads_it_by_field():
+    stages = stage_functions(project_modules())
+    names = {name for name, _ in stages}
+    assert {"verl.trainer.stages:correct_rollout", "verl.trainer.ppo:PPOTrainer.train_step",
+            "verl.workers.actor:Actor.update_policy", "verl.trainer.step_metrics:rollout_metrics"} <= names
+    assert [v for name, node in stages for v in stage_violations(name, node)] == []
+    probe = ast.parse('def s(batch: DataProto) -> dict:\n    return batch.batch["old_log_probs"]\n').body[0]
+    assert stage_violations("p:s", probe) == ["p:s: batch is not a TrainBatch",
+                                              "p:s: indexes the batch by a string key "
+                                              "(batch.batch['old_log_probs'])"]
 
 
 def test_commands_are_module_level_functions():

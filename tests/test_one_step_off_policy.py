@@ -60,13 +60,13 @@ class RecordingWorker:
 def recording_trainer(config) -> tuple[LocalPPOTrainer, list[RecordingWorker]]:
     trainer = LocalPPOTrainer(config, quiet=True)
     made: list[RecordingWorker] = []
-    factory = trainer.rollout_worker_factory
+    factory = trainer.rollout_stage.worker_factory
 
     def wrapped():
         made.append(RecordingWorker(factory(), trainer.model))
         return made[-1]
 
-    trainer.rollout_worker_factory = wrapped
+    trainer.rollout_stage.worker_factory = wrapped
     return trainer, made
 
 
@@ -143,7 +143,7 @@ def test_versions_weights_and_ratio_denominator_of_each_batch(tmp_path, tiny_bas
     v1 = worker.submitted[2][1]
     batch2 = worker.results[1].batch
     current = log_probs_under(v1, template, batch2, temperature)
-    assert float((current - batch2.batch["old_log_probs"]).abs().max()) > 1e-3
+    assert float((current - batch2.batch["rollout_log_probs"]).abs().max()) > 1e-3  # the ratio's anchor
     ppo = log_rows(trainer, "ppo")
     assert ppo[0]["approx_kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: behaviour == current policy
     assert ppo[1]["approx_kl"] != 0.0
@@ -198,7 +198,7 @@ def test_a_dead_rollout_process_is_named(tmp_path):
         os.kill(worker.process.pid, 9)
         worker.process.join(timeout=10)
         with pytest.raises(VerlError, match="rollout process .* died"):
-            worker.submit(prompts, trainer.train_sampling(1), 0)
+            worker.submit(prompts, trainer.rollout_stage.train_sampling(1), 0)
             worker.result()
     finally:
         worker.shutdown()

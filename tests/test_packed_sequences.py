@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.test_trainer import tiny_config, update_ready_batch
+from verl.batch import TrainBatch
 from verl.config import LoraConfig, load_config
 from verl.models.attention import use_cpu_attention
 from verl.models.loader import load_causal_lm
@@ -153,7 +154,7 @@ def test_actor_update_metrics_equal_with_and_without_padding(tmp_path, entropy_c
     actor_cfg = cfg.actor.model_copy(update={"optim": cfg.actor.optim.model_copy(update={"eps": 1e-4})})
     actors = [Actor(copy.deepcopy(trainer.model), actor_cfg, 1, 1.0, cfg.data.max_response_length, group_size=2,
                     remove_padding=flag) for flag in (False, True)]
-    padded, packed = (actor.update_policy(batch, len(batch)) for actor in actors)
+    padded, packed = (actor.update_policy(TrainBatch.from_proto(batch), len(batch)) for actor in actors)
     assert {"policy_loss", "kl_loss", "kl_div", "entropy"} <= padded.keys()
     for key in padded.keys() - {"lr", "grad_norm", "nan_skipped", "nan_skipped_total"}:
         if entropy_coeff == 0.0:  # the fused log-prob path: bit for bit

@@ -17,9 +17,11 @@ import torch
 from tests.http_stub import StubHandler, running
 from tests.test_judge import judge_server
 from tests.test_trainer import tiny_config
+from verl.batch import TrainBatch
 from verl.errors import ConfigError, VerlError
 from verl.rewards.remote import RateLimiter, RemoteRewardModel, RemoteRewardRefused
 from verl.trainer.local import LocalPPOTrainer
+from verl.trainer.stages import mask_missing
 
 
 class Behaviour:
@@ -145,14 +147,16 @@ def test_a_step_with_a_flaky_remote_rm_masks_the_failed_groups_and_counts_them(t
     with reward_server(lambda k, body: "500" if k == 1 else "ok") as (url, _):
         trainer = remote_trainer(tmp_path, url)
         prompts = trainer.train_dataset.collate([0, 1, 2, 3])
-        batch = trainer.roles.generate(prompts, trainer.train_sampling(1))
+        batch = trainer.roles.generate(prompts, trainer.rollout_stage.train_sampling(1))
         batch.non_tensor["uid"] = batch.non_tensor["index"]
         scores, extras, texts = trainer.roles.compute_reward(batch)
         assert np.isnan(scores[2:4].sum(-1)).all() and not np.isnan(scores[[0, 1, 4, 5, 6, 7]].sum(-1)).any()
         assert {"rm_score", "acc"} <= set(extras)  # the reward model's score beside the rule's accuracy
-        masked, dropped = trainer._mask_missing_rewards(batch, scores)
-        assert batch.batch["response_mask"][2:4].sum() == 0 and batch.batch["response_mask"][[0, 4]].sum() > 0
-        assert (dropped.failed, dropped.dropped) == (2, 2) and not torch.isnan(masked).any()
+        typed = TrainBatch.from_proto(batch)
+        typed.token_level_scores = scores
+        typed, dropped = mask_missing(typed, trainer.config.reward, trainer.config.algorithm.adv_estimator)
+        assert typed.response_mask[2:4].sum() == 0 and typed.response_mask[[0, 4]].sum() > 0
+        assert (dropped.failed, dropped.dropped) == (2, 2) and not torch.isnan(typed.token_level_scores).any()
     with reward_server(lambda k, body: "500" if k % 4 == 1 else "ok") as (url, _):
         trainer = remote_trainer(tmp_path / "fit", url, max_failed_share=0.3)
         trainer.fit()  # a whole step: the update runs on what is left
@@ -177,7 +181,7 @@ def test_a_chat_judge_behind_a_url_is_the_reward_and_a_silent_one_stops_the_step
     with judge_server() as (url, seen):
         trainer = remote_trainer(tmp_path, url, kind="judge", name="judge", timeout_s=30.0)
         prompts = trainer.train_dataset.collate([0, 1, 2, 3])
-        batch = trainer.roles.generate(prompts, trainer.train_sampling(1))
+        batch = trainer.roles.generate(prompts, trainer.rollout_stage.train_sampling(1))
         scores, extras, texts = trainer.roles.compute_reward(batch)
         assert extras["rm_score"].tolist() == extras["acc"].tolist() == scores.sum(-1).tolist()
         assert len([b for b in seen if "messages" in b]) == len(texts) == 8

@@ -233,32 +233,30 @@ def test_verl_eval_reports_an_engines_mismatch_with_cis(tmp_path):
 
 def test_group_metrics_by_hand():
     """batch/solve_all, solve_none, same_reward over a step's groups (uid): four groups of two samples."""
-    from verl.protocol import DataProto
     from verl.trainer.step_metrics import group_metrics
 
-    scores = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.5, 0.5])
-    batch = DataProto.from_dict(tensors={"token_level_scores": scores.unsqueeze(-1)},
-                                non_tensors={"uid": np.array([0, 0, 1, 1, 2, 2, 3, 3])})
+    rewards = np.array([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.5, 0.5])
+    group = np.array([0, 0, 1, 1, 2, 2, 3, 3])
     acc = np.array([1, 1, 0, 0, 1, 0, 0, 0], dtype=float)
-    m = group_metrics(batch, {"acc": acc})
+    m = group_metrics(group, rewards, acc)
     assert m == {"same_reward": 0.75, "solve_all": 0.25, "solve_none": 0.5}
-    assert group_metrics(batch, {}) == {"same_reward": 0.75}
+    assert group_metrics(group, rewards, None) == {"same_reward": 0.75}
 
 
 def test_varied_group_rows_keep_what_dapo_keeps():
     """DAPO's filter (algorithm.filter_groups): a group stays when its samples differ in the metric, or holds one."""
-    from verl.protocol import DataProto
-    from verl.trainer.ppo import varied_group_rows
+    from verl.trainer.stages import filter_values, varied_group_rows
 
-    scores = torch.tensor([1.0, 1.0, 0.0, 0.5, 0.2, 0.2, 0.7])
-    batch = DataProto.from_dict(tensors={"token_level_scores": scores.unsqueeze(-1)},
-                                non_tensors={"uid": np.array([0, 0, 1, 1, 2, 2, 3])})
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.5, 0.2, 0.2, 0.7]).unsqueeze(-1)  # token-level, one token each
+    group = np.array([0, 0, 1, 1, 2, 2, 3])
     acc = np.array([1, 1, 0, 1, 0, 0, 1], dtype=float)
-    assert varied_group_rows(batch, {"acc": acc}, None).tolist() == [2, 3, 6]  # acc by default
-    assert varied_group_rows(batch, {"acc": acc}, "score").tolist() == [2, 3, 6]
-    assert varied_group_rows(batch, {}, None).tolist() == [2, 3, 6]  # no acc: the sequence reward
+    assert filter_values({"acc": acc}, scores, None).tolist() == acc.tolist()  # acc by default
+    assert filter_values({"acc": acc}, scores, "score").tolist() == pytest.approx(scores.squeeze(-1).tolist())
+    assert filter_values({}, scores, None).tolist() == pytest.approx(scores.squeeze(-1).tolist())  # no acc: reward
+    assert varied_group_rows(group, acc).tolist() == [2, 3, 6]
+    assert varied_group_rows(group, scores.squeeze(-1).double().numpy()).tolist() == [2, 3, 6]
     with pytest.raises(ConfigError, match="metric=acc: this reward gives no acc"):
-        varied_group_rows(batch, {}, "acc")
+        filter_values({}, scores, "acc")
 
 
 @pytest.mark.e2e

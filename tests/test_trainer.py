@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from verl.batch import TrainBatch
 from verl.data.dataset import RLHFDataset
 from verl.trainer.local import LocalPPOTrainer
 from verl.workers.actor import Actor
@@ -65,7 +66,7 @@ def test_every_estimator_runs_a_step(tmp_path, estimator, extra):
 def update_ready_batch(trainer):
     """A real rollout of 4 prompts with random advantages and reference log-probs: the actor update's input."""
     prompts = trainer.train_dataset.collate([0, 1, 2, 3])
-    batch = trainer.roles.generate(prompts, trainer.train_sampling(1))
+    batch = trainer.roles.generate(prompts, trainer.rollout_stage.train_sampling(1))
     batch.batch["advantages"] = torch.randn(batch.batch["responses"].shape) * batch.batch["response_mask"]
     batch.batch["ref_log_prob"] = trainer.roles.compute_ref_log_prob(batch)
     return batch
@@ -87,8 +88,8 @@ def test_on_policy_shortcut_equals_explicit_old_log_probs(tmp_path):
     actor_cfg = cfg.actor.model_copy(update={"optim": cfg.actor.optim.model_copy(update={"eps": 1e-4})})
     actor_a = Actor(model_a, actor_cfg, 1, 1.0, cfg.data.max_response_length)
     actor_b = Actor(model_b, actor_cfg, 1, 1.0, cfg.data.max_response_length)
-    metrics_a = actor_a.update_policy(batch, len(batch))
-    metrics_b = actor_b.update_policy(explicit, len(explicit))
+    metrics_a = actor_a.update_policy(TrainBatch.from_proto(batch), len(batch))
+    metrics_b = actor_b.update_policy(TrainBatch.from_proto(explicit), len(explicit))
     assert metrics_a["policy_loss"] == pytest.approx(metrics_b["policy_loss"], abs=1e-6)
     for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
@@ -101,8 +102,8 @@ def test_micro_batches_accumulate_to_the_full_batch_update(tmp_path):
     whole = Actor(copy.deepcopy(trainer.model), cfg.actor, 1, 1.0, cfg.data.max_response_length)
     micro_cfg = cfg.actor.model_copy(update={"ppo_micro_batch_size": 2})
     micro = Actor(copy.deepcopy(trainer.model), micro_cfg, 1, 1.0, cfg.data.max_response_length)
-    m_whole = whole.update_policy(batch, len(batch))
-    m_micro = micro.update_policy(batch, len(batch))
+    m_whole = whole.update_policy(TrainBatch.from_proto(batch), len(batch))
+    m_micro = micro.update_policy(TrainBatch.from_proto(batch), len(batch))
     assert m_whole["policy_loss"] == pytest.approx(m_micro["policy_loss"], abs=1e-6)
     assert m_whole["grad_norm"] == pytest.approx(m_micro["grad_norm"], rel=1e-4)
     for a, b in zip(whole.model.parameters(), micro.model.parameters(), strict=True):
@@ -137,7 +138,7 @@ def test_custom_reward_function(tmp_path):
         quiet=True,
     )
     prompts = trainer.train_dataset.collate([0, 1])
-    batch = trainer.roles.generate(prompts, trainer.train_sampling(1))
+    batch = trainer.roles.generate(prompts, trainer.rollout_stage.train_sampling(1))
     scores, extras, texts = trainer.roles.compute_reward(batch)
     assert scores.sum(-1).tolist() == [float(len(t)) for t in texts]
     assert extras["chars"].tolist() == [float(len(t)) for t in texts]
@@ -163,7 +164,7 @@ def test_reward_model_scores_responses(tmp_path, score):
     trainer = LocalPPOTrainer(tiny_config(tmp_path, reward={"model": {"path": str(rm_dir), "score": score}}),
                               quiet=True)
     prompts = trainer.train_dataset.collate([0, 1])
-    batch = trainer.roles.generate(prompts, trainer.train_sampling(1))
+    batch = trainer.roles.generate(prompts, trainer.rollout_stage.train_sampling(1))
     scores, extras, texts = trainer.roles.compute_reward(batch)
     assert {"rm_score", "acc", "rule_score"} <= set(extras)
     # Independently: score each full text with the RM, read the logit at the last token.

@@ -1,8 +1,8 @@
-"""DataProto: the batch that flows between roles.
+"""DataProto: the batch's wire format between processes and roles (verl's, so verl users' reward functions read it).
 
 A DataProto holds ``batch`` (tensors sharing the leading batch dimension), ``non_tensor`` (numpy object
 arrays of the same length: prompt text, ground truth, uids ...) and ``meta`` (plain dict: temperature,
-step ...). Roles return new DataProtos which the driver ``union``s into the step's batch.
+step ...). The training step itself works on the typed ``verl.batch.TrainBatch``, which converts to and from this.
 
 Under ``VERL_STRICT_DATA_CHECK=1`` every construction and union checks the batch dimension and the shapes
 of the well-known per-token fields (all ``(batch, response_len)``) and dtypes, raising
@@ -219,6 +219,38 @@ class DataProto:
     def pop(self, keys: Iterable[str]) -> DataProto:
         """Remove the named tensor fields and return them as a new DataProto."""
         return DataProto({k: self.batch.pop(k) for k in keys}, {}, dict(self.meta), self.stage)
+
+
+SEQUENCE_KEYS = ("responses", "prompts", "input_ids", "attention_mask", "position_ids")  # padded on their own
+
+
+def pad_responses(parts: list[DataProto], pad_id: int) -> list[DataProto]:
+    """Right-pad every part's response fields to the widest part so they can be concatenated: the token ids and
+    masks, and any other per-response-token tensor ``(rows, response_len)`` a later stage added (scores, log-probs)
+    with zeros."""
+    if len(parts) <= 1:
+        return parts
+    width = max(p.batch["responses"].shape[1] for p in parts)
+    prompt_width = max(p.batch["prompts"].shape[1] for p in parts)
+    out = []
+    for part in parts:
+        b = dict(part.batch)
+        extra = width - b["responses"].shape[1]
+        lead = prompt_width - b["prompts"].shape[1]
+        if extra:
+            old_width = b["responses"].shape[1]
+            b["responses"] = torch.nn.functional.pad(b["responses"], (0, extra), value=pad_id)
+            for key, value in b.items():
+                if key not in SEQUENCE_KEYS and value.dim() == 2 and value.shape[1] == old_width:
+                    b[key] = torch.nn.functional.pad(value, (0, extra), value=0)
+        if lead:
+            b["prompts"] = torch.nn.functional.pad(b["prompts"], (lead, 0), value=pad_id)
+        if extra or lead:
+            b["input_ids"] = torch.nn.functional.pad(b["input_ids"], (lead, extra), value=pad_id)
+            b["attention_mask"] = torch.nn.functional.pad(b["attention_mask"], (lead, extra), value=0)
+            b["position_ids"] = torch.nn.functional.pad(b["position_ids"], (lead, extra), value=0)
+        out.append(DataProto(b, dict(part.non_tensor), dict(part.meta), part.stage))
+    return out
 
 
 def _as_object_array(value: Sequence | np.ndarray) -> np.ndarray:

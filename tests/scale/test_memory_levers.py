@@ -53,7 +53,7 @@ def test_reference_offload_and_lora_reference_without_copy(tmp_path):
     lora.fit()
     # The reference (adapters off) still gives the base model's log-probs after the adapters trained.
     prompts = lora.train_dataset.collate([0, 1])
-    batch = lora.roles.generate(prompts, lora.train_sampling(5))
+    batch = lora.roles.generate(prompts, lora.rollout_stage.train_sampling(5))
     from verl.models.loader import load_causal_lm
     from verl.workers.reference import Reference
 

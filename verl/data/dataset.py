@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from verl.batch import content_ids
 from verl.config import ArithmeticTaskConfig, DataConfig
 from verl.data.builtin import resolve_data_file
 from verl.data.exports import Layout, export_file
@@ -59,6 +60,7 @@ def read_rows(files: Sequence[str], config_key: str, task: ArithmeticTaskConfig 
         for index, row in enumerate(table.to_pylist()):
             row["__source_file__"] = str(path)
             row["__row__"] = index  # the row number inside its own file, for error messages
+            row["__source__"] = str(name)  # as the config names it: the sample identity's source
             rows.append(row)
     return rows
 
@@ -178,6 +180,8 @@ class RLHFDataset:
             row["__prompt_text__"] = text
             self.rows.append(row)
             self.prompt_ids.append(list(ids))
+        # The identity key of each row: its raw prompt's content (not the rendering, which a template changes).
+        self.sample_keys = content_ids([r.get(self.config.prompt_key) for r in self.rows])
         if not self.rows:
             raise DataError(
                 f"{config_key}: no prompt fits data.max_prompt_length={limit} ({self.num_filtered} filtered); "
@@ -229,6 +233,9 @@ class RLHFDataset:
                 "data_source": [r.get("data_source") or "unknown" for r in rows],
                 "extra_info": [r.get("extra_info") or {} for r in rows],
                 "index": np.asarray(indices, dtype=np.int64),
+                "sample_source": [r["__source__"] for r in rows],
+                "sample_key": [self.sample_keys[i] for i in indices],
+                "sample_index": np.asarray([r["__row__"] for r in rows], dtype=np.int64),
                 **({"tool_names": [r["__tool_names__"] for r in rows],
                     "tool_kwargs": [r["__tool_kwargs__"] for r in rows]} if self.tools is not None else {}),
             },

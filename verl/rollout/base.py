@@ -152,33 +152,3 @@ def assemble_rollout(
     return out
 
 
-SEQUENCE_KEYS = ("responses", "prompts", "input_ids", "attention_mask", "position_ids")  # padded on their own
-
-
-def pad_responses(parts: list[DataProto], pad_id: int) -> list[DataProto]:
-    """Right-pad every part's response fields to the widest part so they can be concatenated: the token ids and
-    masks, and any other per-response-token tensor ``(rows, response_len)`` a later stage added (scores, log-probs)
-    with zeros."""
-    if len(parts) <= 1:
-        return parts
-    width = max(p.batch["responses"].shape[1] for p in parts)
-    prompt_width = max(p.batch["prompts"].shape[1] for p in parts)
-    out = []
-    for part in parts:
-        b = dict(part.batch)
-        extra = width - b["responses"].shape[1]
-        lead = prompt_width - b["prompts"].shape[1]
-        if extra:
-            old_width = b["responses"].shape[1]
-            b["responses"] = torch.nn.functional.pad(b["responses"], (0, extra), value=pad_id)
-            for key, value in b.items():
-                if key not in SEQUENCE_KEYS and value.dim() == 2 and value.shape[1] == old_width:
-                    b[key] = torch.nn.functional.pad(value, (0, extra), value=0)
-        if lead:
-            b["prompts"] = torch.nn.functional.pad(b["prompts"], (lead, 0), value=pad_id)
-        if extra or lead:
-            b["input_ids"] = torch.nn.functional.pad(b["input_ids"], (lead, extra), value=pad_id)
-            b["attention_mask"] = torch.nn.functional.pad(b["attention_mask"], (lead, extra), value=0)
-            b["position_ids"] = torch.nn.functional.pad(b["position_ids"], (lead, extra), value=0)
-        out.append(DataProto(b, dict(part.non_tensor), dict(part.meta), part.stage))
-    return out

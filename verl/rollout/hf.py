@@ -15,9 +15,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from verl.config import MultiTurnConfig
 from verl.models.fused_decoder import fused_decoder_layers
 from verl.models.packed_linear import packed_weights
-from verl.protocol import DataProto
+from verl.protocol import DataProto, pad_responses
 from verl.rollout.agent_loop import AgentLoop
-from verl.rollout.base import EngineSpec, RolloutEngine, SamplingParams, assemble_rollout, pad_responses
+from verl.rollout.base import EngineSpec, RolloutEngine, SamplingParams, assemble_rollout
 from verl.rollout.sampler import sample_with_shared_prefill, supports_shared_prefill
 from verl.tools.registry import ToolSet
 from verl.tools.runner import ToolRunner

@@ -139,7 +139,7 @@ class BestCheckpointSaver(TrainerCallback):
             return  # step 0 is the untrained model (validation before training): nothing to save
         self.current = (step, float(value))
         if self.better(float(value)) and self.save_on_improve and not _is_scheduled_save(trainer, step):
-            trainer._checkpoint(step, dict(metrics))  # on_save below marks it
+            trainer.checkpoint(step, dict(metrics))  # on_save below marks it
 
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         self._observe(trainer, step, metrics)

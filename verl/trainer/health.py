@@ -231,7 +231,7 @@ def emit_alert(trainer: Any, alert: Alert, step: int) -> dict[str, Any]:
     elif alert.action == "skip_step":
         trainer.request_skip_update(f"{alert.rule}: {alert.message}")
     elif alert.action == "checkpoint" and not _is_scheduled_save(trainer, step):
-        trainer._checkpoint(step, {})
+        trainer.checkpoint(step, {})
     return fields
 
 

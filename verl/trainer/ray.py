@@ -31,8 +31,8 @@ import torch
 from verl.config import VerlConfig
 from verl.data.dataset import RLHFDataset
 from verl.errors import ConfigError, MissingDependencyError, VerlError
-from verl.protocol import DataProto
-from verl.rollout.base import SamplingParams, pad_responses
+from verl.protocol import DataProto, pad_responses
+from verl.rollout.base import SamplingParams
 from verl.trainer.checkpoint import read_pointer
 from verl.trainer.overlap import RayRolloutWorker
 from verl.trainer.ppo import PPOTrainer, prepare_inputs

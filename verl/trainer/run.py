@@ -13,13 +13,21 @@ The layout is what every other command reads (``verl eval`` on a run, ``verl com
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from verl.config import dump_config
 from verl.tracking import create_trackers
-from verl.trainer.checkpoint import remove_stale_temp_dirs, save_checkpoint
+from verl.trainer.checkpoint import (
+    checkpoint_step,
+    find_resume_checkpoint,
+    remove_stale_temp_dirs,
+    save_checkpoint,
+    write_checkpoint,
+)
+from verl.trainer.resume import check_resumable, saved_config
 from verl.utils import log
 from verl.utils.fs import atomic_write_text, ensure_writable_dir
 
@@ -46,6 +54,27 @@ class Run:
         self.logger = log.RunLogger(cfg.log_path(), self.trackers, cfg.trainer.log_level)
         return self
 
+    def resume_point(self) -> tuple[Path | None, list[tuple[str, Any, Any]]]:
+        """The checkpoint ``trainer.resume`` continues from (None: a new run) and the keys this run changes from the
+        run's own ``config.yaml`` (refusing what a checkpoint cannot take)."""
+        resume_from = find_resume_checkpoint(self.dir, self.config.trainer.resume)
+        saved = saved_config(self.dir) if resume_from is not None else None
+        return resume_from, check_resumable(self.dir, saved, self.config) if saved is not None else []
+
+    @contextlib.contextmanager
+    def opening(self, resume_from: Path | None) -> Iterator[Run]:
+        """``open`` for a run resumed from ``resume_from`` (or new), then the caller's own start-up inside the block;
+        a failure in either closes what was opened and removes a directory this made, so nothing half-made stays."""
+        fresh = not self.dir.exists()
+        try:
+            self.open(resumed_step=None if resume_from is None else checkpoint_step(resume_from))
+            yield self
+        except BaseException:
+            self.close()
+            if fresh:
+                shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+
     @contextlib.contextmanager
     def bound(self) -> Iterator[log.RunLogger]:
         """``verl.utils.log``'s module functions write to this run's logger inside the block (``fit``)."""
@@ -60,6 +89,16 @@ class Run:
         """``checkpoints/global_step_<step>``: one model (HF layout), its tokenizer, ``state`` and ``metrics``
         (``latest`` points at it). The policy trainer's roles write their own parts (``write_checkpoint``)."""
         return save_checkpoint(self.dir, step, model, tokenizer, state, metrics)
+
+    def checkpoint(self, step: int, write_parts: Callable[[Path], None], state: dict[str, Any],
+                   metrics: dict[str, float]) -> Path:
+        """A checkpoint whose parts ``write_parts`` writes (the policy trainer's roles), ``latest`` pointing at it
+        and the oldest beyond ``trainer.max_ckpt_to_keep`` removed; logged as a ``train`` event and to trackers."""
+        path = write_checkpoint(self.dir, step, write_parts, state, metrics, self.config.trainer.max_ckpt_to_keep)
+        self.logger.event("train", step=step, checkpoint=str(path))
+        for tracker in self.trackers:
+            tracker.log_checkpoint(str(path), step, metrics)
+        return path
 
     def close(self) -> None:
         """Finish the trackers and close the log (idempotent; what ``open`` got to, after a failure in it)."""

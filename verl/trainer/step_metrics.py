@@ -6,65 +6,108 @@ import numpy as np
 import torch
 
 from verl.algos.masked import masked_mean
-from verl.protocol import DataProto
+from verl.batch import TrainBatch
+from verl.trainer.validation import sample_rows
+from verl.utils import log
+
+MISMATCH_SCOPES = ("rollout_corr/", "training/", "sampling/")  # verl/algos/rollout_correction.py
+PPO_METRICS = {  # ppo/<name> <- the actor's update metric of that name
+    "policy_loss": "policy_loss", "entropy": "entropy", "kl_div": "kl_div", "approx_kl": "ppo_kl",
+    "clip_ratio": "clipfrac", "clip_ratio_lower": "clipfrac_lower", "kl_loss": "kl_loss", "grad_norm": "grad_norm",
+    "lr": "lr", "nan_skipped": "nan_skipped",
+}
 
 
-def rollout_metrics(batch: DataProto, extras: dict[str, np.ndarray], max_response_length: int,
-                    pad_token_id: int) -> dict[str, float]:
+def step_metrics(batch: TrainBatch, rollout: dict[str, float], actor: dict[str, float], critic: dict[str, float],
+                 ppo: dict[str, float | None], timings: dict[str, float], train: dict[str, float],
+                 system: dict[str, float]) -> dict[str, float]:
+    """The step's ``scope/name`` metrics (docs/architecture.md §5): rollout, ppo (the actor's update metrics, then
+    ``ppo``'s), critic, timing, throughput, train, system."""
+    lengths = batch.response_mask.sum(-1).float()
+    ppo = {**{name: actor.get(key) for name, key in PPO_METRICS.items()}, **ppo}
+    tokens = int(batch.attention_mask.sum())
+    throughput = {"tokens_per_second": tokens / max(timings.get("total", 1e-9), 1e-9),
+                  "response_tokens_per_second": float(lengths.sum()) / max(timings.get("gen", 1e-9), 1e-9)}
+    scopes = {"rollout": rollout, "ppo": {k: v for k, v in ppo.items() if v is not None}, "critic": critic,
+              "timing": timings, "throughput": throughput, "train": train, "system": system}
+    return {key: value for scope, fields in scopes.items() for key, value in log.scoped(scope, fields).items()}
+
+
+def log_samples(logger: log.RunLogger, trackers: list, step: int, batch: TrainBatch, limit: int, n: int) -> None:
+    """Sample rows (prompt, response, score; one per prompt, up to ``limit``) and the histograms of rewards, lengths
+    and advantages."""
+    mask = batch.response_mask
+    for tracker in trackers:
+        tracker.log_histograms({"rollout/rewards": batch.token_level_rewards.sum(-1).tolist(),
+                                "rollout/response_lengths": mask.sum(-1).float().tolist(),
+                                "rollout/advantages": batch.advantages[mask.bool()].tolist()}, step)
+    samples = []
+    for row in sample_rows(batch.rows, batch.texts, batch.token_level_scores.sum(-1), limit, n):
+        logger.event("sample", step=step, split="train", **row)
+        samples.append({**row, "split": "train"})
+    if samples:
+        for tracker in trackers:
+            tracker.log_samples(samples, step)
+
+
+def rollout_metrics(batch: TrainBatch, max_response_length: int, pad_token_id: int) -> dict[str, float]:
     """The ``rollout/*`` metrics (without the scope): rewards, lengths, advantages, reward extras, repetition."""
-    scores = batch.batch["token_level_scores"].sum(-1)
-    rewards = batch.batch["token_level_rewards"].sum(-1)
-    mask = batch.batch["response_mask"]
+    scores = batch.token_level_scores.sum(-1)
+    rewards = batch.token_level_rewards.sum(-1)
+    mask = batch.response_mask
     lengths = mask.sum(-1).float()
     rollout = {
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
         "score_mean": float(scores.mean()),
         "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
         "response_length_clip_ratio": float((lengths >= max_response_length).float().mean()),
-        "prompt_length_mean": float(batch.batch["prompts"].ne(pad_token_id).sum(-1).float().mean()),
-        "advantages_mean": float(masked_mean(batch.batch["advantages"], mask.float())),
+        "prompt_length_mean": float(batch.prompts.ne(pad_token_id).sum(-1).float().mean()),
+        "advantages_mean": float(masked_mean(batch.advantages, mask.float())),
         "num_responses": len(batch),
     }
-    for key, value in extras.items():
+    for key, value in batch.reward_extras.items():
         rollout[key] = float(np.nanmean(value))
-    rollout["repetition_rate"] = ngram_repetition_rate(batch.batch["responses"], mask)  # loop collapse rule
+    rollout["repetition_rate"] = ngram_repetition_rate(batch.responses, mask)  # loop collapse rule
     rollout.update(tool_metrics(batch))
     return rollout
 
 
-def group_metrics(batch: DataProto, extras: dict[str, np.ndarray]) -> dict[str, float]:
-    """The ``batch/*`` metrics of a step's groups (a prompt's samples, ``uid``): ``solve_all`` / ``solve_none``, the
-    share of groups whose every sample the rule marks right / wrong (``acc``, when the reward gives it), and
-    ``same_reward`` (groups whose samples all got one reward: a group-relative advantage of 0, nothing learnt)."""
-    uid = np.asarray(batch.non_tensor["uid"])
-    rewards = batch.batch["token_level_scores"].sum(-1).double().numpy()
-    groups = [np.flatnonzero(uid == u) for u in dict.fromkeys(uid.tolist())]
+def group_metrics(group: np.ndarray, rewards: np.ndarray, acc: np.ndarray | None) -> dict[str, float]:
+    """The ``batch/*`` metrics of a step's groups (a prompt's samples: ids ``group``, ``(batch,)``): ``solve_all`` /
+    ``solve_none``, the share of groups whose every sample the rule marks right / wrong (``acc``, when the reward
+    gives it), and ``same_reward`` (groups whose samples all got one sequence reward, ``rewards``: a group-relative
+    advantage of 0, nothing learnt)."""
+    groups = [np.flatnonzero(group == u) for u in dict.fromkeys(group.tolist())]
     out = {"same_reward": float(np.mean([np.ptp(rewards[g]) == 0 for g in groups]))}
-    acc = extras.get("acc")
-    if acc is not None and len(acc) == len(uid):
+    if acc is not None and len(acc) == len(group):
         acc = np.asarray(acc, dtype=np.float64)
         out["solve_all"] = float(np.mean([bool(np.all(acc[g] == 1)) for g in groups]))
         out["solve_none"] = float(np.mean([bool(np.all(acc[g] == 0)) for g in groups]))
     return out
 
 
-def tool_metrics(batch: DataProto) -> dict[str, float]:
+def batch_groups(batch: TrainBatch) -> dict[str, float]:
+    """``group_metrics`` of a scored batch."""
+    return group_metrics(batch.group, batch.token_level_scores.sum(-1).double().numpy(),
+                         batch.reward_extras.get("acc"))
+
+
+def tool_metrics(batch: TrainBatch) -> dict[str, float]:
     """Multi-turn rollouts (``agent_loop.py``): how often trajectories call tools, how many calls parse and fit a
     configured tool's schema, how many fail, turns per trajectory and its length with the tool turns."""
-    non = batch.non_tensor
-    if "num_tool_calls" not in non:
+    if batch.turns is None:
         return {}
-    calls = np.asarray(non["num_tool_calls"], dtype=np.float64)
-    width = batch.batch["responses"].shape[1]
+    calls = batch.turns.tool_calls.astype(np.float64)
+    width = batch.responses.shape[1]
     metrics = {
         "tool_call_rate": float((calls > 0).mean()),
         "tool_calls_mean": float(calls.mean()),
-        "turns_mean": float(np.mean(np.asarray(non["num_turns"], dtype=np.float64))),
-        "trajectory_length_mean": float(batch.batch["attention_mask"][:, -width:].sum(-1).float().mean()),
+        "turns_mean": float(np.mean(batch.turns.turns.astype(np.float64))),
+        "trajectory_length_mean": float(batch.attention_mask[:, -width:].sum(-1).float().mean()),
     }
     if calls.sum() > 0:  # shares of calls: not defined for a batch that made none
-        metrics["valid_call_rate"] = float(np.sum(np.asarray(non["num_valid_calls"], dtype=np.float64)) / calls.sum())
-        metrics["tool_error_rate"] = float(np.sum(np.asarray(non["num_tool_errors"], dtype=np.float64)) / calls.sum())
+        metrics["valid_call_rate"] = float(np.sum(batch.turns.valid_calls.astype(np.float64)) / calls.sum())
+        metrics["tool_error_rate"] = float(np.sum(batch.turns.tool_errors.astype(np.float64)) / calls.sum())
     return metrics
 
 

@@ -22,8 +22,8 @@ from verl.evaluators import EvalBatch, Metric, build_evaluator, run_evaluators
 from verl.evaluators.groups import AUTO_GROUP_COLUMN, group_labels, has_column, metric_key_part, metrics_by_group
 from verl.evaluators.registry import evaluator_label, evaluator_needs
 from verl.evaluators.stats import mean_metric
-from verl.protocol import DataProto
-from verl.rollout.base import RolloutEngine, SamplingParams, pad_responses
+from verl.protocol import DataProto, pad_responses
+from verl.rollout.base import RolloutEngine, SamplingParams
 from verl.workers.reward import RewardManager
 
 
@@ -106,20 +106,63 @@ def clean_validation_metrics(overlap: list[str | None], scores: np.ndarray, extr
     return metrics
 
 
-def sample_rows(batch: DataProto, texts: list[str], scores, limit: int, stride: int = 1) -> list[dict[str, Any]]:
-    """Up to ``limit`` generations, every ``stride``-th, as ``sample`` rows (prompt, response, ground truth, score).
+def sample_rows(columns: dict[str, np.ndarray], texts: list[str], scores, limit: int, stride: int = 1
+                ) -> list[dict[str, Any]]:
+    """Up to ``limit`` generations, every ``stride``-th, as ``sample`` rows (prompt, response, ground truth, score);
+    ``columns``: the batch's dataset columns (``raw_prompt``, ``ground_truth``), each ``(N,)``.
 
     With ``stride = n`` (a prompt's n responses are adjacent) the rows show different prompts.
     """
-    rows = []
-    for i in list(range(0, len(texts), stride))[:limit]:
-        rows.append({
-            "prompt": str(batch.non_tensor["raw_prompt"][i]),
-            "response": texts[i],
-            "ground_truth": str(batch.non_tensor["ground_truth"][i]),
-            "score": float(scores[i]),
-        })
-    return rows
+    prompts, truths = columns["raw_prompt"], columns["ground_truth"]
+    return [{"prompt": str(prompts[i]), "response": texts[i], "ground_truth": str(truths[i]), "score": float(scores[i])}
+            for i in list(range(0, len(texts), stride))[:limit]]
+
+
+class Validator:
+    """A policy run's validation: its prompts, reward, evaluators (``trainer.evaluators`` and registered ones),
+    ``data.val_group_by`` groups and the prompts that overlap the training data."""
+
+    def __init__(self, config: VerlConfig, dataset: RLHFDataset, reward_manager: Any,
+                 overlap: list[str | None] | None, contamination: dict | None):
+        self.config, self.dataset, self.reward_manager = config, dataset, reward_manager
+        self.overlap, self.contamination = overlap, contamination
+        # data.val_group_by: (column, each validation row's group), or None; refused now if no row has the column.
+        self.groups = validation_group_labels(config, dataset)
+        self.registered: list[Any] = []  # register_evaluator() objects
+        self._configured: list[Any] | None = None  # trainer.evaluators, built on first use
+
+    def register(self, evaluator: Any) -> None:
+        """Run ``evaluator`` at every validation; refused at once if validation cannot compute what it needs."""
+        check_validation_needs(evaluator, getattr(evaluator, "name", type(evaluator).__name__), self.config)
+        self.registered.append(evaluator)
+
+    def evaluators(self) -> list[Any]:
+        """``trainer.evaluators`` (built once: an unknown one fails on the first call) and the registered ones."""
+        if self._configured is None:
+            self._configured = build_validation_evaluators(self.config)
+        return [*self._configured, *self.registered]
+
+    def run(self, engine: RolloutEngine, params: SamplingParams,
+            kl_terms: Callable[[DataProto], dict[str, torch.Tensor]]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Generate on the validation split and score it: the ``eval`` scope's metrics (without the scope) and the
+        sample rows to log."""
+        cfg = self.config
+        batch, scores, extras, texts = generate_and_score(engine, self.dataset, self.reward_manager, params,
+                                                          cfg.data.val_batch_size, cfg.data.val_max_samples)
+        metrics = validation_metrics(batch, scores, extras)
+        # The same evaluator code as `verl eval`, so eval/accuracy here equals its accuracy on this checkpoint.
+        evaluators = self.evaluators()
+        evaluated, columns = run_validation_evaluators(cfg, evaluators, batch, texts, scores, extras, kl_terms)
+        metrics.update({name: metric.value for name, metric in evaluated.items()})
+        if self.groups is not None:  # data.val_group_by: eval/<column>/<group>/<metric>, beside the whole
+            column, labels = self.groups
+            metrics.update(grouped_validation_metrics(column, labels, batch, texts, scores, extras, evaluated,
+                                                      columns, evaluators))
+        if self.contamination and self.contamination["overlapping"]:
+            # Beside the whole, never instead of it: the curve a user already watches keeps its meaning.
+            validated = self.overlap[:cfg.data.val_max_samples]  # the prompts generate_and_score used
+            metrics.update({f"clean/{k}": v for k, v in clean_validation_metrics(validated, scores, extras).items()})
+        return metrics, sample_rows(batch.non_tensor, texts, scores, cfg.trainer.num_samples_to_log)
 
 
 # ---------------------------------------------------------------------------------------------- evaluators

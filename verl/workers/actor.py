@@ -1,12 +1,11 @@
 """The actor role: log-probs of rollouts and the PPO policy update (mini-batches, micro-batches, clipping).
 
-Fields read from the batch (all ``(batch, response_len)`` unless noted): ``responses``, ``response_mask``,
-``advantages``, ``old_log_probs`` (optional, see below), ``ref_log_prob`` (when a KL loss is used), and the
-sequence fields ``input_ids``/``attention_mask``/``position_ids`` ``(batch, seq_len)``.
+The update reads a ``verl.batch.TrainBatch`` (all ``(batch, response_len)`` unless noted): ``responses``,
+``response_mask``, ``advantages``, ``old_log_probs`` (whose: ``anchor``, see below), ``ref_log_prob`` (when a KL loss
+is used), and the sequence fields ``input_ids``/``attention_mask``/``position_ids`` ``(batch, seq_len)``.
 
-When ``old_log_probs`` is absent the update is on-policy (one epoch, one mini-batch): the rollout policy *is*
-the current policy, so the old log-probs equal the current ones detached and the extra forward pass that
-would compute them is skipped.
+An ``Anchor.CURRENT`` batch is on-policy (one epoch, one mini-batch): the rollout policy *is* the current policy,
+so the old log-probs equal the current ones detached and the extra forward pass that would compute them is skipped.
 
 When the batch carries the engine's own log-probs (``rollout_log_probs``), the first epoch's forwards measure how far
 the trainer's log-probs of the same tokens are from them (``rollout_corr/*``, ``training/rollout_probs_diff_*``,
@@ -29,6 +28,7 @@ from verl.algos.kl import kl_penalty
 from verl.algos.losses import agg_loss, get_policy_loss, global_agg_denominators
 from verl.algos.masked import masked_mean
 from verl.algos.rollout_correction import MismatchStats, rejection_mask
+from verl.batch import Anchor, TrainBatch
 from verl.config import ActorConfig, RolloutCorrectionConfig
 from verl.models.packed_linear import packed_weights
 from verl.protocol import DataProto
@@ -55,7 +55,7 @@ def group_shuffle(size: int, group_size: int, generator: torch.Generator | None 
     return (groups.unsqueeze(1) * group_size + torch.arange(group_size)).reshape(-1)
 
 
-def micro_batches(data: DataProto, size: int | None) -> list[DataProto]:
+def micro_batches(data: DataProto | TrainBatch, size: int | None) -> list[DataProto | TrainBatch]:
     return data.split(size) if size else [data]
 
 
@@ -105,18 +105,18 @@ class Actor:
         return torch.cat(parts)
 
     @packed_weights(gradients=True)  # the frozen base's products forward and backward (packed_linear.py)
-    def update_policy(self, data: DataProto, mini_batch_size: int) -> dict[str, float]:
+    def update_policy(self, data: TrainBatch, mini_batch_size: int) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches of ``mini_batch_size`` responses; returns mean metrics."""
         cfg = self.config
         self.model.train()
-        on_policy = "old_log_probs" not in data.batch
+        on_policy = data.anchor is Anchor.CURRENT
         if on_policy and (cfg.ppo_epochs > 1 or mini_batch_size < len(data)):
             raise ValueError("old_log_probs are required for more than one PPO epoch or mini-batch")
         metrics: dict[str, list[float]] = defaultdict(list)
         # The mismatch, measured on the first epoch's forwards (each micro-batch before its own optimizer step).
-        self.mismatch = MismatchStats() if "rollout_log_probs" in data.batch else None
+        self.mismatch = MismatchStats() if data.rollout_log_probs is not None else None
         # trainer.split_mismatch: the policy lag alone, the trainer now against the trainer at the behaviour weights.
-        self.lag = MismatchStats() if "behaviour_trainer_log_probs" in data.batch else None
+        self.lag = MismatchStats() if data.behaviour_trainer_log_probs is not None else None
         for epoch in range(cfg.ppo_epochs):
             shuffle = len(data) > mini_batch_size
             order = (group_shuffle(len(data), self.group_size, self.shuffle_generator) if shuffle
@@ -139,10 +139,10 @@ class Actor:
         out["nan_skipped_total"] = float(self.nan_skipped)
         return out
 
-    def _update_mini_batch(self, mini: DataProto, on_policy: bool, metrics: dict[str, list[float]],
+    def _update_mini_batch(self, mini: TrainBatch, on_policy: bool, metrics: dict[str, list[float]],
                            measure: bool = False) -> None:
         cfg = self.config
-        mask_all = mini.batch["response_mask"]
+        mask_all = mini.response_mask
         agg_kwargs = global_agg_denominators(mask_all, self.max_response_length)
         need_entropy_grad = cfg.entropy_coeff != 0.0
         # Loss terms are exact partial sums over micro-batches (and ranks: counts above are global);
@@ -151,39 +151,40 @@ class Actor:
         group = 1 if self.dist.fsdp else self.group_size  # sharded forwards must match across ranks: plain path
         self.optimizer.zero_grad(set_to_none=True)
         for micro in micro_batches(local_shard(mini, self.dist), cfg.ppo_micro_batch_size):
-            batch = {k: v.to(self.device) for k, v in micro.batch.items()}
-            mask = batch["response_mask"].float()
+            micro = micro.to(self.device)
+            mask = micro.response_mask.float()
             weight = float(mask.sum()) / agg_kwargs["num_tokens"]
             log_prob, entropy = response_log_probs(
-                self.model, batch, self.temperature, with_entropy=True, autocast_dtype=self.autocast_dtype,
-                group_size=group, entropy_grad=need_entropy_grad, remove_padding=self.remove_padding,
+                self.model, micro.tensors(MODEL_KEYS), self.temperature, with_entropy=True,
+                autocast_dtype=self.autocast_dtype, group_size=group, entropy_grad=need_entropy_grad,
+                remove_padding=self.remove_padding,
             )
-            old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
-            rollout_log_prob = batch.get("rollout_log_probs")
+            old_log_prob = log_prob.detach() if on_policy else micro.old_log_probs
+            rollout_log_prob = micro.rollout_log_probs
             if measure and self.mismatch is not None:
                 self.mismatch.add(log_prob.detach(), rollout_log_prob, mask)
             if measure and self.lag is not None:
-                self.lag.add(log_prob.detach(), batch["behaviour_trainer_log_probs"], mask)
+                self.lag.add(log_prob.detach(), micro.behaviour_trainer_log_probs, mask)
             correction = self.rollout_correction
             if correction.bypass_mode and correction.rollout_rs is not None:
                 mask = self._bypass_rejection(log_prob, rollout_log_prob, mask, sums, weight)
             # By keyword: verl's ported losses take (old_log_prob, log_prob); a positional call would invert the ratio.
             # In bypass mode old_log_prob is the rollout engine's.
             pg_loss, pg_metrics = self.policy_loss_fn(
-                log_prob=log_prob, old_log_prob=old_log_prob, advantages=batch["advantages"], mask=mask,
+                log_prob=log_prob, old_log_prob=old_log_prob, advantages=micro.advantages, mask=mask,
                 clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=cfg.clip_ratio_c,
-                loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=batch.get("rollout_is_weights"), **agg_kwargs,
+                loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=micro.rollout_is_weights, **agg_kwargs,
             )
             loss = pg_loss
             if need_entropy_grad:
                 loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, **agg_kwargs)
             if cfg.use_kl_loss:
-                kl = kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)
+                kl = kl_penalty(log_prob, micro.ref_log_prob, cfg.kl_loss_type)
                 kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **agg_kwargs)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 sums["kl_loss"] += kl_loss.item()
-            if "ref_log_prob" in batch:
-                sums["kl_div"] += weight * masked_mean(kl_penalty(log_prob.detach(), batch["ref_log_prob"], "k3"),
+            if micro.ref_log_prob is not None:
+                sums["kl_div"] += weight * masked_mean(kl_penalty(log_prob.detach(), micro.ref_log_prob, "k3"),
                                                        mask).item()
             (loss * self.dist.loss_scale).backward()
             sums["policy_loss"] += pg_loss.item()

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 
 from verl.algos.losses import global_agg_denominators, value_loss
 from verl.algos.masked import masked_mean
+from verl.batch import TrainBatch
 from verl.config import CriticConfig
 from verl.errors import ModelError
 from verl.models.loader import DTYPES, resolve_model_path
@@ -60,7 +61,7 @@ class Critic:
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         self.device = next(model.parameters()).device
 
-    def _micro(self, data: DataProto) -> list[DataProto]:
+    def _micro(self, data: DataProto | TrainBatch) -> list[DataProto | TrainBatch]:
         return data.split(self.micro_batch_size) if self.micro_batch_size else [data]
 
     @torch.no_grad()
@@ -74,7 +75,7 @@ class Critic:
         self.model.train()
         return torch.cat(parts)
 
-    def update(self, data: DataProto, mini_batch_size: int) -> dict[str, float]:
+    def update(self, data: TrainBatch, mini_batch_size: int) -> dict[str, float]:
         """Clipped value regression onto ``returns``; needs ``values`` (old) and ``returns``."""
         metrics: dict[str, list[float]] = defaultdict(list)
         self.model.train()
@@ -82,16 +83,15 @@ class Critic:
             order = torch.randperm(len(data), generator=self.shuffle_generator)
             for start in range(0, len(data), mini_batch_size):
                 mini = data.index(order[start : start + mini_batch_size])
-                mask_all = mini.batch["response_mask"]
-                agg = global_agg_denominators(mask_all)
+                agg = global_agg_denominators(mini.response_mask)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss_sum, clip_sum, vpred_sum = 0.0, 0.0, 0.0
                 for micro in self._micro(local_shard(mini, self.dist)):
-                    batch = {k: v.to(self.device) for k, v in micro.batch.items()}
-                    mask = batch["response_mask"].float()
+                    micro = micro.to(self.device)
+                    mask = micro.response_mask.float()
                     weight = float(mask.sum()) / agg["num_tokens"]
-                    vpreds = response_values(self.model, batch)
-                    loss, clipfrac = value_loss(vpreds, batch["values"], batch["returns"], mask,
+                    vpreds = response_values(self.model, micro.tensors(MODEL_KEYS))
+                    loss, clipfrac = value_loss(vpreds, micro.values, micro.returns, mask,
                                                 self.config.cliprange_value, self.config.loss_agg_mode, **agg)
                     (loss * self.dist.loss_scale).backward()
                     loss_sum += loss.item()

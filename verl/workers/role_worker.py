@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl.batch import TrainBatch
 from verl.config import VerlConfig
 from verl.evaluators.kl_terms import compute_kl_terms
 from verl.models.loader import load_causal_lm, load_tokenizer, pick_device
@@ -163,12 +164,12 @@ class RoleWorker:
         return self.reward.compute(data)
 
     def update_actor(self, data: DataProto, mini_batch_size: int) -> dict[str, float]:
-        metrics = self.actor.update_policy(data, mini_batch_size)
+        metrics = self.actor.update_policy(TrainBatch.from_proto(data), mini_batch_size)
         self.rollout.sync_weights(self.model)
         return metrics
 
     def update_critic(self, data: DataProto, mini_batch_size: int) -> dict[str, float]:
-        return self.critic.update(data, mini_batch_size)
+        return self.critic.update(TrainBatch.from_proto(data), mini_batch_size)
 
     def validation_engine(self) -> Any:
         """The engine validation generates with: the actor's rollout (it shares the actor's weights)."""
