@@ -140,7 +140,7 @@ def test_engine_death_turns_health_and_requests_into_503():
         def broken_scheduler() -> None:
             raise RuntimeError("injected fault in the engine loop itself")
 
-        engine._drop_aborted = broken_scheduler  # not one request's computation: the loop itself fails
+        engine.steps.drop_aborted = broken_scheduler  # not one request's computation: the loop itself fails
         resp = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_dead"
         health = httpx.get(srv.url + "/health")
@@ -173,14 +173,14 @@ def test_hostile_sampling_values_never_take_the_engine_down(path):
 def test_a_request_that_fails_alone_fails_alone_and_the_engine_goes_on():
     with run_server() as srv:
         engine = srv.service.lifecycle.engine
-        real = engine._sample_rows
+        real = engine.steps.sampler.sample_rows
 
         def poisoned(logits, seqs):  # sampling raises for any batch holding the poisoned request
             if any(seq.request.sampling.seed == 666 for seq in seqs):
                 raise RuntimeError("poisoned row")
             return real(logits, seqs)
 
-        engine._sample_rows = poisoned
+        engine.steps.sampler.sample_rows = poisoned
 
         async def both() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:

@@ -213,7 +213,7 @@ def test_logprobs_equal_a_plain_forward_pass(engine_and_loop, stream):
 
 
 def test_penalties_follow_their_definitions():
-    from serve.engines.hf_engine import _apply_penalties
+    from serve.engines.rows import apply_penalties as _apply_penalties
 
     row = torch.tensor([2.0, -1.0, 0.5, 3.0, 1.0])
     sampling = SamplingOptions(max_tokens=1, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
