@@ -249,9 +249,9 @@ class PPOTrainer:
             batch = apply_update_mask(batch)
             critic_metrics, actor_metrics = self._update(step, batch) if self.skip_update_reason is None else ({}, {})
         log_samples(self.logger, self.trackers, step, batch, cfg.trainer.num_samples_to_log, cfg.rollout.n)
-        ppo = {"kl_coef": cfg.actor.kl_loss_coef if cfg.actor.use_kl_loss else self.kl_ctrl.value,
-               "value_loss": critic_metrics.get("value_loss"), "update_skipped": float(self.skip_update_reason
-                                                                                      is not None), **kl_metrics}
+        kl_coef = cfg.actor.kl_loss_coef if cfg.actor.use_kl_loss else self.kl_ctrl.value
+        ppo = {"kl_coef": kl_coef, "value_loss": critic_metrics.get("value_loss"),
+               "update_skipped": float(self.skip_update_reason is not None), **kl_metrics}
         train = {"epoch": self.sampler.epoch, "progress": step / cfg.trainer.total_steps}
         timings = self.timer.pop()
         self.logger.debug("timing", stages=timings, responses=len(batch), device=str(self.device))
