@@ -124,7 +124,6 @@ class RolloutStage:
         # The behaviour's log-probs are the update's anchor (bypass, as verl) unless decoupled mode asks for pi_old.
         if not self.config.algorithm.rollout_correction.decoupled:
             batch.anchor, batch.old_log_probs = Anchor.ROLLOUT, batch.rollout_log_probs
-        batch.meta["policy_version"] = done.policy_version
         return done.prompts, batch, {"policy_version": float(done.policy_version),
                                      "staleness": float(policy_version - done.policy_version)}
 
