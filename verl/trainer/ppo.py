@@ -24,7 +24,6 @@ only build their roles and inputs and hand them to ``PPOTrainer``; the loop neve
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,6 @@ from verl.trainer.rollout_stage import RolloutStage
 from verl.trainer.run import Run
 from verl.trainer.stages import apply_update_mask, compute_advantages, correct_rollout, kl_in_reward
 from verl.trainer.step_metrics import MISMATCH_SCOPES, log_samples, rollout_metrics, step_metrics
-from verl.trainer.target import TARGET_SCOPE, Target, TargetClock
 from verl.trainer.validation import Validator, validation_overlap
 from verl.utils import log
 from verl.utils.fs import atomic_write_json
@@ -139,9 +137,6 @@ class PPOTrainer:
         self.run = Run(config, quiet)
         self.monitor: SystemMonitor | None = None
         self.policy_version = 0  # actor updates applied so far: the version of the weights a rollout samples from
-        # trainer.target: the training clock (validation excluded) and the first step that reaches the target.
-        target = config.trainer.target
-        self.target_clock = TargetClock(Target.parse(target)) if target else None
 
     def shutdown(self) -> None:
         """Release the roles' resources (workers, engines)."""
@@ -179,8 +174,7 @@ class PPOTrainer:
         if validating:
             self.validator.evaluators()  # an unknown evaluator fails now, before the run dir or any step
         self._start_run()
-        if self.target_clock is not None:
-            self.target_clock.start()  # after the models and a resumed checkpoint are loaded, as MLPerf times it
+        self.run.clock.start()  # after the models and a resumed checkpoint are loaded, as MLPerf times it
         metrics: dict[str, float] = {}
         try:
             with self.run.bound():  # log.info() from callbacks and rewards: this run's rows
@@ -206,8 +200,7 @@ class PPOTrainer:
         cfg = self.config
         self.logger.set_step(step)
         measured = self._profiled_step(step) if step in cfg.trainer.profile_steps else self.train_step(step)
-        if self.target_clock is not None:
-            self.target_clock.mark_update(step)
+        self.run.clock.mark_update(step)
         metrics = self.logger.log_step(step, measured)  # JSONL rows + trackers, with log.info() fields
         self.callbacks.on_log(metrics, step=step)
         self._check_target(step, metrics)
@@ -315,24 +308,15 @@ class PPOTrainer:
             tracker.log_samples([{**row, "split": "val"} for row in samples], step)
         # Validation runs after the step's rows are written, so this writes the eval row alone.
         logged = self.logger.log_step(step, log.scoped("eval", metrics))
-        if self.target_clock is not None:
-            self.target_clock.add_validation(time.perf_counter() - start)
-            self._check_target(step, logged)
+        self.run.clock.add_validation(time.perf_counter() - start)
+        self._check_target(step, logged)
         self.callbacks.on_evaluate(self, step, logged)
         return logged
 
     def _check_target(self, step: int, metrics: dict[str, float]) -> None:
-        """Log the time-to-target record the first time ``trainer.target`` is reached (and stop, if asked)."""
-        record = self.target_clock.check(step, metrics) if self.target_clock is not None else None
-        if record is None:
-            return
-        # One `target` row in verl_logs.jsonl (read by verl compare and the dashboard); trackers get its numbers.
-        self.logger.log_step(step, {f"{TARGET_SCOPE}/{k}": v for k, v in record.items() if k != "step"})
-        if not self.quiet:
-            print(f"target {record['target']} reached at step {step} ({record['metric']} = {record['value']:.4g}): "
-                  f"{record['minutes']:.2f} min of training to that step's update, validation "
-                  f"{record['validation_seconds']:.1f} s apart", file=sys.stderr, flush=True)
-        if self.config.trainer.stop_at_target:
+        """The run logs the time-to-target record the first time ``trainer.target`` is reached; stop, if asked."""
+        record = self.run.reach_target(step, metrics)
+        if record is not None and self.config.trainer.stop_at_target:
             self.request_stop(f"target {record['target']} reached at step {step}")
 
     def checkpoint(self, step: int, metrics: dict[str, float]) -> Path:
@@ -346,9 +330,7 @@ class PPOTrainer:
         """What a checkpoint saves beside the roles' parts: the step, sampler, KL controller, RNGs, clocks."""
         state = {"global_step": self.global_step, "sampler": self.rollout_stage.sampler_state(),
                  "kl_ctrl": self.kl_ctrl.state_dict(), "rng": rng_state(), "policy_version": self.policy_version}
-        if self.target_clock is not None:
-            state["target_clock"] = self.target_clock.state_dict()
-        return state
+        return {**state, **self.run.clock_state()}
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Restore the roles and ``trainer_state`` from the checkpoint at ``path``."""
@@ -359,8 +341,7 @@ class PPOTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         set_rng_state(state["rng"])
-        if self.target_clock is not None and "target_clock" in state:
-            self.target_clock.load_state_dict(state["target_clock"])
+        self.run.load_clock_state(state)
         return state
 
     # ------------------------------------------------------------------ run setup

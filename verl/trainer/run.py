@@ -1,11 +1,12 @@
 """A training run's outputs, which every trainer shares (``verl train``'s ``PPOTrainer``, ``verl sft``, ``verl rm``).
 
 ``Run`` owns the run directory (``trainer.output_dir / project / experiment``), the config snapshot
-(``config.yaml``), the trackers ``trainer.logger`` names and the JSONL logger (``verl_logs.jsonl``), and the
-checkpoints written into ``checkpoints/``. Its life: ``open`` (the directory, the snapshot, the trackers and the
-logger; leftovers of checkpoints a killed run was writing removed), ``bound`` around ``fit`` (``log.info`` from
-callbacks, reward functions and tools writes into this run's rows: a context variable, ``verl.utils.log``), then
-``close`` (trackers finished, the log closed), also after a start-up failure part-way through ``open``.
+(``config.yaml``), the trackers ``trainer.logger`` names and the JSONL logger (``verl_logs.jsonl``), the
+checkpoints written into ``checkpoints/`` and the time-to-target clock (``trainer.target``, verl/trainer/target.py).
+Its life: ``open`` (the directory, the snapshot, the trackers and the logger; leftovers of checkpoints a killed run
+was writing removed), ``bound`` around ``fit`` (``log.info`` from callbacks, reward functions and tools writes into
+this run's rows: a context variable, ``verl.utils.log``), then ``close`` (trackers finished, the log closed), also
+after a start-up failure part-way through ``open``.
 
 The layout is what every other command reads (``verl eval`` on a run, ``verl compare``, the dashboard, resume).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from verl.trainer.checkpoint import (
     write_checkpoint,
 )
 from verl.trainer.resume import check_resumable, saved_config
+from verl.trainer.target import TARGET_SCOPE, Target, TargetClock
 from verl.utils import log
 from verl.utils.fs import atomic_write_text, ensure_writable_dir
 
@@ -41,6 +44,8 @@ class Run:
         self.dir: Path = config.run_dir()
         self.trackers: list[Any] = []
         self.logger: log.RunLogger | None = None
+        target = getattr(config.trainer, "target", None)  # PPO's; SFT and RM have none
+        self.clock = TargetClock(Target.parse(target) if target else None)
 
     def open(self, resumed_step: int | None = None) -> Run:
         """Create (or reopen) the directory — a clear error when it cannot be written — write ``config.yaml`` and
@@ -99,6 +104,26 @@ class Run:
         for tracker in self.trackers:
             tracker.log_checkpoint(str(path), step, metrics)
         return path
+
+    def reach_target(self, step: int, metrics: dict[str, float]) -> dict[str, Any] | None:
+        """The time-to-target record the first time ``metrics`` reach ``trainer.target``, logged (one ``target`` row
+        in verl_logs.jsonl, which verl compare and the dashboard read; its numbers to the trackers); else None."""
+        record = self.clock.check(step, metrics)
+        if record is not None:
+            self.logger.log_step(step, {f"{TARGET_SCOPE}/{k}": v for k, v in record.items() if k != "step"})
+            if not self.quiet:
+                print(f"target {record['target']} reached at step {step} ({record['metric']} = "
+                      f"{record['value']:.4g}): {record['minutes']:.2f} min of training to that step's update, "
+                      f"validation {record['validation_seconds']:.1f} s apart", file=sys.stderr, flush=True)
+        return record
+
+    def clock_state(self) -> dict[str, Any]:
+        """The clock's part of a checkpoint's trainer state (nothing without a target)."""
+        return {"target_clock": self.clock.state_dict()} if self.clock.target is not None else {}
+
+    def load_clock_state(self, state: dict[str, Any]) -> None:
+        if self.clock.target is not None and "target_clock" in state:
+            self.clock.load_state_dict(state["target_clock"])
 
     def close(self) -> None:
         """Finish the trackers and close the log (idempotent; what ``open`` got to, after a failure in it)."""

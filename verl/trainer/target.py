@@ -26,9 +26,10 @@ class TargetClock:
     """Training wall time counted to each step's update, validation excluded; the first step to reach the target.
 
     ``now`` is injectable for tests. State survives a resume (``state_dict``): time spent before the resume counts.
+    With no target (``None``) it keeps time and never reports one reached.
     """
 
-    def __init__(self, target: Target, now: Any = time.perf_counter):
+    def __init__(self, target: Target | None, now: Any = time.perf_counter):
         self.target, self.now = target, now
         self.started: float | None = None
         self.carried = 0.0  # seconds (validation included) from before a resume
@@ -53,7 +54,7 @@ class TargetClock:
 
     def check(self, step: int, metrics: dict[str, Any]) -> dict[str, Any] | None:
         """The target record the first time ``metrics`` (step ``step``'s logged ones) reach it; else None."""
-        if self.reached is not None or self.target.metric not in metrics:
+        if self.target is None or self.reached is not None or self.target.metric not in metrics:
             return None
         value = metrics[self.target.metric]
         if not isinstance(value, (int, float)) or not self.target.reached(float(value)):
