@@ -36,7 +36,7 @@ from rich.text import Text
 
 from eval import plots
 from eval.pairwise import PairEvaluation, check_settings, rm_config_of
-from eval.report import Doc, fmt, ordered_metrics, training_curves
+from eval.report import Doc, fmt, num, ordered_metrics, training_curves
 from eval.results import DEFAULT_SELECT, load_results, load_samples, parse_select, sample_columns
 from eval.runner import (
     EvalSettings,
@@ -344,7 +344,7 @@ def experiment_row(entry: Entry) -> dict[str, Any]:
 
 def importance_table(entries: list[Entry], diff: dict[str, list[Any]], metric: str) -> list[dict]:
     """Correlation and permutation importance of each differing config key against ``metric`` (>= 3 runs)."""
-    target = np.array([_num(e.results["metrics"].get(metric, {}).get("value")) for e in entries])
+    target = np.array([num(e.results["metrics"].get(metric, {}).get("value")) for e in entries])
     if np.isnan(target).any():
         return []
     keys, columns = [], []
@@ -367,10 +367,6 @@ def importance_table(entries: list[Entry], diff: dict[str, list[Any]], metric: s
                      "importance": float(importance[j]),
                      "importance_share": float(max(importance[j], 0.0) / total) if total > 0 else float("nan")})
     return sorted(rows, key=lambda r: -r["importance"])
-
-
-def _num(value: Any) -> float:
-    return float("nan") if value is None else float(value)
 
 
 # ---------------------------------------------------------------------------------------------- the command
@@ -494,7 +490,7 @@ def _write(out_dir: Path, report: dict, entries: list[Entry]) -> None:
     for e in entries:
         kl, reward = e.results["metrics"].get("eval/kl_exact"), e.results["metrics"].get("eval/reward_mean")
         if kl and reward and kl.get("value") is not None and reward.get("value") is not None:
-            points[e.name] = (kl["value"], 1.96 * _num(kl.get("se")), reward["value"], 1.96 * _num(reward.get("se")))
+            points[e.name] = (kl["value"], 1.96 * num(kl.get("se")), reward["value"], 1.96 * num(reward.get("se")))
     doc.img(plots.tradeoff_points(points, out_dir / "compare_tradeoff.png"), "reward / KL trade-off per run")
     if report["importance"]:
         doc.h(f"Hyper-parameter importance for {report['importance']['metric']}")

@@ -336,8 +336,8 @@ def write_run_report(out_dir: Path, summary: dict, run_dir: Path) -> None:
     for name in shown:
         pts = [(c["step"], c["metrics"][name]) for c in checkpoints if name in c["metrics"] and c["step"] is not None]
         if pts:
-            series[name] = ([p[0] for p in pts], [_num(p[1].get("value")) for p in pts],
-                            [_num(p[1].get("ci_low")) for p in pts], [_num(p[1].get("ci_high")) for p in pts])
+            series[name] = ([p[0] for p in pts], [num(p[1].get("value")) for p in pts],
+                            [num(p[1].get("ci_low")) for p in pts], [num(p[1].get("ci_high")) for p in pts])
     training = training_curves(run_dir, list(series))
     doc.h("Plots")
     doc.img(plots.metric_vs_step(series, training, out_dir / "metrics_vs_step.png", f"run {Path(run_dir).name}"),
@@ -346,8 +346,8 @@ def write_run_report(out_dir: Path, summary: dict, run_dir: Path) -> None:
     for c in checkpoints:
         kl, reward = c["metrics"].get("eval/kl_exact"), c["metrics"].get("eval/reward_mean")
         if kl and reward and kl.get("value") is not None and reward.get("value") is not None:
-            points[c["label"]] = (_num(kl["value"]), 1.96 * _num(kl.get("se")), _num(reward["value"]),
-                                  1.96 * _num(reward.get("se")))
+            points[c["label"]] = (num(kl["value"]), 1.96 * num(kl.get("se")), num(reward["value"]),
+                                  1.96 * num(reward.get("se")))
     doc.img(plots.tradeoff_points(points, out_dir / "reward_kl_tradeoff.png", "reward / KL trade-off by checkpoint"),
             "reward / KL trade-off by checkpoint")
     if plots._pyplot() is None:
@@ -355,5 +355,6 @@ def write_run_report(out_dir: Path, summary: dict, run_dir: Path) -> None:
     doc.write(out_dir)
 
 
-def _num(value: Any) -> float:
+def num(value: Any) -> float:
+    """A metric's value as a float; None (not computed) as NaN, which plots leave out."""
     return float("nan") if value is None else float(value)

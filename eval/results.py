@@ -20,7 +20,6 @@ from verl.utils.fs import atomic_write_json, atomic_write_text, ensure_writable_
 
 SCHEMA = "verl-eval/1"
 METRIC_PREFIX = "eval/"
-# A policy's runs are ranked by it unless --select says otherwise; a reward model's by its pairwise accuracy.
 
 
 def model_hash(path: str) -> str:
@@ -49,9 +48,6 @@ def versions() -> dict[str, str]:
         except md.PackageNotFoundError:
             out[name] = "not installed"
     return out
-
-
-# ---------------------------------------------------------------------------------------------- the evaluation
 
 
 # ---------------------------------------------------------------------------------------------- files

@@ -677,21 +677,17 @@ class Evaluation:
         if self.console is not None and not self.settings.quiet:
             self.console.print(text, soft_wrap=True, highlight=False)
 
+    @contextlib.contextmanager
     def _progress(self, description: str, total: int):
         """A rich progress bar (only on a terminal, never with --quiet) yielding an ``advance(k)`` function."""
-        @contextlib.contextmanager
-        def bar():
-            console = self.console
-            enabled = console is not None and console.is_terminal and not self.settings.quiet
-            if not enabled:
-                yield lambda k: None
-                return
-            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          console=console, transient=True) as progress:
-                task = progress.add_task(description, total=total)
-                yield lambda k: progress.advance(task, k)
-
-        return bar()
+        console = self.console
+        if console is None or not console.is_terminal or self.settings.quiet:
+            yield lambda k: None
+            return
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            task = progress.add_task(description, total=total)
+            yield lambda k: progress.advance(task, k)
 
 
 def data_line(data: dict) -> str:

@@ -62,7 +62,6 @@ from loadtest.checks import (
     ABORT_EXIT_CODE,
     ABORT_MARKER,
     BadResponse,
-    ChatTurn,
     SSEReader,
     check_chat_stream,
     check_chat_turn,
@@ -247,19 +246,12 @@ def apply_options(environment: Environment, at_init: bool = False) -> None:
     MixedUser.tasks = [requests[name] for name, weight in weights.items() for _ in range(weight)]
     # Classes named on the command line run as named; otherwise --user-mix picks MixedUser or the endpoint classes.
     named = bool(options.user_classes)
+    mixes = {MixedUser: "mixed", RouteUser: "route", AgentUser: "agent", OpenLoopUser: "open", FeedbackUser: "feedback"}
     for user_class in environment.user_classes:
-        if user_class is MixedUser:
-            user_class.weight = 1 if named or options.user_mix == "mixed" else 0
-        elif user_class.__name__ in weights:
+        if user_class.__name__ in weights:
             user_class.weight = weights[user_class.__name__] if named or options.user_mix == "classes" else 0
-        elif user_class is RouteUser:
-            user_class.weight = 1 if named or options.user_mix == "route" else 0
-        elif user_class is AgentUser:
-            user_class.weight = 1 if named or options.user_mix == "agent" else 0
-        elif user_class is OpenLoopUser:
-            user_class.weight = 1 if named or options.user_mix == "open" else 0
-        elif user_class is FeedbackUser:
-            user_class.weight = 1 if named or options.user_mix == "feedback" else 0
+        elif user_class in mixes:
+            user_class.weight = 1 if named or options.user_mix == mixes[user_class] else 0
     if not any(getattr(c, "weight", 1) > 0 for c in environment.user_classes):
         raise SystemExit("loadtest: no user class left to run (weights 0); check --user-mix and the --*-weight "
                          "options")
@@ -443,13 +435,14 @@ class LLMUser(FastHttpUser):
         self.post_checked("/v1/completions", body, check_completion, by_variant=True)
 
     def post_checked(self, path: str, body: dict[str, Any], check: Any, by_variant: bool = False,
-                     require_variant: bool = True) -> Any:
+                     require_variant: bool = True, name: str | None = None) -> Any:
         """POST, validate with ``check``, record the LLM entries for a success; returns what ``check`` returned, or
         None for a failed request. ``by_variant``: name the entries after the model that answered (the
-        ``X-Verl-Model`` header: ``/v1/completions @b``), which must be there unless not ``require_variant``."""
+        ``X-Verl-Model`` header: ``/v1/completions @b``), which must be there unless not ``require_variant``;
+        ``name``: the HTTP entry's name, when not ``path`` (an agent's turns)."""
         start = time.perf_counter()
         variant = None
-        with self.client.post(path, json=body, catch_response=True) as response:
+        with self.client.post(path, json=body, catch_response=True, name=name) as response:
             latency = time.perf_counter() - start
             if by_variant:
                 variant = response.headers.get("X-Verl-Model") if response.headers else None
@@ -467,7 +460,7 @@ class LLMUser(FastHttpUser):
                 response.failure("no X-Verl-Model header: the server does not name the variant (not a route?)")
                 return None
             response.success()
-        self.record(latency, result.completion_tokens, path, result.finish_reason)
+        self.record(latency, result.completion_tokens, name or path, result.finish_reason)
         if variant:
             self.fire("e2e_latency_ms" + VARIANT_MARK + variant, latency * 1000)
         return result
@@ -495,18 +488,7 @@ class LLMUser(FastHttpUser):
                 response.request_meta["response_time"] = (time.perf_counter() - start) * 1000
                 response.failure(error_message(response.status_code, response.content, response.error))
                 return
-            reader, payloads, size = SSEReader(), [], 0
-            try:
-                for line in _lines(response):
-                    now = time.perf_counter() - start
-                    size += len(line)
-                    payloads.extend((now, data) for data in reader.feed(line))
-                result = check_chat_stream(payloads)
-                failure = None
-            except BadResponse as exc:
-                failure = str(exc)
-            except Exception as exc:  # noqa: BLE001 - a broken connection mid-stream is a failed request
-                failure = f"stream broken: {type(exc).__name__}: {exc}"
+            result, failure, size = _read_stream(response, start)
             # With stream=True Locust stops the clock at the headers; the request's time is the whole stream.
             end = time.perf_counter() - start
             response.request_meta["response_time"] = end * 1000
@@ -557,7 +539,8 @@ class AgentUser(LLMUser):
         """Turns until the model answers without a call or --max-turns; None when a turn failed."""
         session = Session()
         while session.turns < self.options.max_turns:
-            result = self.post_turn(self.openai_body(messages=messages, tools=self.tools))
+            result = self.post_checked("/v1/chat/completions", self.openai_body(messages=messages, tools=self.tools),
+                                       check_chat_turn, name=AGENT_TURN_NAME)
             if result is None:
                 return None
             session.turns += 1
@@ -576,23 +559,6 @@ class AgentUser(LLMUser):
         self.fire("session_output_tokens", session.tokens)
         self.fire("session_tool_calls", session.calls)
         self.fire(NO_TOOL_ENTRY, 0.0 if session.calls else 1.0)  # its mean: the share of sessions that made no call
-
-    def post_turn(self, body: dict[str, Any]) -> ChatTurn | None:
-        start = time.perf_counter()
-        with self.client.post("/v1/chat/completions", json=body, catch_response=True, name=AGENT_TURN_NAME
-                              ) as response:
-            latency = time.perf_counter() - start
-            if response.status_code != 200:
-                response.failure(error_message(response.status_code, response.content, response.error))
-                return None
-            try:
-                result = check_chat_turn(response.content)
-            except BadResponse as exc:
-                response.failure(str(exc))
-                return None
-            response.success()
-        self.record(latency, result.completion_tokens, AGENT_TURN_NAME, result.finish_reason)
-        return result
 
     def run_tool(self, call: dict[str, Any]) -> str:
         """The tool's result, or an error message for the model (an unknown tool, bad arguments, an exception)."""
@@ -682,16 +648,7 @@ class OpenLoopUser(AgentUser):
                 response.request_meta["response_time"] = (time.perf_counter() - start - record.scheduled_s) * 1000
                 response.failure(record.error)
                 return
-            reader, payloads = SSEReader(), []
-            try:
-                for line in _lines(response):
-                    now = time.perf_counter() - start
-                    payloads.extend((now, data) for data in reader.feed(line))
-                result = check_chat_stream(payloads)
-            except BadResponse as exc:
-                record.error = str(exc)
-            except Exception as exc:  # noqa: BLE001 - a broken connection mid-stream is a failed request
-                record.error = f"stream broken: {type(exc).__name__}: {exc}"
+            result, record.error, _ = _read_stream(response, start)
             end = time.perf_counter() - start
             response.request_meta["response_time"] = (end - record.scheduled_s) * 1000  # from the schedule
             if record.error:
@@ -788,6 +745,22 @@ class RouteUser(LLMUser):
     """Sends ``POST /v1/completions`` to a route (``--model``) and records which variant answered."""
 
     tasks = [LLMUser.route_completion]
+
+
+def _read_stream(response: Any, start: float) -> tuple[Any, str | None, int]:
+    """Read a chat stream to its end, each event timed from ``start``: (the checked stream or None, the failure or
+    None, the bytes read)."""
+    reader, payloads, size = SSEReader(), [], 0
+    try:
+        for line in _lines(response):
+            now = time.perf_counter() - start
+            size += len(line)
+            payloads.extend((now, data) for data in reader.feed(line))
+        return check_chat_stream(payloads), None, size
+    except BadResponse as exc:
+        return None, str(exc), size
+    except Exception as exc:  # noqa: BLE001 - a broken connection mid-stream is a failed request
+        return None, f"stream broken: {type(exc).__name__}: {exc}", size
 
 
 def _lines(response: Any) -> Iterator[bytes]:

@@ -112,13 +112,18 @@ def _num(row: dict[str, str], column: str, path: Path, line: int) -> float | Non
         raise DataError(f"'{path}', line {line}, column '{column}': {value!r} is not a number") from None
 
 
-def _is_http(entry_type: str, name: str) -> bool:
-    """An HTTP endpoint row: not Locust's ``Aggregated`` total and not one of our ``LLM`` custom entries."""
-    return name != "Aggregated" and entry_type != LLM
+class _Row:
+    type: str
+    name: str
+
+    @property
+    def is_http(self) -> bool:
+        """An HTTP endpoint row: not Locust's ``Aggregated`` total and not one of our ``LLM`` custom entries."""
+        return self.name != "Aggregated" and self.type != LLM
 
 
 @dataclass
-class Entry:
+class Entry(_Row):
     """One row of ``_stats.csv``."""
 
     type: str
@@ -134,13 +139,9 @@ class Entry:
     p95: float | None
     p99: float | None
 
-    @property
-    def is_http(self) -> bool:
-        return _is_http(self.type, self.name)
-
 
 @dataclass
-class HistoryRow:
+class HistoryRow(_Row):
     """One row of ``_stats_history.csv`` (cumulative counts; percentiles over Locust's sliding window)."""
 
     timestamp: int
@@ -153,10 +154,6 @@ class HistoryRow:
     total_requests: int
     total_failures: int
     total_mean: float | None
-
-    @property
-    def is_http(self) -> bool:
-        return _is_http(self.type, self.name)
 
 
 @dataclass
@@ -672,6 +669,3 @@ def parse_server_metrics(text: str, baseline: str | None = None) -> dict[str, An
                     "p50_ms": None if p50 is None else 1000 * p50, "p95_ms": None if p95 is None else 1000 * p95,
                     "buckets": [[le, n] for le, n in buckets]}
     return out
-
-
-# ---------------------------------------------------------------- writing

@@ -266,8 +266,18 @@ class RewardTest:
         return out
 
 
+class _BettingTest:
+    """A guardrail decided by betting (``self.bets``): rejected once its e-value reaches 1 / alpha."""
+
+    bets: Bets
+
+    @property
+    def rejected(self) -> bool:
+        return self.bets.rejected
+
+
 @dataclass
-class RateIncreaseTest:
+class RateIncreaseTest(_BettingTest):
     """A guardrail on a 0/1 outcome per randomized unit (an error, a missing reward): H0 "the candidate's rate exceeds
     the incumbent's by at most ``allowed``", rejected (roll back) by betting at ``alpha``."""
 
@@ -288,10 +298,6 @@ class RateIncreaseTest:
         s = self.units.statistics(arm, q, y)
         self.bets.add(s["z"] - self.allowed, s["least"] - self.allowed, s["variance"])
 
-    @property
-    def rejected(self) -> bool:
-        return self.bets.rejected
-
     def evidence(self) -> dict:
         c, i = self.units.candidate, self.units.incumbent
         return {"n_candidate": c.n, "n_incumbent": i.n, "rate_candidate": c.mean, "rate_incumbent": i.mean,
@@ -300,7 +306,7 @@ class RateIncreaseTest:
 
 
 @dataclass
-class ExceedanceTest:
+class ExceedanceTest(_BettingTest):
     """The latency guardrail as a sequential quantile test: H0 "the candidate's p-quantile is at most the SLO", i.e.
     P(latency > SLO) <= 1 - p, rejected (roll back) by betting on the exceedances at ``alpha``."""
 
@@ -321,10 +327,6 @@ class ExceedanceTest:
         n = x.size
         self.bets.add(x - self.tail, np.full(n, -self.tail), np.full(n, self.tail * (1 - self.tail)))
 
-    @property
-    def rejected(self) -> bool:
-        return self.bets.rejected
-
     def evidence(self) -> dict:
         n = self.bets.n
         return {"slo": self.slo, "quantile": self.quantile, "n": n, "above_slo": self.exceed,
@@ -333,7 +335,7 @@ class ExceedanceTest:
 
 
 @dataclass
-class PairedWorseTest:
+class PairedWorseTest(_BettingTest):
     """Paired differences in [-1, 1] (the shadow stage: the candidate's and the incumbent's answer to the same
     request): H0 "the mean difference is >= -allowed", rejected by betting at ``alpha``."""
 
@@ -351,10 +353,6 @@ class PairedWorseTest:
         v = self.moments.variance_guess(0.02, 0.0, 0.5)
         self.bets.add(-d - self.allowed, np.full(d.size, -1.0 - self.allowed), np.full(d.size, v))
         self.moments.add(d)
-
-    @property
-    def rejected(self) -> bool:
-        return self.bets.rejected
 
     def evidence(self) -> dict:
         return {"n_pairs": self.moments.n, "mean_difference": self.moments.mean, "allowed": self.allowed,
