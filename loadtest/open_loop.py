@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,15 +143,9 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
 
 def _stats(name: str, values: list[float], percentiles: tuple[float, ...]) -> dict[str, float | None]:
     arr = np.asarray(values, dtype=np.float64)
-    out: dict[str, float | None] = {f"mean_{name}_ms": None, f"median_{name}_ms": None, f"std_{name}_ms": None}
-    out.update({f"p{_pname(p)}_{name}_ms": None for p in percentiles})
-    if arr.size:
-        out[f"mean_{name}_ms"] = float(arr.mean())
-        out[f"median_{name}_ms"] = float(np.median(arr))
-        out[f"std_{name}_ms"] = float(arr.std())
-        for p in percentiles:
-            out[f"p{_pname(p)}_{name}_ms"] = float(np.percentile(arr, p))
-    return out
+    stats = {"mean": np.mean, "median": np.median, "std": np.std,
+             **{f"p{_pname(p)}": lambda a, p=p: np.percentile(a, p) for p in percentiles}}
+    return {f"{key}_{name}_ms": float(stat(arr)) if arr.size else None for key, stat in stats.items()}
 
 
 def _pname(p: float) -> str:
@@ -200,11 +195,7 @@ def summarise(records: list[RequestRecord], rate: float, duration_s: float, slo:
     result["schedule_lag_p99_ms"] = float(np.percentile(lag, 99)) if lag.size else None
     result["generator_bound"] = bool(lag.size and result["schedule_lag_p99_ms"] > max_lag_p99_ms)
     result["max_lag_p99_ms"] = max_lag_p99_ms
-    errors: dict[str, int] = {}
-    for r in records:
-        if not r.ok:
-            key = r.error or f"HTTP {r.status}"
-            errors[key] = errors.get(key, 0) + 1
+    errors = Counter(r.error or f"HTTP {r.status}" for r in records if not r.ok)
     result["errors"] = dict(sorted(errors.items(), key=lambda kv: -kv[1])[:10])
     return result
 

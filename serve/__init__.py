@@ -10,4 +10,8 @@
 
 from __future__ import annotations
 
+import logging
+
 __version__ = "0.1.0"
+# A child of uvicorn's logger: the service's lines appear in the server log with its format and level.
+log = logging.getLogger("uvicorn.error.serve")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -32,41 +31,41 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve import __version__
+from serve import __version__, log
 from serve.admin import ADMIN_PREFIX, admin_router, check_admin_key, multiple_workers_problem, serving_processes
 from serve.auth import check_bearer
 from serve.errors import ApiError, error_body, error_response
-from serve.metrics import ServeMetrics
 from serve.routes import add_routes
 from serve.service import Service
 from serve.settings import ServeSettings, load_settings
 
-# A child of uvicorn's logger: our lines appear in the server log with its format and level.
-log = logging.getLogger("uvicorn.error.serve")
-
 
 class HTTPMetricsMiddleware:
-    """Counts HTTP requests by (known) path and status; a pure ASGI middleware so streaming is untouched."""
+    """Counts HTTP requests by (known) path and status, and names on every response the models-and-routes version
+    it was served at (``X-Verl-Config-Version``), so a client or a test sees when a change reached the replica that
+    answered; a pure ASGI middleware so streaming is untouched."""
 
-    def __init__(self, app: ASGIApp, metrics: ServeMetrics, paths: Callable[[], set[str]]):
-        self.app, self.metrics, self.paths = app, metrics, paths
+    def __init__(self, app: ASGIApp, service: Service, paths: Callable[[], set[str]]):
+        self.app, self.service, self.paths = app, service, paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         status = {"code": 500}
+        version = str(self.service.lifecycle.config_version).encode()  # the version when the request came in
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-verl-config-version", version)]
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
             path = scope["path"] if scope["path"] in self.paths() else "other"
-            self.metrics.http.labels(path, scope["method"], str(status["code"])).inc()
+            self.service.metrics.http.labels(path, scope["method"], str(status["code"])).inc()
 
 
 class EdgeGuard:
@@ -160,27 +159,6 @@ def _install_drain_hook(service: Service) -> Callable[[], None]:
     return uninstall
 
 
-class ConfigVersionHeader:
-    """Every response names the models-and-routes version it was served at (``X-Verl-Config-Version``), so a client
-    or a test sees when a change reached the replica that answered."""
-
-    def __init__(self, app: ASGIApp, service: Service):
-        self.app, self.service = app, service
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        version = str(self.service.lifecycle.config_version).encode()  # the version when the request came in
-
-        async def send_wrapper(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-verl-config-version", version)]
-            await send(message)
-
-        await self.app(scope, receive, send_wrapper)
-
-
 def create_app(settings: ServeSettings | None = None, fleet: Any = None) -> FastAPI:
     """Build the FastAPI app for ``settings`` (default: env + serve.yaml). The model loads at startup. ``fleet``: a
     ``serve.fleet.FleetLink`` when this app is one replica of ``verl serve --replicas`` (serve/fleet.py)."""
@@ -222,9 +200,7 @@ def create_app(settings: ServeSettings | None = None, fleet: Any = None) -> Fast
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     app.add_middleware(EdgeGuard, settings=settings)
-    app.add_middleware(ConfigVersionHeader, service=service)
-    app.add_middleware(HTTPMetricsMiddleware, metrics=service.metrics,
-                       paths=lambda: {route.path for route in app.routes})
+    app.add_middleware(HTTPMetricsMiddleware, service=service, paths=lambda: {route.path for route in app.routes})
     _add_error_handlers(app)
     add_routes(app, service)
     if settings.admin_api_key is not None:

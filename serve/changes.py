@@ -5,14 +5,12 @@ both answer the admin API's errors (400, 404, 409) the same way."""
 from __future__ import annotations
 
 import asyncio
-import logging
 
+from serve import log
 from serve.errors import ApiError
 from serve.lifecycle import ModelLifecycle
 from serve.settings import ModelEntry
 from verl.errors import VerlError
-
-log = logging.getLogger("uvicorn.error.serve")
 
 
 def name_in_use(name: str) -> ApiError:

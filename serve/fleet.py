@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import tempfile
 import time
@@ -35,9 +34,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from serve import log
 from verl.utils.fs import atomic_write_json
-
-log = logging.getLogger("uvicorn.error.serve")
 
 CONTROL_NAME = "verl-control"
 NAMESPACE = "verl-serve"

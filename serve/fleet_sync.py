@@ -5,15 +5,13 @@ joins at the control plane's state and switches to each new version (load first,
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
+from serve import log
 from serve.changes import last_model, name_in_use, no_such
 from serve.errors import ApiError
 from serve.lifecycle import ModelLifecycle
 from serve.settings import ModelEntry, check_route
-
-log = logging.getLogger("uvicorn.error.serve")
 
 
 class FleetSync:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 from pathlib import Path
 
 import torch
 
-from serve import __version__
+from serve import __version__, log
 from serve.engines import create_engine
 from serve.engines.base import Engine
 from serve.engines.reward import RewardScorer
@@ -23,9 +22,6 @@ from serve.settings import ModelEntry, ServeSettings
 from verl.errors import ConfigError
 from verl.models.loader import pick_device
 from verl.utils.fs import atomic_write_json
-
-# A child of uvicorn's logger: our lines appear in the server log with its format and level.
-log = logging.getLogger("uvicorn.error.serve")
 
 
 def initial_models(settings: ServeSettings) -> tuple[list[ModelEntry], dict[str, dict[str, float]], str | None]:

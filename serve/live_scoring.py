@@ -20,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import logging
 import math
 import os
 import random
 from dataclasses import dataclass
 from typing import Any
 
+from serve import log
 from serve.admission import Responder
 from serve.lifecycle import ModelLifecycle
 from serve.metrics import ServeMetrics
@@ -34,8 +34,6 @@ from serve.records import OnlineRecords
 from serve.settings import LiveScoringSettings
 from verl.data.records import reward_row
 from verl.errors import DataError
-
-log = logging.getLogger("uvicorn.error.serve")
 
 
 @dataclass

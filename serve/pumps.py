@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from serve import log
 from serve.admission import Admission, Responder
 from serve.engines.base import EngineError, EngineOutput, EngineRequest, RequestFailedError, SamplingOptions
 from serve.lifecycle import ModelLifecycle
@@ -18,8 +18,6 @@ from serve.metrics import SequenceTimer, ServeMetrics
 from serve.records import OnlineRecords, prompt_hash, score
 from serve.settings import ServeSettings
 from serve.shadow import ShadowTraffic
-
-log = logging.getLogger("uvicorn.error.serve")
 
 TIMEOUT_CANCEL = "verl-timeout"  # the message a pump is cancelled with when its request timed out (an error row)
 

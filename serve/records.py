@@ -17,19 +17,16 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from serve import __version__
+from serve import __version__, log
 from verl.data.records import OnlineRecord
 from verl.rewards import get_reward_fn
 from verl.utils.fs import atomic_path
-
-log = logging.getLogger("uvicorn.error.serve")
 
 KEEP_IN_MEMORY = 10_000
 RETENTION_S = 7 * 86_400.0  # the default records_retention_s
@@ -37,7 +34,6 @@ MAX_COMPLETIONS = 200_000  # the default size of the completion index (feedback'
 COMPACT_EVERY_S = 3_600.0  # how often the records file is rewritten without rows past the retention
 FEEDBACK_SOURCE = "feedback"  # the reward_source of a user's feedback
 RULE_SCORER_VERSION = f"verl-serve-{__version__}"  # the rule rewards are the registry's of this version
-
 
 
 def clip_prompt(prompt: Any, max_chars: int) -> tuple[Any, bool]:

@@ -5,14 +5,12 @@ the user."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import random
 
+from serve import log
 from serve.admission import Admission, Responder
 from serve.errors import ApiError
 from serve.registry import ModelRegistry
-
-log = logging.getLogger("uvicorn.error.serve")
 
 
 class ShadowTraffic:

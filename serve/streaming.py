@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -12,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from serve import log
 from serve.admission import Responder
 from serve.engines.base import (
     EngineDeadError,
@@ -23,9 +23,6 @@ from serve.errors import ApiError, error_body
 from serve.pumps import TIMEOUT_CANCEL, SequenceResult, SequenceSpec
 from serve.schemas import StreamOptions
 from serve.service import Service
-
-# A child of uvicorn's logger: our lines appear in the server log with its format and level.
-log = logging.getLogger("uvicorn.error.serve")
 
 
 async def _wait_disconnect(request: Request) -> None:
