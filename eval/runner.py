@@ -58,29 +58,14 @@ from eval.results import (
 )
 from eval.settings import EvalSettings
 from verl.batch import jsonable
-from verl.config import (
-    DataConfig,
-    RewardConfig,
-    RolloutConfig,
-    SFTConfig,
-    ValidationSampling,
-    build_config,
-    load_yaml,
-)
+from verl.config import DataConfig, RewardConfig, RolloutConfig, SFTConfig, ValidationSampling, build_config, load_yaml
 from verl.data.dataset import RLHFDataset
 from verl.errors import CheckpointError, ConfigError
 from verl.evaluators import EvalBatch, Metric, build_evaluator, build_evaluators, run_evaluators
 from verl.evaluators.groups import group_labels
 from verl.evaluators.kl_terms import compute_kl_terms
 from verl.evaluators.registry import BUILTIN_EVALUATORS, evaluator_needs, split_specs
-from verl.models.loader import (
-    check_hub_id,
-    load_causal_lm,
-    load_tokenizer,
-    looks_local,
-    missing_dir_error,
-    pick_device,
-)
+from verl.models.loader import check_hub_id, load_causal_lm, load_tokenizer, looks_local, missing_dir_error, pick_device
 from verl.protocol import DataProto, pad_responses
 from verl.rollout.agent_loop import AgentRollout
 from verl.rollout.base import EngineSpec, SamplingParams, build_rollout

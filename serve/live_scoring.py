@@ -61,12 +61,7 @@ class LiveScoring:
             url, name = config.remote
             key = os.environ.get(config.api_key_env) if config.api_key_env else None
             if config.is_judge:
-                from verl.rewards.judge import (  # noqa: PLC0415  (a judge only)
-                    Endpoint,
-                    JudgeClient,
-                    PointwiseRubric,
-                    load_rubric,
-                )
+                from verl.rewards.judge import Endpoint, JudgeClient, PointwiseRubric, load_rubric  # noqa: PLC0415  (a judge only)
 
                 rubric = PointwiseRubric(load_rubric(config.rubric, "pointwise", "score_traffic"), *config.scale,
                                          config.max_tokens)

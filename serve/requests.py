@@ -5,16 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve.engines.base import (
-    Engine,
-    SamplingOptions,
-)
+from serve.engines.base import Engine, SamplingOptions
 from serve.errors import ApiError
 from serve.pumps import SequenceSpec
-from serve.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from serve.schemas import ChatCompletionRequest, CompletionRequest
 from serve.service import Service
 from serve.tool_calling import ToolPlan, template_messages, uses_tools
 from verl.errors import ConfigError

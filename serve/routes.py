@@ -15,10 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from serve import __version__
 from serve.admission import Responder
 from serve.auth import require_api_key
-from serve.engines.base import (
-    EngineOutput,
-    SamplingOptions,
-)
+from serve.engines.base import EngineOutput, SamplingOptions
 from serve.errors import ERROR_RESPONSES, SSE_DOC, ApiError
 from serve.feedback import take as take_feedback
 from serve.logprobs import CompletionLogprobs, chat_logprobs, token_texts

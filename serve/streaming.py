@@ -13,12 +13,7 @@ from starlette.types import Receive, Scope, Send
 
 from serve import log
 from serve.admission import Responder
-from serve.engines.base import (
-    EngineDeadError,
-    EngineError,
-    EngineOutput,
-    RequestFailedError,
-)
+from serve.engines.base import EngineDeadError, EngineError, EngineOutput, RequestFailedError
 from serve.errors import ApiError, error_body
 from serve.pumps import TIMEOUT_CANCEL, SequenceResult, SequenceSpec
 from serve.schemas import StreamOptions

@@ -7,13 +7,7 @@ import math
 import pytest
 import torch
 
-from verl.algos.kl import (
-    KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    build_kl_controller,
-    kl_penalty,
-)
+from verl.algos.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, build_kl_controller, kl_penalty
 
 F64 = torch.float64
 

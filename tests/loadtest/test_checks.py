@@ -7,14 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from loadtest.checks import (
-    BadResponse,
-    SSEReader,
-    check_chat_stream,
-    check_completion,
-    check_generate,
-    error_message,
-)
+from loadtest.checks import BadResponse, SSEReader, check_chat_stream, check_completion, check_generate, error_message
 from loadtest.prompts import load_prompts
 from loadtest.shapes import StepPlan, doubling_levels, parse_levels
 from verl.errors import DataError

@@ -8,14 +8,7 @@ import math
 import pytest
 
 from loadtest.render import make_report, summary_text
-from loadtest.report import (
-    FleetPlan,
-    build_report,
-    capacity,
-    histogram_quantile,
-    parse_server_metrics,
-    resolve_prefix,
-)
+from loadtest.report import FleetPlan, build_report, capacity, histogram_quantile, parse_server_metrics, resolve_prefix
 from loadtest.settings import SLO
 from tests.loadtest.locust_csv import history_row, stats_row, write_run
 from verl.errors import DataError

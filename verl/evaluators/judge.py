@@ -37,14 +37,7 @@ from verl.errors import ConfigError
 from verl.evaluators.accuracy import strict_answer, strict_correct
 from verl.evaluators.base import EvalBatch, EvalResult, Evaluator
 from verl.evaluators.stats import Metric
-from verl.rewards.judge import (
-    Endpoint,
-    JudgeClient,
-    PointwiseRubric,
-    load_rubric,
-    markers,
-    parse_verdict,
-)
+from verl.rewards.judge import Endpoint, JudgeClient, PointwiseRubric, load_rubric, markers, parse_verdict
 
 
 def cohen_kappa(a: np.ndarray, b: np.ndarray) -> float:

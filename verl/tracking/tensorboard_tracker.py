@@ -14,13 +14,7 @@ import yaml
 
 from verl.errors import ConfigError
 from verl.tracking.base import Tracker
-from verl.tracking.common import (
-    backend_settings,
-    flatten_config,
-    histogram_summary,
-    require,
-    samples_markdown,
-)
+from verl.tracking.common import backend_settings, flatten_config, histogram_summary, require, samples_markdown
 
 # Metrics the HParams dashboard shows next to each run's hyper-parameters.
 HPARAM_METRICS = ("rollout/reward_mean", "eval/accuracy", "ppo/kl_div", "ppo/entropy")
