@@ -137,21 +137,19 @@ class Admission:
                          not_for_training=self.settings.records_not_for_training or bool(
                              online is not None and online.not_for_training))
 
-    def admit(self, sequences: int, target: Responder | None = None, request_id: str | None = None) -> None:
+    def admit(self, sequences: int, target: Responder, request_id: str) -> None:
         """Reserve ``sequences`` slots or refuse: the queue never grows past ``max_queue_size``. A refusal at
         capacity is recorded as failed requests of ``target`` (the canary counts it against the model)."""
-        if target is not None:
-            target.choices = sequences
+        target.choices = sequences
         if sequences > self.capacity:
             raise ApiError(400, f"the request needs {sequences} sequences (prompts x n) but this server holds at "
                            f"most {self.capacity}; split it", param="n")
         if self.in_flight + sequences > self.capacity:
             self.metrics.rejected.labels(self.lifecycle.model_name, "queue_full").inc()
-            if target is not None:
-                now = time.time()
-                for index in range(sequences):
-                    self.records.add(target.record(request_id, index, now, 0, 0, None, now - (target.arrival or now),
-                                                   "abort", "queue_full: 429 at capacity", None))
+            now = time.time()
+            for index in range(sequences):
+                self.records.add(target.record(request_id, index, now, 0, 0, None, now - (target.arrival or now),
+                                               "abort", "queue_full: 429 at capacity", None))
             raise ApiError(429, f"the server is at capacity ({self.in_flight} sequences in flight, limit "
                            f"{self.capacity}); retry later", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.settings.retry_after_s)})

@@ -37,10 +37,11 @@ def export_command(
     def _run() -> None:
         from serve.export import run_export
         from verl.errors import ConfigError
+        from verl.utils.log import quiet_hf
 
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype '{dtype}' must be auto, float32, bfloat16 or float16")
-        _quiet_transformers()
+        quiet_hf()
         path, selection = run_export(to, run=run, ckpt=ckpt, select=select, metric=metric, force=force,
                                      base=base, dtype=dtype, logs=logs, verify=not no_verify)
         console = new_console()
@@ -183,10 +184,3 @@ def uvicorn_options(settings) -> dict:
     return {"host": settings.host, "port": settings.port, "timeout_graceful_shutdown": int(grace) + 1,
             "http": protocol_with_header_timeout(settings.header_timeout_s),
             "timeout_keep_alive": max(1, round(settings.keep_alive_timeout_s))}
-
-
-def _quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()

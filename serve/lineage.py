@@ -31,14 +31,8 @@ class Lineage:
     weights: str | None = None  # sha256 of the weight files, 16 hex digits
 
     def headers(self) -> dict[str, str]:
-        out = {}
-        if self.run is not None:
-            out["X-Verl-Run"] = self.run
-        if self.step is not None:
-            out["X-Verl-Step"] = str(self.step)
-        if self.weights is not None:
-            out["X-Verl-Weights"] = self.weights
-        return out
+        values = {"X-Verl-Run": self.run, "X-Verl-Step": self.step, "X-Verl-Weights": self.weights}
+        return {name: str(value) for name, value in values.items() if value is not None}
 
     def fields(self) -> dict[str, str | int | None]:
         return {"run": self.run, "step": self.step, "weights": self.weights}

@@ -57,11 +57,9 @@ class Pumps:
         self.tasks: set[asyncio.Task] = set()
 
     def start(self, request_id: str, specs: list[SequenceSpec], sink: Sink, stream: bool,
-              target: Responder | None = None) -> list[asyncio.Task]:
+              target: Responder) -> list[asyncio.Task]:
         """One task per sequence (its slot already admitted), reading the engine stream and passing each output to
         ``sink``; a drawn share of a route's requests is mirrored to its shadow model too."""
-        if target is None:
-            target = Responder(self.lifecycle.registry.models[self.lifecycle.model_name])
         tasks = self._spawn(target, request_id, request_id, specs, stream, sink)
         mirror = self.shadow.mirror_of(target, len(specs))
         if mirror is not None:

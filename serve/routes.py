@@ -53,7 +53,7 @@ from serve.schemas import (
 )
 from serve.scoring import score_request
 from serve.service import Service
-from serve.streaming import run_to_completion, stream_response, usage_block, usage_chunk, usage_modes
+from serve.streaming import run_to_completion, stream_response, usage_block
 from serve.tool_calling import ToolCallStream, plan_request, response_message, uses_tools
 from verl.errors import ConfigError
 from verl.tools.templates import tool_chat_template
@@ -278,6 +278,7 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
     service.admission.admit(len(specs), target, request_id)
     if body.stream:
         started: dict[int, CompletionLogprobs] = {}
+        base = {"id": request_id, "object": "text_completion", "created": created, "model": target.name}
 
         def chunk(index: int, text: str, out: EngineOutput | None) -> dict | None:
             spec = specs[index]
@@ -297,13 +298,10 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
                       "finish_reason": out.finish_reason if out else None}
             if out is not None and out.finished:
                 choice["stop_reason"] = out.stop_reason
-            return {"id": request_id, "object": "text_completion", "created": created,
-                    "model": target.name, "choices": [choice]}
+            return {**base, "choices": [choice]}
 
-        make_usage = usage_chunk(request_id, "text_completion", created, target.name)
-        include, continuous = usage_modes(body.stream_options)
-        return stream_response(service, request_id, specs, prompt_tokens, chunk, [], include, make_usage, target,
-                               continuous_usage=continuous)
+        return stream_response(service, request_id, specs, prompt_tokens, chunk, [], body.stream_options, base,
+                               target)
     results = await run_to_completion(service, request, request_id, specs, target)
     choices = []
     for spec, r in zip(specs, results, strict=True):
@@ -373,10 +371,8 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
 
         preamble = [{**base, "choices": [{"index": s.index, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}]} for s in specs]
-        make_usage = usage_chunk(request_id, "chat.completion.chunk", created, target.name)
-        include, continuous = usage_modes(body.stream_options)
-        return stream_response(service, request_id, specs, len(prompt), chunk, preamble, include, make_usage, target,
-                               continuous_usage=continuous)
+        return stream_response(service, request_id, specs, len(prompt), chunk, preamble, body.stream_options, base,
+                               target)
     results = await run_to_completion(service, request, request_id, specs, target)
     choices = []
     for i, r in enumerate(results):

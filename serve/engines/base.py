@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -111,7 +110,7 @@ class EngineOutput:
 
 
 class Engine(abc.ABC):
-    """A generation backend. Subclasses register themselves with ``serve.engines.register_engine``."""
+    """A generation backend. Subclasses register themselves with ``serve.engines.ENGINES.register``."""
 
     name: str = "base"
 
@@ -207,7 +206,3 @@ class StopChecker:
         out = self.text[self.emitted : end]
         self.emitted = end
         return out
-
-
-def describe(obj: Any) -> str:
-    return f"{type(obj).__name__}: {obj}"
