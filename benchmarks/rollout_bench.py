@@ -28,30 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
+from grpo_vs_trl import _setup
 from probes import decode_efficiency, decode_limits
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = ["builtin:tiny-arith", "builtin:small-arith-base"]
-
-
-def _setup() -> None:
-    os.environ.setdefault("VERL_CACHE_DIR", str(REPO / ".cache"))
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    torch.set_num_threads(1)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
-def _count_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -102,7 +87,8 @@ def bench_model(path: str, args: argparse.Namespace) -> list[dict]:
                         tokens[name].append(int(out.batch["response_mask"].sum()))
                     # Let vLLM's worker leave its post-request busy-wait (~1 s) before the next timed call.
                     time.sleep(1.5)
-            result: dict = {"model": path, "params_m": _count_params(model) / 1e6, "dtype": args.dtype,
+            params_m = sum(p.numel() for p in model.parameters()) / 1e6
+            result: dict = {"model": path, "params_m": params_m, "dtype": args.dtype,
                             "shape": f"{n_prompts}x{n}x{max_new}", "vllm_start_s": start_s,
                             "sync_s_median": statistics.median(sync_times),
                             "limits": decode_limits(model, n_prompts * n)}
@@ -158,7 +144,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--engine-kwargs", default="{}", help='JSON for vllm.LLM, e.g. \'{"block_size": 16}\'')
     args = parser.parse_args()
-    _setup()
+    _setup(1)
     results = []
     for path in args.models:
         results.extend(bench_model(path, args))
