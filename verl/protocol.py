@@ -221,6 +221,20 @@ class DataProto:
         return DataProto({k: self.batch.pop(k) for k in keys}, {}, dict(self.meta), self.stage)
 
 
+def pad_tokens(sequences: Sequence[Sequence[int]], pad_id: int, left: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists padded to the longest: ``(input_ids, attention_mask)``, each ``(batch, longest)``; left-padded
+    (right-aligned, as generation reads prompts) or right-padded (what a sequence classifier reads at each row's
+    last attended token)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        cols = slice(width - len(seq), width) if left else slice(0, len(seq))
+        ids[i, cols] = torch.as_tensor(seq, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask
+
+
 SEQUENCE_KEYS = ("responses", "prompts", "input_ids", "attention_mask", "position_ids")  # padded on their own
 
 

@@ -24,10 +24,11 @@ import torch
 from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from serve.lineage import Lineage
-from verl.data.dataset import prompt_text, right_pad
+from verl.data.dataset import prompt_text
 from verl.errors import ConfigError, DataError
 from verl.models.loader import load_tokenizer, resolve_model_path
 from verl.models.sequence_scores import sequence_scores
+from verl.protocol import pad_tokens
 
 MICRO_BATCH = 32
 
@@ -98,7 +99,7 @@ class RewardScorer:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         with self._lock, torch.no_grad():
             for start in range(0, len(ids), MICRO_BATCH):
-                input_ids, mask = right_pad(ids[start:start + MICRO_BATCH], pad)
+                input_ids, mask = pad_tokens(ids[start:start + MICRO_BATCH], pad, left=False)
                 logits = sequence_scores(self.model, input_ids.to(self.device), mask.to(self.device))
                 out.append(logits.float().cpu())
         return torch.cat(out)

@@ -23,8 +23,9 @@ from serve.engines.base import EngineDeadError, EngineError, EngineOutput, Reque
 from serve.engines.rows import RowSampler, RunningSequence, logprob_entries, token_logprobs
 from serve.settings import ServeSettings
 from verl.models.fused_decoder import fused_decoder_layers
-from verl.models.kv_cache import GrowingLayer, Joining, RowBatch, left_padded, new_growing_cache
+from verl.models.kv_cache import GrowingLayer, Joining, RowBatch, new_growing_cache
 from verl.models.packed_linear import packed_weights
+from verl.protocol import pad_tokens
 
 log = logging.getLogger("uvicorn.error.serve.engine")  # shows in the uvicorn server log
 FAILURES_BEFORE_DEAD = 8  # consecutive requests that fail alone before the engine declares itself dead
@@ -191,7 +192,7 @@ class StepLoop:
         prompts = [seq.request.prompt_token_ids for seq in seqs]
         cache = new_growing_cache(self.model.config)
         prefix = self._prefill_shared_prefix(seqs, cache)
-        ids, suffix_mask = left_padded([prompt[prefix:] for prompt in prompts], self.tokenizer.pad_token_id or 0)
+        ids, suffix_mask = pad_tokens([prompt[prefix:] for prompt in prompts], self.tokenizer.pad_token_id or 0)
         ids, suffix_mask = ids.to(self.device), suffix_mask.to(self.device)
         # Columns: the shared prefix, then each row's left-padded rest (padding mid-row, masked like any padding;
         # positions count real tokens only, so each row's positions are what a lone prefill gives it).

@@ -18,8 +18,8 @@ from serve.export import run_export, select_checkpoint
 from serve.settings import ServeSettings, is_reward_model
 from tests.serve.helpers import run_server
 from verl.config import RMConfig, build_config
-from verl.data.dataset import right_pad
 from verl.errors import VerlError
+from verl.protocol import pad_tokens
 from verl.trainer.rm import RewardModelTrainer
 
 pytestmark = pytest.mark.e2e  # real servers
@@ -49,7 +49,7 @@ def server(reward_model):
 
 def trainer_scores(trainer: RewardModelTrainer, texts: list[str]) -> list[float]:
     ids = [trainer.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    input_ids, mask = right_pad(ids, trainer.tokenizer.pad_token_id)
+    input_ids, mask = pad_tokens(ids, trainer.tokenizer.pad_token_id, left=False)
     with torch.no_grad():
         chosen, rejected = trainer.scores({"input_ids": torch.cat([input_ids, input_ids]),
                                            "attention_mask": torch.cat([mask, mask])})

@@ -23,7 +23,7 @@ from verl.data.builtin import resolve_data_file
 from verl.data.exports import Layout, export_file
 from verl.data.tasks.arithmetic import ArithmeticSpec
 from verl.errors import DataError
-from verl.protocol import DataProto
+from verl.protocol import DataProto, pad_tokens
 from verl.tools.registry import tools_for_row
 from verl.tools.templates import ToolPrompting
 
@@ -93,30 +93,6 @@ def prompt_text(prompt: Any, tokenizer: PreTrainedTokenizerBase, apply_chat_temp
     if apply_chat_template and tokenizer.chat_template:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return "\n".join(m["content"] for m in messages)
-
-
-def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists to the longest: ``(input_ids, attention_mask)`` each ``(batch, max_len)``."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        if seq:
-            ids[i, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
-            mask[i, width - len(seq) :] = 1
-    return ids, mask
-
-
-def right_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists to the longest: ``(input_ids, attention_mask)`` each ``(batch, max_len)`` (what a
-    sequence classifier reads at each row's last attended token)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-        mask[i, : len(seq)] = 1
-    return ids, mask
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -223,7 +199,7 @@ class RLHFDataset:
         return value
 
     def collate(self, indices: Sequence[int]) -> DataProto:
-        ids, mask = left_pad([self.prompt_ids[i] for i in indices], self.tokenizer.pad_token_id)
+        ids, mask = pad_tokens([self.prompt_ids[i] for i in indices], self.tokenizer.pad_token_id)
         rows = [self.rows[i] for i in indices]
         return DataProto.from_dict(
             tensors={"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)},

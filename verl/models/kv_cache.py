@@ -158,17 +158,6 @@ def pad_left(tensor: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
     return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
-def left_padded(sequences: list[list[int]] | list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id sequences as a right-aligned batch: ids and attention mask, both ``(len(sequences), longest)``."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, sequence in enumerate(sequences):
-        ids[i, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
-        mask[i, width - len(sequence):] = 1
-    return ids, mask
-
-
 @dataclass
 class Joining:
     """Rows that join a ``RowBatch``: their prefill's ``cache`` and attention ``mask`` ``(R, width)``, each row's next

@@ -6,6 +6,8 @@ rounding); bf16/fp16 models upcast their logits to float32 before any softmax, a
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -14,3 +16,8 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in float32 if it is a half-width float, else unchanged (float32 stays, float64 stays)."""
     return tensor.float() if tensor.dtype in LOW_PRECISION else tensor
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype | None):
+    """``torch.autocast`` to ``dtype`` on ``device``'s type (``model.autocast_dtype``); no autocast for None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import itertools
 import queue
 import threading
@@ -44,11 +43,10 @@ import torch
 from verl.config import MultiTurnConfig
 from verl.models.attention import NAME as CPU_ATTENTION
 from verl.models.fused_decoder import fused_decoder_layers
-from verl.models.kv_cache import left_padded
 from verl.models.packed_linear import packed_weights
-from verl.models.precision import at_least_float32
+from verl.models.precision import at_least_float32, autocast_context
 from verl.models.slot_cache import SlotCache
-from verl.protocol import DataProto
+from verl.protocol import DataProto, pad_tokens
 from verl.rollout.base import RolloutEngine, SamplingParams
 from verl.rollout.sampler import draw_categorical, logits_warpers
 from verl.tools.calls import ToolCall, parse_tool_calls
@@ -327,10 +325,8 @@ class AgentLoop(ToolTurns):
                 next_tokens = torch.cat([next_tokens, tokens[keep].cpu()])
             if decoding:
                 step = self._store.step(cache_rows)
-                with self._autocast(device):
-                    out = self.model(input_ids=next_tokens.unsqueeze(-1).to(device), **step)
-                keep, tokens = self._advance(decoding, at_least_float32(out.logits[:, -1, :]), params, warpers,
-                                             waiting)
+                logits = self._forward(device, input_ids=next_tokens.unsqueeze(-1).to(device), **step)
+                keep, tokens = self._advance(decoding, logits, params, warpers, waiting)
                 if len(keep) < len(decoding):
                     self._leave(decoding, keep)
                     decoding = [decoding[i] for i in keep]
@@ -396,13 +392,11 @@ class AgentLoop(ToolTurns):
         turn; left-padded to the group's longest), appended to their slots in place; next-token logits
         ``(rows, vocab)``. The padding is masked out and position ids count real tokens only, so the result is the
         row's full forward."""
-        ids, new_mask = left_padded([(row.prompt_ids + row.ids)[row.cached:] for row in rows],
+        ids, new_mask = pad_tokens([(row.prompt_ids + row.ids)[row.cached:] for row in rows],
                                     self.tokenizer.pad_token_id or 0)
         slots = np.fromiter((row.cache_slot for row in rows), dtype=np.int64, count=len(rows))
         step = self._store.step(slots, new_mask.to(device))
-        with self._autocast(device):
-            out = self.model(input_ids=ids.to(device), logits_to_keep=1, **step)
-        return at_least_float32(out.logits[:, -1, :])
+        return self._forward(device, input_ids=ids.to(device), logits_to_keep=1, **step)
 
     def _prefill(self, rows: list[Trajectory], device: torch.device) -> torch.Tensor:
         """One forward over each row's ids so far (left-padded) into a fresh slot per row: next-token logits
@@ -417,11 +411,9 @@ class AgentLoop(ToolTurns):
             row.cache_slot = slot
             first.setdefault(sequence, slot)
         unique = list(first)
-        ids, mask = left_padded(unique, self.tokenizer.pad_token_id or 0)
+        ids, mask = pad_tokens(unique, self.tokenizer.pad_token_id or 0)
         step = self._store.step(np.fromiter(first.values(), dtype=np.int64, count=len(first)), mask.to(device))
-        with self._autocast(device):
-            out = self.model(input_ids=ids.to(device), logits_to_keep=1, **step)
-        logits = at_least_float32(out.logits[:, -1, :])
+        logits = self._forward(device, input_ids=ids.to(device), logits_to_keep=1, **step)
         if len(unique) == len(rows):
             return logits
         sharing = [(first[sequence], slot) for sequence, slot in zip(sequences, slots, strict=True)
@@ -462,10 +454,10 @@ class AgentLoop(ToolTurns):
                 row.turns += 1  # the turn the budget cut is still an assistant turn
         return np.flatnonzero(~ending).tolist(), tokens
 
-    def _autocast(self, device: torch.device):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
+    def _forward(self, device: torch.device, **inputs: Any) -> torch.Tensor:
+        """The model's next-token logits ``(rows, vocab)``, at least float32, under ``model.autocast_dtype``."""
+        with autocast_context(device, self.autocast_dtype):
+            return at_least_float32(self.model(**inputs).logits[:, -1, :])
 
 
 class AgentRollout(RolloutEngine):

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from verl.config import MultiTurnConfig
 from verl.models.fused_decoder import fused_decoder_layers
 from verl.models.packed_linear import packed_weights
+from verl.models.precision import autocast_context
 from verl.protocol import DataProto, pad_responses
 from verl.rollout.agent_loop import AgentLoop
 from verl.rollout.base import EngineSpec, RolloutEngine, SamplingParams, assemble_rollout
@@ -85,7 +86,7 @@ class HFRollout(RolloutEngine):
         behaviour = None  # `generate` (the fallback) gives no log-probs: callers compute them with a forward pass
         try:
             if self.shared_prefill:
-                with self._autocast(device):
+                with autocast_context(device, self.autocast_dtype):
                     seeds = [int(i) for i in prompts.non_tensor["index"]] if "index" in prompts.non_tensor else None
                     sampled = sample_with_shared_prefill(self.model, ids, mask, params, self.eos_id, self.pad_id,
                                                          prompt_seeds=seeds, stop_when=self.stop_when,
@@ -94,7 +95,7 @@ class HFRollout(RolloutEngine):
             else:
                 if params.greedy:
                     kwargs["num_return_sequences"] = 1  # greedy samples are identical; generate once, repeat
-                with self._sampling_rng(params.seed, device), self._autocast(device), \
+                with self._sampling_rng(params.seed, device), autocast_context(device, self.autocast_dtype), \
                         packed_weights(trainable=True), fused_decoder_layers():
                     out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
                 responses = out[:, ids.shape[1] :]
@@ -110,11 +111,6 @@ class HFRollout(RolloutEngine):
         """Multi-turn decoding on this engine's model: a continuous batch that keeps each waiting row's KV cache."""
         return AgentLoop(self.model, self.tokenizer, runner, tool_set, config, max_response_length, template,
                          self.autocast_dtype, max_num_seqs=self.max_num_seqs)
-
-    def _autocast(self, device: torch.device):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
 
     @staticmethod
     def _sampling_rng(seed: int | None, device: torch.device):

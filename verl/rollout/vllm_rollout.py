@@ -59,7 +59,6 @@ except ImportError:
         "from .venv-vllm; GPU: pip install vllm)"
     ) from None
 
-INSTALL_HINT = "bash scripts/vllm_env.sh"
 MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams rejects temperatures above 2
 _TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

@@ -28,11 +28,12 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 from verl.config import RMConfig
-from verl.data.dataset import read_rows, right_pad
+from verl.data.dataset import read_rows
 from verl.data.pairs import Pair, read_pair
 from verl.errors import DataError, ModelError
 from verl.models.loader import DTYPES, load_tokenizer, pick_device, resolve_model_path
 from verl.models.sequence_scores import sequence_scores
+from verl.protocol import pad_tokens
 from verl.trainer.checkpoint import write_pointer
 from verl.trainer.run import Run
 from verl.utils import log
@@ -79,7 +80,8 @@ class PairData:
     def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """``input_ids`` and ``attention_mask``, (2 * batch, len), right-padded: the chosen sides of the pairs in
         order, then their rejected sides."""
-        ids, mask = right_pad([self.ids[i][0] for i in indices] + [self.ids[i][1] for i in indices], self.pad_id)
+        ids, mask = pad_tokens([self.ids[i][0] for i in indices] + [self.ids[i][1] for i in indices], self.pad_id,
+                               left=False)
         return {"input_ids": ids, "attention_mask": mask}
 
 

@@ -90,9 +90,6 @@ class RunLogger:
         if self.level <= LEVELS["DEBUG"]:
             self._write(self.row(scope, fields, level="DEBUG"))
 
-    def warning(self, scope: str, **fields: Any) -> None:
-        self._write(self.row(scope, fields, level="WARNING"))
-
     def event(self, scope: str, level: str = "INFO", step: int | None = None, **fields: Any) -> dict:
         row = self.row(scope, fields, level=level, step=step)
         self._write(row)
@@ -145,7 +142,7 @@ _ACTIVE: contextvars.ContextVar[RunLogger | None] = contextvars.ContextVar("verl
 
 
 def bind(logger: RunLogger) -> contextvars.Token:
-    """Make ``logger`` the one ``info`` / ``debug`` / ``warning`` write to in this context; ``unbind`` the token."""
+    """Make ``logger`` the one ``info`` writes to in this context; ``unbind`` the token."""
     return _ACTIVE.set(logger)
 
 
@@ -162,18 +159,6 @@ def info(scope: str, step: int | None = None, **fields: Any) -> None:
     logger = _ACTIVE.get()
     if logger is not None:
         logger.info(scope, step=step, **fields)
-
-
-def debug(scope: str, **fields: Any) -> None:
-    logger = _ACTIVE.get()
-    if logger is not None:
-        logger.debug(scope, **fields)
-
-
-def warning(scope: str, **fields: Any) -> None:
-    logger = _ACTIVE.get()
-    if logger is not None:
-        logger.warning(scope, **fields)
 
 
 # ---------------------------------------------------------------- reading

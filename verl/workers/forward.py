@@ -30,18 +30,12 @@ from torch.distributed.tensor import DTensor
 
 from verl.algos.losses import entropy_from_log_probs
 from verl.models.packed_sequences import PackedBatch, pack_batch, packable, packed_attention
-from verl.models.precision import at_least_float32
+from verl.models.precision import at_least_float32, autocast_context
 from verl.models.token_log_probs import token_log_probs
 
 # CausalLM classes whose forward computes ``logits = lm_head(hidden_states)`` and nothing more (no soft-capping,
 # no logit scale): the fused path gives their log-probs to rounding.
 FUSED_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-
-
-def autocast_context(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def response_log_probs(
