@@ -33,6 +33,19 @@ if TYPE_CHECKING:
 _REQUEST_IDS = itertools.count()  # process-wide, so two loops on one engine never reuse a request id
 
 
+def vllm_sampling(params: SamplingParams, eos_id: int, **request: Any) -> vllm.SamplingParams:
+    """vLLM's sampling parameters for ``params`` (greedy: temperature 0, no top-p/top-k), stopping at ``eos_id``, with
+    the request's own fields (``n``, ``max_tokens``, ``seed``, ...); token ids only (``detokenize=False``: the
+    trainer decodes), and ``logprobs=0`` when asked: only the drawn id's log-prob at each position."""
+    import vllm  # noqa: PLC0415  (only with rollout.name=vllm)
+
+    return vllm.SamplingParams(
+        temperature=0.0 if params.greedy else float(params.temperature),
+        top_p=1.0 if params.greedy else float(params.top_p),
+        top_k=0 if params.greedy or params.top_k <= 0 else int(params.top_k),  # 0 (or -1) disables top-k
+        logprobs=0 if params.logprobs else None, stop_token_ids=[eos_id], detokenize=False, **request)
+
+
 class VLLMAgentLoop(ToolTurns):
     """Runs trajectories to the end on a ``vllm.LLM``: one engine request per assistant turn."""
 
@@ -72,25 +85,15 @@ class VLLMAgentLoop(ToolTurns):
 
     def _turn_params(self, row: Trajectory, params: SamplingParams) -> vllm.SamplingParams:
         """The request for ``row``'s next turn: the room left in the response budget and the context."""
-        import vllm
         from vllm.sampling_params import RequestOutputKind
 
         room = min(self.budget - len(row.ids), self.max_positions - len(row.prompt_ids) - len(row.ids))
         seed = None
         if row.generator is not None:
             seed = (row.generator.initial_seed() * 1_000_003 + row.turns) % (2**63 - 1)
-        return vllm.SamplingParams(
-            n=1,
-            temperature=0.0 if params.greedy else float(params.temperature),
-            top_p=1.0 if params.greedy else float(params.top_p),
-            top_k=0 if params.greedy or params.top_k <= 0 else int(params.top_k),
-            max_tokens=max(1, room),
-            seed=seed,
-            logprobs=0 if params.logprobs else None,  # 0: only the drawn id's log-prob at each position
-            stop_token_ids=[self.eos_id],
-            detokenize=False,  # the turn is decoded here, with the tokenizer the trainer uses
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        # Decoded here, with the tokenizer the trainer uses.
+        return vllm_sampling(params, self.eos_id, n=1, max_tokens=max(1, room), seed=seed,
+                             output_kind=RequestOutputKind.FINAL_ONLY)
 
     def _take_turn(self, row: Trajectory, tokens: list[int], waiting: list[Trajectory],
                    logprobs: list[dict[int, Any]] | None = None) -> None:

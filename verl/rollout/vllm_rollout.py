@@ -47,7 +47,7 @@ from verl.models.loader import resolve_model_path
 from verl.models.lora import merged_copy
 from verl.protocol import DataProto
 from verl.rollout.base import EngineSpec, RolloutEngine, SamplingParams, assemble_rollout
-from verl.rollout.vllm_agent_loop import VLLMAgentLoop
+from verl.rollout.vllm_agent_loop import VLLMAgentLoop, vllm_sampling
 from verl.tools.registry import ToolSet
 from verl.tools.runner import ToolRunner
 
@@ -273,17 +273,7 @@ class VLLMRollout(RolloutEngine):
             # vLLM gives a request's n children seeds seed..seed+n-1; spacing prompts by n keeps every sample's
             # stream distinct, also for duplicate prompts in one batch.
             seed = (int(params.seed) + prompt_index * params.n) % (2**63 - 1)
-        return vllm.SamplingParams(
-            n=n,
-            temperature=0.0 if params.greedy else float(params.temperature),
-            top_p=1.0 if params.greedy else float(params.top_p),
-            top_k=0 if params.greedy or params.top_k <= 0 else int(params.top_k),  # 0 (or -1) disables top-k
-            max_tokens=int(params.max_new_tokens),
-            seed=seed,
-            logprobs=0 if params.logprobs else None,
-            stop_token_ids=[self.eos_id],
-            detokenize=False,  # the reward manager decodes; token ids are all the trainer needs
-        )
+        return vllm_sampling(params, self.eos_id, n=n, max_tokens=int(params.max_new_tokens), seed=seed)
 
     def _pad(self, rows: list[list[int]], max_new_tokens: int) -> torch.Tensor:
         """Right-pad token lists into ``(len(rows), longest)`` with pad id (``assemble_rollout`` trims again)."""

@@ -175,32 +175,28 @@ class RayRoles:
             return cfg.trainer.n_workers + rollout
         return cfg.trainer.n_workers * (2 if cfg.use_critic else 1) + cfg.trainer.ray.ref_workers + 1 + rollout
 
+    def _group(self, ray, name: str, roles: list[str], size: int = 1, distributed: bool = False,
+               num_gpus: float | None = None) -> WorkerGroup:
+        """A WorkerGroup of ``size`` actors holding ``roles``, sized by ``trainer.ray`` (CPUs, GPUs, timeout)."""
+        rc = self.config.trainer.ray
+        return WorkerGroup(ray, name, self.config.model_dump(mode="json"), roles, size,
+                           num_cpus=rc.num_cpus_per_worker, timeout=rc.timeout_s, distributed=distributed,
+                           num_gpus=rc.num_gpus_per_worker if num_gpus is None else num_gpus)
+
     def _create_groups(self, ray) -> dict[str, WorkerGroup]:
         cfg = self.config
-        rc = cfg.trainer.ray
-        config = cfg.model_dump(mode="json")
         n = cfg.trainer.n_workers
-        common = {"num_cpus": rc.num_cpus_per_worker, "timeout": rc.timeout_s}
-        if rc.placement == "colocate":
+        if cfg.trainer.ray.placement == "colocate":
             roles = [r for r in needed_roles(cfg) if r != "reward"]
-            group = WorkerGroup(ray, "actor_rollout_ref" + ("_critic" if cfg.use_critic else ""), config, roles, n,
-                                num_gpus=rc.num_gpus_per_worker, distributed=True, **common)
-            groups = {"actor": group}
-            if cfg.use_reference:
-                groups["ref"] = group
-            if cfg.use_critic:
-                groups["critic"] = group
-            return groups
-        groups = {"actor": WorkerGroup(ray, "actor_rollout", config, ["actor"], n, num_gpus=rc.num_gpus_per_worker,
-                                       distributed=True, **common)}
+            group = self._group(ray, "actor_rollout_ref" + ("_critic" if cfg.use_critic else ""), roles, n, True)
+            return {"actor": group, **({"ref": group} if cfg.use_reference else {}),
+                    **({"critic": group} if cfg.use_critic else {})}
+        groups = {"actor": self._group(ray, "actor_rollout", ["actor"], n, True)}
         if cfg.use_reference:
-            groups["ref"] = WorkerGroup(ray, "reference", config, ["ref"], rc.ref_workers,
-                                        num_gpus=rc.num_gpus_per_worker, distributed=False, **common)
+            groups["ref"] = self._group(ray, "reference", ["ref"], cfg.trainer.ray.ref_workers)
         if cfg.use_critic:
-            groups["critic"] = WorkerGroup(ray, "critic", config, ["critic"], n, num_gpus=rc.num_gpus_per_worker,
-                                           distributed=True, **common)
-        groups["reward"] = WorkerGroup(ray, "reward", config, ["reward"], 1, num_gpus=0.0, distributed=False,
-                                       **common)
+            groups["critic"] = self._group(ray, "critic", ["critic"], n, True)
+        groups["reward"] = self._group(ray, "reward", ["reward"], num_gpus=0.0)
         return groups
 
     # ------------------------------------------------------------------ role operations
@@ -249,13 +245,8 @@ class RayRoles:
     def start_rollout_worker(self) -> RayRolloutWorker:
         """trainer.one_step_off_policy: one more Ray actor generating ahead; weights from actor rank 0."""
         ray = _import_ray()
-        rc, config = self.config.trainer.ray, self.config.model_dump(mode="json")
-
-        def group(name: str, roles: list[str]) -> WorkerGroup:
-            return WorkerGroup(ray, name, config, roles, 1, num_cpus=rc.num_cpus_per_worker,
-                               num_gpus=rc.num_gpus_per_worker, timeout=rc.timeout_s, distributed=False)
-
-        worker = RayRolloutWorker(ray, self.config, self.groups["actor"].workers[0], group)
+        worker = RayRolloutWorker(ray, self.config, self.groups["actor"].workers[0],
+                                  lambda name, roles: self._group(ray, name, roles))
         worker.group.call_all("ping")  # construction errors now, naming the group
         return worker
 

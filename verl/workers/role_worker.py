@@ -10,7 +10,6 @@ operation. It imports nothing from Ray.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from verl.protocol import DataProto
 from verl.rollout.agent_loop import AgentRollout
 from verl.rollout.base import EngineSpec, SamplingParams, build_rollout
 from verl.utils.seeding import seed_everything, set_num_threads
+from verl.utils.timing import StageTimer
 from verl.workers.actor import Actor
 from verl.workers.critic import Critic, load_critic_model
 from verl.workers.dist import DistInfo, all_ranks, apply_fsdp, full_state_dict, init_process_group
@@ -117,15 +117,14 @@ class RoleWorker:
     def _build_reference(self) -> None:
         cfg = self.config
         autocast = torch.bfloat16 if cfg.actor.autocast == "bf16" else None
-        if self.model is not None and is_lora(self.model):
-            self.reference = Reference(self.model, cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size,
-                                       adapters_disabled=True, autocast_dtype=autocast, group_size=cfg.rollout.n,
-                                       remove_padding=cfg.model.use_remove_padding and not self.dist.fsdp)
-            return
-        device = torch.device("cpu") if cfg.reference.offload_to_cpu else self.device
-        model = load_causal_lm(cfg.model.path, cfg.model.dtype, device, cfg.model.trust_remote_code)
+        shared = self.model is not None and is_lora(self.model)  # LoRA: the policy with its adapters off
+        if shared:
+            model = self.model
+        else:
+            device = torch.device("cpu") if cfg.reference.offload_to_cpu else self.device
+            model = load_causal_lm(cfg.model.path, cfg.model.dtype, device, cfg.model.trust_remote_code)
         self.reference = Reference(model, cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size,
-                                   autocast_dtype=autocast, group_size=cfg.rollout.n,
+                                   adapters_disabled=shared, autocast_dtype=autocast, group_size=cfg.rollout.n,
                                    remove_padding=cfg.model.use_remove_padding and not self.dist.fsdp)
 
     def _build_critic(self) -> None:
@@ -202,28 +201,23 @@ class RoleWorker:
         """The overlapped rollout's call: load ``weights`` (policy ``version``) unless that version is loaded,
         generate with the behaviour log-probs (``rollout_log_probs``), and add ``ref_log_prob`` when this worker
         holds the reference. Returns the batch, the version and the stage times (gen, ref, load_weights, ...)."""
-        seconds: dict[str, float] = {}
+        timer = StageTimer()
         if weights is not None and version != getattr(self, "_policy_version", None):
-            start = time.perf_counter()
-            self.load_policy_weights(weights)
-            self._policy_version = version
-            seconds["load_weights"] = time.perf_counter() - start
-        start = time.perf_counter()
-        batch = self.generate(prompts, replace(params, logprobs=True))
-        seconds["gen"] = time.perf_counter() - start
+            with timer("load_weights"):
+                self.load_policy_weights(weights)
+                self._policy_version = version
+        with timer("gen"):
+            batch = self.generate(prompts, replace(params, logprobs=True))
         if "rollout_log_probs" not in batch.batch:  # an engine that gives no log-probs: one forward pass instead
-            start = time.perf_counter()
-            batch.batch["rollout_log_probs"] = self.compute_old_log_prob(batch)
-            seconds["behaviour_log_prob"] = time.perf_counter() - start
+            with timer("behaviour_log_prob"):
+                batch.batch["rollout_log_probs"] = self.compute_old_log_prob(batch)
         elif self.config.trainer.split_mismatch:  # the trainer's numerics at the behaviour weights
-            start = time.perf_counter()
-            batch.batch["behaviour_trainer_log_probs"] = self.compute_old_log_prob(batch)
-            seconds["behaviour_forward"] = time.perf_counter() - start
+            with timer("behaviour_forward"):
+                batch.batch["behaviour_trainer_log_probs"] = self.compute_old_log_prob(batch)
         if self.reference is not None:
-            start = time.perf_counter()
-            batch.batch["ref_log_prob"] = self.compute_ref_log_prob(batch)
-            seconds["ref"] = time.perf_counter() - start
-        return batch, version, seconds
+            with timer("ref"):
+                batch.batch["ref_log_prob"] = self.compute_ref_log_prob(batch)
+        return batch, version, timer.seconds
 
     # ------------------------------------------------------------------ checkpoints
 
