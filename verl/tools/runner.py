@@ -217,6 +217,7 @@ class Deadlines:
 def _tool_process_main(conn) -> None:
     """A tool process: receive (target, kwargs), answer ("ok", value) or ("error", message), until told to stop."""
     functions: dict[str, Any] = {}
+    conn.send(("ready", None))  # started: a call's timeout counts from here, not from the spawn
     while True:
         try:
             message = conn.recv()
@@ -236,6 +237,9 @@ def _tool_process_main(conn) -> None:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+START_TIMEOUT_S = 60.0  # the longest a new tool process may take to start (spawn, imports) before its first call
+
+
 class ToolProcessPool:
     """Up to ``size`` spawned tool processes, started on first use; one call at a time per process."""
 
@@ -248,7 +252,10 @@ class ToolProcessPool:
 
     def call(self, target: str, kwargs: dict[str, Any], timeout: float) -> tuple[str, Any]:
         with self._slots:
-            process, conn = self._take()
+            try:
+                process, conn = self._take()
+            except OSError as exc:
+                return "error", str(exc)
             try:
                 conn.send((target, kwargs))
                 if not conn.poll(timeout):
@@ -272,6 +279,10 @@ class ToolProcessPool:
                                         name="verl-tool-process")
         process.start()
         child.close()
+        if not parent.poll(START_TIMEOUT_S):  # a busy machine can take seconds to spawn a Python process
+            self._kill(process)
+            raise OSError(f"a tool process did not start within {START_TIMEOUT_S:g} s")
+        parent.recv()
         return process, parent
 
     def _give_back(self, process: Any, conn: Any) -> None:
