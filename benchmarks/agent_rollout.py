@@ -90,8 +90,7 @@ def rollout_modes(model_path: str, prompts: int, n: int, budget: int, repeats: i
                               tools=ToolPrompting.from_config(turns, tokenizer))
         batch = dataset.collate([i % len(dataset) for i in range(prompts)])
         single = HFRollout(model, tokenizer, max_num_seqs=max_num_seqs)
-        agent = AgentRollout(HFRollout(model, tokenizer, max_num_seqs=max_num_seqs), turns,
-                             max_response_length=budget)
+        agent = AgentRollout(HFRollout(model, tokenizer, max_num_seqs=max_num_seqs), turns, max_response_length=budget)
         modes = {"single-turn": (single, 0.0), "multi-turn 0 ms": (agent, 0.0), "multi-turn 200 ms": (agent, 0.2)}
         if max_num_seqs is not None and max_num_seqs < prompts * n:
             # More sequences than the decode width: the plain engine decodes them in waves; the agent loop's

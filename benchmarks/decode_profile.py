@@ -128,8 +128,7 @@ def decode_step_at_fixed_length(model: torch.nn.Module, rows: int, context: int,
 
     def step() -> None:
         with torch.inference_mode(), packing(), fusing():
-            model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                  use_cache=True)
+            model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
             for layer in cache.layers:  # drop the appended column: every step decodes at the same length
                 layer._len -= 1
                 layer.keys, layer.values = layer._kbuf[:, :, :layer._len], layer._vbuf[:, :, :layer._len]

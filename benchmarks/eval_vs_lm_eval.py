@@ -201,8 +201,7 @@ def alternate_warm_runs(run_verl, run_lm_eval, repeats: int) -> tuple[list[float
     return verl_times, lm_times, verl_results, lm_results
 
 
-def accuracies_and_agreement(verl_results: dict, lm_results: dict, verl_dir: Path, count: int
-                             ) -> tuple[dict, dict]:
+def accuracies_and_agreement(verl_results: dict, lm_results: dict, verl_dir: Path, count: int) -> tuple[dict, dict]:
     """Both tools' strict and flexible accuracy, and (stronger than equal accuracies) how many generated texts
     are identical, prompt by prompt."""
     ours = {"strict": verl_results["metrics"]["eval/accuracy"]["value"],

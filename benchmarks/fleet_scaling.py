@@ -73,11 +73,10 @@ def measure(url: str, out: Path, users: int, step_time: float, settle: float, ma
     from loadtest.run import LOCUST_CONF, LOCUSTFILE
 
     prefix = out / "locust"
-    command = [sys.executable, "-m", "locust", "--config", str(LOCUST_CONF), "-f", str(LOCUSTFILE), "--headless",
-               "-H", url, "--csv", str(prefix), "--csv-full-history", "--html", str(out / "locust.html"),
-               "--load-shape", "steps", "--step-users", str(users), "--step-time", f"{step_time:g}",
-               "--step-settle", f"{settle:g}", "--max-tokens", str(max_tokens), "--wait-max", "0",
-               "CompletionUser"]
+    command = [sys.executable, "-m", "locust", "--config", str(LOCUST_CONF), "-f", str(LOCUSTFILE), "--headless", "-H",
+               url, "--csv", str(prefix), "--csv-full-history", "--html", str(out / "locust.html"), "--load-shape",
+               "steps", "--step-users", str(users), "--step-time", f"{step_time:g}", "--step-settle", f"{settle:g}",
+               "--max-tokens", str(max_tokens), "--wait-max", "0", "CompletionUser"]
     with (out / "locust.log").open("w") as log:
         subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=step_time + 120, check=False)
     step = build_report(prefix)["steps"][-1]

@@ -87,8 +87,7 @@ def run_one(model: str, executor: str, engine: str, steps: int, skip: int, workd
     timing = [r for r in timing if r["step"] > skip]
     # Start-up = launch until the first step began (its row is written when it ends, ``total`` seconds later).
     started = (datetime.fromisoformat(first["timestamp"]) - launched).total_seconds() - first["total"]
-    out = {"model": model, "executor": executor, "engine": engine, "steps": steps, "wall_s": wall,
-           "start_s": started}
+    out = {"model": model, "executor": executor, "engine": engine, "steps": steps, "wall_s": wall, "start_s": started}
     for key in ("gen", "ref", "update_actor"):
         values = [r[key] for r in timing if key in r]
         out[key] = statistics.median(values) if values else float("nan")

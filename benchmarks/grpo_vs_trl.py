@@ -163,15 +163,13 @@ def run_trl(preset: Preset, steps: int, seed: int, workdir: Path, evaluate_model
             self.marks.append(time.perf_counter())
 
     clock = StepClock()
-    config = GRPOConfig(
-        output_dir=str(workdir / "trl"), use_cpu=True, bf16=False, seed=seed,
-        per_device_train_batch_size=preset.prompts_per_step * preset.group, num_generations=preset.group,
-        gradient_accumulation_steps=1, gradient_checkpointing=False,
-        learning_rate=preset.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        beta=preset.beta, epsilon=0.2, loss_type="dapo", max_completion_length=preset.max_new,
-        temperature=preset.temperature, max_steps=steps, logging_steps=1, report_to=[], save_strategy="no",
-        disable_tqdm=True,
-    )
+    config = GRPOConfig(output_dir=str(workdir / "trl"), use_cpu=True, bf16=False, seed=seed,
+                        per_device_train_batch_size=preset.prompts_per_step * preset.group,
+                        num_generations=preset.group, gradient_accumulation_steps=1, gradient_checkpointing=False,
+                        learning_rate=preset.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                        max_grad_norm=1.0, beta=preset.beta, epsilon=0.2, loss_type="dapo",
+                        max_completion_length=preset.max_new, temperature=preset.temperature, max_steps=steps,
+                        logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True)
     peft_config = None
     if preset.lora_rank:
         from peft import LoraConfig
@@ -189,8 +187,7 @@ def run_trl(preset: Preset, steps: int, seed: int, workdir: Path, evaluate_model
     return {"step_seconds": _intervals(clock.marks), "wall": wall, **scores}
 
 
-def worker(kind: str, preset: Preset, steps: int, seed: int, out: Path, evaluate_model: bool,
-           threads: int = 1) -> None:
+def worker(kind: str, preset: Preset, steps: int, seed: int, out: Path, evaluate_model: bool, threads: int = 1) -> None:
     _setup(threads)
     with tempfile.TemporaryDirectory() as tmp:
         result = (run_ours if kind == "ours" else run_trl)(preset, steps, seed, Path(tmp), evaluate_model)

@@ -21,10 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-CONFIGS = {
-    "full": {},
-    "lora-r16": {"model": {"lora": {"rank": 16, "alpha": 32}}, "actor": {"optim": {"lr": 1e-3}}},
-}
+CONFIGS = {"full": {}, "lora-r16": {"model": {"lora": {"rank": 16, "alpha": 32}}, "actor": {"optim": {"lr": 1e-3}}}}
 MODELS = {"tiny (1.1M)": "builtin:tiny-arith", "small (25M)": "builtin:small-arith-base"}
 
 
@@ -64,15 +61,10 @@ def worker(model_path: str, variant: str, out: Path) -> None:
         reference = trainer.reference
         shares_base = reference is None or reference.adapters_disabled
         ref_bytes = 0 if shares_base else tensor_bytes(reference.model.parameters())
-        result = {
-            "params": sum(p.numel() for p in model.parameters()),
-            "trainable": sum(p.numel() for p in trainable),
-            "weights_mb": tensor_bytes(model.parameters()) / 2**20,
-            "grads_mb": tensor_bytes(trainable) / 2**20,
-            "adam_mb": tensor_bytes(optimizer_state) / 2**20,
-            "reference_mb": ref_bytes / 2**20,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        }
+        result = {"params": sum(p.numel() for p in model.parameters()), "trainable": sum(p.numel() for p in trainable),
+                  "weights_mb": tensor_bytes(model.parameters()) / 2**20, "grads_mb": tensor_bytes(trainable) / 2**20,
+                  "adam_mb": tensor_bytes(optimizer_state) / 2**20, "reference_mb": ref_bytes / 2**20,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         result["model_state_mb"] = sum(result[k] for k in ("weights_mb", "grads_mb", "adam_mb", "reference_mb"))
         if torch.cuda.is_available():
             result["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20

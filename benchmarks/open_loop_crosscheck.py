@@ -50,16 +50,14 @@ from loadtest.run import local_service, run_locust  # noqa: E402
 from loadtest.settings import LoadTestConfig  # noqa: E402
 
 # (label, our summary's field, GuideLLM metric, its statistic): what each row compares.
-ROWS = [
-    ("request throughput (req/s)", "request_throughput", None, None),
-    ("TTFT p50 (ms)", "median_ttft_ms", "time_to_first_token_ms", "p50"),
-    ("TTFT p99 (ms)", "p99_ttft_ms", "time_to_first_token_ms", "p99"),
-    ("decode ms/token p50 (ours tpot, GuideLLM itl)", "median_tpot_ms", "inter_token_latency_ms", "p50"),
-    ("latency/output token mean (GuideLLM tpot)", "latency_per_token_mean_ms", "time_per_output_token_ms", "mean"),
-    ("E2E latency p50 (ms)", "median_e2el_ms", "request_latency", "p50"),
-    ("E2E latency p99 (ms)", "p99_e2el_ms", "request_latency", "p99"),
-    ("output tokens/request (mean)", "output_tokens_mean", "output_token_count", "mean"),
-]
+ROWS = [("request throughput (req/s)", "request_throughput", None, None),
+        ("TTFT p50 (ms)", "median_ttft_ms", "time_to_first_token_ms", "p50"),
+        ("TTFT p99 (ms)", "p99_ttft_ms", "time_to_first_token_ms", "p99"),
+        ("decode ms/token p50 (ours tpot, GuideLLM itl)", "median_tpot_ms", "inter_token_latency_ms", "p50"),
+        ("latency/output token mean (GuideLLM tpot)", "latency_per_token_mean_ms", "time_per_output_token_ms", "mean"),
+        ("E2E latency p50 (ms)", "median_e2el_ms", "request_latency", "p50"),
+        ("E2E latency p99 (ms)", "p99_e2el_ms", "request_latency", "p99"),
+        ("output tokens/request (mean)", "output_tokens_mean", "output_token_count", "mean")]
 
 
 def ours(url: str, out: Path, texts: list[str], rate: float, max_tokens: int) -> dict[str, float]:
@@ -95,10 +93,9 @@ def guidellm(binary: str, url: str, model: str, prompts: Path, out: Path, rate: 
     # GuideLLM sends none unless told (its answers were 29% longer that way).
     backend = {"kind": "openai_http", "target": url, "model": model, "max_tokens": max_tokens,
                "extras": {"body": {"temperature": 0}}}
-    command = [binary, "run", "--backend", json.dumps(backend),
-               "--profile", f"kind=constant,rate={rate:g}", "--constraint", f"kind=max_requests,count={count}",
-               "--data", f"kind=json_file,path={prompts}", "--output", f"kind=json,path={path}",
-               "--disable-console"]
+    command = [binary, "run", "--backend", json.dumps(backend), "--profile", f"kind=constant,rate={rate:g}",
+               "--constraint", f"kind=max_requests,count={count}", "--data", f"kind=json_file,path={prompts}",
+               "--output", f"kind=json,path={path}", "--disable-console"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=count / rate + 300)
     if done.returncode != 0 or not path.is_file():
         raise SystemExit(f"guidellm failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")

@@ -80,13 +80,12 @@ def main() -> None:
     if not (args.reuse and checkpoint.is_dir()):
         shutil.rmtree(rm_run, ignore_errors=True)
         seconds, rss = timed([VERL, "rm", f"model.path={MODEL}", "model.lora.rank=16", "model.lora.alpha=32",
-                              "model.lora.target_modules=all-linear",
-                              f"data.train_files=[{pairs / 'train.parquet'}]",
+                              "model.lora.target_modules=all-linear", f"data.train_files=[{pairs / 'train.parquet'}]",
                               f"data.val_files=[{pairs / 'val.parquet'}]", "data.max_length=160",
                               f"data.batch_size={args.rm_batch}", f"optim.lr={args.rm_lr}",
-                              f"trainer.total_steps={args.rm_steps}",
-                              f"trainer.test_freq={max(1, args.rm_steps // 4)}", f"trainer.output_dir={out}",
-                              "trainer.experiment_name=rm", "trainer.logger=[jsonl]", "--quiet"], "verl rm")
+                              f"trainer.total_steps={args.rm_steps}", f"trainer.test_freq={max(1, args.rm_steps // 4)}",
+                              f"trainer.output_dir={out}", "trainer.experiment_name=rm", "trainer.logger=[jsonl]",
+                              "--quiet"], "verl rm")
         evals = rows(rm_run / "verl_logs.jsonl", "eval")
         result["reward_model"] = {"seconds": seconds, "steps": args.rm_steps,
                                   "pairwise_accuracy": [e["pairwise_accuracy"] for e in evals],

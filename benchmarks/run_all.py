@@ -53,8 +53,7 @@ BENCHES: dict[str, list[str]] = {
     "update-packed-agent": [PY, "benchmarks/update_bench.py", "--preset", "agent-tiny", "--steps", "10", "--repeats",
                             "3"],
     "decode-profile": [PY, "benchmarks/decode_profile.py", "--model", SMOLLM2, "--rows", "16"],
-    "adapter-batching": [PY, "benchmarks/adapter_batching.py", "--model", SMOLLM2, "--rows", "16", "--adapters",
-                         "4"],
+    "adapter-batching": [PY, "benchmarks/adapter_batching.py", "--model", SMOLLM2, "--rows", "16", "--adapters", "4"],
     # The shipped warm start calls the tool in a quarter of its answers; the RL-trained agent (configs/agent_tiny.yaml)
     # in nearly all: pass --model <its checkpoint> for the all-calls case recorded in RESULTS.md.
     "agent-rollout": [PY, "benchmarks/agent_rollout.py"],

@@ -31,8 +31,7 @@ def main() -> None:
     from serve.engines.base import EngineRequest, SamplingOptions
     from serve.settings import load_settings
 
-    engine = create_engine(load_settings(model="builtin:small-arith-base", engine="transformers",
-                                         max_batch_size=32))
+    engine = create_engine(load_settings(model="builtin:small-arith-base", engine="transformers", max_batch_size=32))
     tok = engine.tokenizer
     ids = [tok(f"What is {(i * 37) % 900 + 10}+{(i * 53) % 90 + 5}? Answer:")["input_ids"] for i in range(32)]
     new_tokens = 32

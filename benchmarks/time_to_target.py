@@ -54,8 +54,7 @@ def run(mode: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     if done.returncode:
         raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
     record = read_target(out / "verl" / name)
-    result = {"mode": mode, "seed": seed, "process_seconds": time.perf_counter() - start,
-              "reached": record is not None}
+    result = {"mode": mode, "seed": seed, "process_seconds": time.perf_counter() - start, "reached": record is not None}
     if record is not None:
         result.update(step=record["step"], minutes=record["minutes"], accuracy=record["value"],
                       validation_seconds=record["validation_seconds"])

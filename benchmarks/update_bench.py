@@ -75,23 +75,19 @@ def main() -> None:
                 steps = run_side(side, args.steps, Path(tmp), repeat, PRESETS["smollm2"], SIDES[side])
                 update_s = statistics.median(r["timing/update_actor"] for r in steps)
                 flop = 2 * statistics.median(forward_gflop(r, PROMPTS, N) for r in steps)
-                per_side[side].append({
-                    "update_s": update_s, "update_gflop": flop, "gflops": flop / update_s,
-                    "tokens": statistics.median(packed_tokens(r) for r in steps),
-                    "gemm_rows": tokens, "shape_gemm": shape, "peak_gemm": peak,
-                    "pct_of_shape_gemm": 100 * flop / update_s / shape["best"],
-                    "pct_of_peak_gemm": 100 * flop / update_s / peak["best"],
-                })
+                per_side[side].append({"update_s": update_s, "update_gflop": flop, "gflops": flop / update_s,
+                                       "tokens": statistics.median(packed_tokens(r) for r in steps),
+                                       "gemm_rows": tokens, "shape_gemm": shape, "peak_gemm": peak,
+                                       "pct_of_shape_gemm": 100 * flop / update_s / shape["best"],
+                                       "pct_of_peak_gemm": 100 * flop / update_s / peak["best"]})
                 print(side, repeat, json.dumps(per_side[side][-1]), flush=True)
     summary: dict = {"steps": args.steps, "repeats": args.repeats, "sides": {}}
     for side, runs in per_side.items():
-        summary["sides"][side] = {
-            "update_s": statistics.median(r["update_s"] for r in runs),
-            "gflops": statistics.median(r["gflops"] for r in runs),
-            "pct_of_shape_gemm": statistics.median(r["pct_of_shape_gemm"] for r in runs),
-            "pct_of_peak_gemm": statistics.median(r["pct_of_peak_gemm"] for r in runs),
-            "runs": runs,
-        }
+        summary["sides"][side] = {"update_s": statistics.median(r["update_s"] for r in runs),
+                                  "gflops": statistics.median(r["gflops"] for r in runs),
+                                  "pct_of_shape_gemm": statistics.median(r["pct_of_shape_gemm"] for r in runs),
+                                  "pct_of_peak_gemm": statistics.median(r["pct_of_peak_gemm"] for r in runs),
+                                  "runs": runs}
     padded, packed = summary["sides"]["padded"], summary["sides"]["packed"]
     summary["ratio"] = packed["update_s"] / padded["update_s"]
     Path(args.out or "benchmarks/update_bench.json").write_text(json.dumps(summary, indent=1))

@@ -48,8 +48,7 @@ def compare_command(
                                                           "dirs; the first is the baseline.")] = None,
     ckpt: Annotated[str, typer.Option("--ckpt", help="Which checkpoint of a run dir: best, latest or "
                                                      "global_step_N.")] = "best",
-    out: Annotated[Path | None, typer.Option("--out", help="Report dir (default: outputs/compare/A-vs-B).")
-                   ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Report dir (default: outputs/compare/A-vs-B).")] = None,
     alpha: Annotated[float, typer.Option("--alpha", help="Significance level of the verdicts.")] = 0.05,
     metric: Annotated[str, typer.Option("--metric", help="Metric for 'best' and hyper-parameter importance.")
                       ] = "eval/accuracy:max",

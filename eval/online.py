@@ -113,8 +113,7 @@ def compare_reward(base: list[dict], cand: list[dict], alpha: float, n_boot: int
     return result
 
 
-def compare_latency(base: list[dict], cand: list[dict], field: str, alpha: float, n_boot: int,
-                    seed: int) -> dict:
+def compare_latency(base: list[dict], cand: list[dict], field: str, alpha: float, n_boot: int, seed: int) -> dict:
     def values(rows: list[dict]) -> np.ndarray:
         return np.array([r[field] for r in rows if r.get(field) is not None and not r.get("error")
                          and r.get("finish_reason") != "abort"], dtype=np.float64)
@@ -129,8 +128,7 @@ def compare_latency(base: list[dict], cand: list[dict], field: str, alpha: float
 
 def compare_online(source: str, out: str | Path | None = None, baseline: str | None = None,
                    models: list[str] | None = None, alpha: float = 0.05, n_boot: int = 2000, seed: int = 0,
-                   since: float | None = None, admin_key: str | None = None,
-                   reward_source: str | None = None) -> dict:
+                   since: float | None = None, admin_key: str | None = None, reward_source: str | None = None) -> dict:
     """Build the online A/B report; writes it to ``out`` when given and returns it. ``reward_source`` picks the
     rewards compared (``rule``, ``feedback``, ``rm:NAME``, ``judge:NAME``; verl.data.records.source_matches); without
     it the records must hold one source only — sources are never mixed."""
@@ -159,18 +157,15 @@ def compare_online(source: str, out: str | Path | None = None, baseline: str | N
     elif baseline not in per_model:
         raise ConfigError(f"--baseline {baseline}: no records (recorded: {', '.join(sorted(per_model))})")
     report = {"source": source, "reward_source": reward_source, "alpha": alpha, "baseline": baseline,
-              "records": len(rows),
-              "models": {m: model_summary(rs) for m, rs in per_model.items()}, "comparisons": []}
+              "records": len(rows), "models": {m: model_summary(rs) for m, rs in per_model.items()}, "comparisons": []}
     for model, rs in per_model.items():
         if model == baseline:
             continue
         base = per_model[baseline]
-        report["comparisons"].append({
-            "baseline": baseline, "candidate": model,
-            "reward": compare_reward(base, rs, alpha, n_boot, seed),
-            "e2e": compare_latency(base, rs, "e2e_s", alpha, n_boot, seed),
-            "ttft": compare_latency(base, rs, "ttft_s", alpha, n_boot, seed),
-        })
+        report["comparisons"].append({"baseline": baseline, "candidate": model,
+                                      "reward": compare_reward(base, rs, alpha, n_boot, seed),
+                                      "e2e": compare_latency(base, rs, "e2e_s", alpha, n_boot, seed),
+                                      "ttft": compare_latency(base, rs, "ttft_s", alpha, n_boot, seed)})
     if out is not None:
         write_report(Path(out), report)
     return report

@@ -51,18 +51,15 @@ from verl.utils.seeding import set_num_threads
 
 KIND = "reward_model"
 # Per pair: metric -> (samples.jsonl column, higher is better, a 0/1 outcome).
-PAIR_METRICS: dict[str, tuple[str, bool | None, bool]] = {
-    "pairwise_accuracy": ("correct", True, True),
-    "margin": ("margin", True, False),
-    "loss": ("loss", False, False),
-    "reward_chosen": ("reward_chosen", None, False),
-    "reward_rejected": ("reward_rejected", None, False),
-}
+PAIR_METRICS: dict[str, tuple[str, bool | None, bool]] = {"pairwise_accuracy": ("correct", True, True),
+                                                          "margin": ("margin", True, False),
+                                                          "loss": ("loss", False, False),
+                                                          "reward_chosen": ("reward_chosen", None, False),
+                                                          "reward_rejected": ("reward_rejected", None, False)}
 # What a policy's evaluation samples and a reward model has no use for: given, they are refused, not ignored.
-POLICY_ONLY = {"evaluators": "-e", "n": "--n", "temperature": "--temperature", "top_p": "--top-p",
-               "top_k": "--top-k", "max_new_tokens": "--max-new-tokens", "reference": "--reference",
-               "tools": "--tools", "tool_config": "--tool-config", "max_turns": "--max-turns",
-               "max_prompt_length": "--max-prompt-length"}
+POLICY_ONLY = {"evaluators": "-e", "n": "--n", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+               "max_new_tokens": "--max-new-tokens", "reference": "--reference", "tools": "--tools",
+               "tool_config": "--tool-config", "max_turns": "--max-turns", "max_prompt_length": "--max-prompt-length"}
 
 
 def check_settings(settings: Any, what: str) -> None:
@@ -141,8 +138,7 @@ class PairEvaluation:
             self._say(f"{label}: reusing {out_dir / 'results.json'} (same weights and pairs; --force recomputes)")
             return cached
         data = self.pairs(model_path)
-        model = load_reward_model(model_path, self.settings.dtype or self.config.model.dtype, self.device,
-                                  data.pad_id)
+        model = load_reward_model(model_path, self.settings.dtype or self.config.model.dtype, self.device, data.pad_id)
         model.eval()
         t1 = time.perf_counter()
         chosen, rejected = score_pairs(model, data, self.device, self.settings.batch_size or 64)

@@ -75,8 +75,7 @@ def reward_kl_scatter(rewards: Sequence[float], kls: Sequence[float], path: Path
     return _save(fig, path)
 
 
-def tradeoff_points(points: dict[str, tuple[float, float, float, float]], path: Path, title: str = ""
-                    ) -> Path | None:
+def tradeoff_points(points: dict[str, tuple[float, float, float, float]], path: Path, title: str = "") -> Path | None:
     """One point per checkpoint or run: ``label -> (kl, kl_half_ci, reward, reward_half_ci)``."""
     plt = _pyplot()
     if plt is None or not points:

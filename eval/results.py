@@ -55,8 +55,7 @@ def versions() -> dict[str, str]:
 
 def write_results(out_dir: Path, results: dict, samples: list[dict]) -> None:
     ensure_writable_dir(out_dir, "the eval output dir (--out)")
-    atomic_write_text(out_dir / "samples.jsonl",
-                      "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in samples))
+    atomic_write_text(out_dir / "samples.jsonl", "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in samples))
     atomic_write_json(out_dir / "results.json", results)  # last: its presence means the directory is complete
 
 

@@ -515,8 +515,7 @@ class Evaluation:
             kinds, info = contamination
             for row in samples:
                 row["contaminated"] = kinds[row["index"]]
-            results["contamination"] = {**info, "clean": contamination_check.clean_metrics(samples,
-                                                                                          results["metrics"])}
+            results["contamination"] = {**info, "clean": contamination_check.clean_metrics(samples, results["metrics"])}
         else:  # said, not left out: a report without the line would read as a clean bill
             known = "this checkpoint (no run directory)" if self.run_cfg is None else "this run"
             results["contamination"] = contamination_check.not_checked(f"no training data is known for {known}")
@@ -603,8 +602,7 @@ class Evaluation:
             "n_bootstrap": self.settings.n_bootstrap,
             "versions": versions(),
             "device": str(self.device),
-            "timing": {**timing,
-                       "samples_per_second": num_samples / generation if generation else None,
+            "timing": {**timing, "samples_per_second": num_samples / generation if generation else None,
                        "samples_per_second_total": num_samples / total if total else None},
         }
 
@@ -828,8 +826,7 @@ def start_ray(workers: int) -> bool:
 
 
 def evaluate_on_ray(checkpoints: list[tuple[int, Path]], settings: EvalSettings, resolved: Resolved, run_cfg: Any,
-                     raw: dict | None, tokenizer_source: str, out_dir: Path, run_dir: Path,
-                     console: Any) -> list[dict]:
+                    raw: dict | None, tokenizer_source: str, out_dir: Path, run_dir: Path, console: Any) -> list[dict]:
     """``--executor ray --workers N``: checkpoints dealt round-robin to N Ray tasks (one CPU each) on the cluster
     ``ray.init`` finds (``RAY_ADDRESS``) or a local one; results in step order, as the local executor gives them."""
     import ray  # noqa: PLC0415  (only this executor needs ray)

@@ -109,8 +109,7 @@ def mcnemar(a: Sequence[float], b: Sequence[float], exact_below: int = 25) -> di
     n01, n10 = int(np.sum(~x & y)), int(np.sum(x & ~y))
     discordant = n01 + n10
     if discordant == 0:
-        return {"n01": 0, "n10": 0, "statistic": 0.0, "p_chi2": 1.0, "p_exact": 1.0, "p_value": 1.0,
-                "method": "exact"}
+        return {"n01": 0, "n10": 0, "statistic": 0.0, "p_chi2": 1.0, "p_exact": 1.0, "p_value": 1.0, "method": "exact"}
     from scipy.stats import binomtest, chi2
 
     statistic = (n01 - n10) ** 2 / discordant

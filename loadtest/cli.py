@@ -46,8 +46,7 @@ def _run_open_loop(config: LoadTestConfig, options: OpenLoopOptions, console: An
     rates = parse_rates(options.rate) if options.rate else []
     if options.sweep and len(rates) > 1:
         raise ConfigError("--sweep starts from one --rate and finds the others itself; give one rate")
-    schedule, notes = replay_config(options.replay, options.replay_speed) if options.replay is not None else (
-        None, [])
+    schedule, notes = replay_config(options.replay, options.replay_speed) if options.replay is not None else (None, [])
     open_config = OpenLoopConfig(config, rates, options.duration, options.arrival, options.burstiness,
                                  options.schedule_seed, parse_slo(options.goodput_slo), options.max_lag_p99_ms,
                                  replay=schedule, replay_notes=notes)

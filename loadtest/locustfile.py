@@ -326,24 +326,15 @@ def prepare(environment: Environment, **_: Any) -> None:
 def _write_run_info(environment: Environment, host: str, num_prompts: int) -> None:
     """``<csv prefix>_loadtest.json``: what this run did, so the report can name the step plan and the mix."""
     options = environment.parsed_options
-    info = {
-        "locust_version": locust.__version__,
-        "host": host,
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "load_shape": options.load_shape,
-        "plan": StepPlan.from_options(options).to_dict() if options.load_shape == "steps" else None,
-        "percentile_window_s": locust.stats.CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW,
-        "user_classes": {c.__name__: getattr(c, "weight", 1) for c in environment.user_classes},
-        "mixed_user_requests": {f.__name__: MixedUser.tasks.count(f) for f in set(MixedUser.tasks)},
-        "prompt_file": options.prompt_file,
-        "num_prompts": num_prompts,
-        "text_prompts": options.text_prompts,
-        "model": STATE["model"],
-        "max_tokens": options.max_tokens,
-        "temperature": options.temperature,
-        "ignore_eos": options.ignore_eos,
-        "wait_s": [options.wait_min, options.wait_max],
-    }
+    info = {"locust_version": locust.__version__, "host": host, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "load_shape": options.load_shape,
+            "plan": StepPlan.from_options(options).to_dict() if options.load_shape == "steps" else None,
+            "percentile_window_s": locust.stats.CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW,
+            "user_classes": {c.__name__: getattr(c, "weight", 1) for c in environment.user_classes},
+            "mixed_user_requests": {f.__name__: MixedUser.tasks.count(f) for f in set(MixedUser.tasks)},
+            "prompt_file": options.prompt_file, "num_prompts": num_prompts, "text_prompts": options.text_prompts,
+            "model": STATE["model"], "max_tokens": options.max_tokens, "temperature": options.temperature,
+            "ignore_eos": options.ignore_eos, "wait_s": [options.wait_min, options.wait_max]}
     atomic_write_json(f"{options.csv_prefix}_loadtest.json", info)
 
 
@@ -687,8 +678,7 @@ class FeedbackUser(LLMUser):
         body.pop("model", None)  # no model named: the service's default route (or its only model)
         if self.options.model:
             body["model"] = self.options.model
-        turn = self.post_checked("/v1/chat/completions", body, check_chat_turn, by_variant=True,
-                                 require_variant=False)
+        turn = self.post_checked("/v1/chat/completions", body, check_chat_turn, by_variant=True, require_variant=False)
         if turn is None or prompt.ground_truth is None or not turn.id or random.random() >= \
                 self.options.feedback_share:
             return
@@ -792,8 +782,7 @@ def open_loop_finished(workers: int, options: Any) -> float | None:
         OPEN_LOOP["finished_at"] = now
     elif now > give_up_at:
         missing = sorted(set(range(workers)) - done)
-        log.error("loadtest: worker process(es) %s never reported their open-loop share done; ending the test",
-                  missing)
+        log.error("loadtest: worker process(es) %s never reported their open-loop share done; ending the test", missing)
         OPEN_LOOP["finished_at"] = now
     return OPEN_LOOP.get("finished_at")
 

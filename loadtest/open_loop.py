@@ -183,8 +183,7 @@ def summarise(records: list[RequestRecord], rate: float, duration_s: float, slo:
     }
     sessions = [r for r in ok if r.turns is not None]
     if sessions:  # --open-sessions: what the sessions did (e2el is then the session's latency)
-        result["sessions"] = {"completed": len(sessions),
-                              "turns_mean": float(np.mean([r.turns for r in sessions])),
+        result["sessions"] = {"completed": len(sessions), "turns_mean": float(np.mean([r.turns for r in sessions])),
                               "tool_calls_mean": float(np.mean([r.tool_calls or 0 for r in sessions])),
                               "without_tool_call_share": sum(1 for r in sessions if not r.tool_calls) / len(sessions)}
     for name in ("ttft", "tpot", "e2el"):

@@ -193,10 +193,9 @@ def run_open_loop(config: OpenLoopConfig, echo: Any = None, sweep: Sweep | None 
             runs = knee.pop("probes")
     results = {"mode": "open-loop", "url": config.service.url or "local", "model": config.service.model,
                "max_tokens": config.service.max_tokens, "processes": config.service.processes,
-               "arrival": config.arrival, "burstiness": config.burstiness,
-               "duration_s": config.duration_s, "seed": config.seed, "goodput_slo_ms": config.slo,
-               "percentiles": list(config.percentiles), "sweep": knee, "runs": runs,
-               "replay_notes": config.replay_notes}
+               "arrival": config.arrival, "burstiness": config.burstiness, "duration_s": config.duration_s,
+               "seed": config.seed, "goodput_slo_ms": config.slo, "percentiles": list(config.percentiles),
+               "sweep": knee, "runs": runs, "replay_notes": config.replay_notes}
     return results, write_open_report(results, out)
 
 

@@ -316,11 +316,9 @@ def write_report(report: dict[str, Any], out_dir: str | Path, plots: bool = True
     """``capacity_report.{json,md,html}`` and the PNGs into ``out_dir``; each file written atomically."""
     out_dir = ensure_writable_dir(out_dir, "the report dir (--out)")
     images = plot_report(report, out_dir) if plots else {}
-    paths = {
-        "json": atomic_write_json(out_dir / f"{REPORT_STEM}.json", report),
-        "markdown": atomic_write_text(out_dir / f"{REPORT_STEM}.md", render_markdown(report, images)),
-        "html": atomic_write_text(out_dir / f"{REPORT_STEM}.html", render_html(report, images)),
-    }
+    paths = {"json": atomic_write_json(out_dir / f"{REPORT_STEM}.json", report),
+             "markdown": atomic_write_text(out_dir / f"{REPORT_STEM}.md", render_markdown(report, images)),
+             "html": atomic_write_text(out_dir / f"{REPORT_STEM}.html", render_html(report, images))}
     return {**paths, **images}
 
 

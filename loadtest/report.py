@@ -246,9 +246,8 @@ def load_run(prefix: str | Path) -> LocustRun:
             info = json.loads(info_path.read_text())
         except ValueError as exc:
             raise DataError(f"'{info_path}' is not valid JSON ({exc})") from None
-    return LocustRun(prefix, read_stats(Path(f"{prefix}_stats.csv")),
-                     read_history(Path(f"{prefix}_stats_history.csv")), read_failures(Path(f"{prefix}_failures.csv")),
-                     info)
+    return LocustRun(prefix, read_stats(Path(f"{prefix}_stats.csv")), read_history(Path(f"{prefix}_stats_history.csv")),
+                     read_failures(Path(f"{prefix}_failures.csv")), info)
 
 
 # ---------------------------------------------------------------- steps and capacity
@@ -463,16 +462,12 @@ def build_report(prefix: str | Path, slo: SLO | None = None, server_metrics: str
     aggregated = next(e for e in run.entries if e.name == "Aggregated")
     final = run.snapshots[-1]
     active = [s.timestamp for s in run.snapshots if s.rows and s.users > 0]
-    totals = {
-        "http_requests": sum(e.requests for e in http),
-        "http_failures": sum(e.failures for e in http),
-        "locust_aggregated_requests": aggregated.requests,
-        "llm_entries": sum(e.requests for e in run.entries if e.type == LLM),
-        "history_http_requests": final.http_total(),
-        "steps_requests": sum(s["requests"] for s in steps),
-        "output_tokens": round(final.llm_sum(TOKENS_ENTRY)),
-        "duration_s": (active[-1] - active[0]) if active else 0,
-    }
+    totals = {"http_requests": sum(e.requests for e in http), "http_failures": sum(e.failures for e in http),
+              "locust_aggregated_requests": aggregated.requests,
+              "llm_entries": sum(e.requests for e in run.entries if e.type == LLM),
+              "history_http_requests": final.http_total(), "steps_requests": sum(s["requests"] for s in steps),
+              "output_tokens": round(final.llm_sum(TOKENS_ENTRY)),
+              "duration_s": (active[-1] - active[0]) if active else 0}
     notes = []
     transient = transient_snapshots(run.snapshots, segments)
     if transient:

@@ -119,14 +119,11 @@ def local_service(log_path: Path, env: dict[str, str] | None = None, startup_tim
 
 def locust_command(url: str, csv_prefix: Path, plan: StepPlan, config: LoadTestConfig) -> list[str]:
     """The headless Locust command line: locust.conf's defaults, then our overrides (CLI wins)."""
-    command = [
-        sys.executable, "-m", "locust", "--config", str(LOCUST_CONF), "-f", str(LOCUSTFILE), "--headless",
-        "-H", url, "--csv", str(csv_prefix), "--csv-full-history", "--html", f"{csv_prefix}.html",
-        "--load-shape", "steps", "--step-users", ",".join(str(u) for u in plan.levels),
-        "--step-time", f"{plan.step_time_s:g}", "--step-settle", f"{plan.settle_s:g}",
-        "--user-mix", config.user_mix, "--max-tokens", str(config.max_tokens),
-        *config.extra_locust_args, *config.user_classes,
-    ]
+    command = [sys.executable, "-m", "locust", "--config", str(LOCUST_CONF), "-f", str(LOCUSTFILE), "--headless", "-H",
+               url, "--csv", str(csv_prefix), "--csv-full-history", "--html", f"{csv_prefix}.html", "--load-shape",
+               "steps", "--step-users", ",".join(str(u) for u in plan.levels), "--step-time", f"{plan.step_time_s:g}",
+               "--step-settle", f"{plan.settle_s:g}", "--user-mix", config.user_mix, "--max-tokens",
+               str(config.max_tokens), *config.extra_locust_args, *config.user_classes]
     if config.processes > 1:
         command += ["--processes", str(config.processes)]
     if config.user_mix == "agent" and not any(a.startswith("--prompt-file") for a in config.extra_locust_args):

@@ -76,5 +76,4 @@ class StepPlan:
         return cls(tuple(levels), float(options.step_time), float(options.step_settle))
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "levels": list(self.levels), "window_s": self.window_s,
-                "duration_s": self.duration_s}
+        return {**asdict(self), "levels": list(self.levels), "window_s": self.window_s, "duration_s": self.duration_s}

@@ -41,8 +41,7 @@ VOLATILE = ("seconds", "per_second", "time", "path", "dir", "ckpt", "created", "
 
 def strip_volatile(data):
     if isinstance(data, dict):
-        return {k: strip_volatile(v) for k, v in data.items()
-                if not any(w in k for w in VOLATILE)}
+        return {k: strip_volatile(v) for k, v in data.items() if not any(w in k for w in VOLATILE)}
     if isinstance(data, list):
         return [strip_volatile(v) for v in data]
     return data

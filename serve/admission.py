@@ -52,8 +52,7 @@ class Responder:
 
     def record(self, request_id: str | None, index: int, now: float, prompt_tokens: int, produced: int,
                ttft: float | None, e2e: float, finish: str, error: str | None, reward: float | None,
-               prompt_id: str | None = None, answer: str | None = None,
-               max_chars: int = 0) -> OnlineRecord:
+               prompt_id: str | None = None, answer: str | None = None, max_chars: int = 0) -> OnlineRecord:
         """The online record of one of this request's sequences (choice ``index``); ``answer`` is kept only when
         the prompt is (record_texts), cut at ``max_chars``."""
         online = self.online

@@ -188,13 +188,9 @@ def create_app(settings: ServeSettings | None = None, fleet: Any = None) -> Fast
 
     # With an API key the interactive docs and the schema are off (they map the attack surface for anyone).
     docs = {} if settings.api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(
-        **docs,
-        title="verl suite inference service",
-        version=__version__,
-        description="OpenAI-compatible completions and chat, a simple /generate, Prometheus metrics.",
-        lifespan=lifespan,
-    )
+    app = FastAPI(**docs, title="verl suite inference service", version=__version__,
+                  description="OpenAI-compatible completions and chat, a simple /generate, Prometheus metrics.",
+                  lifespan=lifespan)
     app.state.service = service
     if settings.cors_allow_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins, allow_methods=["GET", "POST"],

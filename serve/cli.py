@@ -132,8 +132,7 @@ def data_from_records(
                    ] = Path("data/from-records"),
     route: Annotated[list[str] | None, typer.Option("--route", help="Only requests to this route (repeatable).")
                      ] = None,
-    model: Annotated[list[str] | None, typer.Option("--model", help="Only answers of this model (repeatable).")
-                     ] = None,
+    model: Annotated[list[str] | None, typer.Option("--model", help="Only answers of this model (repeatable).")] = None,
     since: Annotated[float | None, typer.Option("--since", help="Only records after this Unix time.")] = None,
     until: Annotated[float | None, typer.Option("--until", help="Only records before this Unix time.")] = None,
     reward_source: Annotated[str | None, typer.Option("--reward-source", help="The rewards exported: rule, "

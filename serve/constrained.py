@@ -37,8 +37,7 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None = None, para
     definitions), the arguments fitting the function's ``parameters`` schema."""
     chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     options = [{"type": "object",
-                "properties": {"name": {"const": f["name"]},
-                               "arguments": f.get("parameters") or {"type": "object"}},
+                "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
                 "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
     call = options[0] if len(options) == 1 else {"anyOf": options}
     repeat = "+" if parallel else ""

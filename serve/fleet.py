@@ -183,9 +183,8 @@ def control_plane(create_with: dict | None = None, state_path: str | None = None
 
     if create_with is None:
         return ray.get_actor(CONTROL_NAME, namespace=NAMESPACE)
-    actor = ray.remote(ControlPlane).options(
-        name=CONTROL_NAME, namespace=NAMESPACE, get_if_exists=True, max_restarts=-1, max_task_retries=-1,
-        num_cpus=0, lifetime="detached")
+    actor = ray.remote(ControlPlane).options(name=CONTROL_NAME, namespace=NAMESPACE, get_if_exists=True,
+                                             max_restarts=-1, max_task_retries=-1, num_cpus=0, lifetime="detached")
     return actor.remote(create_with, state_path, records_path, records_options)
 
 
@@ -317,8 +316,7 @@ def deployment(replicas: int, config: str | None, overrides: dict, cpus_per_repl
     from ray import serve  # noqa: PLC0415
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("VERL_", "HF_", "TRANSFORMERS_"))}
-    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": cpus_per_replica,
-                                                     "runtime_env": {"env_vars": env}},
+    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": cpus_per_replica, "runtime_env": {"env_vars": env}},
                                "max_ongoing_requests": 256, "health_check_period_s": 2}
     if autoscaling:
         options["autoscaling_config"] = autoscaling

@@ -202,16 +202,12 @@ def training_rows(groups: list[PromptGroup], source: str | None) -> list[dict]:
             "prompt": stored_prompt(group.prompt),
             "data_source": DATA_SOURCE,
             "reward_model": {"style": "model", "ground_truth": None},  # none: a rule reward refuses these rows
-            "extra_info": {
-                "rewards": [float(a["reward"]) for a in rewarded],
-                "reward_source": source or "",
-                "models": sorted({str(a.get("model")) for a in group.answers}),
-                "lineage": json.dumps({k: first.get(k) for k in ("run", "step", "weights")}),
-                "completion_ids": [str(a.get("id")) for a in group.answers],
-                "answers": len(group.answers),
-                "users": len({a.get("user") for a in group.answers if a.get("user")}),
-                "first_time": group.first_time,
-            },
+            "extra_info": {"rewards": [float(a["reward"]) for a in rewarded], "reward_source": source or "",
+                           "models": sorted({str(a.get("model")) for a in group.answers}),
+                           "lineage": json.dumps({k: first.get(k) for k in ("run", "step", "weights")}),
+                           "completion_ids": [str(a.get("id")) for a in group.answers], "answers": len(group.answers),
+                           "users": len({a.get("user") for a in group.answers if a.get("user")}),
+                           "first_time": group.first_time},
         })
     return out
 
@@ -231,9 +227,8 @@ def pair_rows(groups: list[PromptGroup], source: str | None) -> list[dict]:
     return out
 
 
-def export_records(sources: list[str], out: str | Path, filters: RecordFilters | None = None,
-                   val_fraction: float = 0.1, near_dup_threshold: float = 0.8, seed: int = 0,
-                   admin_key: str | None = None) -> dict:
+def export_records(sources: list[str], out: str | Path, filters: RecordFilters | None = None, val_fraction: float = 0.1,
+                   near_dup_threshold: float = 0.8, seed: int = 0, admin_key: str | None = None) -> dict:
     """Records of ``sources`` into training files under ``out``; returns the summary (also ``summary.json``)."""
     filters = filters or RecordFilters()
     if not 0.0 <= val_fraction < 1.0:
@@ -262,15 +257,12 @@ def export_records(sources: list[str], out: str | Path, filters: RecordFilters |
     files = {"train.parquet": training_rows(train, source), "val.parquet": training_rows(val, source),
              "pairs/train.parquet": pair_rows(train, source), "pairs/val.parquet": pair_rows(val, source)}
     times = [float(r.get("time") or 0) for r in kept]
-    summary = {
-        "sources": sources, "reward_source": source,
-        "filters": {k: v for k, v in vars(filters).items() if v is not None},
-        "time_window": [min(times), max(times)] if times else None,
-        "counts": dict(counts),
-        "written": {name: len(rows_) for name, rows_ in files.items()},
-        "models": sorted({str(r.get("model")) for r in kept}),
-        "val_fraction": val_fraction, "near_dup_threshold": near_dup_threshold, "seed": seed,
-    }
+    summary = {"sources": sources, "reward_source": source,
+               "filters": {k: v for k, v in vars(filters).items() if v is not None},
+               "time_window": [min(times), max(times)] if times else None, "counts": dict(counts),
+               "written": {name: len(rows_) for name, rows_ in files.items()},
+               "models": sorted({str(r.get("model")) for r in kept}), "val_fraction": val_fraction,
+               "near_dup_threshold": near_dup_threshold, "seed": seed}
     with atomic_dir(Path(out), overwrite=True) as tmp:
         for name, rows_ in files.items():
             path = tmp / name

@@ -245,5 +245,4 @@ class ModelLifecycle:
 
     async def shutdown_engines(self) -> None:
         engines = [m.engine for m in self.registry.full_models()] + list(self.scorers.values())
-        await asyncio.gather(*(e.shutdown(self.settings.shutdown_timeout_s) for e in engines),
-                             return_exceptions=True)
+        await asyncio.gather(*(e.shutdown(self.settings.shutdown_timeout_s) for e in engines), return_exceptions=True)

@@ -66,8 +66,7 @@ class LiveScoring:
                 rubric = PointwiseRubric(load_rubric(config.rubric, "pointwise", "score_traffic"), *config.scale,
                                          config.max_tokens)
                 endpoint = Endpoint.parse(config.scorer.removeprefix("judge:"), "score_traffic.scorer")
-                client = JudgeClient(endpoint, key, config.timeout_s, max_retries=2,
-                                     concurrency=config.batch_size)
+                client = JudgeClient(endpoint, key, config.timeout_s, max_retries=2, concurrency=config.batch_size)
                 self.judge = client, rubric
             else:
                 from verl.rewards.remote import RemoteRewardModel  # noqa: PLC0415  (a remote scorer only)

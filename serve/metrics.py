@@ -49,8 +49,7 @@ class ServeMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r, labels = self.registry, ["model_name"]
         self.running = Gauge(PREFIX + "num_requests_running", "Sequences in the running batch.", labels, registry=r)
-        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Sequences waiting for a batch slot.", labels,
-                             registry=r)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting", "Sequences waiting for a batch slot.", labels, registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed (per sequence).", labels,
                                      registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels, registry=r)

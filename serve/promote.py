@@ -60,9 +60,8 @@ class AdminClient:
         return response.json()
 
 
-def promote(url: str, route: str, model: str, weight: float = 1.0, key: str | None = None,
-            load_path: str | None = None, load_adapter: str | None = None, base: str | None = None,
-            unload: list[str] | None = None) -> dict:
+def promote(url: str, route: str, model: str, weight: float = 1.0, key: str | None = None, load_path: str | None = None,
+            load_adapter: str | None = None, base: str | None = None, unload: list[str] | None = None) -> dict:
     """Load ``model`` if asked, give it ``weight`` of ``route``, then unload ``unload``; returns the final state."""
     key = key or os.environ.get(ADMIN_KEY_ENV)
     if not key:

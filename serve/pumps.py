@@ -143,7 +143,6 @@ class Pumps:
                 log.warning("verl serve: reward %s failed on a response: %r", online.reward, exc)
             if reward is not None:
                 self.metrics.reward.labels(target.name).observe(reward)
-        self.records.add(target.record(request_id, index, time.time(), len(req.prompt_token_ids), produced,
-                                       timer.ttft, end - timer.arrival, finish, error, reward,
-                                       prompt_hash(req.prompt_token_ids), answer=text,
-                                       max_chars=self.settings.record_texts_max_chars))
+        self.records.add(target.record(request_id, index, time.time(), len(req.prompt_token_ids), produced, timer.ttft,
+                                       end - timer.arrival, finish, error, reward, prompt_hash(req.prompt_token_ids),
+                                       answer=text, max_chars=self.settings.record_texts_max_chars))

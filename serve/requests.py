@@ -75,8 +75,7 @@ def echo_texts(engine: Engine, prompt: Any, prompts: list[list[int]]) -> list[st
     return [engine.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 
-def chat_prompt(engine: Engine, messages: list, add_generation_prompt: bool, plan: ToolPlan | None = None
-                ) -> list[int]:
+def chat_prompt(engine: Engine, messages: list, add_generation_prompt: bool, plan: ToolPlan | None = None) -> list[int]:
     """The prompt's ids; with tools (or calls in the history) through a template that renders them: the model's
     own when it does, else the project's Hermes template for a ChatML vocabulary (``verl.tools.templates``)."""
     tokenizer = engine.tokenizer
@@ -159,12 +158,11 @@ def sampling_options(body: Any, max_tokens: int, seed: int | None, logit_bias: d
         logprobs, prompt_logprobs = (body.top_logprobs or 0) if body.logprobs else None, None
     # top_k beyond any vocabulary (1e29 arrives as a huge int) keeps every token, as -1 does; never an overflow.
     top_k = body.top_k if 0 < body.top_k < 2**31 else -1
-    return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p,
-                           top_k=top_k, seed=seed, stop=list(body.stop or []),
-                           stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos,
-                           presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                           repetition_penalty=body.repetition_penalty, logit_bias=logit_bias, logprobs=logprobs,
-                           prompt_logprobs=prompt_logprobs, grammar=grammar)
+    return SamplingOptions(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, top_k=top_k, seed=seed,
+                           stop=list(body.stop or []), stop_token_ids=list(body.stop_token_ids or []),
+                           ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
+                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                           logit_bias=logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs, grammar=grammar)
 
 
 def sequence_specs(engine: Engine, prompts: list[list[int]], body: Any, max_tokens: int,

@@ -300,8 +300,7 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
                 choice["stop_reason"] = out.stop_reason
             return {**base, "choices": [choice]}
 
-        return stream_response(service, request_id, specs, prompt_tokens, chunk, [], body.stream_options, base,
-                               target)
+        return stream_response(service, request_id, specs, prompt_tokens, chunk, [], body.stream_options, base, target)
     results = await run_to_completion(service, request, request_id, specs, target)
     choices = []
     for spec, r in zip(specs, results, strict=True):
@@ -316,9 +315,8 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
             text = echoes[spec.prompt_index] + text
         choices.append({"index": spec.index, "text": text, "logprobs": block, "finish_reason": r.finish_reason,
                         "stop_reason": r.stop_reason})
-    return JSONResponse({"id": request_id, "object": "text_completion", "created": created,
-                         "model": target.name, "choices": choices,
-                         "usage": usage_block(prompt_tokens, results)}, headers=target.headers())
+    return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": target.name,
+                         "choices": choices, "usage": usage_block(prompt_tokens, results)}, headers=target.headers())
 
 
 async def create_chat_completion(service: Service, body: ChatCompletionRequest, request: Request) -> Response:
@@ -380,9 +378,8 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
         choices.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(r.logprobs, text_of) if body.logprobs else None,
                         "finish_reason": finish, "stop_reason": r.stop_reason})
-    return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,
-                         "model": target.name, "choices": choices,
-                         "usage": usage_block(len(prompt), results)}, headers=target.headers())
+    return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": target.name,
+                         "choices": choices, "usage": usage_block(len(prompt), results)}, headers=target.headers())
 
 
 USER_HEADER = "X-Verl-User"

@@ -56,11 +56,9 @@ class Service:
         self.changes: LocalChanges | FleetSync = (FleetSync(fleet, self.lifecycle) if fleet is not None
                                                   else LocalChanges(self.lifecycle))
         self._abort_timer: asyncio.TimerHandle | None = None
-        self.metrics.bind_gauges(
-            running=lambda: sum(m.engine.num_running for m in registry.full_models()),
-            waiting=lambda: sum(m.engine.num_waiting for m in registry.full_models()),
-            healthy=lambda: 1.0 if self.lifecycle.health()[0] == "ok" else 0.0,
-        )
+        self.metrics.bind_gauges(running=lambda: sum(m.engine.num_running for m in registry.full_models()),
+                                 waiting=lambda: sum(m.engine.num_waiting for m in registry.full_models()),
+                                 healthy=lambda: 1.0 if self.lifecycle.health()[0] == "ok" else 0.0)
 
     async def load(self) -> None:
         await self.lifecycle.load()

@@ -242,9 +242,8 @@ class ServeSettings(BaseSettings):
     max_prompts_per_request: int = Field(32, ge=1, description="Largest list of prompts in one /v1/completions call.")
     max_score_inputs: int = Field(256, ge=1, description="Largest list of inputs in one /classify or /pooling call "
                                   "(reward models: one forward per 32, no generation).")
-    max_body_bytes: int = Field(
-        2 * 1024 * 1024, ge=1024, description="Largest request body; bigger ones get 413 before they are read."
-    )
+    max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024,
+                                description="Largest request body; bigger ones get 413 before they are read.")
     request_timeout_s: float = Field(120.0, gt=0, description="A request still generating after this gets 504.")
     body_timeout_s: float = Field(
         30.0, gt=0, description="A request body that stops arriving for this long gets 408 and the connection closes."

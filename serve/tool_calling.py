@@ -195,8 +195,7 @@ def uses_tools(messages: list[ChatMessage], plan: ToolPlan) -> bool:
 
 
 def openai_call(call: ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments_json()}}
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json()}}
 
 
 def response_message(text: str, finish_reason: str | None, plan: ToolPlan) -> tuple[dict[str, Any], str | None]:

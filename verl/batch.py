@@ -180,8 +180,7 @@ class TrainBatch:
         tensors = {name: getattr(self, name) for name in SEQUENCE}
         tensors["weight_version"] = self.weight_version
         tensors.update({WIRE_NAMES.get(n, n): getattr(self, n) for n in OPTIONAL if getattr(self, n) is not None})
-        non = {**self.rows, "uid": self.group,
-               **{wire: getattr(self.ids, name) for name, wire in IDENTITY.items()},
+        non = {**self.rows, "uid": self.group, **{wire: getattr(self.ids, name) for name, wire in IDENTITY.items()},
                **({wire: getattr(self.turns, name) for name, wire in TURN_COLUMNS.items()} if self.turns else {})}
         return DataProto(tensors, non, {**self.meta, "anchor": self.anchor.value}, "train_batch")
 

@@ -27,14 +27,9 @@ from verl.trainer.cli import train_command
 from verl.utils.cli import OVERRIDE_CONTEXT, STATE, err, run_guarded, split_overrides
 from verl.utils.log import quiet_hf
 
-app = typer.Typer(
-    name="verl",
-    help="RL post-training for causal LMs: train, evaluate, compare, export, serve.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+app = typer.Typer(name="verl", help="RL post-training for causal LMs: train, evaluate, compare, export, serve.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 
 
 @app.callback()
@@ -107,14 +102,9 @@ app.add_typer(data_app, name="data")
 
 
 @data_app.command("arithmetic")
-def data_arithmetic(
-    out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("data/arithmetic"),
-    min_digits: int = 1,
-    max_digits: int = 3,
-    num_train: int = 20000,
-    num_val: int = 256,
-    seed: int = 1234,
-) -> None:
+def data_arithmetic(out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("data/arithmetic"),
+                    min_digits: int = 1, max_digits: int = 3, num_train: int = 20000, num_val: int = 256,
+                    seed: int = 1234) -> None:
     """Write train/val (and sft_train/sft_val) parquet files of the built-in arithmetic task."""
 
     def _run():

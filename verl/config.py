@@ -62,16 +62,13 @@ class LoraConfig(Section):
     rank: int = Field(0, ge=0, description="LoRA rank; 0 disables LoRA (full fine-tuning).")
     alpha: int = Field(16, ge=1, description="LoRA scaling alpha.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="Module names to adapt, or 'all-linear'."
-    )
+    target_modules: list[str] | Literal["all-linear"] = Field("all-linear",
+                                                              description="Module names to adapt, or 'all-linear'.")
 
 
 class ModelConfig(Section):
-    path: str = Field(
-        "builtin:tiny-arith",
-        description="HF model dir or hub id, or builtin:NAME (tiny-arith = the shipped SFT warm start).",
-    )
+    path: str = Field("builtin:tiny-arith",
+                      description="HF model dir or hub id, or builtin:NAME (tiny-arith = the shipped SFT warm start).")
     tokenizer_path: str | None = Field(None, description="Tokenizer location; defaults to model.path.")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
         "float32", description="Parameter dtype (float64: numerical checks on CPU, e.g. executor against executor).")
@@ -107,9 +104,8 @@ class DataConfig(Section):
     train_files: list[str] = Field(["builtin:arithmetic/train"], description="Parquet files (or builtin:TASK/SPLIT).")
     val_files: list[str] = Field(["builtin:arithmetic/val"], description="Validation parquet files.")
     prompt_key: str = Field("prompt", description="Column with the prompt: chat messages or a plain string.")
-    ground_truth_key: str = Field(
-        "reward_model.ground_truth", description="Column (dotted for nested structs) with the reference answer."
-    )
+    ground_truth_key: str = Field("reward_model.ground_truth",
+                                  description="Column (dotted for nested structs) with the reference answer.")
     max_prompt_length: int = Field(64, ge=1, description="Prompt tokens after the chat template.")
     max_response_length: int = Field(16, ge=1, description="Most generated tokens per response.")
     truncation: Literal["error", "filter", "left", "right"] = Field(
@@ -229,9 +225,8 @@ class ActorConfig(Section):
     policy_loss: str = Field("vanilla", description="Policy-loss function from the registry.")
     clip_ratio: float = Field(0.2, gt=0.0, description="PPO clip epsilon (both sides unless overridden).")
     clip_ratio_low: float | None = Field(None, gt=0.0, description="Lower clip epsilon; defaults to clip_ratio.")
-    clip_ratio_high: float | None = Field(
-        None, gt=0.0, description="Upper clip epsilon (DAPO clip-higher); defaults to clip_ratio."
-    )
+    clip_ratio_high: float | None = Field(None, gt=0.0,
+                                          description="Upper clip epsilon (DAPO clip-higher); defaults to clip_ratio.")
     clip_ratio_c: float = Field(3.0, gt=1.0, description="Dual-clip constant for negative advantages.")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
@@ -543,9 +538,8 @@ class CallbacksConfig(Section):
     """Callbacks attached from YAML (Python code can also call trainer.add_callback)."""
 
     best_checkpoint: BestCheckpointConfig = Field(default_factory=BestCheckpointConfig)
-    custom: list[str] = Field(
-        default_factory=list, description="Extra callbacks as 'package.module:Class' or 'file.py:Class' (no args)."
-    )
+    custom: list[str] = Field(default_factory=list,
+                              description="Extra callbacks as 'package.module:Class' or 'file.py:Class' (no args).")
 
     @model_validator(mode="before")
     @classmethod
@@ -965,15 +959,13 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 # Names users bring from TRL / transformers / other verl versions -> our key in the same section.
-KEY_ALIASES = {
-    "learning_rate": "lr", "max_steps": "total_steps", "num_steps": "total_steps", "steps": "total_steps",
-    "num_generations": "n", "num_samples": "n", "beta": "kl_loss_coef", "epsilon": "clip_ratio",
-    "batch_size": "train_batch_size", "epochs": "ppo_epochs", "num_train_epochs": "ppo_epochs",
-    "model_name_or_path": "path", "output": "output_dir", "logging": "logger", "loggers": "logger",
-    "max_new_tokens": "max_response_length", "max_completion_length": "max_response_length",
-    "max_prompt_len": "max_prompt_length", "warmup": "warmup_steps", "scheduler": "lr_scheduler",
-    "kl_coeff": "kl_coef", "entropy_coef": "entropy_coeff", "estimator": "adv_estimator",
-}
+KEY_ALIASES = {"learning_rate": "lr", "max_steps": "total_steps", "num_steps": "total_steps", "steps": "total_steps",
+               "num_generations": "n", "num_samples": "n", "beta": "kl_loss_coef", "epsilon": "clip_ratio",
+               "batch_size": "train_batch_size", "epochs": "ppo_epochs", "num_train_epochs": "ppo_epochs",
+               "model_name_or_path": "path", "output": "output_dir", "logging": "logger", "loggers": "logger",
+               "max_new_tokens": "max_response_length", "max_completion_length": "max_response_length",
+               "max_prompt_len": "max_prompt_length", "warmup": "warmup_steps", "scheduler": "lr_scheduler",
+               "kl_coeff": "kl_coef", "entropy_coef": "entropy_coeff", "estimator": "adv_estimator"}
 
 
 def suggest_key(name: str, valid: list[str]) -> str | None:
@@ -1052,9 +1044,8 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def explicit_settings(
-    path: str | Path | None, overrides: list[str] | None, schema: type[Section] = VerlConfig
-) -> dict[str, Any]:
+def explicit_settings(path: str | Path | None, overrides: list[str] | None,
+                      schema: type[Section] = VerlConfig) -> dict[str, Any]:
     """The keys a command sets, flat and in order: the YAML file's, then the overrides (later wins).
 
     verl's own key names (``actor_rollout_ref.actor.optim.lr`` ...) are mapped onto ours here, for YAML files and
@@ -1071,10 +1062,8 @@ def explicit_settings(
     return settings
 
 
-def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None, schema: type[Section] = VerlConfig,
-    default_name: str = "grpo_tiny",
-) -> Any:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, schema: type[Section] = VerlConfig,
+                default_name: str = "grpo_tiny") -> Any:
     """Load ``path`` (or the defaults), apply dotted overrides, validate, and name the experiment."""
     data: dict = {}
     for key, value in explicit_settings(path, overrides, schema).items():

@@ -18,14 +18,12 @@ from verl.errors import ConfigError
 from verl.utils.log import say_once
 
 # Section prefixes: verl's -> ours. Longest first.
-PREFIXES: tuple[tuple[str, str], ...] = (
-    ("actor_rollout_ref.actor.", "actor."),
-    ("actor_rollout_ref.rollout.", "rollout."),
-    ("actor_rollout_ref.ref.", "reference."),
-    ("actor_rollout_ref.model.", "model."),
-    ("custom_reward_function.", "reward.custom_reward."),
-    ("reward_model.", "reward.model."),
-)
+PREFIXES: tuple[tuple[str, str], ...] = (("actor_rollout_ref.actor.", "actor."),
+                                         ("actor_rollout_ref.rollout.", "rollout."),
+                                         ("actor_rollout_ref.ref.", "reference."),
+                                         ("actor_rollout_ref.model.", "model."),
+                                         ("custom_reward_function.", "reward.custom_reward."),
+                                         ("reward_model.", "reward.model."))
 
 # After the prefix: keys whose name differs (ours on the right).
 RENAMES: dict[str, str] = {
@@ -109,11 +107,8 @@ IGNORED: tuple[str, ...] = (
 )
 
 # verl values that mean the same as one of ours.
-VALUE_MAPS: dict[str, dict[Any, Any]] = {
-    "actor.strategy": {"fsdp2": "fsdp"},
-    "rollout.top_k": {-1: 0},
-    "rollout.val_kwargs.top_k": {-1: 0},
-}
+VALUE_MAPS: dict[str, dict[Any, Any]] = {"actor.strategy": {"fsdp2": "fsdp"}, "rollout.top_k": {-1: 0},
+                                         "rollout.val_kwargs.top_k": {-1: 0}}
 
 def _ignored(key: str) -> bool:
     return any(key == p or (p.endswith((".", "_")) and key.startswith(p)) for p in IGNORED)

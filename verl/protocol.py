@@ -23,18 +23,8 @@ import torch
 from verl.errors import DataProtoValidationError
 
 # Fields that are per response token: shape (batch, response_len) where response_len = responses.shape[1].
-RESPONSE_FIELDS = (
-    "response_mask",
-    "old_log_probs",
-    "ref_log_prob",
-    "log_probs",
-    "values",
-    "token_level_scores",
-    "token_level_rewards",
-    "advantages",
-    "returns",
-    "entropys",
-)
+RESPONSE_FIELDS = ("response_mask", "old_log_probs", "ref_log_prob", "log_probs", "values", "token_level_scores",
+                   "token_level_rewards", "advantages", "returns", "entropys")
 # Fields that span the whole sequence: shape (batch, prompt_len + response_len).
 SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")
 FLOAT_FIELDS = ("old_log_probs", "ref_log_prob", "log_probs", "values", "token_level_scores",
@@ -60,13 +50,8 @@ class DataProto:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_dict(
-        cls,
-        tensors: dict[str, torch.Tensor] | None = None,
-        non_tensors: dict[str, Sequence] | None = None,
-        meta: dict[str, Any] | None = None,
-        stage: str = "init",
-    ) -> DataProto:
+    def from_dict(cls, tensors: dict[str, torch.Tensor] | None = None, non_tensors: dict[str, Sequence] | None = None,
+                  meta: dict[str, Any] | None = None, stage: str = "init") -> DataProto:
         return cls(dict(tensors or {}), dict(non_tensors or {}), dict(meta or {}), stage)
 
     # ------------------------------------------------------------------ basic facts

@@ -29,8 +29,7 @@ def observe(rows: list[dict], route: str, incumbent: str, slo_ms: float | None) 
     inc = [r for r in mine if r.get("model") == incumbent]
     rewards = [float(r["reward"]) for r in inc if r.get("reward") is not None and not r.get("error")]
     latencies = [1000.0 * r["e2e_s"] for r in inc if not r.get("error") and r.get("e2e_s") is not None]
-    out: dict[str, Any] = {"requests": len(mine), "seconds": span,
-                           "rate_per_s": len(mine) / span if span > 0 else None,
+    out: dict[str, Any] = {"requests": len(mine), "seconds": span, "rate_per_s": len(mine) / span if span > 0 else None,
                            "rewarded": len(rewards), "reward_mean": float(np.mean(rewards)) if rewards else None,
                            "reward_sd": float(np.std(rewards)) if rewards else None,
                            "error_rate": sum(bool(r.get("error")) for r in inc) / len(inc) if inc else 0.0,

@@ -251,11 +251,10 @@ def run_cell(cell: Cell, sims: int, seed: int = 0) -> dict[str, Any]:
     margin = cell.settings.margin * scale
     aa = simulate(cell, 0.0, sims, seed)
     worse = simulate(cell, -margin, sims, seed + 1)
-    row: dict[str, Any] = {"cell": cell.name, "sims": sims,
-                           "aa_rollback": aa["rollback"], "aa_rollback_ci": binomial_interval(aa["rollback"], sims),
-                           "aa_promote": aa["promote"], "aa_inconclusive": aa["inconclusive"],
-                           "aa_requests_median": float(np.median(aa["requests"])),
-                           "margin_promote": worse["promote"],
+    row: dict[str, Any] = {"cell": cell.name, "sims": sims, "aa_rollback": aa["rollback"],
+                           "aa_rollback_ci": binomial_interval(aa["rollback"], sims), "aa_promote": aa["promote"],
+                           "aa_inconclusive": aa["inconclusive"],
+                           "aa_requests_median": float(np.median(aa["requests"])), "margin_promote": worse["promote"],
                            "margin_promote_ci": binomial_interval(worse["promote"], sims),
                            "margin_inconclusive": worse["inconclusive"]}
     if drop_allowed(cell, cell.drop):

@@ -79,9 +79,8 @@ class RunningSequence:
         if finish is None:
             return None
         return EngineOutput(text="".join(self.text_parts), token_ids=list(self.generated),
-                            num_generated_tokens=len(self.generated), finish_reason=finish,
-                            stop_reason=stop_reason, scheduled_time=self.scheduled_time,
-                            token_times=self.token_times,
+                            num_generated_tokens=len(self.generated), finish_reason=finish, stop_reason=stop_reason,
+                            scheduled_time=self.scheduled_time, token_times=self.token_times,
                             logprobs=self.logprobs if self.sampling.logprobs is not None else None,
                             prompt_logprobs=self.prompt_logprobs)
 

@@ -143,8 +143,7 @@ class VLLMEngine(Engine):
             lora = self._loras.get(request.adapter)
             if lora is None:
                 raise EngineError(f"the adapter '{request.adapter}' is not loaded")
-        stream = self.llm.generate({"prompt_token_ids": list(request.prompt_token_ids)}, params, rid,
-                                   lora_request=lora)
+        stream = self.llm.generate({"prompt_token_ids": list(request.prompt_token_ids)}, params, rid, lora_request=lora)
         try:
             async for out in stream:
                 if rid in self._waiting:
@@ -163,9 +162,8 @@ class VLLMEngine(Engine):
                     output.logprobs = [_entry(t, d, s.logprobs)
                                        for t, d in zip(completion.token_ids, completion.logprobs or [], strict=True)]
                 if s.prompt_logprobs is not None and out.prompt_logprobs is not None:
-                    output.prompt_logprobs = [None if d is None else _entry(t, d, s.prompt_logprobs)
-                                              for t, d in zip(request.prompt_token_ids, out.prompt_logprobs,
-                                                              strict=True)]
+                    output.prompt_logprobs = [None if d is None else _entry(t, d, s.prompt_logprobs) for t,
+                                              d in zip(request.prompt_token_ids, out.prompt_logprobs, strict=True)]
                 if not request.stream:
                     _add_timing(output, out.metrics, request.arrival_time)
                 elif produced == len(completion.token_ids):  # the first delta: report the queue time

@@ -17,10 +17,7 @@ from verl.algos.losses import (
 )
 from verl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
 
-__all__ = [
-    "ADV_ESTIMATORS", "POLICY_LOSSES", "AdaptiveKLController", "FixedKLController", "agg_loss",
-    "build_kl_controller", "clipped_policy_loss", "entropy_from_log_probs", "entropy_from_logits",
-    "get_adv_estimator", "get_policy_loss",
-    "kl_penalty", "masked_mean", "masked_sum", "masked_var", "masked_whiten", "register_adv_est",
-    "register_policy_loss", "value_loss",
-]
+__all__ = ["ADV_ESTIMATORS", "POLICY_LOSSES", "AdaptiveKLController", "FixedKLController", "agg_loss",
+           "build_kl_controller", "clipped_policy_loss", "entropy_from_log_probs", "entropy_from_logits",
+           "get_adv_estimator", "get_policy_loss", "kl_penalty", "masked_mean", "masked_sum", "masked_var",
+           "masked_whiten", "register_adv_est", "register_policy_loss", "value_loss"]

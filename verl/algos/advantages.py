@@ -87,10 +87,8 @@ def outcome_advantages(scores: torch.Tensor, response_mask: torch.Tensor) -> tup
 
 
 @register_adv_est("gae", needs_critic=True)
-def gae(
-    token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
-    gamma: float = 1.0, lam: float = 1.0, **_,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 1.0, **_) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016); advantages whitened over valid tokens.
 
     delta_t = r_t + gamma * V_{t+1} - V_t (V after the last valid token is 0);
@@ -118,10 +116,8 @@ def gae(
 
 
 @register_adv_est("grpo", needs_groups=True)
-def grpo(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence,
-    norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6, **_,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def grpo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence,
+         norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6, **_) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage: (score - group mean) / (group std + eps), broadcast over the response.
 
     ``norm_adv_by_std_in_grpo=False`` gives Dr.GRPO (no std division). A group of one has mean 0 and std 1.
@@ -137,9 +133,8 @@ def grpo(
 
 
 @register_adv_est("rloo", needs_groups=True)
-def rloo(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence, **_,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rloo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence,
+         **_) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024): score minus the mean of the group's *other* scores."""
     with torch.no_grad():
         scores = token_level_rewards.sum(-1)
@@ -148,9 +143,8 @@ def rloo(
 
 
 @register_adv_est("reinforce_plus_plus")
-def reinforce_plus_plus(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0, **_,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_plus_plus(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
+                        **_) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025): discounted reward-to-go per token, whitened over the batch's valid tokens."""
     with torch.no_grad():
         returns = torch.zeros_like(token_level_rewards)
@@ -165,9 +159,8 @@ def reinforce_plus_plus(
 
 
 @register_adv_est("reinforce_plus_plus_baseline", needs_groups=True)
-def reinforce_plus_plus_baseline(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence, **_,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_plus_plus_baseline(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence,
+                                 **_) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group-mean baseline: (score - group mean), broadcast, then whitened over the batch."""
     with torch.no_grad():
         scores = token_level_rewards.sum(-1)
@@ -178,9 +171,8 @@ def reinforce_plus_plus_baseline(
 
 
 @register_adv_est("remax", needs_greedy_baseline=True)
-def remax(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, reward_baselines: torch.Tensor, **_,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def remax(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, reward_baselines: torch.Tensor,
+          **_) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2023): reward-to-go minus the reward of the greedy response to the same prompt."""
     with torch.no_grad():
         returns = (token_level_rewards * response_mask).flip(-1).cumsum(-1).flip(-1)
@@ -189,9 +181,8 @@ def remax(
 
 
 @register_adv_est("opo", needs_groups=True)
-def opo(
-    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence, **_,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def opo(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence,
+        **_) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO (Hao et al. 2025): baseline = length-weighted mean of the group's scores."""
     with torch.no_grad():
         scores = token_level_rewards.sum(-1)

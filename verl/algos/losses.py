@@ -16,14 +16,8 @@ from verl.registry import Registry
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def agg_loss(
-    loss_mat: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str = "token-mean",
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-    norm_length: float | None = None,
-) -> torch.Tensor:
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", num_tokens: float | None = None,
+             num_seqs: float | None = None, norm_length: float | None = None) -> torch.Tensor:
     """Reduce a ``(batch, response_len)`` loss to a scalar, as verl defines each mode.
 
     - ``token-mean``: sum over all valid tokens / number of valid tokens.
@@ -88,18 +82,10 @@ def get_policy_loss(name: str) -> PolicyLossFn:
 
 
 @register_policy_loss("vanilla")
-def clipped_policy_loss(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    **agg_kwargs,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def clipped_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2, clip_c: float = 3.0,
+                        loss_agg_mode: str = "token-mean", rollout_is_weights: torch.Tensor | None = None,
+                        **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with separate low/high clip (DAPO clip-higher) and dual clip.
 
     ratio = exp(logp - old_logp); loss = max(-A*ratio, -A*clip(ratio, 1-low, 1+high)); for A < 0 the loss is
@@ -116,23 +102,16 @@ def clipped_policy_loss(
     losses = torch.where(advantages < 0, loss_dual, loss_ppo)
     if rollout_is_weights is not None:
         losses = losses * rollout_is_weights
-    metrics = {
-        "clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
-        "clipfrac_lower": masked_mean(((loss_ppo > -advantages * clip_c) & (advantages < 0)).float(), mask),
-        "ppo_kl": masked_mean(-log_ratio, mask),
-    }
+    metrics = {"clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+               "clipfrac_lower": masked_mean(((loss_ppo > -advantages * clip_c) & (advantages < 0)).float(), mask),
+               "ppo_kl": masked_mean(-log_ratio, mask)}
     return agg_loss(losses, mask, loss_agg_mode, **agg_kwargs), metrics
 
 
-def reinforce_policy_loss(
-    log_prob: torch.Tensor,
-    rollout_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    rollout_is_weights: torch.Tensor | None = None,
-    loss_agg_mode: str = "token-mean",
-    **agg_kwargs,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def reinforce_policy_loss(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, advantages: torch.Tensor,
+                          mask: torch.Tensor, rollout_is_weights: torch.Tensor | None = None,
+                          loss_agg_mode: str = "token-mean",
+                          **agg_kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bypass mode's REINFORCE loss (``algorithm.rollout_correction.loss_type: reinforce``): -A * w * log pi_theta
     per token, ``w`` the detached IS weights pi_theta / pi_rollout (1 without them), no clipping; its gradient is the
     importance-weighted policy gradient. Metric ``ppo_kl``: mean of log pi_rollout - log pi_theta."""
@@ -143,17 +122,10 @@ def reinforce_policy_loss(
 
 
 @register_policy_loss("bypass_mode")
-def bypass_policy_loss(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    rollout_is: str | None = None,
-    rollout_is_threshold: str | float = 2.0,
-    rollout_is_batch_normalize: bool = False,
-    loss_agg_mode: str = "token-mean",
-    **options,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def bypass_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                       rollout_is: str | None = None, rollout_is_threshold: str | float = 2.0,
+                       rollout_is_batch_normalize: bool = False, loss_agg_mode: str = "token-mean",
+                       **options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bypass mode's REINFORCE (``algorithm.rollout_correction`` with ``bypass_mode`` and ``loss_type: reinforce``;
     verl registers it as a policy loss too). In bypass mode ``old_log_prob`` is the rollout engine's log-prob of each
     token: the weights w = pi_theta / pi_rollout of these very tokens (detached; ``rollout_is`` sets how, None: 1)
@@ -170,15 +142,9 @@ def bypass_policy_loss(
     return loss, {**{f"rollout_corr/{k}": torch.tensor(v, dtype=torch.float64) for k, v in found.items()}, **metrics}
 
 
-def value_loss(
-    vpreds: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    cliprange_value: float = 0.5,
-    loss_agg_mode: str = "token-mean",
-    **agg_kwargs,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def value_loss(vpreds: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
+               **agg_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss: 0.5 * agg(max((V - R)^2, (clip(V, V_old +- c) - R)^2)); returns (loss, clipfrac)."""
     clipped = old_values + (vpreds - old_values).clamp(-cliprange_value, cliprange_value)
     loss_unclipped = (vpreds - returns) ** 2

@@ -25,10 +25,8 @@ from verl.tracking.follow import row_kind
 from verl.utils.log import read_jsonl
 from verl.utils.net import free_port
 
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-    "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
-]
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "chrome")
 
 

@@ -44,9 +44,8 @@ class RunState:
         self.points: list[tuple[str, int, float | None]] = []  # (tag, step, value) in log order
         self.samples: deque[dict[str, Any]] = deque(maxlen=MAX_SAMPLES)
         self.alerts: deque[dict[str, Any]] = deque(maxlen=MAX_ALERTS)
-        self.status: dict[str, Any] = {"state": "waiting", "last_step": None, "total_steps": None,
-                                       "updated": None, "reason": None, "checkpoint": None, "best_checkpoint": None,
-                                       "target": None}
+        self.status: dict[str, Any] = {"state": "waiting", "last_step": None, "total_steps": None, "updated": None,
+                                       "reason": None, "checkpoint": None, "best_checkpoint": None, "target": None}
 
     def refresh(self) -> None:
         with self.lock:

@@ -28,9 +28,8 @@ from verl.utils.fs import atomic_path, cache_dir
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_TASKS = ("arithmetic", "word_problems", "tool_arithmetic", "tool_word_problems")
 BUILTIN_SPLITS = ("train", "val", "sft_train", "sft_val")
-TASK_SPLITS = {"arithmetic": (*BUILTIN_SPLITS, "test", "traffic", "pairs_train", "pairs_val",
-                              "pairs_near_val"), "word_problems": ("train", "val"),
-               "tool_arithmetic": BUILTIN_SPLITS,
+TASK_SPLITS = {"arithmetic": (*BUILTIN_SPLITS, "test", "traffic", "pairs_train", "pairs_val", "pairs_near_val"),
+               "word_problems": ("train", "val"), "tool_arithmetic": BUILTIN_SPLITS,
                "tool_word_problems": (*BUILTIN_SPLITS, "train_wide")}
 # Generated tasks: task -> (module with generate_splits, its default spec).
 GENERATED = {"word_problems": (word_problems, word_problems.WordProblemSpec()),

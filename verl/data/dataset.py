@@ -29,14 +29,8 @@ from verl.tools.templates import ToolPrompting
 
 
 def arithmetic_spec(task: ArithmeticTaskConfig) -> ArithmeticSpec:
-    return ArithmeticSpec(
-        min_digits=task.min_digits,
-        max_digits=task.max_digits,
-        ops=tuple(task.ops),
-        num_train=task.num_train,
-        num_val=task.num_val,
-        seed=task.seed,
-    )
+    return ArithmeticSpec(min_digits=task.min_digits, max_digits=task.max_digits, ops=tuple(task.ops),
+                          num_train=task.num_train, num_val=task.num_val, seed=task.seed)
 
 
 def read_rows(files: Sequence[str], config_key: str, task: ArithmeticTaskConfig | None = None,
@@ -103,15 +97,9 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 class RLHFDataset:
     """Prompts for RL training and validation, tokenized once up front."""
 
-    def __init__(
-        self,
-        data_files: Sequence[str] | str,
-        tokenizer: PreTrainedTokenizerBase,
-        config: DataConfig | dict | None = None,
-        config_key: str = "data.train_files",
-        require_ground_truth: bool = True,
-        tools: ToolPrompting | None = None,
-    ):
+    def __init__(self, data_files: Sequence[str] | str, tokenizer: PreTrainedTokenizerBase,
+                 config: DataConfig | dict | None = None, config_key: str = "data.train_files",
+                 require_ground_truth: bool = True, tools: ToolPrompting | None = None):
         """``require_ground_truth``: every row must hold ``data.ground_truth_key`` (rule rewards score a row
         without one as 0, silently); the trainer turns it off for reward models and custom reward functions.
         ``tools`` (multi-turn rollouts): each prompt is rendered with its row's tools (``tools_for_row``), whose

@@ -22,13 +22,10 @@ def gsm8k_rows(rows: list[dict], split: str) -> list[dict]:
         if "question" not in row or "answer" not in row:
             raise DataError(f"GSM8K {split} row {i}: expected columns 'question' and 'answer', got {sorted(row)}")
         answer = str(row["answer"]).split("####")[-1].strip().replace(",", "")
-        out.append({
-            "data_source": "openai/gsm8k",
-            "prompt": [{"role": "user", "content": f"{row['question']} {INSTRUCTION}"}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": answer},
-            "extra_info": {"split": split, "index": i, "answer": row["answer"], "question": row["question"]},
-        })
+        out.append({"data_source": "openai/gsm8k",
+                    "prompt": [{"role": "user", "content": f"{row['question']} {INSTRUCTION}"}], "ability": "math",
+                    "reward_model": {"style": "rule", "ground_truth": answer},
+                    "extra_info": {"split": split, "index": i, "answer": row["answer"], "question": row["question"]}})
     return out
 
 

@@ -55,19 +55,11 @@ class EvalBatch:
         reward scores ``(N,)`` and per-sample reward extras, as validation produces them."""
         non = batch.non_tensor
         index = np.asarray(non["index"], dtype=np.int64) if "index" in non else np.repeat(np.arange(len(texts) // n), n)
-        return cls(
-            responses=list(texts),
-            prompts=[str(p) for p in non.get("raw_prompt", [""] * len(texts))],
-            ground_truth=list(non.get("ground_truth", [None] * len(texts))),
-            data_sources=[str(s) for s in non.get("data_source", ["unknown"] * len(texts))],
-            prompt_index=index,
-            n=n,
-            max_new_tokens=max_new_tokens,
-            response_lengths=batch.batch["response_mask"].sum(-1).cpu().numpy().astype(np.int64),
-            rewards=None if scores is None else np.asarray(scores, dtype=np.float64),
-            reward_extras={k: np.asarray(v, dtype=np.float64) for k, v in (extras or {}).items()},
-            data=batch,
-            sampling=dict(sampling or {}),
-            n_bootstrap=n_bootstrap,
-            seed=seed,
-        )
+        return cls(responses=list(texts), prompts=[str(p) for p in non.get("raw_prompt", [""] * len(texts))],
+                   ground_truth=list(non.get("ground_truth", [None] * len(texts))),
+                   data_sources=[str(s) for s in non.get("data_source", ["unknown"] * len(texts))], prompt_index=index,
+                   n=n, max_new_tokens=max_new_tokens,
+                   response_lengths=batch.batch["response_mask"].sum(-1).cpu().numpy().astype(np.int64),
+                   rewards=None if scores is None else np.asarray(scores, dtype=np.float64),
+                   reward_extras={k: np.asarray(v, dtype=np.float64) for k, v in (extras or {}).items()}, data=batch,
+                   sampling=dict(sampling or {}), n_bootstrap=n_bootstrap, seed=seed)

@@ -45,11 +45,8 @@ class KL(Evaluator):
         terms = batch.kl_terms
         # Every term is zero on padding (compute_kl_terms masks them; k1 = k3 = 0 where both log-probs are 0).
         k1, k3 = k1_k3(terms["policy_log_probs"], terms["ref_log_probs"])
-        columns = {
-            "kl_exact": terms["token_kl"].sum(-1).double().numpy(),
-            "kl_k1": k1.sum(-1).double().numpy(),
-            "kl_k3": k3.sum(-1).double().numpy(),
-        }
+        columns = {"kl_exact": terms["token_kl"].sum(-1).double().numpy(), "kl_k1": k1.sum(-1).double().numpy(),
+                   "kl_k3": k3.sum(-1).double().numpy()}
         result = EvalResult(per_sample=dict(columns))
         for name, column in columns.items():
             result.metrics[name] = self.mean(name, column, batch)

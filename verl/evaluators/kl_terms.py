@@ -62,8 +62,7 @@ def compute_kl_terms(policy: torch.nn.Module, reference: torch.nn.Module, data: 
             for model, dev, context in ((policy, device, contexts[0]), (reference, ref_device, contexts[1])):
                 with context():
                     out = model(input_ids=rows["input_ids"].to(dev), attention_mask=rows["attention_mask"].to(dev),
-                                position_ids=rows["position_ids"].to(dev), logits_to_keep=width + 1,
-                                use_cache=False)
+                                position_ids=rows["position_ids"].to(dev), logits_to_keep=width + 1, use_cache=False)
                 logits.append(at_least_float32(out.logits[:, -width - 1 : -1, :]).to(device) / temperature)
             terms = token_kl_terms(logits[0], logits[1], rows["responses"].to(device))
             for key, value in terms.items():

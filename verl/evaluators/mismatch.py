@@ -47,8 +47,7 @@ class Mismatch(Evaluator):
             raise VerlError("the mismatch evaluator got no engine log-probs: the engine gave none for these samples")
         mask = terms["mask"].double()
         per_token = token_terms(terms["trainer"], terms["rollout"])
-        columns = {f"mismatch_{name}_sum": masked_sum(value, mask, dim=-1).numpy() for name, value in
-                   per_token.items()}
+        columns = {f"mismatch_{name}_sum": masked_sum(value, mask, dim=-1).numpy() for name, value in per_token.items()}
         columns["mismatch_tokens"] = mask.sum(-1).numpy()
         log_ppl_diff = masked_mean(terms["rollout"].double(), mask, dim=-1) - masked_mean(terms["trainer"].double(),
                                                                                           mask, dim=-1)

@@ -44,8 +44,7 @@ class Tools(Evaluator):
                    "turns": turns, "generated_tokens": np.asarray(batch.response_lengths, dtype=np.float64),
                    "trajectory_tokens": trajectory}
         result = EvalResult(per_sample=dict(columns))
-        result.metrics["tool_call_rate"] = self.mean("tool_call_rate", called, batch, binary=True,
-                                                     column="tool_called")
+        result.metrics["tool_call_rate"] = self.mean("tool_call_rate", called, batch, binary=True, column="tool_called")
         result.metrics["tool_calls_mean"] = self.mean("tool_calls_mean", calls, batch, column="tool_calls")
         result.metrics["turns_mean"] = self.mean("turns_mean", turns, batch, column="turns")
         result.metrics["generated_tokens_mean"] = self.mean("generated_tokens_mean", columns["generated_tokens"],

@@ -47,10 +47,8 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("decode_attention.cpp", "decoder_ops.cpp", "bindings.cpp")
 # Vector-instruction flags per torch's CPU capability: the build is for this machine's CPU.
-ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx2"],
-    "AVX2": ["-mavx2", "-mfma"],
-}
+ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma", "-mavx2"],
+             "AVX2": ["-mavx2", "-mfma"]}
 
 _lock = threading.Lock()
 _module: Any = None

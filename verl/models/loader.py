@@ -174,14 +174,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     return tokenizer
 
 
-def load_causal_lm(
-    path: str, dtype: str = "float32", device: str | torch.device = "cpu", trust_remote_code: bool = False
-) -> PreTrainedModel:
+def load_causal_lm(path: str, dtype: str = "float32", device: str | torch.device = "cpu",
+                   trust_remote_code: bool = False) -> PreTrainedModel:
     local = resolve_model_path(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            local, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=True
-        )
+        model = AutoModelForCausalLM.from_pretrained(local, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+                                                     use_safetensors=True)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load a causal LM from '{path}': {exc}") from None
     except SafetensorError as exc:  # truncated or overwritten weights: say which file, not a Rust error

@@ -13,13 +13,8 @@ from verl.models.patches import LORA_PATCH
 
 
 def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
-    peft_config = PeftLoraConfig(
-        r=config.rank,
-        lora_alpha=config.alpha,
-        lora_dropout=config.dropout,
-        target_modules=config.target_modules,
-        task_type="CAUSAL_LM",
-    )
+    peft_config = PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+                                 target_modules=config.target_modules, task_type="CAUSAL_LM")
     model = get_peft_model(model, peft_config)
     # Each adapted layer as one autograd node, the adapter's term summed inside a GEMM (CPU fp32; peft's own
     # forward elsewhere); see verl/models/fused_lora.py.

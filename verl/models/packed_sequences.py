@@ -207,11 +207,10 @@ def pack_batch(batch: dict[str, torch.Tensor], group_size: int = 1) -> PackedBat
         offset += index.numel()
     out_rows_t = torch.cat(out_rows) if out_rows else torch.zeros(0, dtype=torch.long, device=device)
     out_cols_t = columns[:width].expand(rows, -1)[response_mask]  # row-major, as out_rows
-    return PackedBatch(
-        input_ids=torch.cat(ids).unsqueeze(0), position_ids=torch.cat(pos).unsqueeze(0), groups=groups,
-        output_index=output_index.to(device), predictors=torch.tensor(predictors, dtype=torch.long, device=device),
-        rows=out_rows_t, cols=out_cols_t, targets=responses[out_rows_t, out_cols_t], shape=(rows, width),
-    )
+    return PackedBatch(input_ids=torch.cat(ids).unsqueeze(0), position_ids=torch.cat(pos).unsqueeze(0), groups=groups,
+                       output_index=output_index.to(device),
+                       predictors=torch.tensor(predictors, dtype=torch.long, device=device), rows=out_rows_t,
+                       cols=out_cols_t, targets=responses[out_rows_t, out_cols_t], shape=(rows, width))
 
 
 def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

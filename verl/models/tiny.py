@@ -82,9 +82,8 @@ class TinySpec:
 BUILTIN_SPECS: dict[str, TinySpec] = {
     "tiny-arith-base": TinySpec(),
     # ~25M parameters: big enough that engines, not Python overhead, dominate (benchmarks).
-    "small-arith-base": TinySpec(
-        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, intermediate_size=1536
-    ),
+    "small-arith-base": TinySpec(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                                 intermediate_size=1536),
     # The tool-using agent's initialisation: room for a call, its result and the answer (builtin:tiny-agent).
     "tiny-agent-base": TinySpec(max_position_embeddings=512, tools=True),
 }
@@ -103,17 +102,11 @@ def build_char_tokenizer(model_max_length: int = 256, tools: bool = False) -> Pr
     if tags:
         backend.add_tokens(tags)
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        unk_token=UNK,
-        additional_special_tokens=ROLE_TOKENS + (TOOL_ROLE_TOKENS if tools else []),
-        model_max_length=model_max_length,
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                        unk_token=UNK,
+                                        additional_special_tokens=ROLE_TOKENS + (TOOL_ROLE_TOKENS if tools else []),
+                                        model_max_length=model_max_length, padding_side="left",
+                                        clean_up_tokenization_spaces=False)
     tokenizer.chat_template = AGENT_CHAT_TEMPLATE if tools else CHAT_TEMPLATE
     return tokenizer
 
@@ -123,35 +116,21 @@ def build_spec_tokenizer(spec: TinySpec) -> PreTrainedTokenizerFast:
     return build_char_tokenizer(spec.max_position_embeddings, tools=spec.tools)
 
 
-def build_tiny_model(
-    tokenizer: PreTrainedTokenizerFast, spec: TinySpec | None = None, seed: int = 0
-) -> LlamaForCausalLM:
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, spec: TinySpec | None = None,
+                     seed: int = 0) -> LlamaForCausalLM:
     """A randomly initialised ``LlamaForCausalLM`` (fp32) whose special-token ids match ``tokenizer``."""
     spec = spec or TinySpec()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        intermediate_size=spec.intermediate_size,
-        max_position_embeddings=spec.max_position_embeddings,
-        rope_theta=spec.rope_theta,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
+                         num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+                         num_key_value_heads=spec.num_key_value_heads, intermediate_size=spec.intermediate_size,
+                         max_position_embeddings=spec.max_position_embeddings, rope_theta=spec.rope_theta,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        max_new_tokens=32,
-        do_sample=False,
-    )
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id, max_new_tokens=32, do_sample=False)
     return model
 
 

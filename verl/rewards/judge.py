@@ -83,8 +83,7 @@ class JudgeClient:
     """Chat completions and /v1/completions against one service, with retries and a thread pool (a reward model is
     asked through ``verl.rewards.remote.RemoteRewardModel``, the trainer's client)."""
 
-    def __init__(self, endpoint: Endpoint, api_key: str | None, timeout_s: float, max_retries: int,
-                 concurrency: int):
+    def __init__(self, endpoint: Endpoint, api_key: str | None, timeout_s: float, max_retries: int, concurrency: int):
         import httpx  # noqa: PLC0415  (a judge run only)
 
         self.endpoint, self.max_retries, self.concurrency = endpoint, max_retries, concurrency
@@ -121,8 +120,7 @@ class JudgeClient:
         return None
 
     def chat(self, messages: list[dict], max_tokens: int) -> str | None:
-        data = self._post("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens,
-                                                   "temperature": 0})
+        data = self._post("/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens, "temperature": 0})
         try:
             return str(data["choices"][0]["message"]["content"] or "") if data else None
         except (KeyError, IndexError, TypeError):

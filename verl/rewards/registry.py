@@ -74,9 +74,8 @@ def exact_match(data_source: str, solution_str: str, ground_truth: Any, extra_in
     return {"score": float(ok), "acc": float(ok)}
 
 
-def _strict_flexible(
-    solution_str: str, ground_truth: Any, strict_pattern, tail_chars: int | None, last: bool = False
-) -> dict:
+def _strict_flexible(solution_str: str, ground_truth: Any, strict_pattern, tail_chars: int | None,
+                     last: bool = False) -> dict:
     text = solution_str[-tail_chars:] if tail_chars else solution_str
     strict = answers_match(extract_strict(text, strict_pattern, last=last), str(ground_truth))
     flexible = answers_match(extract_flexible(solution_str), str(ground_truth))

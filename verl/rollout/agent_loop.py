@@ -188,8 +188,7 @@ class ToolTurns:
                 row.tool_errors += int(not result.ok)
                 row.trace.append({"turn": row.turns, "name": call.name, "arguments": call.arguments,
                                   "result": result.content, "error": result.error})
-                messages.append({"role": "tool", "name": call.name, "tool_call_id": call.id,
-                                 "content": result.content})
+                messages.append({"role": "tool", "name": call.name, "tool_call_id": call.id, "content": result.content})
             row.waiting = []
             turn = self.conversation(row.tools).turn_ids(messages)
             room = self.budget - len(row.ids)
@@ -223,8 +222,7 @@ class DecodeSlots:
         self.pending = np.zeros(count, dtype=np.int64)  # ids generated since the last flush
         self.flushed = np.zeros(count, dtype=np.int64)  # len(trajectory.ids) at the last flush
         # Where a trajectory must stop: the response budget, or the model's positions.
-        self.limit = np.array([min(budget, max_positions - len(t.prompt_ids)) for t in trajectories],
-                              dtype=np.int64)
+        self.limit = np.array([min(budget, max_positions - len(t.prompt_ids)) for t in trajectories], dtype=np.int64)
 
     def join(self, rows: list[Trajectory]) -> None:
         """Rows about to decode again (their ids all in their lists: tool turns may have been appended)."""
@@ -557,7 +555,4 @@ def assemble_trajectories(prompts: DataProto, trajectories: list[Trajectory], n:
                "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask}
     if log_probs:
         tensors["rollout_log_probs"] = behaviour * loss_mask
-    return DataProto.from_dict(
-        tensors=tensors,
-        non_tensors=non_tensors, meta=dict(prompts.meta), stage="rollout",
-    )
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta=dict(prompts.meta), stage="rollout")

@@ -112,10 +112,8 @@ def build_rollout(name: str, spec: EngineSpec) -> RolloutEngine:
     return ROLLOUT_ENGINES[name].build(spec)
 
 
-def assemble_rollout(
-    prompts: DataProto, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, eos_id: int,
-    pad_id: int, n: int, log_probs: torch.Tensor | None = None,
-) -> DataProto:
+def assemble_rollout(prompts: DataProto, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                     eos_id: int, pad_id: int, n: int, log_probs: torch.Tensor | None = None) -> DataProto:
     """Build the engine output from ``responses`` (batch*n, gen_len) as generated (tokens after eos arbitrary).
 
     The response mask keeps tokens up to and including the first eos; later tokens become pad. ``log_probs``
@@ -136,15 +134,9 @@ def assemble_rollout(
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask
     out = DataProto.from_dict(
-        tensors={
-            "prompts": prompt_ids,
-            "responses": responses,
-            "response_mask": response_mask,
-            "input_ids": torch.cat([prompt_ids, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            **extra,
-        },
+        tensors={"prompts": prompt_ids, "responses": responses, "response_mask": response_mask,
+                 "input_ids": torch.cat([prompt_ids, responses], dim=1), "attention_mask": attention_mask,
+                 "position_ids": position_ids, **extra},
         non_tensors={k: v for k, v in (prompts.repeat(n).non_tensor.items() if n > 1 else prompts.non_tensor.items())},
         meta=dict(prompts.meta),
         stage="rollout",

@@ -28,16 +28,9 @@ from verl.utils.allocator import keep_freed_memory
 class HFRollout(RolloutEngine):
     name = "hf"
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        micro_batch_size: int | None = None,
-        autocast_dtype: torch.dtype | None = None,
-        shared_prefill: bool = True,
-        stop_when=None,
-        max_num_seqs: int | None = None,
-    ):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, micro_batch_size: int | None = None,
+                 autocast_dtype: torch.dtype | None = None, shared_prefill: bool = True, stop_when=None,
+                 max_num_seqs: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.micro_batch_size = micro_batch_size

@@ -103,17 +103,10 @@ class DecodeState:
 @torch.no_grad()
 @packed_weights(trainable=True)  # linear layers multiply by oneDNN-packed weights (verl/models/packed_linear.py)
 @fused_decoder_layers()  # decoder layers' norms, RoPE and SiLU fused (verl/models/fused_decoder.py)
-def sample_with_shared_prefill(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    params: SamplingParams,
-    eos_token_id: int,
-    pad_token_id: int,
-    prompt_seeds: list[int] | None = None,
-    stop_when: Callable[[bool], bool] | None = None,
-    with_log_probs: bool = False,
-) -> Sampled:
+def sample_with_shared_prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                               params: SamplingParams, eos_token_id: int, pad_token_id: int,
+                               prompt_seeds: list[int] | None = None, stop_when: Callable[[bool], bool] | None = None,
+                               with_log_probs: bool = False) -> Sampled:
     """Generate up to ``max_new_tokens`` for left-padded prompts ``input_ids`` and ``attention_mask``, both
     ``(batch, prompt_len)``: prefill once, then draw and decode one token per step for the rows still alive.
 

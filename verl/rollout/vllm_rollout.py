@@ -153,17 +153,9 @@ class VLLMRollout(RolloutEngine):
 
     name = "vllm"
 
-    def __init__(
-        self,
-        model_path: str,
-        tokenizer: PreTrainedTokenizerBase,
-        config: RolloutConfig | None = None,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        actor_model: torch.nn.Module | None = None,
-        dtype: str | None = None,
-        engine_kwargs: dict[str, Any] | None = None,
-    ):
+    def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig | None = None,
+                 max_model_len: int | None = None, seed: int = 0, actor_model: torch.nn.Module | None = None,
+                 dtype: str | None = None, engine_kwargs: dict[str, Any] | None = None):
         """Start the engine over ``model_path`` (HF dir, hub id or ``builtin:NAME``).
 
         ``config`` is the ``RolloutConfig`` (``gpu_memory_utilization``, ``enforce_eager``); ``dtype`` defaults
@@ -261,8 +253,7 @@ class VLLMRollout(RolloutEngine):
         if params.greedy and params.n > 1:
             responses = responses.repeat_interleave(params.n, dim=0)
             log_probs = None if log_probs is None else log_probs.repeat_interleave(params.n, dim=0)
-        return assemble_rollout(prompts, ids, mask, responses, self.eos_id, self.pad_id, params.n,
-                                log_probs=log_probs)
+        return assemble_rollout(prompts, ids, mask, responses, self.eos_id, self.pad_id, params.n, log_probs=log_probs)
 
     def _vllm_params(self, params: SamplingParams, n: int, prompt_index: int) -> vllm.SamplingParams:
         if params.temperature > MAX_TEMPERATURE:

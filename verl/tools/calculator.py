@@ -20,12 +20,8 @@ SCHEMA = {
     "function": {
         "name": "calculator",
         "description": "Evaluate an arithmetic expression (numbers, + - * / // % **, parentheses).",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "e.g. 37*412"}},
-            "required": ["expression"],
-            "additionalProperties": False,
-        },
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 37*412"}},
+                       "required": ["expression"], "additionalProperties": False},
     },
 }
 

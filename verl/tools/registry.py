@@ -166,8 +166,7 @@ def _tool_from_entry(entry: Any, where: str) -> Tool:
 def check_function_schema(schema: Any, where: str) -> None:
     """An OpenAI function tool schema: ``{"type": "function", "function": {"name", "parameters"?}}``, with
     parameters a valid JSON Schema object."""
-    if not isinstance(schema, dict) or schema.get("type") != "function" or not isinstance(schema.get("function"),
-                                                                                          dict):
+    if not isinstance(schema, dict) or schema.get("type") != "function" or not isinstance(schema.get("function"), dict):
         raise ConfigError(f"{where}: expected {{type: function, function: {{name, description, parameters}}}}")
     function = schema["function"]
     if not isinstance(function.get("name"), str) or not function["name"]:

@@ -59,8 +59,7 @@ def as_text(value: Any) -> str:
 class ToolRunner:
     """Validates and runs calls against a ``ToolSet``; results are truncated to ``max_response_chars``."""
 
-    def __init__(self, tool_set: ToolSet, max_response_chars: int = 1024, processes: int = 2,
-                 threads: int = 8):
+    def __init__(self, tool_set: ToolSet, max_response_chars: int = 1024, processes: int = 2, threads: int = 8):
         self.tool_set = tool_set
         self.max_response_chars = max_response_chars
         self._threads = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="verl-tool")
@@ -69,9 +68,8 @@ class ToolRunner:
         self._deadlines = Deadlines()
         self._validators: dict[str, Any] = {}  # tool name -> its compiled schema validator (building one costs ~1 ms)
 
-    def submit(self, call: ToolCall, allowed: list[str] | None = None,
-               hidden_kwargs: dict[str, Any] | None = None, problem: str | None | object = ...
-               ) -> concurrent.futures.Future[ToolResult]:
+    def submit(self, call: ToolCall, allowed: list[str] | None = None, hidden_kwargs: dict[str, Any] | None = None,
+               problem: str | None | object = ...) -> concurrent.futures.Future[ToolResult]:
         """Start ``call``; ``allowed`` limits the tools (a row's), ``hidden_kwargs`` are added to its arguments.
         ``problem``: what ``check(call, allowed)`` returned, when the caller already asked (the agent loop does, to
         count valid calls; a schema check is ~50 us of the loop's thread per call)."""
@@ -275,8 +273,7 @@ class ToolProcessPool:
                 if process.is_alive():
                     return process, conn
         parent, child = self._context.Pipe()
-        process = self._context.Process(target=_tool_process_main, args=(child,), daemon=True,
-                                        name="verl-tool-process")
+        process = self._context.Process(target=_tool_process_main, args=(child,), daemon=True, name="verl-tool-process")
         process.start()
         child.close()
         if not parent.poll(START_TIMEOUT_S):  # a busy machine can take seconds to spawn a Python process

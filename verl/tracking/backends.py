@@ -18,17 +18,9 @@ from verl.utils import log
 from verl.utils.cli import new_console
 
 # (metric key, short label) shown on the console line, in order, when present.
-CONSOLE_FIELDS = (
-    ("rollout/reward_mean", "reward"),
-    ("rollout/acc", "acc"),
-    ("eval/accuracy", "val_acc"),
-    ("ppo/policy_loss", "pg_loss"),
-    ("critic/value_loss", "v_loss"),
-    ("ppo/kl_div", "kl"),
-    ("ppo/entropy", "ent"),
-    ("rollout/response_length_mean", "len"),
-    ("timing/total", "s/step"),
-)
+CONSOLE_FIELDS = (("rollout/reward_mean", "reward"), ("rollout/acc", "acc"), ("eval/accuracy", "val_acc"),
+                  ("ppo/policy_loss", "pg_loss"), ("critic/value_loss", "v_loss"), ("ppo/kl_div", "kl"),
+                  ("ppo/entropy", "ent"), ("rollout/response_length_mean", "len"), ("timing/total", "s/step"))
 
 
 class ConsoleTracker(Tracker):

@@ -46,14 +46,12 @@ class Tracker:
 # built-in backends are imported only when a run names them, so their (heavy, optional) packages load only for runs
 # that use them, and this module imports none of them (they import it).
 TRACKERS: Registry[Callable[..., Tracker]] = Registry("tracker", key="trainer.logger")
-for _name, _target in {
-    "console": "verl.tracking.backends:ConsoleTracker",
-    "jsonl": "verl.tracking.backends:JsonlTracker",
-    "tensorboard": "verl.tracking.tensorboard_tracker:TensorBoardTracker",
-    "wandb": "verl.tracking.wandb_tracker:WandbTracker",
-    "mlflow": "verl.tracking.mlflow_tracker:MlflowTracker",
-    "swanlab": "verl.tracking.swanlab_tracker:SwanlabTracker",
-}.items():
+for _name, _target in {"console": "verl.tracking.backends:ConsoleTracker",
+                       "jsonl": "verl.tracking.backends:JsonlTracker",
+                       "tensorboard": "verl.tracking.tensorboard_tracker:TensorBoardTracker",
+                       "wandb": "verl.tracking.wandb_tracker:WandbTracker",
+                       "mlflow": "verl.tracking.mlflow_tracker:MlflowTracker",
+                       "swanlab": "verl.tracking.swanlab_tracker:SwanlabTracker"}.items():
     TRACKERS.lazy(_name, _target)
 
 
@@ -63,12 +61,9 @@ def register_tracker(name: str) -> Callable[[Callable[..., Tracker]], Callable[.
 
 
 # Checks that need no run directory, run before one is made: "module:function(config)" per tracker name.
-PREFLIGHTS = {
-    "wandb": "verl.tracking.wandb_tracker:preflight",
-    "mlflow": "verl.tracking.mlflow_tracker:preflight",
-    "tensorboard": "verl.tracking.tensorboard_tracker:preflight",
-    "swanlab": "verl.tracking.swanlab_tracker:preflight",
-}
+PREFLIGHTS = {"wandb": "verl.tracking.wandb_tracker:preflight", "mlflow": "verl.tracking.mlflow_tracker:preflight",
+              "tensorboard": "verl.tracking.tensorboard_tracker:preflight",
+              "swanlab": "verl.tracking.swanlab_tracker:preflight"}
 
 
 def _check_names(names: list[str]) -> None:

@@ -38,15 +38,9 @@ def histogram_summary(values: Iterable[float], buckets: int = HISTOGRAM_BUCKETS)
     if array.size == 0:
         return None
     counts, edges = np.histogram(array, bins=max(1, min(buckets, int(array.size))))
-    return {
-        "min": float(array.min()),
-        "max": float(array.max()),
-        "num": int(array.size),
-        "sum": float(array.sum()),
-        "sum_squares": float(np.square(array).sum()),
-        "bucket_limits": [float(x) for x in edges[1:]],
-        "bucket_counts": [int(c) for c in counts],
-    }
+    return {"min": float(array.min()), "max": float(array.max()), "num": int(array.size), "sum": float(array.sum()),
+            "sum_squares": float(np.square(array).sum()), "bucket_limits": [float(x) for x in edges[1:]],
+            "bucket_counts": [int(c) for c in counts]}
 
 
 def flatten_config(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

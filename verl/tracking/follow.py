@@ -30,8 +30,7 @@ def resolve_log_path(path: str | Path, must_exist: bool = True) -> Path:
     path = Path(path)
     candidate = path if path.suffix == ".jsonl" or path.is_file() else path / LOG_NAME
     if must_exist and not candidate.is_file():
-        hint = (f"{path} exists but holds no {LOG_NAME}" if path.is_dir()
-                else f"{path} does not exist")
+        hint = (f"{path} exists but holds no {LOG_NAME}" if path.is_dir() else f"{path} does not exist")
         raise ConfigError(f"--log_dir: no training log found ({hint}); pass the run directory "
                           f"(outputs/<project>/<experiment>) or the --log_dir given to `verl train`")
     return candidate

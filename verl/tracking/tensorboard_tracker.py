@@ -82,8 +82,6 @@ class TensorBoardTracker(Tracker):
 
 def write_histogram(writer: Any, tag: str, summary: dict[str, Any], step: int) -> None:
     """Write a ``histogram_summary`` (also the JSONL ``histogram`` row fields) as a TensorBoard histogram."""
-    writer.add_histogram_raw(
-        tag, min=summary["min"], max=summary["max"], num=summary["num"], sum=summary["sum"],
-        sum_squares=summary["sum_squares"], bucket_limits=summary["bucket_limits"],
-        bucket_counts=summary["bucket_counts"], global_step=step,
-    )
+    writer.add_histogram_raw(tag, min=summary["min"], max=summary["max"], num=summary["num"], sum=summary["sum"],
+                             sum_squares=summary["sum_squares"], bucket_limits=summary["bucket_limits"],
+                             bucket_counts=summary["bucket_counts"], global_step=step)

@@ -72,11 +72,10 @@ class WandbTracker(Tracker):
         # A sweep agent (or the user) assigns the run id through WANDB_RUN_ID; otherwise reuse this run's own id.
         run_id = (os.environ.get("WANDB_RUN_ID") or (ids.get("wandb") if ids else None)
                   or secrets.token_hex(4))  # wandb ids: short, lowercase
-        self.run = self.wandb.init(
-            project=project, name=experiment, group=self.settings.group, entity=self.settings.entity,
-            tags=self.settings.tags or None, dir=str(run_dir) if run_dir else None, id=run_id, resume="allow",
-            mode=self.settings.mode, reinit="create_new",
-        )
+        self.run = self.wandb.init(project=project, name=experiment, group=self.settings.group,
+                                   entity=self.settings.entity, tags=self.settings.tags or None,
+                                   dir=str(run_dir) if run_dir else None, id=run_id, resume="allow",
+                                   mode=self.settings.mode, reinit="create_new")
         if ids is not None:
             ids.set("wandb", run_id)
         self.sample_rows: dict[str, list[list[Any]]] = {}

@@ -68,14 +68,8 @@ def write_pointer(run_dir: str | Path, target: Path, name: str = "latest") -> No
     atomic_write_text(checkpoint_root(run_dir) / name, target.name + "\n")
 
 
-def write_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    write_parts: Callable[[Path], None],
-    trainer_state: dict[str, Any],
-    metrics: dict[str, float] | None = None,
-    max_to_keep: int | None = None,
-) -> Path:
+def write_checkpoint(run_dir: str | Path, step: int, write_parts: Callable[[Path], None], trainer_state: dict[str, Any],
+                     metrics: dict[str, float] | None = None, max_to_keep: int | None = None) -> Path:
     """Assemble ``global_step_<step>`` atomically: ``write_parts(tmp)`` writes the model(s) and role states,
     then the trainer state and ``meta.json``; the directory is renamed into place, ``latest`` updated last,
     then retention applied."""
@@ -91,15 +85,9 @@ def write_checkpoint(
     return target
 
 
-def save_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    model: torch.nn.Module,
-    tokenizer: Any,
-    trainer_state: dict[str, Any],
-    metrics: dict[str, float] | None = None,
-    max_to_keep: int | None = None,
-) -> Path:
+def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, tokenizer: Any,
+                    trainer_state: dict[str, Any], metrics: dict[str, float] | None = None,
+                    max_to_keep: int | None = None) -> Path:
     """A checkpoint of one model and its tokenizer (the SFT trainer's)."""
 
     def write_parts(tmp: Path) -> None:

@@ -18,13 +18,11 @@ from verl.utils.log import quiet_hf
 def train_command(
     ctx: typer.Context,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: built-in GRPO).")] = None,
-    log_dir: Annotated[
-        Path | None, typer.Option("--log_dir", "--log-dir", help="Directory for verl_logs.jsonl.")
-    ] = None,
+    log_dir: Annotated[Path | None,
+                       typer.Option("--log_dir", "--log-dir", help="Directory for verl_logs.jsonl.")] = None,
     log_level: Annotated[str | None, typer.Option("--log_level", "--log-level", help="INFO or DEBUG.")] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Resolve the config and check shapes; load no weights.")
-    ] = False,
+    dry_run: Annotated[bool,
+                       typer.Option("--dry-run", help="Resolve the config and check shapes; load no weights.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No console lines.")] = False,
 ) -> None:
     """RL post-training (PPO / GRPO / RLOO / REINFORCE++ / ReMax). Extra args are key=value overrides."""

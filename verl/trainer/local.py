@@ -42,16 +42,9 @@ class LocalPPOTrainer(PPOTrainer):
     """Every role in this process: one ``RoleWorker`` is the roles object (the rollout shares the actor's
     module). Only construction differs from ``PPOTrainer``; the loop is the same object's."""
 
-    def __init__(
-        self,
-        config: VerlConfig | dict | str | Path | None = None,
-        train_dataset: RLHFDataset | None = None,
-        val_dataset: RLHFDataset | None = None,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-        config_path: str | Path | None = None,
-        overrides: list[str] | None = None,
-        quiet: bool = False,
-    ):
+    def __init__(self, config: VerlConfig | dict | str | Path | None = None, train_dataset: RLHFDataset | None = None,
+                 val_dataset: RLHFDataset | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
+                 config_path: str | Path | None = None, overrides: list[str] | None = None, quiet: bool = False):
         cfg = coerce_config(config, config_path, overrides)
         inputs = prepare_inputs(cfg, tokenizer, train_dataset, val_dataset)
         worker = RoleWorker(cfg.model_dump(mode="json"), needed_roles(cfg), tokenizer=inputs.tokenizer)

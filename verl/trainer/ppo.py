@@ -119,8 +119,7 @@ class PPOTrainer:
         self.roles = roles
         self.tokenizer, self.sampler = inputs.tokenizer, inputs.sampler
         self.train_dataset, self.val_dataset = inputs.train_dataset, inputs.val_dataset
-        self.validator = Validator(config, inputs.val_dataset, reward_manager, inputs.val_overlap,
-                                   inputs.contamination)
+        self.validator = Validator(config, inputs.val_dataset, reward_manager, inputs.val_overlap, inputs.contamination)
         self.device = device
         self.quiet = quiet
         self.callbacks = CallbackList(callbacks_from_config(config))  # trainer.health / trainer.callbacks
@@ -234,8 +233,7 @@ class PPOTrainer:
             with self.timer("adv"):
                 batch, kl_metrics = kl_in_reward(batch, cfg.algorithm, self.kl_ctrl)
                 batch = compute_advantages(batch, cfg.algorithm, self.adv_fn)
-            rollout = {**rollout_metrics(batch, cfg.data.max_response_length, self.tokenizer.pad_token_id),
-                       **versions}
+            rollout = {**rollout_metrics(batch, cfg.data.max_response_length, self.tokenizer.pad_token_id), **versions}
             # Health rules with action skip_step decide here, on the rollout alone (e.g. a batch with no signal).
             self.skip_update_reason = None
             self.callbacks.on_rollout_end(self, step, {f"rollout/{k}": v for k, v in rollout.items()})

@@ -142,8 +142,7 @@ class RayRoles:
             return
         env = {k: v for k, v in os.environ.items() if k.startswith(("VERL_", "HF_", "TOKENIZERS_", "OMP_"))}
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
-                                  "runtime_env": {"env_vars": env}}
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "runtime_env": {"env_vars": env}}
         if cfg.ray.address:
             ray.init(address=cfg.ray.address, **kwargs)
         else:

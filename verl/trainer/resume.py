@@ -35,23 +35,10 @@ ALLOW_KEY = "trainer.resume_allow_changes"
 # Keys whose change makes the saved weights, optimizer state or data position mean something else. A dotted
 # prefix covers the keys under it. Everything else (total_steps, learning rate, loggers, save/test cadence ...)
 # may change on resume.
-NOT_RESUMABLE = (
-    "algorithm.adv_estimator",
-    "model.path",
-    "model.tokenizer_path",
-    "model.dtype",
-    "model.lora",
-    "critic.model_path",
-    "data.train_files",
-    "data.train_batch_size",
-    "data.max_prompt_length",
-    "data.max_response_length",
-    "rollout.n",
-    "actor.ppo_mini_batch_size",
-    "actor.strategy",
-    "trainer.executor",
-    "trainer.n_workers",
-)
+NOT_RESUMABLE = ("algorithm.adv_estimator", "model.path", "model.tokenizer_path", "model.dtype", "model.lora",
+                 "critic.model_path", "data.train_files", "data.train_batch_size", "data.max_prompt_length",
+                 "data.max_response_length", "rollout.n", "actor.ppo_mini_batch_size", "actor.strategy",
+                 "trainer.executor", "trainer.n_workers")
 
 
 @dataclass
@@ -106,9 +93,8 @@ def saved_config(run_dir: Path) -> VerlConfig | None:
     return build_config(load_yaml(path), str(path))
 
 
-def load_train_config(
-    path: str | Path | None = None, overrides: list[str] | None = None
-) -> tuple[VerlConfig, ResumeInfo | None]:
+def load_train_config(path: str | Path | None = None,
+                      overrides: list[str] | None = None) -> tuple[VerlConfig, ResumeInfo | None]:
     """The config ``verl train`` runs with: the given one for a new run; for a resume, the run's ``config.yaml``
     with this command's explicit keys on top (checked with ``check_resumable``).
 

@@ -47,8 +47,7 @@ class PairData:
     """Preference pairs as token ids: ``(chosen ids, rejected ids)`` per pair, pairs longer than ``max_length``
     tokens on either side dropped (counted in ``num_dropped``)."""
 
-    def __init__(self, files: list[str], config_key: str, tokenizer, config: RMConfig,
-                 max_pairs: int | None = None):
+    def __init__(self, files: list[str], config_key: str, tokenizer, config: RMConfig, max_pairs: int | None = None):
         data = config.data
         rows = read_rows(files, config_key, data.arithmetic, layout="pairs")
         if max_pairs is not None:
@@ -106,8 +105,7 @@ def pair_scores(model, batch: dict[str, torch.Tensor], device: torch.device) -> 
 
 
 @torch.no_grad()
-def score_pairs(model, data: PairData, device: torch.device, batch_size: int = 64
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def score_pairs(model, data: PairData, device: torch.device, batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) scores, each (len(data),), of every pair of ``data``, ``batch_size`` pairs a forward."""
     chosen, rejected = [], []
     for start in range(0, len(data), batch_size):
@@ -143,8 +141,7 @@ class RewardModelTrainer:
         seed_everything(config.trainer.seed)
         self.device = pick_device(config.trainer.device)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
-        self.model = load_reward_model(config.model.path, config.model.dtype, self.device,
-                                       self.tokenizer.pad_token_id)
+        self.model = load_reward_model(config.model.path, config.model.dtype, self.device, self.tokenizer.pad_token_id)
         if config.model.lora.rank > 0:
             self.model = self._with_lora(self.model)
         self.train_data = PairData(config.data.train_files, "data.train_files", self.tokenizer, config,

@@ -129,11 +129,9 @@ class SFTTrainer:
         self.model = load_causal_lm(config.model.path, config.model.dtype, self.device)
         tools = ToolPrompting.from_config(config.rollout.multi_turn, self.tokenizer)
         self.train_data = SFTDataset(config.data.train_files, self.tokenizer, config, tools)
-        val_config = DataConfig(
-            val_files=config.data.val_files, max_prompt_length=config.data.max_prompt_length,
-            max_response_length=config.data.max_response_length, arithmetic=config.data.arithmetic,
-            ground_truth_key=config.data.ground_truth_key, prompt_key=config.data.prompt_key,
-        )
+        val_config = DataConfig(val_files=config.data.val_files, max_prompt_length=config.data.max_prompt_length,
+                                max_response_length=config.data.max_response_length, arithmetic=config.data.arithmetic,
+                                ground_truth_key=config.data.ground_truth_key, prompt_key=config.data.prompt_key)
         self.val_data = (
             RLHFDataset(config.data.val_files, self.tokenizer, val_config, "data.val_files", tools=tools)
             if config.data.val_files else None
@@ -150,10 +148,8 @@ class SFTTrainer:
     def validate(self) -> dict[str, float]:
         assert self.val_data is not None
         params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.config.data.max_response_length)
-        batch, scores, extras, _ = generate_and_score(
-            self.engine, self.val_data, self.reward, params, batch_size=256,
-            max_samples=self.config.data.val_max_samples,
-        )
+        batch, scores, extras, _ = generate_and_score(self.engine, self.val_data, self.reward, params, batch_size=256,
+                                                      max_samples=self.config.data.val_max_samples)
         return validation_metrics(batch, scores, extras)
 
     def fit(self) -> Path:

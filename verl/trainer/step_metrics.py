@@ -56,15 +56,12 @@ def rollout_metrics(batch: TrainBatch, max_response_length: int, pad_token_id: i
     rewards = batch.token_level_rewards.sum(-1)
     mask = batch.response_mask
     lengths = mask.sum(-1).float()
-    rollout = {
-        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "score_mean": float(scores.mean()),
-        "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
-        "response_length_clip_ratio": float((lengths >= max_response_length).float().mean()),
-        "prompt_length_mean": float(batch.prompts.ne(pad_token_id).sum(-1).float().mean()),
-        "advantages_mean": float(masked_mean(batch.advantages, mask.float())),
-        "num_responses": len(batch),
-    }
+    rollout = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+               "score_mean": float(scores.mean()), "response_length_mean": float(lengths.mean()),
+               "response_length_max": float(lengths.max()),
+               "response_length_clip_ratio": float((lengths >= max_response_length).float().mean()),
+               "prompt_length_mean": float(batch.prompts.ne(pad_token_id).sum(-1).float().mean()),
+               "advantages_mean": float(masked_mean(batch.advantages, mask.float())), "num_responses": len(batch)}
     for key, value in batch.reward_extras.items():
         rollout[key] = float(np.nanmean(value))
     rollout["repetition_rate"] = ngram_repetition_rate(batch.responses, mask)  # loop collapse rule
@@ -88,8 +85,7 @@ def group_metrics(group: np.ndarray, rewards: np.ndarray, acc: np.ndarray | None
 
 def batch_groups(batch: TrainBatch) -> dict[str, float]:
     """``group_metrics`` of a scored batch."""
-    return group_metrics(batch.group, batch.token_level_scores.sum(-1).double().numpy(),
-                         batch.reward_extras.get("acc"))
+    return group_metrics(batch.group, batch.token_level_scores.sum(-1).double().numpy(), batch.reward_extras.get("acc"))
 
 
 def tool_metrics(batch: TrainBatch) -> dict[str, float]:
@@ -99,12 +95,9 @@ def tool_metrics(batch: TrainBatch) -> dict[str, float]:
         return {}
     calls = batch.turns.tool_calls.astype(np.float64)
     width = batch.responses.shape[1]
-    metrics = {
-        "tool_call_rate": float((calls > 0).mean()),
-        "tool_calls_mean": float(calls.mean()),
-        "turns_mean": float(np.mean(batch.turns.turns.astype(np.float64))),
-        "trajectory_length_mean": float(batch.attention_mask[:, -width:].sum(-1).float().mean()),
-    }
+    metrics = {"tool_call_rate": float((calls > 0).mean()), "tool_calls_mean": float(calls.mean()),
+               "turns_mean": float(np.mean(batch.turns.turns.astype(np.float64))),
+               "trajectory_length_mean": float(batch.attention_mask[:, -width:].sum(-1).float().mean())}
     if calls.sum() > 0:  # shares of calls: not defined for a batch that made none
         metrics["valid_call_rate"] = float(np.sum(batch.turns.valid_calls.astype(np.float64)) / calls.sum())
         metrics["tool_error_rate"] = float(np.sum(batch.turns.tool_errors.astype(np.float64)) / calls.sum())

@@ -62,9 +62,8 @@ class TargetClock:
         # A step never updated (the validation before training) reached it at no training time at all.
         seconds = self.update_seconds.get(step, 0.0)
         self.reached = {"target": self.target.spec, "metric": self.target.metric, "threshold": self.target.value,
-                        "mode": self.target.mode, "value": float(value), "step": step,
-                        "seconds": round(seconds, 3), "minutes": round(seconds / 60, 3),
-                        "validation_seconds": round(self.validation_seconds, 3),
+                        "mode": self.target.mode, "value": float(value), "step": step, "seconds": round(seconds, 3),
+                        "minutes": round(seconds / 60, 3), "validation_seconds": round(self.validation_seconds, 3),
                         "wall_seconds": round(self.wall_seconds(), 3)}
         return self.reached
 

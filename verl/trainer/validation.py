@@ -58,9 +58,7 @@ def accuracy_of(scores: np.ndarray, acc: np.ndarray | None) -> float:
     return float(np.nanmean(acc)) if acc is not None else float((scores > 0).mean())
 
 
-def validation_metrics(
-    batch: DataProto, scores: np.ndarray, extras: dict[str, np.ndarray]
-) -> dict[str, float]:
+def validation_metrics(batch: DataProto, scores: np.ndarray, extras: dict[str, np.ndarray]) -> dict[str, float]:
     """``eval`` scope fields: accuracy (strict), accuracy_flexible, reward_mean, response length."""
     metrics: dict[str, float] = {"reward_mean": float(scores.mean()), "num_samples": float(len(scores))}
     acc = extras.get("acc")
@@ -234,10 +232,9 @@ def validation_group_labels(config: VerlConfig, val: RLHFDataset) -> tuple[str, 
     return column, group_labels(val.rows, column, f"data.val_group_by ({', '.join(config.data.val_files)})")
 
 
-def grouped_validation_metrics(column: str, labels: list[str], batch: DataProto, texts: list[str],
-                               scores: np.ndarray, extras: dict[str, np.ndarray], evaluated: dict[str, Metric],
-                               columns: dict[str, np.ndarray], evaluators: list[Any]
-                               ) -> dict[str, float]:
+def grouped_validation_metrics(column: str, labels: list[str], batch: DataProto, texts: list[str], scores: np.ndarray,
+                               extras: dict[str, np.ndarray], evaluated: dict[str, Metric],
+                               columns: dict[str, np.ndarray], evaluators: list[Any]) -> dict[str, float]:
     """Every validation metric per group: ``{<column leaf>/<group>/<metric>: value}`` for the ``eval`` scope
     (``eval/kind/two_steps/accuracy``). ``labels`` is per dataset row; the rest per response ``(N,)``, as
     ``run_validation_evaluators`` got and returned them."""

@@ -33,17 +33,12 @@ class Check:
 
 
 # (distribution, minimum, exclusive maximum, install command)
-REQUIRED = [
-    ("transformers", "5.16.1", "5.20", 'pip install "transformers>=5.16.1,<5.20"'),
-    ("tokenizers", "0.21", None, "pip install tokenizers"),
-    ("safetensors", "0.4", None, "pip install safetensors"),
-    ("pydantic", "2.7", None, "pip install 'pydantic>=2.7'"),
-    ("pyarrow", "15", None, "pip install pyarrow"),
-    ("typer", "0.12", None, "pip install typer"),
-    ("rich", "13", None, "pip install rich"),
-    ("numpy", "1.26", None, "pip install numpy"),
-    ("psutil", "5.9", None, "pip install psutil"),
-]
+REQUIRED = [("transformers", "5.16.1", "5.20", 'pip install "transformers>=5.16.1,<5.20"'),
+            ("tokenizers", "0.21", None, "pip install tokenizers"),
+            ("safetensors", "0.4", None, "pip install safetensors"),
+            ("pydantic", "2.7", None, "pip install 'pydantic>=2.7'"), ("pyarrow", "15", None, "pip install pyarrow"),
+            ("typer", "0.12", None, "pip install typer"), ("rich", "13", None, "pip install rich"),
+            ("numpy", "1.26", None, "pip install numpy"), ("psutil", "5.9", None, "pip install psutil")]
 # (distribution, what it enables, install command)
 OPTIONAL = [
     ("peft", "LoRA (model.lora.rank > 0)", "pip install peft"),

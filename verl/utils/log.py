@@ -68,8 +68,7 @@ class RunLogger:
             self._file.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     def row(self, scope: str, fields: dict, level: str = "INFO", step: int | None = None) -> dict:
-        out = {"timestamp": _timestamp(), "level": level, "scope": scope,
-               "step": self.step if step is None else step}
+        out = {"timestamp": _timestamp(), "level": level, "scope": scope, "step": self.step if step is None else step}
         out.update({k: _jsonable(v) for k, v in fields.items()})
         return out
 

@@ -22,11 +22,8 @@ class SystemMonitor:
 
     def sample(self) -> dict[str, float]:
         memory = psutil.virtual_memory()
-        metrics = {
-            "cpu_percent": self.process.cpu_percent(None),
-            "rss_gb": self.process.memory_info().rss / 2**30,
-            "host_memory_used_percent": memory.percent,
-        }
+        metrics = {"cpu_percent": self.process.cpu_percent(None), "rss_gb": self.process.memory_info().rss / 2**30,
+                   "host_memory_used_percent": memory.percent}
         if torch.cuda.is_available():
             metrics["gpu_memory_allocated_gb"] = torch.cuda.memory_allocated() / 2**30
             metrics["gpu_max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30

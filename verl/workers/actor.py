@@ -78,10 +78,9 @@ class Actor:
         self.policy_loss_fn = get_policy_loss(config.policy_loss)
         correction = self.rollout_correction
         if correction.bypass_mode and correction.loss_type == "reinforce":  # verl's bypass loss, as a policy loss
-            self.policy_loss_fn = functools.partial(
-                get_policy_loss("bypass_mode"), rollout_is=correction.rollout_is,
-                rollout_is_threshold=correction.rollout_is_threshold,
-                rollout_is_batch_normalize=correction.rollout_is_batch_normalize)
+            self.policy_loss_fn = functools.partial(get_policy_loss("bypass_mode"), rollout_is=correction.rollout_is,
+                                                    rollout_is_threshold=correction.rollout_is_threshold,
+                                                    rollout_is_batch_normalize=correction.rollout_is_batch_normalize)
         self.autocast_dtype = torch.bfloat16 if config.autocast == "bf16" else None
         self.optimizer = build_optimizer(model.parameters(), config.optim)
         # The schedule counts training steps (one scheduler.step() per update_policy), not optimizer steps.
@@ -154,11 +153,10 @@ class Actor:
             micro = micro.to(self.device)
             mask = micro.response_mask.float()
             weight = float(mask.sum()) / agg_kwargs["num_tokens"]
-            log_prob, entropy = response_log_probs(
-                self.model, micro.tensors(MODEL_KEYS), self.temperature, with_entropy=True,
-                autocast_dtype=self.autocast_dtype, group_size=group, entropy_grad=need_entropy_grad,
-                remove_padding=self.remove_padding,
-            )
+            log_prob, entropy = response_log_probs(self.model, micro.tensors(MODEL_KEYS), self.temperature,
+                                                   with_entropy=True, autocast_dtype=self.autocast_dtype,
+                                                   group_size=group, entropy_grad=need_entropy_grad,
+                                                   remove_padding=self.remove_padding)
             old_log_prob = log_prob.detach() if on_policy else micro.old_log_probs
             rollout_log_prob = micro.rollout_log_probs
             if measure and self.mismatch is not None:

@@ -35,9 +35,8 @@ def load_critic_model(path: str, dtype: str, device: torch.device) -> torch.nn.M
         for key in ("classifier_dropout", "hidden_dropout", "hidden_dropout_prob"):
             if hasattr(config, key):
                 setattr(config, key, 0.0)
-        model = AutoModelForTokenClassification.from_pretrained(
-            local, config=config, dtype=DTYPES[dtype], use_safetensors=True
-        )
+        model = AutoModelForTokenClassification.from_pretrained(local, config=config, dtype=DTYPES[dtype],
+                                                                use_safetensors=True)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot build a critic (token-classification head) from '{path}': {exc}") from None
     # A zero-initialised head starts every value at 0: a neutral baseline instead of random noise.

@@ -38,16 +38,10 @@ from verl.models.token_log_probs import token_log_probs
 FUSED_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
-def response_log_probs(
-    model: torch.nn.Module,
-    batch: dict[str, torch.Tensor],
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    autocast_dtype: torch.dtype | None = None,
-    group_size: int = 1,
-    entropy_grad: bool = True,
-    remove_padding: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_log_probs(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0,
+                       with_entropy: bool = False, autocast_dtype: torch.dtype | None = None, group_size: int = 1,
+                       entropy_grad: bool = True,
+                       remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``responses`` under ``model`` at ``temperature``: ``(batch, response_len)`` (+ entropy).
 
     ``batch`` holds ``input_ids``/``attention_mask``/``position_ids`` ``(batch, prompt_len + response_len)`` and
@@ -173,38 +167,23 @@ def _shared_prefix_states(model: torch.nn.Module, batch: dict[str, torch.Tensor]
         # LM head down a batched product with the weight broadcast per row (~6 GFLOP/s on CPU, ~70 ms at 49k
         # vocabulary); the indexed copy is contiguous and takes one GEMM.
         prefix_extra = {"logits_to_keep": torch.tensor([prompt_len - 1], device=mask.device)}
-    prefix = call(
-        input_ids=batch["prompts"][::group],
-        attention_mask=mask[::group, :prompt_len],
-        position_ids=positions[::group, :prompt_len],
-        use_cache=True,
-        **prefix_extra,
-    )
+    prefix = call(input_ids=batch["prompts"][::group], attention_mask=mask[::group, :prompt_len],
+                  position_ids=positions[::group, :prompt_len], use_cache=True, **prefix_extra)
     cache = prefix.past_key_values
     cache.batch_repeat_interleave(group)  # differentiable: each sample's gradient flows into the shared prompt
     first = last(prefix)[:, -1:, :].repeat_interleave(group, dim=0)  # predicts response token 0
     if width == 1:
         return first
-    rest = call(
-        input_ids=batch["responses"][:, :-1],
-        attention_mask=mask[:, : prompt_len + width - 1],
-        position_ids=positions[:, prompt_len : prompt_len + width - 1],
-        past_key_values=cache,
-        use_cache=True,
-    )
+    rest = call(input_ids=batch["responses"][:, :-1], attention_mask=mask[:, : prompt_len + width - 1],
+                position_ids=positions[:, prompt_len : prompt_len + width - 1], past_key_values=cache, use_cache=True)
     return torch.cat([first, last(rest)], dim=1)
 
 
-def response_values(
-    critic: torch.nn.Module, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None = None
-) -> torch.Tensor:
+def response_values(critic: torch.nn.Module, batch: dict[str, torch.Tensor],
+                    autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Critic values ``(batch, response_len)``: V at the state before each response token."""
     width = batch["responses"].shape[1]
     with autocast_context(batch["responses"].device, autocast_dtype):
-        out = critic(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-            use_cache=False,
-        )
+        out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     position_ids=batch["position_ids"], use_cache=False)
     return at_least_float32(out.logits[:, -width - 1 : -1, 0])

@@ -15,10 +15,8 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], config: OptimConfig) -
     trainable = [p for p in params if p.requires_grad]
     # The fused CPU AdamW kernel is markedly faster than the per-tensor loop on small models.
     fused = all(p.device.type in ("cpu", "cuda") for p in trainable) and all(p.is_floating_point() for p in trainable)
-    return torch.optim.AdamW(
-        trainable, lr=config.lr, betas=tuple(config.betas), eps=config.eps, weight_decay=config.weight_decay,
-        fused=fused or None,
-    )
+    return torch.optim.AdamW(trainable, lr=config.lr, betas=tuple(config.betas), eps=config.eps,
+                             weight_decay=config.weight_decay, fused=fused or None)
 
 
 def lr_multiplier(step: int, config: OptimConfig, total_steps: int) -> float:

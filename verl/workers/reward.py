@@ -47,9 +47,8 @@ def decode_responses(tokenizer: PreTrainedTokenizerBase, batch: DataProto) -> li
     results included: the reward scores the whole trajectory)."""
     responses = batch.batch["responses"]
     lengths = response_lengths(batch).tolist()
-    return tokenizer.batch_decode(
-        [row[:n].tolist() for row, n in zip(responses, lengths, strict=True)], skip_special_tokens=True
-    )
+    return tokenizer.batch_decode([row[:n].tolist() for row, n in zip(responses, lengths, strict=True)],
+                                  skip_special_tokens=True)
 
 
 def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -85,8 +84,7 @@ class RewardManager:
             if rm.kind == "judge":
                 rubric = PointwiseRubric(load_rubric(rm.rubric, "pointwise", "reward.model"), *rm.scale,
                                          rm.judge_max_tokens)
-                self.judge = RemoteJudge(rm.url, rm.name, rubric, key, rm.timeout_s, rm.max_retries,
-                                         rm.max_concurrency)
+                self.judge = RemoteJudge(rm.url, rm.name, rubric, key, rm.timeout_s, rm.max_retries, rm.max_concurrency)
             else:
                 self.remote = RemoteRewardModel(rm.url, rm.name, rm.score, batch_size=rm.micro_batch_size,
                                                 max_concurrency=rm.max_concurrency, timeout_s=rm.timeout_s,

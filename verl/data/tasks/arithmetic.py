@@ -61,13 +61,9 @@ def _solve(a: int, op: str, b: int) -> int:
 
 def _row(a: int, op: str, b: int, split: str, index: int) -> dict:
     answer = str(_solve(a, op, b))
-    return {
-        "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": f"What is {a}{op}{b}?"}],
-        "ability": "arithmetic",
-        "reward_model": {"style": "rule", "ground_truth": answer},
-        "extra_info": {"split": split, "index": index, "question": f"{a}{op}{b}"},
-    }
+    return {"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": f"What is {a}{op}{b}?"}],
+            "ability": "arithmetic", "reward_model": {"style": "rule", "ground_truth": answer},
+            "extra_info": {"split": split, "index": index, "question": f"{a}{op}{b}"}}
 
 
 def generate_splits(spec: ArithmeticSpec) -> dict[str, list[dict]]:

@@ -55,14 +55,10 @@ def _operand(rng: random.Random, spec: ToolArithmeticSpec) -> int:
 
 
 def _rl_row(a: int, b: int, split: str, index: int) -> dict:
-    return {
-        "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": f"What is {a}*{b}?"}],
-        "ability": "arithmetic",
-        "reward_model": {"style": "rule", "ground_truth": str(a * b)},
-        "extra_info": {"split": split, "index": index, "question": f"{a}*{b}"},
-        "tools": json.dumps([CALCULATOR_SCHEMA]),
-    }
+    return {"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": f"What is {a}*{b}?"}],
+            "ability": "arithmetic", "reward_model": {"style": "rule", "ground_truth": str(a * b)},
+            "extra_info": {"split": split, "index": index, "question": f"{a}*{b}"},
+            "tools": json.dumps([CALCULATOR_SCHEMA])}
 
 
 def _conversation(a: int, b: int, rng: random.Random, spec: ToolArithmeticSpec) -> list[dict]:
@@ -71,8 +67,7 @@ def _conversation(a: int, b: int, rng: random.Random, spec: ToolArithmeticSpec) 
     question = {"role": "user", "content": f"What is {a}*{b}?"}
     answer = a * b
     if rng.random() < spec.tool_share:
-        call = {"id": "call_0", "type": "function",
-                "function": {"name": TOOL, "arguments": {"expression": f"{a}*{b}"}}}
+        call = {"id": "call_0", "type": "function", "function": {"name": TOOL, "arguments": {"expression": f"{a}*{b}"}}}
         return [question, {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_0", "content": str(answer)},
                 {"role": "assistant", "content": f">> {answer}"}]
@@ -97,8 +92,6 @@ def generate_splits(spec: ToolArithmeticSpec) -> dict[str, list[dict]]:
     splits = {split: [_rl_row(a, b, split, i) for i, (a, b) in enumerate(found)] for split, found in pairs.items()}
     for split, source, count in (("sft_train", "train", spec.num_sft), ("sft_val", "val", spec.num_val)):
         sft_rng = random.Random(f"{spec.seed}-{split}")
-        splits[split] = [
-            {**row, "messages": json.dumps(_conversation(a, b, sft_rng, spec))}
-            for row, (a, b) in list(zip(splits[source], pairs[source], strict=True))[:count]
-        ]
+        splits[split] = [{**row, "messages": json.dumps(_conversation(a, b, sft_rng, spec))} for row,
+                         (a, b) in list(zip(splits[source], pairs[source], strict=True))[:count]]
     return splits

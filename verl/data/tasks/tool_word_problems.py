@@ -135,14 +135,10 @@ def story(template: str, rng: random.Random, numbers: Numbers) -> str:
 
 
 def _row(text: str, kind: str, expression: str, answer: int, split: str, index: int) -> dict:
-    return {
-        "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": text}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": str(answer)},
-        "extra_info": {"split": split, "index": index, "kind": kind, "expression": expression},
-        "tools": json.dumps([CALCULATOR_SCHEMA]),
-    }
+    return {"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": text}], "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(answer)},
+            "extra_info": {"split": split, "index": index, "kind": kind, "expression": expression},
+            "tools": json.dumps([CALCULATOR_SCHEMA])}
 
 
 def conversation(row: dict) -> list[dict]:

@@ -53,13 +53,9 @@ def story(name: str, item: str, verb: str, start: int, added: int) -> str:
 
 
 def _row(text: str, answer: int, split: str, index: int, pair: tuple[int, int]) -> dict:
-    return {
-        "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": text}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": str(answer)},
-        "extra_info": {"split": split, "index": index, "question": f"{pair[0]}+{pair[1]}"},
-    }
+    return {"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": text}], "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(answer)},
+            "extra_info": {"split": split, "index": index, "question": f"{pair[0]}+{pair[1]}"}}
 
 
 def generate_splits(spec: WordProblemSpec) -> dict[str, list[dict]]:
