@@ -13,10 +13,10 @@ from __future__ import annotations
 import difflib
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from verl.config_aliases import map_verl_keys
 from verl.errors import ConfigError
@@ -30,6 +30,10 @@ def _check_kl_estimator(value: str) -> str:
     if value not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator '{value}'; use one of {', '.join(KL_ESTIMATORS)}")
     return value
+
+
+KLEstimator = Annotated[str, AfterValidator(_check_kl_estimator)]  # a name in verl.algos.kl's registry
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 class Section(BaseModel):
@@ -228,19 +232,13 @@ class ActorConfig(Section):
     clip_ratio_high: float | None = Field(None, gt=0.0,
                                           description="Upper clip epsilon (DAPO clip-higher); defaults to clip_ratio.")
     clip_ratio_c: float = Field(3.0, gt=1.0, description="Dual-clip constant for negative advantages.")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
+    loss_agg_mode: LossAggMode = "token-mean"
     entropy_coeff: float = Field(0.0, description="Entropy bonus coefficient.")
     use_kl_loss: bool = Field(True, description="Add a KL-to-reference term to the loss (GRPO style).")
     kl_loss_coef: float = Field(0.04, ge=0.0, description="Weight beta of the KL loss term.")
-    kl_loss_type: str = Field("low_var_kl", description="KL estimator for the loss term: k1, k2, k3, low_var_kl.")
+    kl_loss_type: KLEstimator = Field("low_var_kl", description="KL estimator for the loss term: k1, k2, k3, "
+                                      "low_var_kl.")
     autocast: Literal["none", "bf16"] = Field("none", description="bf16 autocast of forward passes.")
-
-    @field_validator("kl_loss_type")
-    @classmethod
-    def _known_kl_estimator(cls, value: str) -> str:
-        return _check_kl_estimator(value)
 
     @property
     def clip_low(self) -> float:
@@ -258,9 +256,7 @@ class CriticConfig(Section):
     ppo_mini_batch_size: int | None = Field(None, ge=1, description="Prompts; defaults to actor's.")
     ppo_micro_batch_size: int | None = Field(None, ge=1)
     cliprange_value: float = Field(0.5, gt=0.0, description="Value clipping range around old values.")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
+    loss_agg_mode: LossAggMode = "token-mean"
     warmup_steps: int = Field(0, ge=0, description="Train only the critic for this many steps first.")
 
 
@@ -464,18 +460,10 @@ class AlgorithmConfig(Section):
     lam: float = Field(1.0, ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = Field(True, description="False gives Dr.GRPO (no std division).")
     use_kl_in_reward: bool = Field(False, description="Subtract beta * KL from token rewards.")
-    kl_penalty: str = Field("k1", description="KL estimator in the reward: k1, k2, k3, low_var_kl.")
+    kl_penalty: KLEstimator = Field("k1", description="KL estimator in the reward: k1, k2, k3, low_var_kl.")
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
-
-    @field_validator("kl_penalty")
-    @classmethod
-    def _known_kl_estimator(cls, value: str) -> str:
-        return _check_kl_estimator(value)
-
-
-# ---------------------------------------------------------------------------------------------- trainer
 
 
 # ---------------------------------------------------------------------------------------------- monitoring
@@ -714,6 +702,17 @@ class TrainerConfig(Section):
         return self
 
 
+def _run_dir(self) -> Path:
+    """<output_dir>/<project_name>/<experiment_name> of a run (``verl train``, ``verl sft``, ``verl rm``)."""
+    assert self.trainer.experiment_name, "resolve_experiment_name() first"
+    return Path(self.trainer.output_dir) / self.trainer.project_name / self.trainer.experiment_name
+
+
+def _log_path(self) -> Path:
+    base = Path(self.trainer.log_dir) if self.trainer.log_dir else self.run_dir()
+    return base / "verl_logs.jsonl"
+
+
 class VerlConfig(Section):
     """The whole training config."""
 
@@ -815,13 +814,8 @@ class VerlConfig(Section):
             self.trainer.total_steps = self.trainer.total_epochs * (num_prompts // self.data.train_batch_size)
         return self.trainer.total_steps
 
-    def run_dir(self) -> Path:
-        assert self.trainer.experiment_name, "resolve_experiment_name() first"
-        return Path(self.trainer.output_dir) / self.trainer.project_name / self.trainer.experiment_name
-
-    def log_path(self) -> Path:
-        base = Path(self.trainer.log_dir) if self.trainer.log_dir else self.run_dir()
-        return base / "verl_logs.jsonl"
+    run_dir = _run_dir
+    log_path = _log_path
 
 
 # ---------------------------------------------------------------------------------------------- SFT
@@ -862,17 +856,6 @@ class SFTTrainerConfig(Section):
 class SFTRolloutConfig(Section):
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Tools for conversations "
                                         "with tool calls and for validating them as the RL rollout runs them.")
-
-
-def _run_dir(self) -> Path:
-    """<output_dir>/<project_name>/<experiment_name> of a one-model run (``verl sft``, ``verl rm``)."""
-    assert self.trainer.experiment_name
-    return Path(self.trainer.output_dir) / self.trainer.project_name / self.trainer.experiment_name
-
-
-def _log_path(self) -> Path:
-    base = Path(self.trainer.log_dir) if self.trainer.log_dir else self.run_dir()
-    return base / "verl_logs.jsonl"
 
 
 class SFTConfig(Section):
