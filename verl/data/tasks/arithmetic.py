@@ -12,10 +12,10 @@ Rows follow verl's parquet layout: ``data_source``, ``prompt`` (chat messages), 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+from verl.data.tasks import SpecKey
 
 DATA_SOURCE = "arithmetic"
 
@@ -24,7 +24,7 @@ SFT_ANSWER_FORMATS: tuple[tuple[str, float], ...] = (("{}", 0.6), (">> {}", 0.2)
 
 
 @dataclass(frozen=True)
-class ArithmeticSpec:
+class ArithmeticSpec(SpecKey):
     """Which problems the task generates. Operands have ``min_digits``..``max_digits`` digits."""
 
     min_digits: int = 1
@@ -37,10 +37,6 @@ class ArithmeticSpec:
     num_traffic: int = 512
     seed: int = 1234
     answer_formats: tuple[tuple[str, float], ...] = field(default=SFT_ANSWER_FORMATS)
-
-    def key(self) -> str:
-        """A short stable identifier of the spec, used to name cached parquet files."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _operand(rng: random.Random, spec: ArithmeticSpec) -> int:

@@ -22,11 +22,11 @@ pairs no training problem uses.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from verl.data.tasks import SpecKey
 from verl.tools.calculator import SCHEMA as CALCULATOR_SCHEMA
 
 DATA_SOURCE = "tool_arithmetic"
@@ -34,7 +34,7 @@ TOOL = "calculator"
 
 
 @dataclass(frozen=True)
-class ToolArithmeticSpec:
+class ToolArithmeticSpec(SpecKey):
     """Which problems the task generates: ``a*b`` with ``min_digits``..``max_digits``-digit operands."""
 
     min_digits: int = 2
@@ -44,9 +44,6 @@ class ToolArithmeticSpec:
     num_sft: int = 6000
     tool_share: float = 0.25  # SFT conversations that call the calculator; the rest answer at once
     seed: int = 4321
-
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _operand(rng: random.Random, spec: ToolArithmeticSpec) -> int:

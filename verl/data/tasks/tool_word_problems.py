@@ -19,18 +19,14 @@ assistant calls the calculator with the story's expression, reads the result, an
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from verl.data.tasks import SpecKey
+from verl.data.tasks.word_problems import DATA_SOURCE, INSTRUCTION, ITEMS, NAMES
 from verl.tools.calculator import SCHEMA as CALCULATOR_SCHEMA
-
-DATA_SOURCE = "gsm8k"
-INSTRUCTION = "Give the final answer as #### <number>."
-NAMES = ("Tom", "Anna", "Lee", "Maria", "Sam", "Priya", "Omar", "Yuki", "Elena", "Kofi")
-ITEMS = ("apples", "books", "marbles", "stickers", "coins", "pencils", "shells", "cards", "stamps", "buttons")
 
 # kind -> (numbers drawn, expression, answer); each template names its numbers a, b (and c).
 Numbers = dict[str, int]
@@ -120,14 +116,11 @@ VAL_TEMPLATES: dict[str, list[str]] = {
 
 
 @dataclass(frozen=True)
-class ToolWordProblemSpec:
+class ToolWordProblemSpec(SpecKey):
     num_train: int = 6000
     num_val: int = 192
     num_sft: int = 600
     seed: int = 77
-
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def story(template: str, rng: random.Random, numbers: Numbers) -> str:

@@ -18,10 +18,10 @@ ignores the instruction), and the stories without the format instruction 16%. On
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+from verl.data.tasks import SpecKey
 
 DATA_SOURCE = "gsm8k"
 INSTRUCTION = "Give the final answer as #### <number>."
@@ -31,7 +31,7 @@ VERBS = ("gets", "buys", "finds", "is given", "picks up")
 
 
 @dataclass(frozen=True)
-class WordProblemSpec:
+class WordProblemSpec(SpecKey):
     """Which stories the task generates."""
 
     min_start: int = 10
@@ -42,9 +42,6 @@ class WordProblemSpec:
     num_train: int = 5000
     num_val: int = 200
     seed: int = 2024
-
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def story(name: str, item: str, verb: str, start: int, added: int) -> str:
