@@ -11,6 +11,7 @@ a UTF-8 character decodes to U+FFFD, and ``bytes`` is then the UTF-8 of that tex
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 from serve.engines.base import TokenLogprob
@@ -18,14 +19,7 @@ from serve.engines.base import TokenLogprob
 
 def token_texts(decode: Callable[[list[int]], str]) -> Callable[[int], str]:
     """A cached single-token decoder (alternatives repeat a lot across positions)."""
-    cache: dict[int, str] = {}
-
-    def text(token_id: int) -> str:
-        if token_id not in cache:
-            cache[token_id] = decode([token_id])
-        return cache[token_id]
-
-    return text
+    return functools.cache(lambda token_id: decode([token_id]))
 
 
 class CompletionLogprobs:

@@ -213,11 +213,7 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = Field(None, description="Tool messages: the call this is the result of.")
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content or [])
 
 
 class FunctionDefinition(_Strict):

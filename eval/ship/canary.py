@@ -262,16 +262,12 @@ class Canary:
 
     def guardrail(self) -> str | None:
         """Why the candidate breaks a guardrail (its sequential test rejected), or None."""
-        if self.errors.rejected:
-            e = self.errors.evidence()
-            return (f"error rate {_pct(e['rate_candidate'])} against the incumbent's {_pct(e['rate_incumbent'])} "
-                    f"(allowed: +{self.settings.max_error_increase:.1%}; e-value {e['e_value']:.0f} >= "
-                    f"{e['threshold']:.0f})")
-        if self.missing.rejected:
-            e = self.missing.evidence()
-            return (f"missing rewards {_pct(e['rate_candidate'])} against the incumbent's "
-                    f"{_pct(e['rate_incumbent'])} (allowed: +{self.settings.max_missing_increase:.1%}; e-value "
-                    f"{e['e_value']:.0f} >= {e['threshold']:.0f})")
+        for test, what, allowed in ((self.errors, "error rate", self.settings.max_error_increase),
+                                    (self.missing, "missing rewards", self.settings.max_missing_increase)):
+            if test.rejected:
+                e = test.evidence()
+                return (f"{what} {_pct(e['rate_candidate'])} against the incumbent's {_pct(e['rate_incumbent'])} "
+                        f"(allowed: +{allowed:.1%}; e-value {e['e_value']:.0f} >= {e['threshold']:.0f})")
         if self.latency is not None and self.latency.rejected:
             e = self.latency.evidence()
             return (f"p95 latency above the SLO {self.settings.slo_p95_ms:g} ms: {e['above_slo']} of {e['n']} "
