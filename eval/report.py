@@ -146,6 +146,11 @@ def fmt(value: Any, digits: int = 4) -> str:
     return f"{v + 0.0:.{digits}g}" if v != 0 else "0"  # no "-0"
 
 
+def value_ci(metric: dict | None) -> str:
+    """A table cell: the metric's value and its 95% CI (``–`` when the metric is missing)."""
+    return "–" if metric is None else f"{fmt(metric.get('value'))} {fmt_ci(metric)}"
+
+
 def fmt_ci(metric: dict) -> str:
     low, high = metric.get("ci_low"), metric.get("ci_high")
     return "–" if low is None or high is None else f"[{fmt(low)}, {fmt(high)}]"
@@ -174,13 +179,8 @@ def groups_table(doc: Doc, groups: dict[str, Any]) -> None:
     """``verl eval --group-by``: a row per group, each headline metric as value and 95% CI."""
     names = headline_metrics(groups)
     doc.h(f"Per {groups['by']}")
-    rows = []
-    for group, entry in groups["values"].items():
-        cells = []
-        for name in names:
-            metric = entry["metrics"].get(name)
-            cells.append("–" if metric is None else f"{fmt(metric.get('value'))} {fmt_ci(metric)}")
-        rows.append([group, entry["num_prompts"], entry["num_samples"], *cells])
+    rows = [[group, entry["num_prompts"], entry["num_samples"], *[value_ci(entry["metrics"].get(n)) for n in names]]
+            for group, entry in groups["values"].items()]
     doc.table([groups["by"], "prompts", "samples", *[f"{n} [95% CI]" for n in names]], rows)
     doc.p("Every metric of every group, with its SE and CI: `results.json` (`groups`).")
 
@@ -322,13 +322,8 @@ def write_run_report(out_dir: Path, summary: dict, run_dir: Path) -> None:
     names = ordered_metrics(set().union(*(c["metrics"] for c in checkpoints)))
     preferred = [n for n in RUN_TABLE_METRICS if n in names]
     shown = preferred or names[:6]
-    rows = []
-    for c in checkpoints:
-        cells = []
-        for name in shown:
-            m = c["metrics"].get(name)
-            cells.append("–" if m is None else f"{fmt(m.get('value'))} {fmt_ci(m)}")
-        rows.append([c["label"] + (" ★" if best and c["label"] == best["label"] else ""), c["step"], *cells])
+    rows = [[c["label"] + (" ★" if best and c["label"] == best["label"] else ""), c["step"],
+             *[value_ci(c["metrics"].get(name)) for name in shown]] for c in checkpoints]
     doc.h("Checkpoints")
     doc.table(["checkpoint", "step", *[f"{n[5:]} [95% CI]" for n in shown]], rows)
     doc.p("Each checkpoint's full report: `<checkpoint>/report.md`.")
