@@ -147,15 +147,10 @@ class Diversity(Evaluator):
         self.tokenize = tokenize
         self.bleu_n = bleu_n
         self.use_self_bleu = bool(self_bleu)
-        self.options = {}
-        if self.orders != [1, 2]:
-            self.options["ngrams"] = self.orders
-        if tokenize != "whitespace":
-            self.options["tokenize"] = tokenize
-        if bleu_n != 3:
-            self.options["bleu_n"] = bleu_n
-        if not self_bleu:
-            self.options["self_bleu"] = False
+        # What differs from the defaults, named in the results (ngrams [1, 2], whitespace, BLEU-3, self-BLEU on).
+        given = {"ngrams": (self.orders, [1, 2]), "tokenize": (tokenize, "whitespace"), "bleu_n": (bleu_n, 3),
+                 "self_bleu": (self.use_self_bleu, True)}
+        self.options = {key: value for key, (value, default) in given.items() if value != default}
 
     def direction(self, metric: str) -> bool | None:
         # Repetition is a defect; more or less diversity is neither good nor bad in itself.
