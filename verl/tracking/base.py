@@ -13,6 +13,7 @@ from typing import Any
 
 from verl.errors import ConfigError
 from verl.registry import Registry, load_target
+from verl.tracking.common import require
 
 
 class Tracker:
@@ -60,10 +61,10 @@ def register_tracker(name: str) -> Callable[[Callable[..., Tracker]], Callable[.
     return TRACKERS.register(name)
 
 
-# Checks that need no run directory, run before one is made: "module:function(config)" per tracker name.
-PREFLIGHTS = {"wandb": "verl.tracking.wandb_tracker:preflight", "mlflow": "verl.tracking.mlflow_tracker:preflight",
-              "tensorboard": "verl.tracking.tensorboard_tracker:preflight",
-              "swanlab": "verl.tracking.swanlab_tracker:preflight"}
+# Checks that need no run directory, run before one is made: "module:function(config)", or the (module, package)
+# a tracker needs installed.
+PREFLIGHTS = {"wandb": "verl.tracking.wandb_tracker:preflight", "mlflow": ("mlflow", "mlflow"),
+              "tensorboard": ("torch.utils.tensorboard", "tensorboard"), "swanlab": ("swanlab", "swanlab")}
 
 
 def _check_names(names: list[str]) -> None:
@@ -81,8 +82,11 @@ def check_trackers(names: list[str], config: Any = None) -> None:
     wandb login. The trainer calls this before it creates the run directory, so such a failure leaves nothing."""
     _check_names(names)
     for name in dict.fromkeys(names):
-        if name in PREFLIGHTS:
-            load_target(PREFLIGHTS[name])(config)
+        check = PREFLIGHTS.get(name)
+        if isinstance(check, str):
+            load_target(check)(config)
+        elif check is not None:
+            require(*check, name)
 
 
 def create_trackers(names: list[str], **context: Any) -> list[Tracker]:

@@ -39,12 +39,6 @@ def sqlite_artifact_location(uri: str) -> str | None:
     return (db.parent / "mlartifacts").resolve().as_uri()
 
 
-
-def preflight(config: Any = None) -> None:
-    """Fail before the run directory exists when the package is missing."""
-    require("mlflow", "mlflow", "mlflow")
-
-
 class MlflowTracker(Tracker):
     name = "mlflow"
 

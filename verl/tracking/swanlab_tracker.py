@@ -16,11 +16,6 @@ from verl.tracking.base import Tracker
 from verl.tracking.common import exiting_with_error, require, run_names, samples_markdown
 
 
-def preflight(config: Any = None) -> None:
-    """Fail before the run directory exists when the package is missing."""
-    require("swanlab", "swanlab", "swanlab")
-
-
 class SwanlabTracker(Tracker):
     name = "swanlab"
 

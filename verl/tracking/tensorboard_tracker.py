@@ -20,12 +20,6 @@ from verl.tracking.common import backend_settings, flatten_config, histogram_sum
 HPARAM_METRICS = ("rollout/reward_mean", "eval/accuracy", "ppo/kl_div", "ppo/entropy")
 
 
-
-def preflight(config: Any = None) -> None:
-    """Fail before the run directory exists when the package is missing."""
-    require("torch.utils.tensorboard", "tensorboard", "tensorboard")
-
-
 class TensorBoardTracker(Tracker):
     name = "tensorboard"
 
@@ -38,9 +32,8 @@ class TensorBoardTracker(Tracker):
         if chosen is None:
             raise ConfigError("the tensorboard tracker needs a run directory or trainer.tracking.tensorboard.log_dir")
         self.log_dir = Path(chosen)
-        resumed = resumed_step
         # On resume, hide the points a crashed attempt logged after the checkpoint (they are logged again).
-        self.writer = tb.SummaryWriter(str(self.log_dir), purge_step=None if resumed is None else resumed + 1,
+        self.writer = tb.SummaryWriter(str(self.log_dir), purge_step=None if resumed_step is None else resumed_step + 1,
                                        flush_secs=30)
 
     def log_config(self, config: dict[str, Any]) -> None:
