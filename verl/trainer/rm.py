@@ -31,13 +31,12 @@ from verl.config import RMConfig
 from verl.data.dataset import read_rows
 from verl.data.pairs import Pair, read_pair
 from verl.errors import DataError, ModelError
-from verl.models.loader import DTYPES, load_tokenizer, pick_device, resolve_model_path
+from verl.models.loader import DTYPES, resolve_model_path
 from verl.models.sequence_scores import sequence_scores
 from verl.protocol import pad_tokens
 from verl.trainer.checkpoint import write_pointer
-from verl.trainer.run import Run
+from verl.trainer.run import Run, set_up
 from verl.utils import log
-from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.optim import build_optimizer, build_scheduler
 
 VALIDATION_METRIC = "eval/pairwise_accuracy"  # what `verl rm` validates on, and ranks its checkpoints by
@@ -137,10 +136,7 @@ class RewardModelTrainer:
     def __init__(self, config: RMConfig, quiet: bool = False):
         self.config = config
         self.quiet = quiet
-        set_num_threads(config.trainer.num_threads)
-        seed_everything(config.trainer.seed)
-        self.device = pick_device(config.trainer.device)
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+        self.device, self.tokenizer = set_up(config)
         self.model = load_reward_model(config.model.path, config.model.dtype, self.device, self.tokenizer.pad_token_id)
         if config.model.lora.rank > 0:
             self.model = self._with_lora(self.model)

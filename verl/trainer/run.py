@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from verl.config import dump_config
+from verl.models.loader import load_tokenizer, pick_device
 from verl.tracking import create_trackers
 from verl.trainer.checkpoint import (
     checkpoint_step,
@@ -33,6 +34,15 @@ from verl.trainer.resume import check_resumable, saved_config
 from verl.trainer.target import TARGET_SCOPE, Target, TargetClock
 from verl.utils import log
 from verl.utils.fs import atomic_write_text, ensure_writable_dir
+from verl.utils.seeding import seed_everything, set_num_threads
+
+
+def set_up(config: Any) -> tuple[Any, Any]:
+    """The start a one-model trainer makes (``verl sft``, ``verl rm``): ``trainer.num_threads`` and ``trainer.seed``
+    applied, then (the torch device, the tokenizer of ``model.tokenizer_path`` or ``model.path``)."""
+    set_num_threads(config.trainer.num_threads)
+    seed_everything(config.trainer.seed)
+    return pick_device(config.trainer.device), load_tokenizer(config.model.tokenizer_path or config.model.path)
 
 
 class Run:

@@ -22,17 +22,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from verl.config import DataConfig, RewardConfig, SFTConfig, build_config
 from verl.data.dataset import RLHFDataset, get_nested, prompt_text, read_rows
 from verl.errors import ConfigError, DataError
-from verl.models.loader import load_causal_lm, load_tokenizer, pick_device
+from verl.models.loader import load_causal_lm
 from verl.rollout.agent_loop import AgentRollout
 from verl.rollout.base import SamplingParams
 from verl.rollout.hf import HFRollout
 from verl.tools.registry import tools_for_row
 from verl.tools.templates import ConversationTokens, ToolPrompting
-from verl.trainer.run import Run
+from verl.trainer.run import Run, set_up
 from verl.trainer.validation import generate_and_score, validation_metrics
 from verl.utils import log
 from verl.utils.fs import atomic_dir
-from verl.utils.seeding import seed_everything, set_num_threads
 from verl.workers.optim import build_optimizer, build_scheduler
 from verl.workers.reward import RewardManager
 
@@ -122,10 +121,7 @@ class SFTTrainer:
     def __init__(self, config: SFTConfig, quiet: bool = False):
         self.config = config
         self.quiet = quiet
-        set_num_threads(config.trainer.num_threads)
-        seed_everything(config.trainer.seed)
-        self.device = pick_device(config.trainer.device)
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+        self.device, self.tokenizer = set_up(config)
         self.model = load_causal_lm(config.model.path, config.model.dtype, self.device)
         tools = ToolPrompting.from_config(config.rollout.multi_turn, self.tokenizer)
         self.train_data = SFTDataset(config.data.train_files, self.tokenizer, config, tools)
