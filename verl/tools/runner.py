@@ -276,10 +276,13 @@ class ToolProcessPool:
         process = self._context.Process(target=_tool_process_main, args=(child,), daemon=True, name="verl-tool-process")
         process.start()
         child.close()
-        if not parent.poll(START_TIMEOUT_S):  # a busy machine can take seconds to spawn a Python process
+        try:  # a busy machine can take seconds to spawn a Python process: a call's timeout starts after
+            ready = parent.poll(START_TIMEOUT_S) and parent.recv()
+        except (EOFError, OSError):  # it died on the way
+            ready = None
+        if not ready:
             self._kill(process)
-            raise OSError(f"a tool process did not start within {START_TIMEOUT_S:g} s")
-        parent.recv()
+            raise OSError(f"a tool process did not start (it died, or took over {START_TIMEOUT_S:g} s)")
         return process, parent
 
     def _give_back(self, process: Any, conn: Any) -> None:
