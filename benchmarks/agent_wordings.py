@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from verl.data.builtin import resolve_data_file, write_parquet
+from verl.data.builtin import write_parquet
+from verl.data.sources import resolve_data_file
 from verl.data.tasks import tool_word_problems as task
 
 # wide: the built-in train_wide's wordings (task.WIDE_TEMPLATES) with another "groups" pair, the first one tried.

@@ -62,7 +62,7 @@ from verl.config import DataConfig, RewardConfig, RolloutConfig, SFTConfig, Vali
 from verl.data.dataset import RLHFDataset
 from verl.errors import CheckpointError, ConfigError
 from verl.evaluators import EvalBatch, Metric, build_evaluator, build_evaluators, run_evaluators
-from verl.evaluators.groups import group_labels
+from verl.evaluators.groups import AUTO_GROUP_COLUMN, group_labels, has_column
 from verl.evaluators.kl_terms import compute_kl_terms
 from verl.evaluators.registry import BUILTIN_EVALUATORS, evaluator_needs, split_specs
 from verl.models.loader import check_hub_id, load_causal_lm, load_tokenizer, looks_local, missing_dir_error, pick_device
@@ -244,7 +244,8 @@ def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: s
     if temperature < 0:
         raise ConfigError(f"--temperature must be >= 0, got {temperature}")
     reference = explicit_reference or (run_cfg.model.path if run_cfg is not None else None)
-    multi_turn = _multi_turn(settings, run_cfg)
+    data_files = list(settings.data) if settings.data else list(data.val_files)
+    multi_turn = _multi_turn(settings, run_cfg, data_files)
     specs = _evaluator_specs(settings.evaluators, reference, notes, multi_turn is not None)
     seed = settings.seed if settings.seed is not None else (run_cfg.trainer.seed if run_cfg is not None else 0)
     if settings.max_samples is not None:
@@ -254,7 +255,7 @@ def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: s
     else:
         max_samples, max_samples_from = None, None
     return Resolved(
-        data_files=list(settings.data) if settings.data else list(data.val_files),
+        data_files=data_files,
         evaluator_specs=specs,
         n=n,
         temperature=float(temperature),
@@ -275,16 +276,18 @@ def resolve_settings(settings: EvalSettings, run_cfg: Any, explicit_reference: s
     )
 
 
-def _multi_turn(settings: EvalSettings, run_cfg: Any) -> dict[str, Any] | None:
+def _multi_turn(settings: EvalSettings, run_cfg: Any, data_files: list[str]) -> dict[str, Any] | None:
     """The agent-loop settings: the run's ``rollout.multi_turn`` with ``--tools`` / ``--tool-config`` /
-    ``--max-turns`` on top (either of the first two turns multi-turn on); None for single-turn rollouts."""
+    ``--max-turns`` on top (either of the first two turns multi-turn on, as do an environment's episodes as data:
+    openenv:, env:); None for single-turn rollouts."""
     base = run_cfg.rollout.multi_turn if run_cfg is not None else config_module.MultiTurnConfig()
     update: dict[str, Any] = {}
     if settings.tools is not None:
         update["tools"] = list(settings.tools)
     if settings.tool_config is not None:
         update["tool_config_path"] = settings.tool_config
-    if update:
+    episodes = any(str(f).startswith(config_module.ENVIRONMENT_SCHEMES) for f in data_files)
+    if update or episodes:
         update["enable"] = True
     if settings.max_turns is not None:
         update["max_assistant_turns"] = settings.max_turns
@@ -298,8 +301,9 @@ def _multi_turn(settings: EvalSettings, run_cfg: Any) -> dict[str, Any] | None:
             raise ConfigError("--max-turns applies to multi-turn rollouts: give --tools calculator (or "
                               "--tool-config FILE), or evaluate a run trained with rollout.multi_turn")
         return None
-    if not merged.tools and not merged.tool_config_path:
-        raise ConfigError("multi-turn evaluation needs tools: --tools calculator or --tool-config FILE")
+    if not (merged.tools or merged.tool_config_path or merged.interaction_config_path or episodes):
+        raise ConfigError("multi-turn evaluation needs tools (--tools calculator or --tool-config FILE), the run's "
+                          "interaction, or an environment's episodes as --data (openenv:<url>, env:<module>:<Class>)")
     return merged.model_dump(mode="json")
 
 
@@ -413,8 +417,9 @@ class Evaluation:
     @property
     def dataset(self) -> Any:
         if self._dataset is None:
+            # Generated sources skip the run's training items (its data.train_files), as its validation did.
             self._dataset = RLHFDataset(self.resolved.data_files, self.tokenizer, self.data_cfg, "--data",
-                                        tools=self._tool_prompting())
+                                        tools=self._tool_prompting(), disjoint_from=self.data_cfg.train_files)
             # The rows' identity keys (content ids of the raw prompts): two models with different templates pair.
             self.prompt_ids = self._dataset.sample_keys
             dropped, cut = self._dataset.num_filtered, getattr(self._dataset, "num_truncated", 0)
@@ -469,7 +474,7 @@ class Evaluation:
         cached = reusable_results(out_dir, self.resolved.fingerprint, digest) if not self.settings.force else None
         if cached is not None:
             self._say(f"{label}: reusing {out_dir / 'results.json'} (same weights and settings; --force recomputes)")
-            samples = load_samples(out_dir) if self.settings.group_by else []
+            samples = load_samples(out_dir) if self.group_column else []
             if self._add_groups(cached, samples):  # grouped from the samples on disk: nothing reruns
                 write_results(out_dir, cached, samples)
                 write_checkpoint_report(out_dir, cached, samples)
@@ -478,8 +483,8 @@ class Evaluation:
                 self._say(f"{label}: rewrote the missing report/plots in {out_dir}")
             return cached
         contamination = self._contamination()  # before any weights load: --strict refuses at once
-        if self.settings.group_by:  # and a --group-by column the data lacks
-            group_labels(self.dataset.rows, self.settings.group_by, f"--group-by {self.settings.group_by}")
+        if self.group_column:  # and a --group-by column the data lacks
+            group_labels(self.dataset.rows, self.group_column, f"--group-by {self.group_column}")
         policy = load_policy(model_path, self.run_cfg, self.device, self.dtype)
         policy.requires_grad_(False)
         engine = self._build_engine(policy, model_path)
@@ -530,7 +535,7 @@ class Evaluation:
     def _add_groups(self, results: dict, samples: list[dict]) -> bool:
         """``--group-by``: put the per-group metrics into ``results`` (from ``samples``) unless they are there for
         the same column; True when it added them."""
-        column = self.settings.group_by
+        column = self.group_column
         if column is None or (results.get("groups") or {}).get("by") == column:
             return False
         built = {getattr(e, "spec", None): e for e in self.evaluators}
@@ -538,6 +543,14 @@ class Evaluation:
                                           lambda spec: built.get(spec) or build_evaluator(spec),
                                           self.settings.n_bootstrap, results["sampling"]["seed"])
         return True
+
+    @property
+    def group_column(self) -> str | None:
+        """``--group-by``'s column; unset: ``extra_info.kind`` if every row has it (as ``data.val_group_by=auto``)."""
+        column = self.settings.group_by
+        if column is None:
+            return AUTO_GROUP_COLUMN if has_column(self.dataset.rows, AUTO_GROUP_COLUMN) else None
+        return None if column == "none" else column
 
     def _say_groups(self, results: dict) -> None:
         for line in group_lines(results["groups"]) if results.get("groups") else []:

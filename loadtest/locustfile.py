@@ -327,7 +327,7 @@ def _write_run_info(environment: Environment, host: str, num_prompts: int) -> No
     """``<csv prefix>_loadtest.json``: what this run did, so the report can name the step plan and the mix."""
     options = environment.parsed_options
     info = {"locust_version": locust.__version__, "host": host, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "load_shape": options.load_shape,
+            "load_shape": options.load_shape, "processes": max(1, int(getattr(options, "processes", 1) or 1)),
             "plan": StepPlan.from_options(options).to_dict() if options.load_shape == "steps" else None,
             "percentile_window_s": locust.stats.CURRENT_RESPONSE_TIME_PERCENTILE_WINDOW,
             "user_classes": {c.__name__: getattr(c, "weight", 1) for c in environment.user_classes},

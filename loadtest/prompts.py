@@ -18,7 +18,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from verl.data.builtin import resolve_data_file
+from verl.data.sources import resolve_data_file
 from verl.errors import DataError
 
 # The built-in task's traffic split: prompts no training, validation or test split holds, so records of a load test

@@ -11,11 +11,12 @@ How the numbers are made (all from the CSVs, nothing re-measured):
   the difference of the cumulative ``Total Request Count`` between the step's last row and the previous step's
   last row, summed over the HTTP entries (the ``LLM`` custom entries are not requests). So the steps' requests
   add up to the run's HTTP request total in ``_stats.csv``.
-- Rates (requests/s, output tokens/s) and percentiles cover the step's *measurement window*: its last
-  ``window_s`` seconds (the locustfile sets Locust's sliding percentile window to the same ``step_time -
-  settle``). Percentiles are Locust's own, from the step's last history row: latency from the ``LLM
-  e2e_latency_ms`` entry (successful requests of every endpoint; without our entries, the ``Aggregated`` row),
-  TTFT from ``LLM ttft_ms``. Output tokens = count x mean of the ``LLM output_tokens`` entry, differenced.
+- Rates (requests/s, output tokens/s) and percentiles cover the step's *measurement window*: its last ``window_s``
+  seconds (the locustfile sets Locust's sliding percentile window to the same ``step_time - settle``); with
+  ``--processes`` the rate window's ends snap to the workers' report arrivals (``_rate_window``). Percentiles are
+  Locust's own, from the step's last history row: latency from the ``LLM e2e_latency_ms`` entry (successful requests
+  of every endpoint; without our entries, the ``Aggregated`` row), TTFT from ``LLM ttft_ms``. Output tokens = count
+  x mean of the ``LLM output_tokens`` entry, differenced.
 - A step *meets the SLO* when its p95 latency <= ``slo_p95_ms``, its failure rate <= ``max_failure_rate`` and
   (if given) its TTFT p95 <= ``slo_ttft_p95_ms``. *Capacity* = the largest user count such that every step
   up to it meets the SLO (the first failing level ends the search, so a lucky higher level never counts).
@@ -314,8 +315,27 @@ def window_pct(step: list[Snapshot], entry: Any, window_s: int) -> tuple[float |
     return None, None, None
 
 
-def step_metrics(steps: list[list[Snapshot]], snapshots: list[Snapshot], window_s: int) -> list[dict]:
-    """Per-step numbers (see the module docstring for what each covers)."""
+def _rate_window(rows: list[Snapshot], window_s: int, bursts: bool) -> tuple[Snapshot | None, Snapshot]:
+    """The two rows a step's rates are measured between: ``rows`` are the previous step's last row (if any) and the
+    step's rows. Base: the last row at least ``window_s`` before the end (else the first). With worker processes
+    (``bursts``) the master's totals move only when a worker report arrives (every few seconds), so both ends snap
+    to report arrivals, the rows where the HTTP total changed: the window then spans whole report intervals, and a
+    window that fell between two reports no longer reads 0 requests/s."""
+    points = rows
+    if bursts:
+        points = [r for i, r in enumerate(rows) if i == 0 or r.http_total() != rows[i - 1].http_total()]
+    end = points[-1]
+    base = points[0] if len(points) > 1 else None
+    for row in points[:-1]:
+        if row.timestamp <= end.timestamp - window_s:
+            base = row
+    return base, end
+
+
+def step_metrics(steps: list[list[Snapshot]], snapshots: list[Snapshot], window_s: int,
+                 bursts: bool = False) -> list[dict]:
+    """Per-step numbers (see the module docstring for what each covers); ``bursts``: the run had worker
+    processes, whose reports reach the master's totals every few seconds (see ``_rate_window``)."""
     has_llm = any(s.llm(LATENCY_ENTRY) for s in snapshots)
     final = snapshots[-1]
     out = []
@@ -326,20 +346,15 @@ def step_metrics(steps: list[list[Snapshot]], snapshots: list[Snapshot], window_
         count_end = final if index == len(steps) - 1 else end
         requests = count_end.http_total() - (previous.http_total() if previous else 0)
         failures = count_end.http_total("total_failures") - (previous.http_total("total_failures") if previous else 0)
-        # The window's base: the last snapshot at least window_s before the end (else the step's start).
-        candidates = ([previous] if previous else []) + step[:-1]
-        base = candidates[0] if candidates else None
-        for snap in candidates:
-            if snap.timestamp <= end.timestamp - window_s:
-                base = snap
-        seconds = end.timestamp - base.timestamp if base else 0
+        base, rate_end = _rate_window(([previous] if previous else []) + step, window_s, bursts)
+        seconds = rate_end.timestamp - base.timestamp if base else 0
         base_requests = base.http_total() if base else 0
         base_tokens = base.llm_sum(TOKENS_ENTRY) if base else 0.0
         p50, p95, p99 = window_pct(step, lambda snap: snap.llm(LATENCY_ENTRY) if has_llm else snap.aggregated(),
                                    window_s)
         ttft50, ttft95, _ = window_pct(step, lambda snap: snap.llm(TTFT_ENTRY), window_s)
         session50, session95, _ = window_pct(step, lambda snap: snap.llm(SESSION_ENTRY), window_s)
-        sessions_end = end.llm(SESSION_ENTRY).total_requests if end.llm(SESSION_ENTRY) else 0
+        sessions_end = rate_end.llm(SESSION_ENTRY).total_requests if rate_end.llm(SESSION_ENTRY) else 0
         sessions_base = base.llm(SESSION_ENTRY).total_requests if base and base.llm(SESSION_ENTRY) else 0
         out.append({
             "index": index,
@@ -350,13 +365,13 @@ def step_metrics(steps: list[list[Snapshot]], snapshots: list[Snapshot], window_
             "requests": requests,
             "failures": failures,
             "failure_rate": failures / requests if requests else None,
-            "requests_per_s": _rate(end.http_total() - base_requests, seconds),
+            "requests_per_s": _rate(rate_end.http_total() - base_requests, seconds),
             "latency_p50_ms": p50,
             "latency_p95_ms": p95,
             "latency_p99_ms": p99,
             "ttft_p50_ms": ttft50,
             "ttft_p95_ms": ttft95,
-            "output_tokens_per_s": (_rate(end.llm_sum(TOKENS_ENTRY) - base_tokens, seconds)
+            "output_tokens_per_s": (_rate(rate_end.llm_sum(TOKENS_ENTRY) - base_tokens, seconds)
                                     if end.llm(TOKENS_ENTRY) else None),
             # Agent sessions (AgentUser): finished sessions per second and their latency over the window.
             "sessions_per_s": _rate(sessions_end - sessions_base, seconds) if end.llm(SESSION_ENTRY) else None,
@@ -454,7 +469,7 @@ def build_report(prefix: str | Path, slo: SLO | None = None, server_metrics: str
     window_s = int(window) if window else 10
     levels = (info.get("plan") or {}).get("levels")
     segments = segment_steps(run.snapshots, levels)
-    steps = step_metrics(segments, run.snapshots, window_s)
+    steps = step_metrics(segments, run.snapshots, window_s, bursts=int(info.get("processes") or 1) > 1)
     for step in steps:
         step["why_not"] = judge_step(step, slo)
         step["meets_slo"] = not step["why_not"]

@@ -13,8 +13,8 @@ import pytest
 from eval.runner import EvalSettings, run_eval
 from tests.test_trainer import tiny_config
 from tests.trainer_utils import run_cli
-from verl.data.builtin import resolve_data_file
 from verl.data.contamination import TrainingIndex, normalise, text_of
+from verl.data.sources import resolve_data_file
 from verl.errors import ConfigError
 from verl.tracking.follow import row_kind
 from verl.trainer.local import LocalPPOTrainer
@@ -25,7 +25,8 @@ WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", 
 
 def test_the_definition_by_hand():
     assert normalise("Hello, World!\n  What's 2+2?") == ["hello", "world", "what", "s", "2", "2"]
-    assert text_of([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]) == "Be brief.\nHi"
+    assert text_of([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Yo"}]) == "Hi\nYo"  # a task's instructions are not its items
     assert text_of('[{"role": "user", "content": "Hi"}]') == "Hi"
     train = " ".join(WORDS[:14])  # 14 words: two 13-grams
     index = TrainingIndex.of([train, "What is 12+7?"])
@@ -36,6 +37,20 @@ def test_the_definition_by_hand():
     twelve = " ".join(["so", *WORDS[2:14], "indeed"])  # only 12 words in common: clean
     assert index.overlap(twelve) is None
     assert TrainingIndex.of([train], n=8).overlap(" ".join(WORDS[5:13])) == "8-gram"
+
+
+def test_a_generated_tasks_wording_is_not_an_item():
+    """An n-gram more than 5% of at least 20 training prompts hold is the template: 40 items "<k> <item words>
+    then the 13-word tail" share the tail; an evaluation item with the tail and new words is clean, one sharing an
+    item's 13 words is not, and with 19 prompts (fewer than 20) the tail still counts."""
+    tail = " ".join(WORDS[:13])
+    items = [f"item {k} " + " ".join(f"w{k}x{j}" for j in range(13)) + " " + tail for k in range(40)]
+    index = TrainingIndex.of(items)
+    assert index.template == 1  # the tail's one 13-gram (every other n-gram holds an item's own words)
+    assert index.overlap("item 99 new words here " + tail) is None
+    assert index.overlap("so " + " ".join(f"w3x{j}" for j in range(13))) == "13-gram"
+    assert index.overlap(items[5].upper()) == "exact"
+    assert TrainingIndex.of(items[:19]).overlap("item 99 new words here " + tail) == "13-gram"
 
 
 def test_the_builtin_tasks_held_out_splits_share_no_prompt_with_training():

@@ -13,8 +13,9 @@ import torch
 
 import verl.data.builtin as builtin
 from verl.config import DataConfig
-from verl.data.builtin import resolve_data_file, write_arithmetic
+from verl.data.builtin import write_arithmetic
 from verl.data.dataset import PromptSampler, RLHFDataset
+from verl.data.sources import resolve_data_file
 from verl.data.tasks.arithmetic import ArithmeticSpec, generate_splits, sft_response
 from verl.errors import DataError
 from verl.models.tiny import build_char_tokenizer

@@ -3,8 +3,6 @@ fails in seconds, with the reason, when the Hub cannot be asked."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.trainer_utils import run_cli
@@ -27,10 +25,8 @@ def test_paths_that_look_local(tmp_path, monkeypatch):
 def test_hub_id_offline_fails_in_seconds(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty HF cache
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    start = time.perf_counter()
-    with pytest.raises(ModelError, match="HF_HUB_OFFLINE is set"):
+    with pytest.raises(ModelError, match="HF_HUB_OFFLINE is set"):  # offline: no request, so no retries
         resolve_model_path("someorg/not-cached-model")
-    assert time.perf_counter() - start < 5
 
 
 def test_hub_id_with_no_route_fails_in_seconds(monkeypatch, tmp_path):
@@ -48,12 +44,14 @@ def test_hub_id_with_no_route_fails_in_seconds(monkeypatch, tmp_path):
     (["export", "--ckpt", "exports/grpo-typo", "--to", "out"], {}),
 ])
 def test_the_cli_names_the_missing_directory_at_once(tmp_path, args, env):
+    """A path-like name is a missing directory, never a Hub id to retry: with the Hub pointed at a port nothing
+    listens on, a lookup would end in "cannot be reached", not in the directory's name (no wall-clock bound: a
+    loaded CI box took 34 s to start the CLI three times over)."""
     (tmp_path / "exports").mkdir()
-    start = time.perf_counter()
-    result = run_cli(args, cwd=tmp_path, env=env)
+    result = run_cli(args, cwd=tmp_path, env={**env, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"})
     assert result.returncode == 1, result.stderr
     assert "no such directory" in result.stderr and "Traceback" not in result.stderr
-    assert time.perf_counter() - start < 30  # start-up only: no minute of Hub retries
+    assert "cannot be reached" not in result.stderr and "HF_HUB_OFFLINE" not in result.stderr
 
 
 def test_a_missing_warm_start_is_a_command_to_run_never_a_training_run(tmp_path, monkeypatch):

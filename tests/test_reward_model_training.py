@@ -16,8 +16,8 @@ from transformers import AutoModelForSequenceClassification
 
 from tests.trainer_utils import rows, run_cli
 from verl.config import RMConfig, build_config
-from verl.data.builtin import resolve_data_file
 from verl.data.pairs import read_pair
+from verl.data.sources import resolve_data_file
 from verl.data.tasks.arithmetic import near_miss, wrong_answer
 from verl.errors import DataError
 from verl.models.loader import load_tokenizer

@@ -155,14 +155,26 @@ def test_verls_multi_turn_keys(tmp_path, capsys):
                              "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5",
                              "actor_rollout_ref.rollout.multi_turn.format=hermes",
                              "actor_rollout_ref.rollout.multi_turn.max_user_turns=5",
+                             "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=true",
                              "actor_rollout_ref.rollout.max_num_seqs=64",
                              f"data.tool_config_path={tools}"])
     turns = cfg.rollout.multi_turn
     assert cfg.rollout.max_num_seqs == 64  # the decode width the agent loop schedules trajectories into
-    assert (turns.enable, turns.max_assistant_turns, turns.format, turns.tool_config_path) == (
-        True, 5, "hermes", str(tools))
+    assert (turns.enable, turns.max_assistant_turns, turns.format, turns.tool_config_path, turns.max_user_turns) == (
+        True, 5, "hermes", str(tools), 5)
     notes = capsys.readouterr().err
     assert "data.tool_config_path -> rollout.multi_turn.tool_config_path" in notes
-    assert "max_user_turns" in notes  # ignored, and said so
+    ignored = notes.split("ignored:")[1]
+    assert "use_inference_chat_template" in ignored and "max_user_turns" not in ignored  # ignored, and said so
     with pytest.raises(ConfigError, match="needs tools"):
         load_config(None, ["actor_rollout_ref.rollout.multi_turn.enable=true"])
+
+
+@pytest.mark.parametrize(("key", "needle"), [
+    ("data.custom_cls.path=my_data.py", "a dataset class of your own"),
+    ("actor_rollout_ref.rollout.agent.agent_loop_config_path=loops.yaml", "agent-loop settings other than num_workers"),
+])
+def test_verl_keys_whose_feature_is_missing_are_refused_by_name(key, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, [key])
+    load_config(None, ["actor_rollout_ref.rollout.agent.num_workers=8"])  # scheduling only: ignored, said so

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 
-from verl.data.builtin import resolve_data_file
+from verl.data.sources import resolve_data_file
 from verl.data.tasks.word_problems import INSTRUCTION, WordProblemSpec, generate_splits
 from verl.rewards.registry import reward_for_data_source
 

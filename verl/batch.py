@@ -31,7 +31,9 @@ OPTIONAL = ("rollout_log_probs", "behaviour_trainer_log_probs", "old_log_probs",
 WIRE_NAMES = {"update_mask": "rollout_rs_mask"}  # the field's name in a DataProto, where it differs
 IDENTITY = {"source": "sample_source", "key": "sample_key", "index": "sample_index", "sample": "sample"}
 TURN_COLUMNS = {"turns": "num_turns", "tool_calls": "num_tool_calls", "valid_calls": "num_valid_calls",
-                "tool_errors": "num_tool_errors", "finish_reason": "finish_reason", "trace": "tool_trace"}
+                "tool_errors": "num_tool_errors", "finish_reason": "finish_reason", "trace": "tool_trace",
+                "turn_rewards": "turn_rewards", "env_error": "env_error", "env": "env_name",
+                "env_seconds": "env_seconds", "env_steps": "env_steps"}
 
 
 class Anchor(str, Enum):
@@ -89,7 +91,8 @@ class SampleIds:
 @dataclass
 class Turns:
     """A multi-turn rollout's trajectories (``verl.rollout.agent_loop``), each field ``(batch,)``: model turns, tool
-    calls made, calls that parsed and fit a tool's schema, calls whose tool failed, why it ended, the tool trace."""
+    calls made, calls that parsed and fit a tool's schema, calls whose tool failed, why it ended, the tool trace, and
+    the environment's per-turn rewards, failure and name (verl.envs)."""
 
     turns: np.ndarray
     tool_calls: np.ndarray
@@ -97,6 +100,11 @@ class Turns:
     tool_errors: np.ndarray
     finish_reason: np.ndarray
     trace: np.ndarray
+    turn_rewards: np.ndarray  # each row's [(response position, reward)] from its environment (empty: none)
+    env_error: np.ndarray  # why its environment failed (None: it did not)
+    env: np.ndarray  # the environment that answered it (None: tools only)
+    env_seconds: np.ndarray  # seconds its environment took to start and answer its turns
+    env_steps: np.ndarray  # how many of those calls (its start included)
 
     def rows(self, idx: np.ndarray) -> Turns:
         return Turns(*(getattr(self, name)[idx] for name in TURN_COLUMNS))

@@ -20,8 +20,11 @@ def write_steps(log_path: Path, run: int, first: int, last: int, total: int, fin
         logger.set_step(step)
         logger.event("sample", step=step, split="train", prompt=f"What is {step}+{run}?",
                      response=f"<answer run{run} step{step}>", ground_truth=str(step + run), score=1.0)
+        env = {"env/CalculatorEnv/reward_mean": 0.2 + 0.01 * step, "env/CalculatorEnv/length_mean": 20.0,
+               "env/CalculatorEnv/turns_mean": 1.5, "env/CalculatorEnv/error_rate": 0.0,
+               "env/CalculatorEnv/step_seconds_mean": 0.01} if run == 0 else {}  # a run on an environment
         logger.info("rollout", reward_mean=reward(run, step), response_length_mean=5.0 + step,
-                    response_length_clip_ratio=0.0)
+                    response_length_clip_ratio=0.0, **env)
         logger.info("ppo", kl_div=0.001 * step * (run + 1), policy_loss=-0.1, entropy=0.3)
         logger.info("throughput", tokens_per_second=1000.0 + step)
         if run == 0:  # as verl-suite logs it: verl's and TRL's names

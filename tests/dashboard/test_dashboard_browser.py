@@ -57,6 +57,11 @@ def test_dashboard_renders_runs_and_follows_a_growing_log(tmp_path):
         series = page.evaluate("window.verlDashboard.charts.mismatch.series.slice(1).map((s) => s.label)")
         assert series == ["run0"]  # run1 logged no rollout_corr/k3_kl: no line for it
         wait_for_points(page, "probs_diff", [8, 8])  # run0 by TRL's name, run1 by verl's
+        for metric in ("reward_mean", "length_mean", "turns_mean", "error_rate", "step_seconds_mean"):
+            wait_for_points(page, f"env-CalculatorEnv-{metric}", [8])  # run0's environment, a panel per metric
+        assert page.evaluate("window.verlDashboard.charts['env-CalculatorEnv-reward_mean'].data[1]") == \
+            pytest.approx([0.2 + 0.01 * s for s in range(1, 9)])
+        assert "Environment CalculatorEnv: step latency" in page.locator("#charts").inner_text()
         eval_steps = page.evaluate("window.verlDashboard.charts.eval_accuracy.data[0]")
         assert eval_steps == [5]
         assert page.locator("#samples tbody tr").count() == 16

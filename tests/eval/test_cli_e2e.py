@@ -265,7 +265,7 @@ def test_a_users_data_file_is_used_whole_and_caps_are_said(runs, tmp_path):
     how many of how many and why (as results.json's notes do)."""
     import pyarrow.parquet as pq
 
-    from verl.data.builtin import resolve_data_file
+    from verl.data.sources import resolve_data_file
 
     rows = pq.read_table(resolve_data_file("builtin:arithmetic/val")).slice(0, 40)
     data = tmp_path / "mine.parquet"

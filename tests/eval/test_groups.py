@@ -17,7 +17,7 @@ from eval.runner import EvalSettings, run_eval
 from tests.eval.test_cli_e2e import cli
 from tests.test_trainer import tiny_config
 from verl.config import VerlConfig
-from verl.data.builtin import resolve_data_file
+from verl.data.sources import resolve_data_file
 from verl.errors import ConfigError
 from verl.evaluators import build_evaluator
 from verl.evaluators.base import corpus_metrics

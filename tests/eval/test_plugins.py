@@ -51,7 +51,7 @@ def test_builtins_resolve_from_the_one_registry_without_entry_points(monkeypatch
     monkeypatch.setattr(registry.EVALUATORS, "entry_points", dict)
     names = registry.builtin_names()
     assert names == ["reward", "kl", "diversity", "accuracy", "length", "tools"]
-    assert set(available_evaluators()) == set(names) | {"judge", "mismatch"}  # shipped, run only when named
+    assert set(available_evaluators()) == set(names) | {"judge", "mismatch", "code"}  # shipped, run when named
     evaluator = build_evaluator("length(percentiles=50)")
     assert type(evaluator).__module__ == "verl.evaluators.length" and evaluator.percentiles == [50.0]
 

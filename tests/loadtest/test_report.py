@@ -372,3 +372,24 @@ def test_agent_users_get_a_budget_that_fits_a_tool_call(tmp_path):
     assert LoadTestConfig(out_dir=tmp_path, user_mix="agent").max_tokens == 128
     assert LoadTestConfig(out_dir=tmp_path, user_classes=["AgentUser"]).max_tokens == 128
     assert LoadTestConfig(out_dir=tmp_path, user_mix="agent", max_tokens=16).max_tokens == 16  # as asked
+
+
+def test_rates_with_worker_processes_span_whole_report_intervals(tmp_path, monkeypatch):
+    """With --processes the master's totals move only when a worker report arrives (every 3 s here): a 2 s window
+    that falls between two reports read 0 requests/s (a fleet test's capacity line went missing). Its ends snap to
+    the report arrivals: 9 requests arrived at ts 103 and 9 more at 106, so the rate is (18 - 9) / (106 - 103)."""
+    timeline = [(99, 0, 0, 0, 0), (100, 2, 0, 0, 0), (101, 2, 0, 0, 0), (102, 2, 0, 0, 0), (103, 2, 6, 0, 3),
+                (104, 2, 6, 0, 3), (105, 2, 6, 0, 3), (106, 2, 12, 0, 6), (107, 2, 12, 0, 6), (108, 2, 12, 0, 6),
+                (109, 0, 14, 0, 7)]
+    import tests.loadtest.test_report as this
+
+    info = {"plan": {"levels": [2], "step_time_s": 9, "settle_s": 7, "window_s": 2}, "percentile_window_s": 2}
+    stats = [stats_row("POST", GEN, 14, 0, 100.0, 100, 150, 160), stats_row("POST", CHAT, 7, 0, 110.0, 110, 160, 170),
+             *STATS[2:]]
+    monkeypatch.setattr(this, "TIMELINE", timeline)
+    rows = history()
+    one = build_report(write_run(tmp_path / "one", stats, rows, [], info), SLO())["steps"][0]
+    assert one["requests"] == 21 and one["requests_per_s"] == 0.0  # one process: the totals are exact each second
+    bursts = build_report(write_run(tmp_path / "two", stats, rows, [], {**info, "processes": 2}), SLO())["steps"][0]
+    assert bursts["requests"] == 21
+    assert bursts["requests_per_s"] == (18 - 9) / (106 - 103) and bursts["window_s"] == 3

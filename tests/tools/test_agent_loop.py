@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.model_fixtures import model_fixtures
 from tests.tools.trajectories import check_trajectory_layout
 from verl.config import DataConfig, MultiTurnConfig
 from verl.data.dataset import RLHFDataset
-from verl.models.loader import load_causal_lm, load_tokenizer
 from verl.rollout.agent_loop import AgentRollout
 from verl.rollout.base import SamplingParams
 from verl.rollout.hf import HFRollout
@@ -32,17 +32,7 @@ from verl.workers.reward import RewardManager
 
 MODEL = "builtin:tiny-agent"
 TOOLS = MultiTurnConfig(enable=True, tools=["calculator"], max_assistant_turns=3)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(MODEL)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return load_causal_lm(MODEL).eval()
+tokenizer, model = model_fixtures(MODEL)
 
 
 @pytest.fixture(scope="module")

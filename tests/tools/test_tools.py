@@ -133,7 +133,7 @@ def test_tool_config_as_verl_writes_it(user_tools):
     ("tools: []", "non-empty list under 'tools:'"),
     ("tools: [{name: abacus}]", r"tools\[0\]: 'abacus' is not a built-in tool"),
     ("tools: [{function: 'math:sqrt', tool_schema: {type: function}}]", r"tools\[0\]\.tool_schema: expected"),
-    ("tools: [{function: 'math:nope', tool_schema: {type: function, function: {name: x}}}]", "has no function"),
+    ("tools: [{function: 'math:nope', tool_schema: {type: function, function: {name: x}}}]", "has no 'nope'"),
     ("tools: [{function: 'math:sqrt', tool_schema: {type: function, function: {name: x, parameters: {type: 7}}}}]",
      "not a valid JSON Schema"),
     ("tools: [{function: 'math:sqrt', timeout_s: 0, tool_schema: {type: function, function: {name: x}}}]",

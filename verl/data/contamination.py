@@ -3,16 +3,24 @@
 A prompt of an evaluation set is **contaminated** when the training data holds it (exact match after
 normalisation: lower case, punctuation as a word break, runs of whitespace as one) or shares one word 13-gram with a
 training prompt — lm-evaluation-harness's definition (from GPT-3's Appendix C: any N-gram overlap; N = 13). Prompts
-shorter than N words can only match exactly. Chat prompts are their messages' contents, joined.
+shorter than N words can only match exactly. Chat prompts are their messages' contents, joined, system messages
+left out: a task's instructions (reasoning-gym's system prompts run to 13 words and more) are shared by every
+prompt of it, train and test alike, and would make every item of the task look contaminated.
 
 ``TrainingIndex`` holds the training side once (normalised texts and the hashes of their n-grams);
 ``overlaps(texts)`` says, per evaluation prompt, ``"exact"``, ``"13-gram"`` or None. ``verl eval`` reports the count
 and scores the clean subset beside the whole (``--strict`` refuses); ``verl data decontaminate`` removes the
 overlapping rows from training data.
+
+**Template n-grams do not count.** A generated task writes every item in one template ("… to its lowest terms. Give
+only the simplified fraction as your final answer." is 13 words), so an n-gram that more than ``TEMPLATE_SHARE`` of
+the training prompts hold (and at least ``TEMPLATE_MIN`` of them) is the task's wording, not an item, and is left
+out of the index; exact matches still count.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import string
 from collections.abc import Iterable, Sequence
@@ -22,20 +30,24 @@ from typing import Any
 from verl.data.dataset import get_nested, read_rows
 
 NGRAM = 13  # lm-evaluation-harness's decontamination n
+TEMPLATE_SHARE = 0.05  # an n-gram in more than this share of the training prompts is template (module docstring)
+TEMPLATE_MIN = 20  # ... and in at least this many: a small training set keeps every n-gram
 # Punctuation breaks words rather than vanishing (lm-evaluation-harness deletes it): deleted, "47+385" and "473+85"
 # would both read "47385", and the built-in task's disjoint splits would look a third contaminated.
 _PUNCTUATION = str.maketrans(string.punctuation, " " * len(string.punctuation))
 
 
 def text_of(prompt: Any) -> str:
-    """A dataset prompt's words: a text, or chat messages' contents (also as a JSON string) joined by newlines."""
+    """A dataset prompt's words: a text, or chat messages' contents (also as a JSON string) joined by newlines,
+    system messages left out (the module docstring)."""
     if isinstance(prompt, str) and prompt.lstrip().startswith("["):
         try:
             prompt = json.loads(prompt)
         except ValueError:
             return prompt
     if isinstance(prompt, (list, tuple)):
-        return "\n".join(str(m.get("content") or "") if isinstance(m, dict) else str(m) for m in prompt)
+        return "\n".join(str(m.get("content") or "") if isinstance(m, dict) else str(m) for m in prompt
+                         if not (isinstance(m, dict) and m.get("role") == "system"))
     return str(prompt)
 
 
@@ -57,15 +69,20 @@ class TrainingIndex:
     exact: set[str] = field(default_factory=set)
     grams: set[int] = field(default_factory=set)
     size: int = 0
+    template: int = 0  # n-grams left out as the task's wording (module docstring)
 
     @classmethod
     def of(cls, texts: Iterable[str], n: int = NGRAM) -> TrainingIndex:
         index = cls(n)
+        counts: collections.Counter[int] = collections.Counter()  # prompts holding each n-gram
         for text in texts:
             words = normalise(text)
             index.exact.add(" ".join(words))
-            index.grams |= ngram_hashes(words, n)
+            counts.update(ngram_hashes(words, n))
             index.size += 1
+        limit = max(TEMPLATE_MIN, TEMPLATE_SHARE * index.size)
+        index.grams = {gram for gram, count in counts.items() if count < limit}
+        index.template = len(counts) - len(index.grams)
         return index
 
     def overlap(self, text: str) -> str | None:

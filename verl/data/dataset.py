@@ -19,12 +19,12 @@ from transformers import PreTrainedTokenizerBase
 
 from verl.batch import content_ids
 from verl.config import ArithmeticTaskConfig, DataConfig
-from verl.data.builtin import resolve_data_file
 from verl.data.exports import Layout, export_file
+from verl.data.sources import resolve_data_file
 from verl.data.tasks.arithmetic import ArithmeticSpec
 from verl.errors import DataError
 from verl.protocol import DataProto, pad_tokens
-from verl.tools.registry import tools_for_row
+from verl.tools.registry import environment_tools, tools_for_row
 from verl.tools.templates import ToolPrompting
 
 
@@ -34,15 +34,17 @@ def arithmetic_spec(task: ArithmeticTaskConfig) -> ArithmeticSpec:
 
 
 def read_rows(files: Sequence[str], config_key: str, task: ArithmeticTaskConfig | None = None,
-              layout: Layout = "prompts") -> list[dict]:
-    """Read every row of ``files`` (parquet, ``builtin:TASK/SPLIT``, or a ``verl data from-records`` export
-    directory: its prompts or, with ``layout="pairs"``, its preference pairs), naming the config key in any error."""
+              layout: Layout = "prompts", disjoint_from: Sequence[str] = ()) -> list[dict]:
+    """Read every row of ``files`` (parquet, a source name such as ``builtin:TASK/SPLIT`` or
+    ``reasoning_gym:DATASET``, or a ``verl data from-records`` export directory: its prompts or, with
+    ``layout="pairs"``, its preference pairs), naming the config key in any error. ``disjoint_from``: the training
+    sources when ``files`` are validation data (verl.data.sources)."""
     if not files:
         raise DataError(f"{config_key} is empty; give at least one parquet file")
     spec = arithmetic_spec(task or ArithmeticTaskConfig())
     rows: list[dict] = []
     for name in files:
-        path = resolve_data_file(str(name), spec)
+        path = resolve_data_file(str(name), spec, disjoint_from)
         if path.is_dir():
             path = export_file(path, config_key, layout)
         if not path.is_file():
@@ -57,6 +59,22 @@ def read_rows(files: Sequence[str], config_key: str, task: ArithmeticTaskConfig 
             row["__source__"] = str(name)  # as the config names it: the sample identity's source
             rows.append(row)
     return rows
+
+
+def generated_key(row: dict) -> str | None:
+    """``items@seed+index`` of a row a generated source wrote (``extra_info`` has the three: ``items`` names the
+    generator and its config), else None."""
+    info = row.get("extra_info")
+    if isinstance(info, dict) and all(info.get(k) is not None for k in ("items", "seed", "index")):
+        return f"{info['items']}@{info['seed']}+{info['index']}"
+    return None
+
+
+def as_messages(prompt: Any) -> list[dict[str, Any]]:
+    """A row's prompt as chat messages (a plain string is one user message)."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [{"role": str(m.get("role", "user")), "content": str(m.get("content") or "")} for m in prompt]
 
 
 def get_nested(row: dict, dotted: str) -> Any:
@@ -99,16 +117,18 @@ class RLHFDataset:
 
     def __init__(self, data_files: Sequence[str] | str, tokenizer: PreTrainedTokenizerBase,
                  config: DataConfig | dict | None = None, config_key: str = "data.train_files",
-                 require_ground_truth: bool = True, tools: ToolPrompting | None = None):
+                 require_ground_truth: bool = True, tools: ToolPrompting | None = None,
+                 disjoint_from: Sequence[str] = ()):
         """``require_ground_truth``: every row must hold ``data.ground_truth_key`` (rule rewards score a row
         without one as 0, silently); the trainer turns it off for reward models and custom reward functions.
         ``tools`` (multi-turn rollouts): each prompt is rendered with its row's tools (``tools_for_row``), whose
-        names and hidden arguments travel with it (``tool_names``, ``tool_kwargs``)."""
+        names and hidden arguments travel with it (``tool_names``, ``tool_kwargs``). ``disjoint_from``: the
+        training sources, for validation data (generated sources then hold none of their items)."""
         if isinstance(data_files, (str, Path)):
             data_files = [str(data_files)]
         self.config = config if isinstance(config, DataConfig) else DataConfig(**(config or {}))
         self.tokenizer = tokenizer
-        rows = read_rows(list(data_files), config_key, self.config.arithmetic)
+        rows = read_rows(list(data_files), config_key, self.config.arithmetic, disjoint_from=disjoint_from)
         self._check_columns(rows, config_key)
         if require_ground_truth:
             self._check_ground_truth(rows)
@@ -120,12 +140,14 @@ class RLHFDataset:
         texts = []
         for r in rows:
             where = f"{r['__source_file__']} row {r['__row__']}"
-            schemas = None
+            schemas, template = None, None
             if tools is not None:
                 r["__tool_names__"], r["__tool_kwargs__"] = tools_for_row(r, tools.tool_set, where)
-                schemas = tools.tool_set.schemas(r["__tool_names__"])
+                brought = environment_tools(r, where)  # an env: class's methods
+                schemas = tools.tool_set.schemas(r["__tool_names__"]) + brought
+                template = tools.template_for(brought)
             texts.append(prompt_text(r[self.config.prompt_key], tokenizer, self.config.apply_chat_template, where,
-                                     schemas, tools.template if tools is not None else None))
+                                     schemas, template))
         encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         limit = self.config.max_prompt_length
         for row, text, ids in zip(rows, texts, encoded, strict=True):
@@ -144,8 +166,10 @@ class RLHFDataset:
             row["__prompt_text__"] = text
             self.rows.append(row)
             self.prompt_ids.append(list(ids))
-        # The identity key of each row: its raw prompt's content (not the rendering, which a template changes).
-        self.sample_keys = content_ids([r.get(self.config.prompt_key) for r in self.rows])
+        # The identity key of each row: a generated source's (seed, index) (reasoning_gym: rows), else its raw prompt's
+        # content (not the rendering, which a template changes), so two runs on the same items pair.
+        content = content_ids([r.get(self.config.prompt_key) for r in self.rows])
+        self.sample_keys = [generated_key(r) or key for r, key in zip(self.rows, content, strict=True)]
         if not self.rows:
             raise DataError(
                 f"{config_key}: no prompt fits data.max_prompt_length={limit} ({self.num_filtered} filtered); "
@@ -201,7 +225,10 @@ class RLHFDataset:
                 "sample_key": [self.sample_keys[i] for i in indices],
                 "sample_index": np.asarray([r["__row__"] for r in rows], dtype=np.int64),
                 **({"tool_names": [r["__tool_names__"] for r in rows],
-                    "tool_kwargs": [r["__tool_kwargs__"] for r in rows]} if self.tools is not None else {}),
+                    "tool_kwargs": [r["__tool_kwargs__"] for r in rows],
+                    # the conversation an environment reads (verl.envs): the prompt's messages
+                    "prompt_messages": [as_messages(r[self.config.prompt_key]) for r in rows]}
+                   if self.tools is not None else {}),
             },
             stage="dataset",
         )

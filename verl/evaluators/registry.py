@@ -20,7 +20,6 @@ An evaluator is any object with ``evaluate(batch: EvalBatch)`` returning an ``Ev
 from __future__ import annotations
 
 import functools
-import importlib
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +32,7 @@ from verl.errors import ConfigError
 from verl.evaluators.accuracy import Accuracy
 from verl.evaluators.base import Evaluator
 from verl.evaluators.batch import NEEDS, EvalBatch
+from verl.evaluators.code import Code
 from verl.evaluators.diversity import Diversity
 from verl.evaluators.judge import Judge
 from verl.evaluators.kl import KL
@@ -42,7 +42,7 @@ from verl.evaluators.reward import Reward
 from verl.evaluators.stats import Metric
 from verl.evaluators.tools import Tools
 from verl.registry import Registry
-from verl.utils.imports import import_file
+from verl.utils.imports import import_file, load_attribute
 
 # The built-ins, in the order `verl eval` runs them when no --evaluators is given (KL only with a reference, tools
 # only on multi-turn rollouts). Their names are their classes'.
@@ -57,8 +57,9 @@ def register_evaluator(name: str) -> Callable[[type], type]:
     return EVALUATORS.register(name)
 
 
-# Shipped too, but run only when named: they need something the run does not have (a judge model behind a URL).
-ON_REQUEST_EVALUATORS: tuple[type[Evaluator], ...] = (Judge, Mismatch)
+# Shipped too, but run only when named: they need something the run does not have (a judge model behind a URL, rows
+# the code reward scored).
+ON_REQUEST_EVALUATORS: tuple[type[Evaluator], ...] = (Judge, Mismatch, Code)
 
 for _builtin in (*BUILTIN_EVALUATORS, *ON_REQUEST_EVALUATORS):
     register_evaluator(_builtin.name)(_builtin)
@@ -143,24 +144,13 @@ def _load_from_file(path: str, attr: str, spec: str) -> Any:
     return getattr(module, attr)
 
 
-def _load_from_module(target: str) -> Any:
-    where, _, attr = target.rpartition(":")
-    try:
-        module = importlib.import_module(where)
-    except ImportError as exc:
-        raise ConfigError(f"evaluator '{target}': cannot import module '{where}' ({exc})") from None
-    if not hasattr(module, attr):
-        raise ConfigError(f"evaluator '{target}': module '{where}' has no attribute '{attr}'")
-    return getattr(module, attr)
-
-
 def resolve_target(target: str) -> Any:
     """The class (or factory) ``target`` names: a registered name, an entry point, file.py:Class or module:Class."""
     if ":" in target:
         where, _, attr = target.rpartition(":")
         if where.endswith(".py") or "/" in where or "\\" in where:
             return _load_from_file(where, attr, target)
-        return _load_from_module(target)
+        return load_attribute(target, "evaluator", "verl_user_evaluator")
     return EVALUATORS[target]
 
 

@@ -34,6 +34,7 @@ import concurrent.futures
 import itertools
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,8 @@ import numpy as np
 import torch
 
 from verl.config import MultiTurnConfig
+from verl.envs.base import EpisodeError, Observation
+from verl.envs.runner import EpisodeRunner
 from verl.models.attention import NAME as CPU_ATTENTION
 from verl.models.fused_decoder import fused_decoder_layers
 from verl.models.packed_linear import packed_weights
@@ -82,11 +85,30 @@ class Trajectory:
     cached: int = 0
 
     slot: int = 0  # its row in the decode loop's per-trajectory arrays (``DecodeSlots``)
+    # With an environment (verl.envs): its episode, the conversation as messages (what the episode reads), the
+    # environment's replies so far, each turn's reward at its last generated id, and why the episode failed.
+    episode: Any = None
+    env_name: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    user_turns: int = 0
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
+    env_error: str | None = None
+    env_pending: concurrent.futures.Future | None = None
+    starting: tuple[Any, dict[str, Any]] | None = None  # (environment, row) until its episode has started
+    env_calls: list[ToolCall] | None = None  # a turn's calls its environment runs (an OpenEnv server with tools)
+    env_seconds: float = 0.0  # its environment's start and replies, summed (rollout/env/<name>/step_seconds_mean)
+    env_steps: int = 0
 
     def append(self, token: int, generated: bool, log_prob: float = 0.0) -> None:
         self.ids.append(token)
         self.mask.append(int(generated))
         self.log_probs.append(log_prob if generated else 0.0)
+
+
+def fail(row: Trajectory, exc: BaseException) -> None:
+    """End ``row`` as a failed sample: its environment raised, timed out or answered malformed."""
+    row.finish = "env_error"
+    row.env_error = f"{type(exc).__name__}: {exc}"[:500]
 
 
 class ToolTurns:
@@ -95,6 +117,7 @@ class ToolTurns:
     ``_end_turn`` when one ends a turn with eos."""
 
     gives_log_probs = True  # whether ``run`` records each generated id's behaviour log-prob
+    episodes: EpisodeRunner | None = None  # set by AgentRollout when an environment answers turns
 
     def __init__(self, tokenizer: Any, runner: ToolRunner, tool_set: ToolSet, config: MultiTurnConfig,
                  max_response_length: int, template: str, max_positions: int):
@@ -107,11 +130,19 @@ class ToolTurns:
         # threads), so a step looks only at those instead of polling every waiting trajectory's futures.
         self._arrived: queue.SimpleQueue[Trajectory] = queue.SimpleQueue()
         self._turn_ends = itertools.count()  # orders arrivals as the turns ended (what polling the list gave)
+        # Episodes' closes in flight (AgentRollout waits for them at the rollout's end), and whether each reads the
+        # episode's outcome (an env: class's reward, whatever ended the trajectory).
+        self.closing: list[tuple[Trajectory, concurrent.futures.Future, bool]] = []
+        self.prompting: ToolPrompting | None = None  # set by AgentRollout: the tool template for env: classes' rows
 
-    def conversation(self, tools: list[str]) -> ConversationTokens:
-        key = tuple(tools)
+    def conversation(self, row: Trajectory) -> ConversationTokens:
+        """``row``'s conversation: its configured tools, and those its environment brings."""
+        brought = getattr(row.episode, "tools", None) or {}
+        key = (*row.tools, *(f"env:{name}" for name in brought))
         if key not in self._conversations:
-            self._conversations[key] = ConversationTokens(self.tokenizer, self.template, self.tool_set.schemas(tools))
+            schemas = self.tool_set.schemas(row.tools) + list(brought.values())
+            template = self.prompting.template_for(list(brought.values())) if self.prompting else self.template
+            self._conversations[key] = ConversationTokens(self.tokenizer, template, schemas)
         return self._conversations[key]
 
     def run(self, trajectories: list[Trajectory], params: SamplingParams) -> None:
@@ -123,10 +154,18 @@ class ToolTurns:
         text = self.tokenizer.decode(row.ids[row.turn_start:-1], skip_special_tokens=True)
         row.turns += 1
         turn = parse_tool_calls(text)
+        if row.messages is not None:
+            row.messages.append({"role": "assistant", "content": text})
         if not turn.has_calls:
+            if row.episode is not None and getattr(row.episode, "replies", True) and self._environment_answers(row):
+                self._await_environment(row, waiting, row.episode.step, list(row.messages),
+                                        what=f"environment '{row.env_name}'")
+                return
             row.finish = "stop"
+            self._ended(row)
             return
-        problems = [self.runner.check(call, row.tools) for call in turn.calls]  # None: parses, fits a schema
+        brought = getattr(row.episode, "tools", None) or {}  # an env: class's methods
+        problems = [self.runner.check(call, row.tools, brought) for call in turn.calls]  # None: parses, fits
         row.calls += len(turn.calls)
         row.valid_calls += sum(problem is None for problem in problems)
         # Calls in a turn with nothing after it are counted (the model made them) but not run.
@@ -134,11 +173,20 @@ class ToolTurns:
             row.finish = "turns" if row.turns >= self.config.max_assistant_turns else "length"
             row.trace.extend({"turn": row.turns, "name": call.name, "arguments": call.arguments, "result": None,
                               "error": f"not run: the trajectory ended ({row.finish} limit)"} for call in turn.calls)
+            self._ended(row)
+            return
+        if getattr(row.episode, "takes_calls", False):  # the environment runs the calls itself
+            row.env_calls = turn.calls
+            self._await_environment(row, waiting, row.episode.step, list(row.messages),
+                                    what=f"environment '{row.env_name}'")
             return
         for index, call in enumerate(turn.calls):
             if index >= self.config.max_parallel_calls:
                 result: concurrent.futures.Future[ToolResult] = concurrent.futures.Future()
                 result.set_result(failed(f"at most {self.config.max_parallel_calls} calls per turn"))
+            elif call.name in brought and problems[index] is None:
+                result = self.episodes.submit(self._call_environment, row.episode, call,
+                                              what=f"tool '{call.name}' of {row.env_name}")
             else:
                 result = self.runner.submit(call, row.tools, row.hidden_kwargs.get(call.name), problems[index])
             row.waiting.append((call, result))
@@ -146,9 +194,75 @@ class ToolTurns:
         waiting.append(row)
         self._notify_when_done(row)
 
+    def _queue(self, trajectories: list[Trajectory]) -> tuple[collections.deque[Trajectory], list[Trajectory]]:
+        """The loop's starting queues: trajectories ready to decode, and those whose episode is starting (its start
+        runs on the episode runner; the row decodes once it has one, so a server with room for k sessions serves
+        the first k while the others wait for a session to end)."""
+        ready: collections.deque[Trajectory] = collections.deque()
+        waiting: list[Trajectory] = []
+        for row in trajectories:
+            if row.starting is None:
+                ready.append(row)
+                continue
+            environment, start = row.starting
+            self._await_environment(row, waiting, environment.start, start, what="an episode's start")
+        return ready, waiting
+
+    def _await_environment(self, row: Trajectory, waiting: list[Trajectory], fn: Any, arg: Any, what: str) -> None:
+        """Run ``fn(arg)`` on the episode runner; ``row`` waits for it as it waits for its tools."""
+        row.env_pending = self.episodes.submit(fn, arg, what=what)
+        started = time.monotonic()
+
+        def timed(_: concurrent.futures.Future) -> None:  # before the arrival callback: the loop reads it after
+            row.env_seconds += time.monotonic() - started
+            row.env_steps += 1
+
+        row.env_pending.add_done_callback(timed)
+        row.turn_end = next(self._turn_ends)
+        waiting.append(row)
+        self._notify_when_done(row)
+
+    def _started(self, row: Trajectory) -> bool:
+        """Take ``row``'s started episode (True), or make it a failed sample (False)."""
+        future, row.env_pending, row.starting = row.env_pending, None, None
+        try:
+            row.episode = future.result()
+            row.env_name = getattr(row.episode, "name", None) or row.env_name
+            return True
+        except Exception as exc:  # the environment's failure is this sample's
+            fail(row, exc)
+            return False
+
+    def _call_environment(self, episode: Any, call: ToolCall) -> ToolResult:
+        """One of the tools an episode brings, on the episode runner: its answer, or what it raised."""
+        try:
+            return self.runner.answer(episode.call(call.name, call.arguments or {}))
+        except Exception as exc:  # the model sees the error, worded as the ToolRunner words it
+            return failed(f"'{call.name}' failed: {exc}")
+
+    def _ended(self, row: Trajectory) -> None:
+        """``row`` is finished: its episode closes now (a session a server holds for it is free for another); an
+        episode with an ``outcome`` (an env: class's reward) has it read first, however the trajectory ended."""
+        if row.episode is not None:
+            episode, row.episode = row.episode, None
+            outcome = callable(getattr(episode, "outcome", None))
+            if outcome:  # the whole response, as the reward manager decodes it for a rule
+                text = self.tokenizer.decode(row.ids, skip_special_tokens=True)
+                finish = lambda: (episode.outcome(text), episode.close())[0]  # noqa: E731
+            else:
+                finish = episode.close
+            self.closing.append((row, self.episodes.submit(finish, what="an episode's close"), outcome))
+
+    def _environment_answers(self, row: Trajectory) -> bool:
+        """Whether the episode gets this turn: replies left (``max_user_turns``), a turn and budget to answer in."""
+        limit = self.config.max_user_turns
+        return ((limit is None or row.user_turns < limit) and row.turns < self.config.max_assistant_turns
+                and len(row.ids) < self.budget)
+
     def _notify_when_done(self, row: Trajectory) -> None:
-        """Put ``row`` on the arrival queue when the last of its tool results completes (at once when all have)."""
-        futures = [future for _, future in row.waiting]
+        """Put ``row`` on the arrival queue when the last of its tool results (or its environment's reply)
+        completes (at once when all have)."""
+        futures = [future for _, future in row.waiting] + ([row.env_pending] if row.env_pending else [])
         if len(futures) == 1:
             futures[0].add_done_callback(lambda _: self._arrived.put(row))
             return
@@ -163,6 +277,49 @@ class ToolTurns:
 
         for future in futures:
             future.add_done_callback(one_done)
+
+    def _tool_messages(self, row: Trajectory) -> list[dict[str, Any]]:
+        """The tool turn's messages from ``row``'s finished calls (their trace recorded)."""
+        messages = []
+        for call, future in row.waiting:
+            try:
+                result = future.result()
+            except EpisodeError as exc:  # an environment's tool past the deadline
+                result = failed(str(exc))
+            row.tool_errors += int(not result.ok)
+            row.trace.append({"turn": row.turns, "name": call.name, "arguments": call.arguments,
+                              "result": result.content, "error": result.error})
+            messages.append({"role": "tool", "name": call.name, "tool_call_id": call.id, "content": result.content})
+        row.waiting = []
+        return messages
+
+    def _environment_reply(self, row: Trajectory) -> list[dict[str, Any]] | None:
+        """The episode's answer to the turn: its messages, or None when it is done (or failed: the row is then a
+        failed sample, ``env_error`` set). Its reward sits at the turn's last generated id (its eos)."""
+        future, row.env_pending = row.env_pending, None
+        try:
+            observation = future.result()
+            if not isinstance(observation, Observation):
+                raise EpisodeError(f"step() must return an Observation; got {type(observation).__name__}")
+            observation.checked(f"environment '{row.env_name}'")
+        except Exception as exc:  # an environment's failure is the sample's, never the rollout's
+            fail(row, exc)
+            return None
+        if observation.reward is not None:
+            row.turn_rewards.append((len(row.ids) - 1, float(observation.reward)))
+        if observation.done:
+            row.finish = "stop"
+            return None
+        calls, row.env_calls = row.env_calls, None
+        if calls is None:
+            row.user_turns += 1
+            return observation.messages
+        for call, message in zip(calls, observation.messages, strict=False):  # its tool answers, traced as ours
+            error = message["content"][len("error: "):] if message["content"].startswith("error: ") else None
+            row.tool_errors += int(error is not None)
+            row.trace.append({"turn": row.turns, "name": call.name, "arguments": call.arguments,
+                              "result": message["content"], "error": error})
+        return observation.messages
 
     def _release(self, row: Trajectory) -> None:
         """``row`` ended while waiting for its tools: whatever the engine keeps for it can go."""
@@ -180,22 +337,27 @@ class ToolTurns:
             except queue.Empty:
                 break
         # Only this rollout's waiting rows (a rollout that raised may have left arrivals behind), in turn-end order.
-        for row in sorted((r for r in arrived if r.waiting and r in waiting), key=lambda r: r.turn_end):
+        for row in sorted((r for r in arrived if (r.waiting or r.env_pending) and r in waiting),
+                          key=lambda r: r.turn_end):
             waiting.remove(row)
-            messages = []
-            for call, future in row.waiting:
-                result = future.result()
-                row.tool_errors += int(not result.ok)
-                row.trace.append({"turn": row.turns, "name": call.name, "arguments": call.arguments,
-                                  "result": result.content, "error": result.error})
-                messages.append({"role": "tool", "name": call.name, "tool_call_id": call.id, "content": result.content})
-            row.waiting = []
-            turn = self.conversation(row.tools).turn_ids(messages)
+            if row.starting is not None:  # its episode started: it decodes its first turn
+                if self._started(row):
+                    ready.append(row)
+                continue
+            messages = self._environment_reply(row) if row.env_pending is not None else self._tool_messages(row)
+            if messages is None:  # the episode ended (done, or failed)
+                self._ended(row)
+                self._release(row)
+                continue
+            if row.messages is not None:
+                row.messages.extend(messages)
+            turn = self.conversation(row).turn_ids(messages)
             room = self.budget - len(row.ids)
             for token in turn[:room]:
                 row.append(token, generated=False)
             if len(turn) >= room or len(row.prompt_ids) + len(row.ids) >= self.max_positions:
                 row.finish = "length"  # no room left to answer
+                self._ended(row)
                 self._release(row)
                 continue
             row.turn_start = len(row.ids)
@@ -293,8 +455,7 @@ class AgentLoop(ToolTurns):
         for slot, row in enumerate(trajectories):
             row.slot = slot
         self._slots = DecodeSlots(trajectories, self.budget, self.max_positions)
-        ready: collections.deque[Trajectory] = collections.deque(trajectories)
-        waiting: list[Trajectory] = []
+        ready, waiting = self._queue(trajectories)
         longest = max((len(row.prompt_ids) for row in trajectories), default=1)
         # A slot for every trajectory, each with room for its prompt, the response budget and some padding (an
         # extend's, a prefill's): a store's pages are touched only as slots are used, and growing it copies it all.
@@ -450,6 +611,7 @@ class AgentLoop(ToolTurns):
             else:  # the budget or the positions
                 row.finish = "length"
                 row.turns += 1  # the turn the budget cut is still an assistant turn
+                self._ended(row)
         return np.flatnonzero(~ending).tolist(), tokens
 
     def _forward(self, device: torch.device, **inputs: Any) -> torch.Tensor:
@@ -473,6 +635,14 @@ class AgentRollout(RolloutEngine):
         self.runner = ToolRunner(self.tool_set, max_response_chars=config.max_tool_response_length,
                                  processes=config.tool_processes, threads=config.tool_threads)
         self.loop = engine.agent_loop(self.runner, self.tool_set, config, max_response_length, prompting.template)
+        self.loop.prompting = prompting
+        self.environment = None  # the run's: verl's interactions answer the turns that call no tool
+        self._row_environments: dict[str, Any] = {}  # rows that name their own (an openenv: source's)
+        if config.interaction_config_path:
+            from verl.envs.interaction import InteractionEnvironment, load_interactions  # noqa: PLC0415
+
+            self.environment = InteractionEnvironment(load_interactions(config.interaction_config_path),
+                                                      self._episodes())
 
     @property
     def tokenizer(self) -> Any:
@@ -485,12 +655,14 @@ class AgentRollout(RolloutEngine):
         was_training = model is not None and model.training
         if model is not None:
             model.eval()
+        trajectories: list[Trajectory] = []
         try:
             trajectories = self._start(prompts, params)
-            self.loop.run(trajectories, params)
+            self.loop.run([t for t in trajectories if t.finish is None], params)
         finally:
             if model is not None:
                 model.train(was_training)
+            self._close_episodes(trajectories)
         return assemble_trajectories(prompts, trajectories, params.n, self.engine.tokenizer.pad_token_id,
                                      log_probs=self.loop.gives_log_probs and params.logprobs)
 
@@ -510,13 +682,77 @@ class AgentRollout(RolloutEngine):
                     generator = torch.Generator(device=ids.device)
                     generator.manual_seed(((base * 1_000_003 + prompt_id) * 1_000_003 + sample) % 2**63)
                 trajectories.append(Trajectory(prompt_ids, tools, hidden, generator))
+                environment = self._environment_for(non["extra_info"][i] if "extra_info" in non else None)
+                if environment is not None:
+                    self._start_episode(trajectories[-1], non, i, environment)
         return trajectories
+
+    def _episodes(self) -> EpisodeRunner:
+        if self.loop.episodes is None:
+            self.loop.episodes = EpisodeRunner(self.config.env_timeout_s)
+        return self.loop.episodes
+
+    def _environment_for(self, extra_info: Any) -> Any:
+        """The environment a row's episodes run in: the one its source named (``extra_info.env``), else the run's."""
+        spec = extra_info.get("env") if isinstance(extra_info, dict) else None
+        if not isinstance(spec, dict):
+            return self.environment
+        kind = spec.get("kind")
+        if kind not in self._row_environments:
+            if kind == "openenv":
+                from verl.envs.openenv import OpenEnvEnvironment  # noqa: PLC0415 - lazy: openenv is optional
+
+                self._row_environments[kind] = OpenEnvEnvironment(self.config.env_timeout_s)
+            elif kind == "env":
+                from verl.envs.classes import ClassEnvironment  # noqa: PLC0415
+
+                self._row_environments[kind] = ClassEnvironment()
+            else:
+                raise EpisodeError(f"a row names the environment kind {kind!r}; known: openenv, env")
+            self._episodes()
+        return self._row_environments[kind]
+
+    def _start_episode(self, row: Trajectory, non: dict[str, Any], i: int, environment: Any) -> None:
+        """``row``'s episode from its dataset row (a start that fails makes it a failed sample, never decoded)."""
+        messages = non["prompt_messages"][i] if "prompt_messages" in non else [
+            {"role": "user", "content": str(non["raw_prompt"][i])}]
+        row.messages = [dict(m) for m in messages]
+        start = {"extra_info": non["extra_info"][i], "ground_truth": non["ground_truth"][i],
+                 "messages": list(row.messages)}
+        row.env_name = environment.name
+        row.starting = (environment, start)  # started by the loop (``ToolTurns._queue``)
+
+    def _close_episodes(self, trajectories: list[Trajectory]) -> None:
+        """Every episode's ``close`` (those the loop has not closed yet now); a failing close is logged, not raised."""
+        if self.loop.episodes is None:
+            return
+        for row in trajectories:
+            row.starting = None
+            self.loop._ended(row)
+        closing, self.loop.closing[:] = list(self.loop.closing), []
+        for row, future, outcome in closing:
+            try:
+                reward = future.result()
+            except Exception as exc:
+                if outcome:  # the episode's reward could not be read: the sample failed
+                    fail(row, exc)
+                    continue
+                from verl.utils import log  # noqa: PLC0415
+
+                log.info("environment", level="WARNING", env=row.env_name, close_failed=f"{type(exc).__name__}: {exc}")
+                continue
+            if outcome and reward is not None and row.env_error is None:
+                last = max((i for i, m in enumerate(row.mask) if m), default=None)  # the last generated id
+                if last is not None:
+                    row.turn_rewards.append((last, float(reward)))
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.engine.sync_weights(model)
 
     def shutdown(self) -> None:
         self.runner.shutdown()
+        if self.loop.episodes is not None:
+            self.loop.episodes.shutdown()
         self.engine.shutdown()
 
 
@@ -535,7 +771,8 @@ def assemble_trajectories(prompts: DataProto, trajectories: list[Trajectory], n:
     for i, t in enumerate(trajectories):
         length = len(t.ids)
         responses[i, :length] = torch.tensor(t.ids, dtype=torch.long)
-        loss_mask[i, :length] = torch.tensor(t.mask, dtype=torch.long)
+        if t.env_error is None:  # a failed episode's sample is masked: nothing of it is learnt
+            loss_mask[i, :length] = torch.tensor(t.mask, dtype=torch.long)
         present[i, :length] = 1
         behaviour[i, :length] = torch.tensor(t.log_probs, dtype=torch.float32)
     prompt_ids = prompts.batch["input_ids"].repeat_interleave(n, dim=0)
@@ -549,6 +786,11 @@ def assemble_trajectories(prompts: DataProto, trajectories: list[Trajectory], n:
         num_tool_errors=np.array([t.tool_errors for t in trajectories], dtype=np.int64),
         finish_reason=[t.finish or "length" for t in trajectories],
         tool_trace=[list(t.trace) for t in trajectories],  # DataProto keeps each row's list as one object
+        turn_rewards=[list(t.turn_rewards) for t in trajectories],
+        env_error=np.array([t.env_error for t in trajectories], dtype=object),
+        env_name=np.array([t.env_name for t in trajectories], dtype=object),
+        env_seconds=np.array([t.env_seconds for t in trajectories], dtype=np.float64),
+        env_steps=np.array([t.env_steps for t in trajectories], dtype=np.int64),
     )
     tensors = {"prompts": prompt_ids, "responses": responses, "response_mask": loss_mask,
                "input_ids": torch.cat([prompt_ids, responses], dim=1), "attention_mask": attention_mask,

@@ -17,7 +17,6 @@ temperature, as the trainer's forward computes it — and tool-turn ids keep 0 (
 
 from __future__ import annotations
 
-import collections
 import itertools
 from typing import TYPE_CHECKING, Any
 
@@ -61,8 +60,7 @@ class VLLMAgentLoop(ToolTurns):
         from vllm.inputs import TokensPrompt  # vllm is imported where it is used (the engine module needs it anyway)
 
         engine = self.llm.llm_engine
-        ready: collections.deque[Trajectory] = collections.deque(trajectories)
-        waiting: list[Trajectory] = []
+        ready, waiting = self._queue(trajectories)
         running: dict[str, Trajectory] = {}
         try:
             while ready or running or waiting:
@@ -106,3 +104,4 @@ class VLLMAgentLoop(ToolTurns):
         else:
             row.finish = "length"
             row.turns += 1  # the turn the budget cut is still an assistant turn
+            self._ended(row)

@@ -23,7 +23,6 @@ verl's rows, or a ``tools`` column of OpenAI function schemas (a list, or that l
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ import yaml
 from verl.errors import ConfigError, DataError
 from verl.registry import Registry
 from verl.tools.calculator import SCHEMA as CALCULATOR_SCHEMA
-from verl.utils.imports import import_file
+from verl.utils.imports import load_attribute
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -68,25 +67,9 @@ BUILTIN_TOOLS.register("calculator", Tool(CALCULATOR_SCHEMA, "verl.tools.calcula
 
 def load_function(target: str) -> Callable[..., Any]:
     """The function ``module:function`` or ``path/to/file.py:function`` names."""
-    where, sep, attr = target.rpartition(":")
-    if not sep or not where or not attr:
-        raise ConfigError(f"tool function '{target}' is not module:function or path/to/file.py:function")
-    if where.endswith(".py") or "/" in where:
-        file = Path(where).expanduser()
-        if not file.is_file():
-            raise ConfigError(f"tool function '{target}': file '{where}' does not exist")
-        try:
-            module = import_file(file, "verl_user_tool")
-        except Exception as exc:
-            raise ConfigError(f"tool function '{target}': importing '{where}' failed: {exc!r}") from exc
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as exc:
-            raise ConfigError(f"tool function '{target}': cannot import '{where}' ({exc})") from None
-    function = getattr(module, attr, None)
+    function = load_attribute(target, "tool function", "verl_user_tool")
     if not callable(function):
-        raise ConfigError(f"tool function '{target}': '{where}' has no function '{attr}'")
+        raise ConfigError(f"tool function '{target}' is not a function")
     return function
 
 
@@ -183,6 +166,29 @@ def check_function_schema(schema: Any, where: str) -> None:
 # ---------------------------------------------------------------------------------------------- per data row
 
 
+def _tools_column(row: dict[str, Any], where: str) -> Any:
+    column = row.get("tools")
+    if isinstance(column, str):  # JSON text: parquet cannot hold schema-free structs in every column
+        try:
+            column = json.loads(column)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: the 'tools' column is not JSON ({exc.msg})") from None
+    return column
+
+
+def brings_tools(row: dict[str, Any]) -> bool:
+    """Whether ``row``'s environment brings its own tools (an ``env:`` class's methods, an OpenEnv server's): its
+    ``tools`` column is then theirs, not a choice among the configured ones."""
+    extra = row.get("extra_info")
+    return (isinstance(extra, dict) and isinstance(extra.get("env"), dict)
+            and extra["env"].get("kind") in ("env", "openenv"))
+
+
+def environment_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """The OpenAI schemas of the tools ``row``'s environment brings (none for other rows)."""
+    return list(_tools_column(row, where) or []) if brings_tools(row) else []
+
+
 def tools_for_row(row: dict[str, Any], tool_set: ToolSet, where: str) -> tuple[list[str], dict[str, dict]]:
     """Which configured tools ``row`` may call, and the hidden keyword arguments each gets.
 
@@ -193,12 +199,7 @@ def tools_for_row(row: dict[str, Any], tool_set: ToolSet, where: str) -> tuple[l
     """
     extra = row.get("extra_info") or {}
     per_tool = extra.get("tools_kwargs") if isinstance(extra, dict) else None
-    column = row.get("tools")
-    if isinstance(column, str):  # JSON text: parquet cannot hold schema-free structs in every column
-        try:
-            column = json.loads(column)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: the 'tools' column is not JSON ({exc.msg})") from None
+    column = None if brings_tools(row) else _tools_column(row, where)
     if per_tool:
         names = list(per_tool)
     elif column is not None and len(column):

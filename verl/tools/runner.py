@@ -96,24 +96,32 @@ class ToolRunner:
 
     # ---------------------------------------------------------------- pieces
 
-    def check(self, call: ToolCall, allowed: list[str] | None = None) -> str | None:
+    def check(self, call: ToolCall, allowed: list[str] | None = None,
+              brought: dict[str, dict[str, Any]] | None = None) -> str | None:
         """Why ``call`` cannot run (malformed, an unknown or not allowed tool, arguments outside the tool's JSON
-        schema), or None for a valid call."""
+        schema), or None for a valid call. ``brought``: schemas of the tools a row's environment brings, by name
+        (an ``env:`` class's methods), which its calls may name too."""
         if call.error is not None:
             return call.error
         names = allowed if allowed is not None else self.tool_set.names()
-        tool = self.tool_set.tools.get(call.name)
-        if tool is None or call.name not in names:
-            return f"unknown tool '{call.name}'; available: {', '.join(names) or 'none'}"
-        validator = self._validators.get(tool.name)
+        if brought and call.name in brought:
+            parameters = brought[call.name]["function"].get("parameters") or {"type": "object", "properties": {}}
+            key = json.dumps(parameters, sort_keys=True)  # two classes may name different tools alike
+        else:
+            tool = self.tool_set.tools.get(call.name)
+            if tool is None or call.name not in names:
+                available = [*names, *(brought or {})]
+                return f"unknown tool '{call.name}'; available: {', '.join(available) or 'none'}"
+            parameters, key = tool.parameters, tool.name
+        validator = self._validators.get(key)
         if validator is None:
             from jsonschema import Draft202012Validator  # noqa: PLC0415  (only when tools run)
 
-            validator = self._validators[tool.name] = Draft202012Validator(tool.parameters)
+            validator = self._validators[key] = Draft202012Validator(parameters)
         problems = sorted(validator.iter_errors(call.arguments), key=lambda e: e.path)
         if problems:
             where = "/".join(str(p) for p in problems[0].path) or "arguments"
-            return f"arguments of '{tool.name}' do not fit its schema ({where}: {problems[0].message})"
+            return f"arguments of '{call.name}' do not fit its schema ({where}: {problems[0].message})"
         return None
 
     def _submit_inline(self, tool: Tool, kwargs: dict[str, Any]) -> concurrent.futures.Future[ToolResult]:
@@ -131,7 +139,7 @@ class ToolRunner:
         def finished(call: concurrent.futures.Future) -> None:
             self._deadlines.cancel(deadline)
             error = call.exception()
-            settle(failed(f"'{tool.name}' failed: {error}") if error is not None else self._answer(call.result()))
+            settle(failed(f"'{tool.name}' failed: {error}") if error is not None else self.answer(call.result()))
 
         deadline = self._deadlines.add(
             tool.timeout_s, lambda: settle(failed(f"'{tool.name}' did not answer within {tool.timeout_s:g} s")))
@@ -142,12 +150,13 @@ class ToolRunner:
     def _run_in_process(self, tool: Tool, kwargs: dict[str, Any]) -> ToolResult:
         status, value = self._processes.call(tool.target, kwargs, tool.timeout_s)
         if status == "ok":
-            return self._answer(value)
+            return self.answer(value)
         if status == "timeout":
             return failed(f"'{tool.name}' did not answer within {tool.timeout_s:g} s")
         return failed(f"'{tool.name}' failed: {value}")
 
-    def _answer(self, value: Any) -> ToolResult:
+    def answer(self, value: Any) -> ToolResult:
+        """A tool's return value as its answer, truncated to ``max_response_chars``."""
         text = as_text(value)
         if len(text) > self.max_response_chars:
             text = text[: self.max_response_chars] + "...(truncated)"

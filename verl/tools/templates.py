@@ -91,18 +91,32 @@ def load_template(value: str | None) -> str | None:
 
 @dataclass
 class ToolPrompting:
-    """What rendering prompts with tools needs: the configured tools and the template that renders them."""
+    """What rendering prompts with tools needs: the configured tools and the template that renders them.
+    ``template`` is the run's; a run without configured tools keeps the model's own (``tokenizer``'s), and
+    ``template_for`` gives the tool template to the rows whose environment brings tools (an ``env:`` class)."""
 
     tool_set: ToolSet
     template: str
+    tokenizer: Any = None
+    override: str | None = None
 
     @classmethod
     def from_config(cls, multi_turn: Any, tokenizer: Any) -> ToolPrompting | None:
         """From ``rollout.multi_turn`` (None when multi-turn rollouts are off)."""
         if not multi_turn.enable:
             return None
-        return cls(build_tool_set(multi_turn.tools, multi_turn.tool_config_path),
-                   tool_chat_template(tokenizer, load_template(multi_turn.chat_template)))
+        tool_set = build_tool_set(multi_turn.tools, multi_turn.tool_config_path)
+        override = load_template(multi_turn.chat_template)
+        own = getattr(tokenizer, "chat_template", None)
+        if not tool_set.names() and not override and own:  # an environment without tools: the model's own turns
+            return cls(tool_set, own, tokenizer, override)
+        return cls(tool_set, tool_chat_template(tokenizer, override), tokenizer, override)
+
+    def template_for(self, schemas: Sequence[dict[str, Any]] | None) -> str:
+        """The template a conversation with ``schemas`` (its tools) renders with."""
+        if not schemas or self.tool_set.names() or self.tokenizer is None:
+            return self.template
+        return tool_chat_template(self.tokenizer, self.override)
 
 
 def as_openai_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from verl.config import VerlConfig
-from verl.data.builtin import BUILTIN_PREFIX
+from verl.data.sources import parse_source
 from verl.errors import ConfigError
 from verl.models.loader import BUILTIN_PREFIX as MODEL_BUILTIN
 from verl.models.tiny import BUILTIN_SPECS
@@ -63,7 +63,7 @@ def dry_run(config: VerlConfig) -> str:
         lines.append(f"model: {config.model.path} (config.json not available locally; shapes not checked)")
     for key, files in (("data.train_files", config.data.train_files), ("data.val_files", config.data.val_files)):
         for name in files:
-            if not name.startswith(BUILTIN_PREFIX) and not Path(name).expanduser().is_file():
+            if parse_source(name).scheme is None and not Path(name).expanduser().is_file():
                 lines.append(f"warning: {key}: '{name}' does not exist here (prepare it on the training machine)")
     if facts is not None and facts.get("num_parameters"):
         lines.append(memory_estimate(config, int(facts["num_parameters"])))

@@ -103,7 +103,7 @@ def prepare_inputs(config: VerlConfig, tokenizer: Any = None, train_dataset: RLH
     train = train_dataset or RLHFDataset(cfg.data.train_files, tokenizer, cfg.data, "data.train_files",
                                          cfg.needs_ground_truth, tools)
     val = val_dataset or RLHFDataset(cfg.data.val_files, tokenizer, cfg.data, "data.val_files",
-                                     cfg.needs_ground_truth, tools)
+                                     cfg.needs_ground_truth, tools, disjoint_from=cfg.data.train_files)
     sampler = PromptSampler(len(train), cfg.data.train_batch_size, cfg.data.shuffle, cfg.trainer.seed)
     cfg.resolve_total_steps(len(train))  # trainer.total_epochs, as verl counts them
     overlap, contamination = (None, None) if cfg.data.contamination == "off" else validation_overlap(cfg, train, val)

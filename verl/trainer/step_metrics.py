@@ -101,7 +101,29 @@ def tool_metrics(batch: TrainBatch) -> dict[str, float]:
     if calls.sum() > 0:  # shares of calls: not defined for a batch that made none
         metrics["valid_call_rate"] = float(np.sum(batch.turns.valid_calls.astype(np.float64)) / calls.sum())
         metrics["tool_error_rate"] = float(np.sum(batch.turns.tool_errors.astype(np.float64)) / calls.sum())
+    metrics.update(environment_metrics(batch))
     return metrics
+
+
+def environment_metrics(batch: TrainBatch) -> dict[str, float]:
+    """Per environment (``env/<name>/...``): its reward (sum over turns), turns, trajectory length (tool turns
+    and replies included), failed share and the seconds a start or reply took (mean over them)."""
+    names = batch.turns.env
+    out: dict[str, float] = {}
+    for name in sorted({n for n in names if n is not None}):
+        rows = np.flatnonzero(names == name)
+        failed = np.array([batch.turns.env_error[i] is not None for i in rows])
+        rewards = [sum(r for _, r in batch.turns.turn_rewards[i]) for i in rows[~failed]]
+        out[f"env/{name}/error_rate"] = float(failed.mean())
+        out[f"env/{name}/turns_mean"] = float(batch.turns.turns[rows].astype(np.float64).mean())
+        width = batch.responses.shape[1]
+        out[f"env/{name}/length_mean"] = float(batch.attention_mask[rows, -width:].sum(-1).float().mean())
+        steps = int(batch.turns.env_steps[rows].sum())
+        if steps:
+            out[f"env/{name}/step_seconds_mean"] = float(batch.turns.env_seconds[rows].sum() / steps)
+        if rewards:
+            out[f"env/{name}/reward_mean"] = float(np.mean(rewards))
+    return out
 
 
 def ngram_repetition_rate(responses: torch.Tensor, mask: torch.Tensor, n: int = 4) -> float:

@@ -52,6 +52,11 @@ OPTIONAL = [
     ("uvicorn", "the inference service", "pip install -e '.[serve]'"),
     ("locust", "load tests (locust -f loadtest/)", "pip install -e '.[loadtest]'"),
     ("matplotlib", "plots in eval/compare/load-test reports", "pip install -e '.[eval]'"),
+    ("reasoning-gym", "reasoning_gym: data sources (docs/environments.md)",
+     "pip install -e '.[envs]' (needs a C compiler: pycosat)"),
+    ("openenv", "openenv: environment servers (docs/environments.md)", "pip install -e '.[envs]'"),
+    ("verifiers", "verifiers: environments (docs/environments.md)",
+     "a venv of its own: verifiers>=0.4 and openenv 0.10 pin incompatible mcp versions"),
 ]
 
 

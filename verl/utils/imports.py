@@ -1,11 +1,16 @@
-"""Importing a user's Python file by path (``path/to/file.py:name`` specs of tools and evaluators)."""
+"""Importing a user's code by name: ``package.module:name`` or ``path/to/file.py:name`` (tools, evaluators,
+environment classes)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+from verl.errors import ConfigError
 
 
 def import_file(file: Path, prefix: str) -> ModuleType:
@@ -25,3 +30,27 @@ def import_file(file: Path, prefix: str) -> ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+def load_attribute(target: str, what: str, prefix: str) -> Any:
+    """The object ``module:name`` or ``path/to/file.py:name`` names; errors start with ``what`` (``tool function
+    'x'``) and say what is missing."""
+    where, sep, attr = target.rpartition(":")
+    if not sep or not where or not attr:
+        raise ConfigError(f"{what} '{target}' is not module:name or path/to/file.py:name")
+    if where.endswith(".py") or "/" in where:
+        file = Path(where).expanduser()
+        if not file.is_file():
+            raise ConfigError(f"{what} '{target}': file '{where}' does not exist")
+        try:
+            module = import_file(file, prefix)
+        except Exception as exc:
+            raise ConfigError(f"{what} '{target}': importing '{where}' failed: {exc!r}") from exc
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise ConfigError(f"{what} '{target}': cannot import '{where}' ({exc})") from None
+    if not hasattr(module, attr):
+        raise ConfigError(f"{what} '{target}': '{where}' has no '{attr}'")
+    return getattr(module, attr)

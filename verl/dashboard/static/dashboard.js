@@ -61,6 +61,26 @@
 
   // ------------------------------------------------------------------ data
 
+  // Per environment (rollout/env/<name>/...: verl.envs), panels appear as its metrics do.
+  const ENV_METRICS = [
+    ["reward_mean", "reward"], ["length_mean", "trajectory length"], ["turns_mean", "turns"],
+    ["error_rate", "failed episodes"], ["step_seconds_mean", "step latency (s)"],
+  ];
+  const ENV_TAG = /^rollout\/env\/(.+)\/([a-z_]+)$/;
+
+  function addEnvironmentPanels() {
+    for (const tag of state.tags) {
+      const match = ENV_TAG.exec(tag);
+      if (!match) continue;
+      const [, name, metric] = match;
+      const known = ENV_METRICS.find(([m]) => m === metric);
+      const id = `env-${name.replace(/[^A-Za-z0-9_-]/g, "_")}-${metric}`;
+      if (!known || state.panels.some((p) => p.id === id)) continue;
+      state.panels.push({ id, title: `Environment ${name}: ${known[1]} — ${tag}`, tags: [tag], optional: true,
+                          environment: name });
+    }
+  }
+
   function applyRun(run) {
     let known = state.runs.find((r) => r.id === run.id);
     if (!known) {
@@ -256,6 +276,7 @@
       if (!response.ok) throw new Error(`HTTP ${response.status}`);
       const payload = await response.json();
       for (const run of payload.runs) applyRun(run);
+      addEnvironmentPanels();
       state.samples = payload.samples;
       state.alerts = payload.alerts;
       renderRuns();
