@@ -70,6 +70,9 @@ BENCHES: dict[str, list[str]] = {
                              "--repeats", "3"],
     "open-loop-crosscheck-smollm2": [PY, "benchmarks/open_loop_crosscheck.py", "--model", SMOLLM2, "--rate", "2",
                                      "--duration", "30", "--repeats", "3"],
+    "humaneval-smollm2": [PY, "benchmarks/humaneval_smollm2.py", "--n", "10"],
+    "sandbox-throughput": [PY, "benchmarks/sandbox_throughput.py", "--runs", "200", "--concurrency", "2",
+                           "--repeats", "3"],
     "open-loop-engines": [PY, "benchmarks/open_loop_engines.py", "--rates", "2,4,6", "--duration", "30", "--slo",
                           "ttft:1000,tpot:150"],
 }

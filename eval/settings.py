@@ -36,7 +36,8 @@ class EvalSettings:
     evaluators: str | list[str] | None = option(
         None, "--evaluators", "-e", parse=joined_specs, cli_type=list[str] | None,
         help="Comma-separated specs (or -e again): reward,kl,diversity,accuracy,length,tools; on request judge(...), "
-             "mismatch; options in parentheses, e.g. diversity(ngrams=1;2;3, tokenize=chars); your own as "
+             "mismatch, code (rows the code reward ran in the sandbox: pass@k; instead of accuracy); options in "
+             "parentheses, e.g. diversity(ngrams=1;2;3, tokenize=chars); your own as "
              "file.py:Class or module:Class. Default: all built-ins.")
     n: int | None = option(None, "--n", help="Samples per prompt (pass@k / maj@k when > 1).")
     temperature: float | None = option(None, "--temperature", help="0 = greedy (the run's validation default).")
@@ -76,7 +77,8 @@ class EvalSettings:
                           "joins a cluster).")
     # Every metric per group of prompts (a dataset column, dotted for a dict column: extra_info.kind); eval/groups.py.
     group_by: str | None = option(None, "--group-by", help="Also report every metric per group of prompts: a "
-                                  "column of the data, dotted inside a dict column (extra_info.kind, data_source).")
+                                  "column of the data, dotted inside a dict column (extra_info.kind, data_source); "
+                                  "unset: extra_info.kind when every row has it; none: off.")
     dtype: str | None = None
     kl_micro_batch_size: int = 32
 

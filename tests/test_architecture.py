@@ -23,7 +23,8 @@ PACKAGES = ("verl", "eval", "serve", "loadtest", "benchmarks")
 # the benchmarks. No exceptions: the packages above the core contribute their commands as entry points.
 VERL_LEVELS = {
     "algos": 0, "protocol": 0, "batch": 0, "utils": 0, "errors": 0, "config": 0, "config_aliases": 0, "registry": 0,
-    "models": 1, "data": 1, "rewards": 1, "tracking": 1, "tools": 1, "dashboard": 1,
+    "models": 1, "data": 1, "rewards": 1, "tracking": 1, "tools": 1, "dashboard": 1, "envs": 1, "interactions": 1,
+    "sandbox": 1,
     "rollout": 2, "evaluators": 2, "workers": 3, "trainer": 4, "cli": 5,
 }
 PACKAGE_LEVELS = {"serve": 6, "loadtest": 7, "eval": 8, "benchmarks": 10}
@@ -318,7 +319,8 @@ REGISTRIES = {("verl.algos.advantages", "ADV_ESTIMATORS"), ("verl.algos.advantag
               ("verl.algos.kl", "KL_ESTIMATORS"), ("verl.algos.losses", "POLICY_LOSSES"),
               ("verl.rewards.registry", "REWARD_FNS"), ("verl.evaluators.registry", "EVALUATORS"),
               ("verl.rollout.base", "ROLLOUT_ENGINES"), ("serve.engines", "ENGINES"),
-              ("verl.tracking.base", "TRACKERS"), ("verl.tools.registry", "BUILTIN_TOOLS"), ("verl.cli", "COMMANDS")}
+              ("verl.tracking.base", "TRACKERS"), ("verl.tools.registry", "BUILTIN_TOOLS"), ("verl.cli", "COMMANDS"),
+              ("verl.data.sources", "SOURCES")}
 
 
 def registry_assignments(modules: dict[str, Path]) -> set[tuple[str, str]]:

@@ -6,6 +6,7 @@
     verl data arithmetic --out DIR                 write the built-in task's parquet files
     verl data pairs --model M --out DIR            preference pairs from a model's own answers
     verl check-env                                 what is installed, what is missing, how to fix it
+    verl sandbox serve                             run untrusted code isolated (SandboxFusion's /run_code)
 
 Errors a user can act on (``VerlError``) print as one line and exit 1; ``--debug`` shows the traceback.
 The packages add their own commands (eval, compare, export, serve, loadtest, tensorboard, dashboard, ...) through
@@ -119,6 +120,61 @@ def data_arithmetic(out: Annotated[Path, typer.Option("--out", help="Output dire
     run_guarded(_run)
 
 
+env_app = typer.Typer(help="Environments: serve our sources to other frameworks (docs/environments.md).",
+                      no_args_is_help=True)
+app.add_typer(env_app, name="env")
+
+
+@env_app.command("serve")
+def env_serve(
+    source: Annotated[str, typer.Argument(help="A data source (builtin:arithmetic/val, reasoning_gym:..., a parquet "
+                                          "file): one OpenEnv episode per row.")],
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8010,
+    max_concurrent_envs: Annotated[int, typer.Option(help="OpenEnv sessions at once (more get CAPACITY_REACHED).")] = 8,
+) -> None:
+    """Serve a source as an OpenEnv server (openenv's create_app): reset(seed=i) opens row i, step scores the answer
+    with the row's reward and ends the episode."""
+
+    def _run():
+        import uvicorn
+
+        from verl.envs.openenv_server import build_app
+
+        app_ = build_app(source, max_concurrent_envs)
+        err.print(f"serving {source} as an OpenEnv environment on http://{host}:{port} (/ws sessions, /schema)",
+                  soft_wrap=True)
+        uvicorn.run(app_, host=host, port=port, log_level="warning")
+
+    run_guarded(_run)
+
+
+@data_app.command("materialize")
+def data_materialize(
+    source: Annotated[str, typer.Argument(help="A data source: reasoning_gym:DATASET?..., builtin:TASK/SPLIT, a "
+                                          "parquet file (quote it on a shell line: ? and & are the shell's).")],
+    out: Annotated[Path, typer.Option("--out", help="Output directory: DIR/data.parquet.")],
+    disjoint_from: Annotated[list[str] | None, typer.Option(
+        "--disjoint-from", help="Training sources this is validation data for (repeatable): generated items are "
+        "taken after theirs and questions equal to theirs dropped, as the trainer does.")] = None,
+) -> None:
+    """Write a source's rows as parquet, with ``source``, ``seed`` and ``index`` columns (a sample's identity)."""
+
+    def _run():
+        from verl.data.builtin import write_parquet
+        from verl.data.dataset import read_rows
+
+        rows = read_rows([source], "SOURCE", disjoint_from=disjoint_from or ())
+        clean = []
+        for row in rows:
+            info = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+            clean.append({**{k: v for k, v in row.items() if not k.startswith("__")},
+                          "source": source, "seed": info.get("seed"), "index": info.get("index", row["__row__"])})
+        err.print(f"{len(clean)} rows of {source}: {write_parquet(clean, out / 'data.parquet')}", soft_wrap=True)
+
+    run_guarded(_run)
+
+
 @data_app.command("word-problems")
 def data_word_problems(
     out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("data/word_problems"),
@@ -223,12 +279,13 @@ def check_env_command(
 ) -> None:
     """Check Python, torch, transformers and the optional parts; print the fix for each problem."""
     from verl.models.cpu_kernels import build_ahead, status
+    from verl.sandbox.isolation import check as sandbox_check
     from verl.utils.env_check import check_env
 
     def _run() -> bool:
         if build_kernels:
             build_ahead()  # a failed build in auto mode is reported by the kernels' line below
-        return check_env(extra=[status()])
+        return check_env(extra=[status(), sandbox_check()])
 
     ok = run_guarded(_run)
     raise typer.Exit(0 if ok else 1)
@@ -241,6 +298,7 @@ def check_env_command(
 COMMANDS: Registry[Callable[[typer.Typer], None]] = Registry("command group", group="verl.commands")
 COMMANDS.lazy("tracking", "verl.tracking.cli:register")
 COMMANDS.lazy("dashboard", "verl.dashboard.cli:register")
+COMMANDS.lazy("sandbox", "verl.sandbox.cli:register")
 
 
 def register_subcommands() -> None:

@@ -33,6 +33,7 @@ def _check_kl_estimator(value: str) -> str:
 
 
 KLEstimator = Annotated[str, AfterValidator(_check_kl_estimator)]  # a name in verl.algos.kl's registry
+ENVIRONMENT_SCHEMES = ("openenv:", "env:")  # data sources whose rows are an environment's episodes
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
@@ -163,6 +164,14 @@ class MultiTurnConfig(Section):
     tool_processes: int = Field(2, ge=1, description="Processes for tools that are not pure functions.")
     tool_threads: int = Field(64, ge=1, description="Threads for pure tools: calls in flight at once (a tool that "
                               "waits on I/O holds a thread, not the decode loop).")
+    interaction_config_path: str | None = Field(
+        None, description="verl's interaction YAML (interaction: [{name, class_name: module.Class, config}]): after a "
+        "turn without tool calls the row's interaction (extra_info.interaction_kwargs.name) answers as the user, its "
+        "turn scores are the reward (source env:<name>). Classes subclass verl.interactions.base.BaseInteraction.")
+    max_user_turns: int | None = Field(None, ge=0, description="Interaction replies per trajectory (verl's name); "
+                                       "None: until it terminates or max_assistant_turns.")
+    env_timeout_s: float = Field(60.0, gt=0, description="Longest an environment may take to answer a turn (or "
+                                 "start an episode); past it the trajectory is a failed, masked sample.")
 
 
 class RolloutConfig(Section):
@@ -192,11 +201,9 @@ class RolloutConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _tools_when_multi_turn(self) -> RolloutConfig:
-        turns = self.multi_turn
-        if turns.enable and not turns.tools and not turns.tool_config_path:
-            raise ValueError("rollout.multi_turn.enable needs tools: rollout.multi_turn.tools=[calculator] or "
-                             "rollout.multi_turn.tool_config_path=FILE")
+    def _interaction_when_multi_turn(self) -> RolloutConfig:
+        if self.multi_turn.interaction_config_path and not self.multi_turn.enable:
+            raise ValueError("rollout.multi_turn.interaction_config_path needs rollout.multi_turn.enable=true")
         return self
 
 
@@ -272,6 +279,15 @@ class CustomRewardConfig(Section):
     name: str = Field("compute_score", description="Function name in that file.")
 
 
+class SandboxConfig(Section):
+    """Where the ``code`` reward runs programs (docs/sandbox.md): verl's ``reward_model.sandbox_fusion.*``."""
+
+    url: str | None = Field(None, description="A SandboxFusion-compatible server (`verl sandbox serve`, or "
+                            "SandboxFusion itself): POST {url}/run_code. Unset: a sandbox in this process.")
+    max_concurrent: int = Field(4, ge=1, description="Programs run (or requests in flight) at once.")
+    memory_limit_mb: int = Field(1024, ge=16, description="Address-space limit per run, MB.")
+
+
 class RewardModelConfig(Section):
     path: str | None = Field(None, description="AutoModelForSequenceClassification dir (a `verl rm` checkpoint); "
                              "scores whole responses in this process.")
@@ -333,6 +349,7 @@ class RewardConfig(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the function.")
     custom_reward: CustomRewardConfig = Field(default_factory=CustomRewardConfig)
     model: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
 
 
 # ---------------------------------------------------------------------------------------------- algorithm
@@ -766,7 +783,19 @@ class VerlConfig(Section):
         if self.trainer.one_step_off_policy and self.actor.strategy == "fsdp":
             raise ValueError("trainer.one_step_off_policy sends the actor's full weights to the rollout worker; it "
                              "does not work with actor.strategy=fsdp (use strategy=local)")
-        if self.rollout.multi_turn.enable and self.actor.strategy == "fsdp":
+        turns = self.rollout.multi_turn
+        # Episodes of an environment source (openenv:, env:) are multi-turn whatever the tools (verl.data.sources).
+        episodes = [str(f) for f in [*self.data.train_files, *self.data.val_files]
+                    if str(f).startswith(ENVIRONMENT_SCHEMES)]
+        if episodes and not turns.enable:
+            raise ValueError(f"data source '{episodes[0]}' is an environment's episodes, which the multi-turn rollout "
+                             "drives: set rollout.multi_turn.enable=true")
+        if turns.enable and not (turns.tools or turns.tool_config_path or turns.interaction_config_path or episodes):
+            raise ValueError("rollout.multi_turn.enable needs tools (rollout.multi_turn.tools=[calculator] or "
+                             "rollout.multi_turn.tool_config_path=FILE), an interaction "
+                             "(rollout.multi_turn.interaction_config_path=FILE) or an environment's episodes as data "
+                             "(openenv:<url>, env:<module>:<Class>)")
+        if turns.enable and self.actor.strategy == "fsdp":
             raise ValueError("rollout.multi_turn decodes each trajectory on its own schedule (tools finish at "
                              "different times), which sharded FSDP forwards cannot follow; use actor.strategy=local")
         if self.trainer.one_step_off_policy and self.rollout.name != "hf":
@@ -920,12 +949,23 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         key, sep, raw = text.partition("=")
         if not sep or not key:
             raise ConfigError(f"override '{item}' is not of the form key=value (e.g. actor.optim.lr=1e-5)")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"override '{item}': value is not valid YAML ({exc.problem})") from None
-        parsed.append((key.strip(), value))
+        parsed.append((key.strip(), _override_value(item, raw)))
     return parsed
+
+
+def _override_value(item: str, raw: str) -> Any:
+    """An override's value as YAML; a bracketed list YAML refuses (a source name with ``?``/``&``, e.g.
+    ``[reasoning_gym:chain_sum?size=9]``) is read element by element, split at commas."""
+    try:
+        return yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as exc:
+        if raw.startswith("[") and raw.endswith("]") and "[" not in raw[1:-1] and "{" not in raw:
+            try:
+                return [yaml.safe_load(part.strip()) for part in raw[1:-1].split(",") if part.strip()]
+            except yaml.YAMLError:
+                pass
+        raise ConfigError(f"override '{item}': value is not valid YAML ({exc.problem}); quote an element that "
+                          """holds YAML's own characters: 'key=["a?b=1,2", c]'""") from None
 
 
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:

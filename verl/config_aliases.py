@@ -52,6 +52,9 @@ RENAMES: dict[str, str] = {
     "trainer.log_val_generations": "trainer.num_samples_to_log",
     "data.tool_config_path": "rollout.multi_turn.tool_config_path",
     "rollout.multi_turn": "rollout.multi_turn.enable",  # older verl: multi_turn: True
+    "reward.model.sandbox_fusion.url": "reward.sandbox.url",  # verl's code-execution service (docs/sandbox.md)
+    "reward.model.sandbox_fusion.max_concurrent": "reward.sandbox.max_concurrent",
+    "reward.model.sandbox_fusion.memory_limit_mb": "reward.sandbox.memory_limit_mb",
     "remote_rm_url": "reward.model.url",  # OpenRLHF's --remote_rm_url
     "reward.model.remote_rm_url": "reward.model.url",
     # verl's rollout correction before its 2026 rename.
@@ -73,9 +76,8 @@ IGNORED: tuple[str, ...] = (
     "rollout.enable_chunked_prefill", "rollout.layered_summon", "rollout.prompt_length",
     "rollout.response_length", "rollout.log_prob_use_dynamic_bsz", "rollout.log_prob_max_token_len_per_gpu",
     "rollout.disable_log_stats", "rollout.do_sample", "rollout.val_kwargs.do_sample", "rollout.calculate_log_probs",
-    "rollout.multi_turn.max_user_turns", "rollout.multi_turn.interaction_config_path",
     "rollout.multi_turn.use_inference_chat_template", "rollout.multi_turn.tokenization_sanity_check_mode",
-    "rollout.multi_turn.tool_response_truncate_side", "rollout.engine_kwargs.", "rollout.agent.",
+    "rollout.multi_turn.tool_response_truncate_side", "rollout.engine_kwargs.", "rollout.agent.num_workers",
     "rollout.ignore_eos", "rollout.max_model_len",
     "rollout.enable_prefix_caching", "rollout.trace.", "rollout.update_weights_bucket_megabytes",
     "reference.log_prob_micro_batch_size_per_gpu", "reference.log_prob_micro_batch_size", "reference.fsdp_config.",
@@ -90,11 +92,11 @@ IGNORED: tuple[str, ...] = (
     "reward.model.enable", "reward.model.strategy", "reward.model.reward_manager", "reward.model.model.input_tokenizer",
     "reward.model.model.use_remove_padding", "reward.model.model.fsdp_config.", "reward.model.model.trust_remote_code",
     "reward.model.max_length", "reward.model.use_dynamic_bsz", "reward.model.forward_max_token_len_per_gpu",
-    "reward.model.launch_reward_fn_async", "reward.model.sandbox_fusion.",
+    "reward.model.launch_reward_fn_async",
     "reward.model.ulysses_sequence_parallel_size",
     "reward.custom_reward.reward_kwargs.",
     "data.tokenizer", "data.use_shm", "data.return_raw_input_ids", "data.return_raw_chat", "data.return_full_prompt",
-    "data.dataloader_num_workers", "data.reward_fn_key", "data.image_key", "data.video_key", "data.custom_cls.",
+    "data.dataloader_num_workers", "data.reward_fn_key", "data.image_key", "data.video_key",
     "data.sampler.", "data.filter_overlong_prompts_workers", "data.trust_remote_code", "data.validation_shuffle",
     "data.return_multi_modal_inputs", "data.datagen.", "data.seed", "data.gen_batch_size",
     "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.default_local_dir", "trainer.default_hdfs_dir",
@@ -105,6 +107,16 @@ IGNORED: tuple[str, ...] = (
     "algorithm.use_pf_ppo", "algorithm.pf_ppo.", "algorithm.rollout_is",
     "ray_init.", "ray_kwargs.", "global_profiler.", "transfer_queue.",
 )
+
+# verl keys whose feature this version does not have: refused by name (ignoring them would silently drop a user's
+# environment or dataset class). Prefixes end in ".".
+REFUSED: dict[str, str] = {
+    "data.custom_cls.": "a dataset class of your own (verl's data.custom_cls) is not read by this version; give "
+                        "parquet files or a source name (docs/environments.md)",
+    "rollout.agent.": "verl's agent-loop settings other than num_workers (agent_loop_config_path, "
+                      "custom_async_server, default_agent_loop) are not supported; multi-turn rollouts here are "
+                      "rollout.multi_turn.* with tools or an interaction_config_path (docs/environments.md)",
+}
 
 # verl values that mean the same as one of ours.
 VALUE_MAPS: dict[str, dict[Any, Any]] = {"actor.strategy": {"fsdp2": "fsdp"}, "rollout.top_k": {-1: 0},
@@ -145,6 +157,9 @@ def map_verl_keys(settings: dict[str, Any]) -> dict[str, Any]:
         if _ignored(ours):
             dropped.append(key)
             continue
+        refused = next((why for prefix, why in REFUSED.items() if ours.startswith(prefix)), None)
+        if refused is not None:
+            raise ConfigError(f"{key}: {refused}")
         if ours == "trainer.resume" and value == "resume_path":
             if not resume_from_path:
                 raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>")

@@ -70,6 +70,18 @@ def test_pass_at_k_and_maj_at_k_per_prompt():
     assert m["pass@1"].se == pytest.approx(abs(0.75 - 0.25) / 2)
 
 
+def test_pass_at_k_on_partial_credit_counts_full_credit_only():
+    """reasoning-gym and environments give partial credit: accuracy is the mean credit, a sample passes with 1.0.
+    Prompt 0's credits 1, 0.5, 0.5, 0 (1 solved of 4), prompt 1's 0.9, 0.9, 0.9, 0.9 (none solved)."""
+    credit = [1.0, 0.5, 0.5, 0.0, 0.9, 0.9, 0.9, 0.9]
+    batch = make_batch(["x"] * 8, ["y"] * 8, n=4, extras={"acc": credit})
+    m = Accuracy().evaluate(batch).metrics
+    assert m["accuracy"].value == pytest.approx(sum(credit) / 8)
+    assert m["pass@1"].value == pytest.approx((1 / 4 + 0) / 2)
+    assert m["pass@2"].value == pytest.approx((1 - 3 / 4 * 2 / 3 + 0) / 2)  # 1 - C(3,2)/C(4,2) = 1/2 for prompt 0
+    assert m["pass@4"].value == pytest.approx(0.5)
+
+
 def test_missing_ground_truth_is_a_clear_error():
     from verl.errors import DataError
 

@@ -9,7 +9,9 @@ default ``~/.cache/verl-suite``) and reused;
 ``builtin:word_problems/train|val`` are the GSM8K-style stories for real pretrained models
 (``verl.data.tasks.word_problems``); ``builtin:tool_arithmetic/train|val|sft_train|sft_val`` the products a model
 solves with the calculator tool (``verl.data.tasks.tool_arithmetic``); ``builtin:tool_word_problems/...`` stories of
-several kinds with a calculator, for real models (``verl.data.tasks.tool_word_problems``).
+several kinds with a calculator, for real models (``verl.data.tasks.tool_word_problems``);
+``builtin:code_functions/train|val|test`` one-function programs scored in the sandbox
+(``verl.data.tasks.code_functions``); ``builtin:humaneval`` OpenAI's HumanEval (``verl.data.tasks.humaneval``).
 """
 
 from __future__ import annotations
@@ -20,21 +22,25 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from verl.data.tasks import tool_arithmetic, tool_word_problems, word_problems
+from verl.data.tasks import code_functions, humaneval, tool_arithmetic, tool_word_problems, word_problems
 from verl.data.tasks.arithmetic import ArithmeticSpec, generate_splits, preference_pairs, sft_response
 from verl.errors import DataError
 from verl.utils.fs import atomic_path, cache_dir
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_TASKS = ("arithmetic", "word_problems", "tool_arithmetic", "tool_word_problems")
+BUILTIN_TASKS = ("arithmetic", "word_problems", "tool_arithmetic", "tool_word_problems", "code_functions",
+                 "humaneval")
 BUILTIN_SPLITS = ("train", "val", "sft_train", "sft_val")
 TASK_SPLITS = {"arithmetic": (*BUILTIN_SPLITS, "test", "traffic", "pairs_train", "pairs_val", "pairs_near_val"),
                "word_problems": ("train", "val"), "tool_arithmetic": BUILTIN_SPLITS,
-               "tool_word_problems": (*BUILTIN_SPLITS, "train_wide")}
+               "tool_word_problems": (*BUILTIN_SPLITS, "train_wide"), "code_functions": ("train", "val", "test"),
+               "humaneval": ("test",)}
 # Generated tasks: task -> (module with generate_splits, its default spec).
 GENERATED = {"word_problems": (word_problems, word_problems.WordProblemSpec()),
              "tool_arithmetic": (tool_arithmetic, tool_arithmetic.ToolArithmeticSpec()),
-             "tool_word_problems": (tool_word_problems, tool_word_problems.ToolWordProblemSpec())}
+             "tool_word_problems": (tool_word_problems, tool_word_problems.ToolWordProblemSpec()),
+             "code_functions": (code_functions, code_functions.CodeFunctionsSpec()),
+             "humaneval": (humaneval, humaneval.HumanEvalSpec())}
 
 
 def write_parquet(rows: list[dict], path: Path) -> Path:
@@ -65,14 +71,12 @@ def write_arithmetic(out_dir: Path, spec: ArithmeticSpec | None = None) -> dict[
     return {name: write_parquet(rows, out_dir / f"{name}.parquet") for name, rows in splits.items()}
 
 
-def resolve_data_file(name: str, spec: ArithmeticSpec | None = None) -> Path:
-    """Map ``builtin:arithmetic/train`` (or ``/val``) to a cached parquet file; other names pass through."""
-    if not name.startswith(BUILTIN_PREFIX):
-        return Path(name).expanduser()
+def resolve_builtin(name: str, spec: ArithmeticSpec | None = None) -> Path:
+    """Map ``builtin:arithmetic/train`` (or ``/val``, ...) to a cached parquet file, written on first use."""
     task, _, split = name[len(BUILTIN_PREFIX) :].partition("/")
-    split = split or "train"
     if task not in BUILTIN_TASKS:
         raise DataError(f"unknown built-in dataset '{name}'; available: {', '.join(BUILTIN_TASKS)}")
+    split = split or TASK_SPLITS[task][0]
     if split not in TASK_SPLITS[task]:
         raise DataError(f"built-in dataset '{name}' has no split '{split}'; use one of {', '.join(TASK_SPLITS[task])}")
     if task in GENERATED:

@@ -11,6 +11,8 @@ and pass@k / maj@k when there are several samples per prompt.
 - ``exact_match``: the stripped response equals the stripped ground truth.
 - ``accuracy_boxed``: the last ``\\boxed{}`` equals the ground truth (reported when any boxed answer appears).
 - ``pass@k`` (Chen et al. 2021, unbiased) over the strict correctness of the n samples, for k = 1, 2, 4, .., n;
+  on partial credit (reasoning-gym's scores, an environment's rewards in [0, 1]) a sample passes with full credit
+  (``accuracy`` >= 1), so pass@1 is the solved share while ``accuracy`` stays the mean credit;
   ``maj@k``: a majority vote over the strict answers of the first k samples. Both are prompt-level numbers: the
   per-sample column repeats the prompt's value on each of its samples, so the clustered mean and SE equal the
   per-prompt mean and SE.
@@ -22,7 +24,7 @@ import numpy as np
 
 from verl.errors import DataError
 from verl.evaluators.base import EvalBatch, EvalResult, Evaluator
-from verl.evaluators.stats import default_ks, majority_vote, pass_at_k
+from verl.evaluators.stats import default_ks, majority_vote, pass_at_k_columns
 from verl.rewards.extract import (
     ARITHMETIC_STRICT,
     GSM8K_STRICT,
@@ -125,13 +127,10 @@ class Accuracy(Evaluator):
             groups.setdefault(prompt, []).append(i)
         sizes = {len(rows) for rows in groups.values()}
         n = min(sizes)
-        ks = [k for k in (self.ks or default_ks(n)) if k <= n]
-        for k in ks:
-            pass_col = np.empty(len(strict))
+        # full credit passes (partial credit: the module docstring)
+        for k, pass_col in pass_at_k_columns(batch.prompt_index, strict, self.ks or default_ks(n)).items():
             maj_col = np.empty(len(strict))
             for rows in groups.values():
-                correct = int(strict[rows].sum())
-                pass_col[rows] = pass_at_k(len(rows), correct, k)
                 first = rows[:k]
                 voted = majority_vote([answers[i] for i in first])
                 i0 = first[0]

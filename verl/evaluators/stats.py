@@ -210,6 +210,23 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
+def pass_at_k_columns(prompt_index: np.ndarray, solved: np.ndarray, ks: Sequence[int]) -> dict[int, np.ndarray]:
+    """``k -> (N,)`` unbiased pass@k of each sample's prompt (repeated on each of its samples, so the clustered mean
+    is the per-prompt mean), from ``solved`` ``(N,)`` (1 = the sample passes). ``ks`` above the fewest samples any
+    prompt has are left out."""
+    groups: dict[int, list[int]] = {}
+    for i, prompt in enumerate(np.asarray(prompt_index).tolist()):
+        groups.setdefault(prompt, []).append(i)
+    n = min(len(rows) for rows in groups.values())
+    columns = {}
+    for k in (k for k in ks if k <= n):
+        column = np.empty(len(solved))
+        for rows in groups.values():
+            column[rows] = pass_at_k(len(rows), int((np.asarray(solved)[rows] >= 1.0).sum()), k)
+        columns[k] = column
+    return columns
+
+
 def default_ks(n: int) -> list[int]:
     """k values reported for n samples per prompt: powers of two below n, and n."""
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k < n]

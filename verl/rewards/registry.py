@@ -36,7 +36,17 @@ DATA_SOURCE_REWARDS = {
     "lighteval/MATH": "math",
     "DigitalLearningGmbH/MATH-lighteval": "math",
     "math": "math",
+    # code: the row's tests run in the sandbox (verl/rewards/code.py); verl sends these sources to sandbox_fusion
+    "code": "code",
+    "codecontests": "code",
+    "apps": "code",
+    "codeforces": "code",
+    "taco": "code",
+    "openai_humaneval": "code",
 }
+
+
+REWARD_FNS.lazy("code", "verl.rewards.code:code")  # imports the sandbox: only when a row or config names it
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -49,7 +59,19 @@ def get_reward_fn(name: str) -> RewardFn:
 
 
 def reward_for_data_source(data_source: str) -> RewardFn:
+    if data_source.startswith("reasoning_gym/"):  # reasoning-gym's datasets, each scored by its own score_answer
+        return REWARD_FNS["reasoning_gym"]
     return REWARD_FNS[DATA_SOURCE_REWARDS.get(data_source, "exact_match")]
+
+
+def score_row(row: dict[str, Any], response: str, ground_truth: Any) -> tuple[float, dict[str, Any]]:
+    """A data row's own rule (``reward.name=auto`` on its ``data_source``) on ``response``: the score and the
+    rule's other outputs (an environment that scores as the trainer would: ``verl env serve``, the tool tasks)."""
+    source = str(row.get("data_source") or "unknown")
+    result = reward_for_data_source(source)(source, response, ground_truth, row.get("extra_info"))
+    if isinstance(result, dict):
+        return float(result["score"]), {k: v for k, v in result.items() if k != "score"}
+    return float(result), {}
 
 
 def load_custom_reward(path: str, name: str) -> RewardFn:
@@ -65,6 +87,14 @@ def load_custom_reward(path: str, name: str) -> RewardFn:
     if not callable(fn):
         raise ConfigError(f"reward.custom_reward.name: '{path}' defines no function '{name}'")
     return fn
+
+
+@register_reward("reasoning_gym")
+def reasoning_gym_reward(data_source: str, solution_str: str, ground_truth: Any, extra_info=None, **kwargs) -> dict:
+    """A reasoning_gym: row scored as reasoning-gym scores it: ``score_answer(extract_answer(response), item)``."""
+    from verl.data.reasoning_gym import score  # noqa: PLC0415 - lazy: the package is optional
+
+    return score(solution_str, extra_info)
 
 
 @register_reward("exact_match")

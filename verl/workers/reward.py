@@ -14,6 +14,7 @@ timed out or answered garbage after its retries) scores NaN: missing, never 0 â€
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ from verl.protocol import DataProto
 from verl.rewards.judge import PointwiseRubric, RemoteJudge, load_rubric
 from verl.rewards.registry import get_reward_fn, load_custom_reward, reward_for_data_source
 from verl.rewards.remote import RemoteRewardModel
+from verl.sandbox.client import configure as configure_sandbox
 from verl.utils import log
 
 
@@ -49,6 +51,35 @@ def decode_responses(tokenizer: PreTrainedTokenizerBase, batch: DataProto) -> li
     lengths = response_lengths(batch).tolist()
     return tokenizer.batch_decode([row[:n].tolist() for row, n in zip(responses, lengths, strict=True)],
                                   skip_special_tokens=True)
+
+
+def environment_rewards(token_scores: torch.Tensor, batch: DataProto, extras: dict[str, np.ndarray]) -> torch.Tensor:
+    """Rows an environment rewarded (source ``env:<name>``) take its rewards instead of the rule's: each turn's at
+    that turn's last generated token, so outcome estimators sum them and gae sees where each was earned. A row whose
+    environment failed, or that ran in an environment which gave it no reward at all, scores NaN (missing: the
+    trainer masks and counts it), never 0. The rule's score stays an extra (``rule_score``); ``env_reward`` is the
+    environment's sum (NaN where it gave none), and the row's ``acc`` too (the rule's verdict on a row an
+    environment scores is not its accuracy: an env: row's data source may have none)."""
+    non = batch.non_tensor
+    turn_rewards, errors, names = non["turn_rewards"], non["env_error"], non["env_name"]
+    rewarded = np.array([bool(r) or e is not None or n is not None for r, e, n in zip(turn_rewards, errors, names,
+                                                                                      strict=True)])
+    if not rewarded.any():
+        return token_scores
+    extras["rule_score"] = token_scores.sum(-1).numpy().astype(np.float32)
+    extras["env_reward"] = np.full(len(turn_rewards), np.nan, dtype=np.float32)
+    out = token_scores.clone()
+    for i in np.flatnonzero(rewarded).tolist():
+        out[i] = 0.0
+        if errors[i] is not None or not turn_rewards[i]:
+            out[i, -1] = float("nan")
+            continue
+        for position, reward in turn_rewards[i]:
+            out[i, int(position)] += float(reward)
+        extras["env_reward"][i] = float(sum(r for _, r in turn_rewards[i]))
+    if "acc" in extras:
+        extras["acc"] = np.where(rewarded, extras["env_reward"], extras["acc"]).astype(np.float32)
+    return out
 
 
 def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -74,6 +105,8 @@ class RewardManager:
         self.model = None
         self.remote: RemoteRewardModel | None = None
         self.judge: RemoteJudge | None = None
+        sandbox = self.config.sandbox  # where the code reward runs programs (built at its first use)
+        configure_sandbox(sandbox.url, sandbox.max_concurrent, sandbox.memory_limit_mb)
         rm = self.config.model
         if rm.path:
             self._load_reward_model(rm.path, device)
@@ -116,7 +149,10 @@ class RewardManager:
             scores, extras = self._score_with_reward_model(batch, texts)
         else:
             scores, extras = self._score_with_rules(batch, texts)
-        return place_at_last_token(scores, batch.batch["response_mask"]), extras, texts
+        token_scores = place_at_last_token(scores, batch.batch["response_mask"])
+        if "turn_rewards" in batch.non_tensor:
+            token_scores = environment_rewards(token_scores, batch, extras)
+        return token_scores, extras, texts
 
     def _score_with_reward_model(self, batch: DataProto,
                                  texts: list[str]) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
@@ -155,15 +191,25 @@ class RewardManager:
         infos = batch.non_tensor.get("extra_info", np.array([{}] * len(texts), dtype=object))
         scores = np.zeros(len(texts), dtype=np.float32)
         extras: dict[str, list[float]] = {}
-        for i, text in enumerate(texts):
-            fn = self.fn or reward_for_data_source(str(sources[i]))
+        fns = [self.fn or reward_for_data_source(str(source)) for source in sources]
+
+        def score(i: int) -> Any:
             try:
-                result = fn(str(sources[i]), text, truths[i], infos[i], **self.config.kwargs)
+                return fns[i](str(sources[i]), texts[i], truths[i], infos[i], **self.config.kwargs)
             except Exception as exc:
                 raise VerlError(
-                    f"reward function {getattr(fn, '__name__', fn)} failed on sample {i} "
+                    f"reward function {getattr(fns[i], '__name__', fns[i])} failed on sample {i} "
                     f"(data_source={sources[i]!r}): {type(exc).__name__}: {exc}"
                 ) from exc
+
+        # Functions that wait on something else (the code reward on its sandbox: `concurrent = True`) score rows
+        # in threads, as many as the sandbox runs at once; the rest in order, in this thread.
+        if any(getattr(fn, "concurrent", False) for fn in fns) and len(texts) > 1:
+            with concurrent.futures.ThreadPoolExecutor(self.config.sandbox.max_concurrent) as pool:
+                results = list(pool.map(score, range(len(texts))))
+        else:
+            results = [score(i) for i in range(len(texts))]
+        for i, result in enumerate(results):
             if isinstance(result, dict):
                 scores[i] = float(result["score"])
                 for key, value in result.items():
