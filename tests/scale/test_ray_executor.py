@@ -44,10 +44,12 @@ VALIDATE_KL = {"total_steps": 2, "test_freq": 2, "val_before_train": True, "eval
 def assert_same_validation(a_dir, b_dir):
     a, b = rows_by_step(a_dir, "eval"), rows_by_step(b_dir, "eval")
     assert set(a) == set(b) == {0, 2}
-    assert a[0]["kl_exact"] == b[0]["kl_exact"] == 0.0  # before any update the policy is the reference
+    # Before any update the policy is the reference: 0 up to float32 rounding of two forwards (a CI box gave 2e-8:
+    # two loads of the same weights need not reduce in the same order), far below the KL after two steps.
+    assert 0.0 <= a[0]["kl_exact"] <= 1e-6 and 0.0 <= b[0]["kl_exact"] <= 1e-6
     for key in ("accuracy", "accuracy_flexible", "kl_exact", "kl_k3"):
         assert b[2][key] == pytest.approx(a[2][key], abs=1e-6, rel=1e-4), key
-    assert a[2]["kl_exact"] > 0
+    assert a[2]["kl_exact"] > 1e-4
 
 
 def test_two_ray_workers_match_the_local_executor(tmp_path):
