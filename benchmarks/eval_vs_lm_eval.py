@@ -19,7 +19,9 @@ Two measurements, each the median over repeats, run side by side (alternating) i
    (``Evaluation.evaluate`` with only the accuracy evaluator, including writing results/samples/report, vs
    ``lm_eval.simple_evaluate`` with a pre-built ``HFLM``);
 2. cold, command line: ``verl eval ...`` vs ``lm_eval ...`` as subprocesses (interpreter start, imports, model
-   load included) — what a user waits for.
+   load included) — what a user waits for;
+3. the same task file through ``verl eval --lm-eval-task`` (lm-eval run inside verl eval): its metrics must equal
+   lm-eval's own to the last digit (printed as a check), and its cold time beside the ``lm_eval`` command's.
 
 Prints a table and writes ``results.json`` into ``--out``. CPU timings on a shared machine are noisy: compare
 the ratio, and rerun when the machine is idle.
@@ -146,9 +148,14 @@ def main() -> None:
     verl_times, lm_times, verl_results, lm_results = alternate_warm_runs(run_verl, run_lm_eval, args.repeats)
     ours, theirs = accuracies_and_agreement(verl_results, lm_results, work / f"verl_eval_{args.repeats - 1}", count)
     verl_cmd, lm_cmd = command_lines(args, model_dir, count, task_dir, work)
-    cli = time_command_lines({"verl": verl_cmd, "lm_eval": lm_cmd}, args.cli_repeats)
+    task_cmd = [str(Path(sys.executable).with_name("verl")), "eval", "--ckpt", model_dir, "--lm-eval-task",
+                str(task_dir / "verl_task.yaml"), "--lm-eval-arg", f"batch_size={args.batch_size}", "--threads", "1",
+                "--quiet", "--out", str(work / "verl_lm_eval_task")]
+    cli = time_command_lines({"verl": verl_cmd, "lm_eval": lm_cmd, "verl_lm_eval_task": task_cmd}, args.cli_repeats)
     report = summarise(args, count, verl_times, lm_times, cli, ours, theirs, verl_results, " ".join(verl_cmd),
                        " ".join(lm_cmd))
+    if cli["verl_lm_eval_task"]:
+        report["lm_eval_task"] = lm_eval_task_check(work / "verl_lm_eval_task", lm_results, cli, count, task_cmd)
     (work / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"results: {work / 'results.json'}")
     print_table(report)
@@ -215,6 +222,19 @@ def accuracies_and_agreement(verl_results: dict, lm_results: dict, verl_dir: Pat
             their_texts[sample["doc_id"]] = sample["resps"][0][0]
     ours["identical_responses"] = sum(our_texts[i].strip() == their_texts.get(i, "").strip() for i in range(count))
     return ours, theirs
+
+
+def lm_eval_task_check(out: Path, lm_results: dict, cli: dict, count: int, task_cmd: list[str]) -> dict:
+    """3. The same task file through ``verl eval --lm-eval-task`` (lm-eval inside verl eval, its hf backend): its
+    metrics must be lm-eval's to the last digit; and its cold wall time beside ``lm_eval``'s."""
+    ours = json.loads((out / "results.json").read_text())["metrics"]
+    theirs = lm_results["results"]["verl_task"]
+    values = {f: (ours[f"eval/lm_eval/verl_task/exact_match/{f}"]["value"], theirs[f"exact_match,{f}"])
+              for f in ("strict-match", "flexible-extract")}
+    rate = count / statistics.median(cli["verl_lm_eval_task"])
+    return {"exact_match": values, "identical": all(a == b for a, b in values.values()),
+            "seconds": cli["verl_lm_eval_task"], "samples_per_s": rate,
+            "ratio_to_lm_eval_cli": rate / (count / statistics.median(cli["lm_eval"])), "command": " ".join(task_cmd)}
 
 
 def command_lines(args: argparse.Namespace, model_dir: str, count: int, task_dir: Path, work: Path
@@ -294,6 +314,11 @@ def print_table(report: dict) -> None:
         c = report["cold_cli"]
         print(f"{'cold CLI, samples/s (median of ' + str(report['cli_repeats']) + ')':<34}"
               f"{c['verl_eval_samples_per_s']:>12.1f}{c['lm_eval_samples_per_s']:>12.1f}{c['ratio']:>8.2f}")
+    if "lm_eval_task" in report:
+        t = report["lm_eval_task"]
+        print(f"{'cold CLI, verl eval --lm-eval-task':<34}{t['samples_per_s']:>12.1f}"
+              f"{report['cold_cli']['lm_eval_samples_per_s']:>12.1f}{t['ratio_to_lm_eval_cli']:>8.2f}  "
+              f"metrics {'identical to' if t['identical'] else 'DIFFER from'} lm-eval's")
     print(f"{'verl eval generation + scoring only':<34}{w['verl_generation_only_samples_per_s']:>12.1f}")
     a = report["accuracy"]
     print(f"identical responses: {a['verl_eval']['identical_responses']}/{report['prompts']}")

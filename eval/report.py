@@ -240,6 +240,32 @@ def write_checkpoint_report(out_dir: Path, results: dict, samples: list[dict]) -
     doc.write(out_dir)
 
 
+def write_lm_eval_report(out_dir: Path, results: dict, samples: list[dict], limit: int = 10) -> None:
+    """``verl eval --lm-eval-task``'s report (eval/lm_eval_tasks.py): the tasks, lm-eval's settings, every metric
+    with lm-eval's stderr beside ours, and the first documents."""
+    lm = results["lm_eval"]
+    doc = Doc(f"verl eval — lm-eval tasks, {results['label']}")
+    doc.p(f"Checkpoint `{results['checkpoint']}` (model hash `{results['model_hash']}`) with lm-evaluation-harness "
+          f"{lm.get('lm_eval_version')}: tasks {', '.join(f'`{t}`' for t in lm['tasks'])} "
+          f"({results['data']['num_prompts']} documents); model `hf` with `{lm['model_args']}`; options "
+          f"{json.dumps(lm['request']['args']) if lm['request']['args'] else 'lm-eval CLI defaults'}.")
+    doc.h("Metrics")
+    rows = [[name, fmt(m.get("value")), fmt(m.get("lm_eval_stderr"), 2), fmt(m.get("se"), 2), fmt_ci(m), m.get("n")]
+            for name, m in results["metrics"].items()]
+    doc.table(["metric", "value", "lm-eval stderr", "SE", "95% CI", "n"], rows)
+    doc.p("Value and stderr are lm-eval's own; SE and CI are ours from the per-document values (mean-aggregated "
+          "metrics), else lm-eval's stderr × 1.96. `verl compare` pairs the documents of mean-aggregated metrics.")
+    contamination = results.get("contamination")
+    if contamination:
+        doc.p(contamination_line(contamination))
+    doc.h("Documents")
+    doc.table(["task", "doc", "context (end)", "response", "target"],
+              [[r["task"], r["index"], r["prompt"][-60:], str(r["response"])[:80], str(r["ground_truth"])[:40]]
+               for r in samples[:limit]])
+    doc.p("Every document with every per-document value: `samples.jsonl`; all numbers: `results.json`.")
+    doc.write(out_dir)
+
+
 def write_pair_report(out_dir: Path, results: dict, samples: list[dict], limit: int = 10) -> None:
     """A reward model's report (``eval.pairwise``): what was scored, the metrics, and the pairs it ranks worst."""
     doc = Doc(f"verl eval — reward model {results['label']}")

@@ -79,6 +79,17 @@ class EvalSettings:
     group_by: str | None = option(None, "--group-by", help="Also report every metric per group of prompts: a "
                                   "column of the data, dotted inside a dict column (extra_info.kind, data_source); "
                                   "unset: extra_info.kind when every row has it; none: off.")
+    # lm-evaluation-harness tasks instead of verl's own generation and evaluators (eval/lm_eval_tasks.py).
+    lm_eval_tasks: list[str] | None = option(None, "--lm-eval-task", help="Run this lm-evaluation-harness task (a "
+                                             "name it knows, or a task YAML file; repeatable) on the checkpoint "
+                                             "with lm-eval's hf model; results as verl eval's, pairable by "
+                                             "verl compare.")
+    lm_eval_include: list[str] | None = option(None, "--lm-eval-include", help="A folder of lm-eval task YAMLs "
+                                               "(lm-eval's --include_path; repeatable).")
+    lm_eval_args: list[str] | None = option(None, "--lm-eval-arg", help="KEY=VALUE for lm-eval: num_fewshot, "
+                                            "apply_chat_template, fewshot_as_multiturn, system_instruction, limit, "
+                                            "gen_kwargs, bootstrap_iters, batch_size, seed, model_args "
+                                            "(repeatable).")
     dtype: str | None = None
     kl_micro_batch_size: int = 32
 
