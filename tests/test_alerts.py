@@ -306,3 +306,48 @@ def test_reward_model_gaming_fires_when_the_rm_score_rises_and_the_rule_accuracy
     assert late[-1] is not None and "peak 0.500" in late[-1].message
     assert all(a is None for a in run([0.2] * 6, [0.1] * 6))  # nothing rose
     assert gaming.check(1, {"rollout/rm_score": 0.5}) is None  # no rule accuracy logged: nothing to compare
+
+
+def test_reward_divergence_against_a_metric_logged_only_on_validation_steps():
+    """The training reward every step, the held-out accuracy every second step (validation, step 0 before training);
+    window 2, spread 0.1. Numbers by hand in the comments."""
+    from verl.trainer.health import RewardDivergence
+
+    def run(accuracy: dict[int, float]) -> dict[int, object]:
+        rule = RewardDivergence(window=2)
+        fired = {0: rule.check(0, {"eval/accuracy": accuracy[0]})}
+        for step, reward in enumerate([0.2, 0.2, 0.3, 0.4, 0.5, 0.6], 1):
+            fired[step] = rule.check(step, {"rollout/reward_mean": reward, "rollout/reward_std": 0.1})
+            if step in accuracy:  # the validation row comes after the step's (HealthMonitor.on_evaluate)
+                fired[step] = rule.check(step, {"eval/accuracy": accuracy[step]}) or fired[step]
+        return fired
+
+    # start (steps 1-2): reward 0.2, accuracy mean(step 0, step 2) = 0.8. Step 4: reward mean(0.3, 0.4) -> z = 1.5,
+    # no fire. Step 5: mean(0.4, 0.5) -> z = 2.5 against the accuracy at 4 (0.6), 0.2 below its peak 0.8: fires.
+    fired = run({0: 0.8, 2: 0.8, 4: 0.6, 6: 0.4})
+    assert [s for s, a in fired.items() if a is not None] == [5, 6]
+    assert fired[5].value == pytest.approx(2.5) and "eval/accuracy" in fired[5].message
+    assert "0.800 -> 0.600 (peak 0.800)" in fired[5].message
+    # The accuracy rising with the reward (0.8 -> 0.9 -> 1.0): learning, silent.
+    assert all(a is None for a in run({0: 0.8, 2: 0.8, 4: 0.9, 6: 1.0}).values())
+    # Before any held-out value after the start there is nothing to compare: silent however the reward rises.
+    rule = RewardDivergence(window=2)
+    rule.check(0, {"eval/accuracy": 0.8})
+    assert all(rule.check(s, {"rollout/reward_mean": 0.2 * s, "rollout/reward_std": 0.1}) is None for s in range(1, 7))
+
+
+def test_the_divergence_rule_is_a_default_when_the_run_validates_and_a_rule_anyone_can_write():
+    names = [r.name for r in build_health_rules(build_config({}))]
+    assert "reward_divergence" in names
+    assert "reward_divergence" not in [r.name for r in build_health_rules(build_config({"trainer": {"test_freq": 0}}))]
+    config = build_config({"trainer": {"health": {"add_rules": [
+        {"name": "code_gaming", "metric": "rollout/rm_score", "when": "diverges", "against": "eval/solved",
+         "threshold": 3.0, "window": 4, "action": "checkpoint"}]}}})
+    [rule] = [r for r in build_health_rules(config) if r.name == "code_gaming"]
+    assert (rule.reward, rule.task, rule.z, rule.window, rule.action) == ("rollout/rm_score", "eval/solved", 3.0, 4,
+                                                                          "checkpoint")
+    for bad, expected in (({"against": ""}, "needs `against`"), ({"action": "skip_step"}, "skip_step")):
+        spec = {"name": "x", "metric": "rollout/reward_mean", "when": "diverges", "against": "eval/accuracy",
+                "threshold": 2.0, **bad}
+        with pytest.raises(ConfigError, match=expected):
+            build_config({"trainer": {"health": {"add_rules": [spec]}}})

@@ -561,11 +561,16 @@ class HealthRuleConfig(Section):
 
     name: str = Field(..., min_length=1, description="Rule name (the alert row's 'rule').")
     metric: str = Field("", description="scope/name metric (e.g. ppo/kl_div); non_finite watches ppo/* and critic/*.")
-    when: Literal["above", "below", "drop_from_peak", "below_start", "non_finite"] = Field(
+    when: Literal["above", "below", "drop_from_peak", "below_start", "non_finite", "diverges"] = Field(
         ..., description="above/below: metric vs threshold; drop_from_peak: the mean of `window` steps fell more than "
         "`threshold` (a fraction) below its peak; below_start: below `threshold` x the mean of the first `window` "
-        "steps; non_finite: a NaN/Inf loss or gradient (the actor skipped the optimizer step).",
+        "steps; non_finite: a NaN/Inf loss or gradient (the actor skipped the optimizer step); diverges: the "
+        "training reward `metric` rose `threshold` starting spreads (rollout/reward_std) over `window` steps while "
+        "`against` (a held-out metric the reward does not make, e.g. eval/accuracy) rose by no more than `min_gain` "
+        "or fell from its peak (verl.trainer.health.RewardDivergence).",
     )
+    against: str = Field("", description="when=diverges: the held-out metric the reward is checked against.")
+    min_gain: float = Field(0.05, ge=0, description="when=diverges: a rise of `against` up to this is a stall.")
     threshold: float | None = Field(None, description="Required except for non_finite.")
     window: int = Field(1, ge=1, description="Steps averaged (drop_from_peak) or taken as the start (below_start).")
     patience: int = Field(1, ge=1, description="Consecutive steps the condition must hold before the action.")
@@ -587,6 +592,12 @@ class HealthRuleConfig(Section):
                 raise ValueError(f"rule '{self.name}': when={self.when} needs a threshold")
         if self.when in ("drop_from_peak", "below_start") and not (self.threshold or 0) > 0:
             raise ValueError(f"rule '{self.name}': when={self.when} needs a threshold > 0 (a fraction)")
+        if self.when == "diverges" and not self.against:
+            raise ValueError(f"rule '{self.name}': when=diverges needs `against`, the held-out metric (e.g. "
+                             "eval/accuracy) the reward is checked against")
+        if self.when == "diverges" and self.action == "skip_step":
+            raise ValueError(f"rule '{self.name}': when=diverges reads validation metrics, which come after the "
+                             "update: action=skip_step cannot act on it; use warn, checkpoint or stop")
         if self.action == "skip_step" and not self.metric.startswith("rollout/"):
             raise ValueError(f"rule '{self.name}': action=skip_step is decided before the update, when only "
                              f"rollout/* metrics exist; '{self.metric or self.when}' is not one")

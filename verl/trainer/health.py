@@ -162,55 +162,94 @@ class MetricRule:
 RM_STALL_Z = 2.0
 
 
-class RewardModelGaming:
-    """Warns when a reward model's reward rises while the rule's accuracy does not: reward hacking, seen in training.
+class RewardDivergence:
+    """Warns when a training reward rises while a held-out task metric does not: reward hacking, seen in training.
 
-    Needs the two numbers side by side: ``rollout/rm_score`` (the reward model's mean score) and ``rollout/acc`` (the
-    rule's accuracy on the same samples; logged when the data has answers). Over the first ``window`` steps it takes
-    the start: the mean score, the mean accuracy, and the mean ``rollout/reward_std`` (the score's spread across a
-    step's samples: a reward model's scores have units of their own). Afterwards, on the mean of the last ``window``
-    steps: ``z`` = (score - start) / spread; it acts when ``z >= RM_STALL_Z`` and the accuracy has not risen by more
-    than ``min_accuracy_gain``, or fell from its peak by more than that and by more than half its rise from the start.
-    Measured on SmolLM2 (benchmarks/rm_smollm2.py): with the peak rule alone (a fall of 0.05) it warned in three runs
-    that went on to 67-80% held-out accuracy, on dips of a 16-sample rollout accuracy."""
+    ``reward`` is a per-step training metric (``rollout/reward_mean``, or a reward model's ``rollout/rm_score``);
+    ``task`` is any metric the reward does not produce: the rule's accuracy on the same samples (every step) or a
+    held-out validation metric (``eval/accuracy``, an eval task's ``eval/...``: only on validation steps, which
+    ``HealthMonitor`` passes in through ``on_evaluate``). The start is the mean reward of the first ``window``
+    steps, its spread (the mean ``spread`` metric, the reward's standard deviation across a step's samples: a reward
+    has units of its own) and the task metric logged by the end of those steps. Now: the mean reward of the last
+    ``window`` steps, ``z`` = (now - start) / spread, against the task metric logged in those steps (else its latest
+    value after the start). It acts when ``z >= z`` and the task metric has not risen by more than ``min_gain``, or
+    fell from its peak (the best mean over ``window`` steps) by more than that and by more than half its rise.
+    Measured on SmolLM2 (benchmarks/rm_smollm2.py) with a reward model: with the peak rule alone (a fall of 0.05)
+    it warned in three runs that went on to 67-80% held-out accuracy, on dips of a 16-sample rollout accuracy."""
+
+    name = "reward_divergence"
+    reads_evaluation = True  # HealthMonitor also runs it on the validation metrics
+
+    def __init__(self, reward: str = "rollout/reward_mean", task: str = "eval/accuracy", window: int = 5,
+                 min_gain: float = 0.05, z: float = RM_STALL_Z, spread: str = "rollout/reward_std",
+                 action: Action = "warn", advice: str = "", name: str | None = None):
+        self.reward, self.task, self.spread = reward, task, spread
+        self.window, self.min_gain, self.z, self.action, self.advice = window, min_gain, z, action, advice
+        if name is not None:
+            self.name = name
+        self.rewards: list[tuple[int, float, float]] = []  # (step, reward, spread)
+        self.values: dict[int, float] = {}  # step -> task metric
+
+    def check(self, step: int, metrics: dict[str, float]) -> Alert | None:
+        reward, value = _finite(metrics, self.reward), _finite(metrics, self.task)
+        if reward is not None and not (self.rewards and self.rewards[-1][0] == step):
+            self.rewards.append((step, reward, _finite(metrics, self.spread) or 0.0))
+        if value is not None:
+            self.values[step] = value
+        w = self.window
+        if len(self.rewards) < 2 * w:
+            return None
+        start_end, now_begin = self.rewards[w - 1][0], self.rewards[-w][0]
+        steps = sorted(self.values)
+        start = [self.values[s] for s in steps if s <= start_end]
+        later = [s for s in steps if s > start_end]
+        spread = sum(r[2] for r in self.rewards[:w]) / w
+        if not start or not later or spread <= 1e-9:
+            return None  # nothing held out from the start, or nothing since: no comparison yet
+        start_reward = sum(r[1] for r in self.rewards[:w]) / w
+        now_reward = sum(r[1] for r in self.rewards[-w:]) / w
+        start_value = sum(start) / len(start)
+        recent = [self.values[s] for s in later if s >= now_begin] or [self.values[later[-1]]]
+        now_value = sum(recent) / len(recent)
+        windows = [[self.values[t] for t in steps if s - w < t <= s] for s in later]
+        peak = max([start_value, *(sum(v) / len(v) for v in windows)])
+        z = (now_reward - start_reward) / spread
+        # Fallen from the peak: by more than the noise floor and by more than half of what it had gained (a step's
+        # rule accuracy is a few samples' worth: a small dip after a real rise is not gaming).
+        fell = peak - now_value > max(self.min_gain, 0.5 * (peak - start_value))
+        stalled = now_value - start_value <= self.min_gain or fell
+        if z < self.z or not stalled:
+            return None
+        message = self.describe(z, start_reward, now_reward, start_value, now_value, peak)
+        if self.advice:
+            message += f"; {self.advice}"
+        return Alert(self.name, message, metric=self.reward, value=z, threshold=self.z,
+                     severity="critical" if self.action == "stop" else "warning", action=self.action)
+
+    def describe(self, z: float, start_reward: float, now_reward: float, start_value: float, now_value: float,
+                 peak: float) -> str:
+        return (f"{self.reward} rose {z:.1f} times its starting spread ({start_reward:.3f} -> {now_reward:.3f}, mean "
+                f"of {self.window} steps) while {self.task}, which the reward does not make, went {start_value:.3f} "
+                f"-> {now_value:.3f} (peak {peak:.3f}): the policy may be gaming the reward; read the samples")
+
+
+class RewardModelGaming(RewardDivergence):
+    """``RewardDivergence`` of a reward model's score (``rollout/rm_score``) against the rule's accuracy on the same
+    samples (``rollout/acc``, logged when the data has answers): on by default when a reward model gives the
+    reward."""
 
     name = "reward_model_gaming"
 
     def __init__(self, window: int = 5, min_accuracy_gain: float = 0.05, z: float = RM_STALL_Z):
-        self.window, self.min_accuracy_gain, self.z = window, min_accuracy_gain, z
-        self.scores: list[float] = []
-        self.accuracy: list[float] = []
-        self.spreads: list[float] = []
+        super().__init__("rollout/rm_score", "rollout/acc", window, min_accuracy_gain, z)
 
-    def check(self, step: int, metrics: dict[str, float]) -> Alert | None:
-        score, acc = _finite(metrics, "rollout/rm_score"), _finite(metrics, "rollout/acc")
-        if score is None or acc is None:
-            return None
-        self.scores.append(score)
-        self.accuracy.append(acc)
-        self.spreads.append(_finite(metrics, "rollout/reward_std") or 0.0)
-        w = self.window
-        if len(self.scores) < 2 * w:
-            return None
-        start_score, start_acc = sum(self.scores[:w]) / w, sum(self.accuracy[:w]) / w
-        spread = sum(self.spreads[:w]) / w
-        now_score, now_acc = sum(self.scores[-w:]) / w, sum(self.accuracy[-w:]) / w
-        peak_acc = max(sum(self.accuracy[i:i + w]) / w for i in range(len(self.accuracy) - w + 1))
-        if spread <= 1e-9:
-            return None
-        z = (now_score - start_score) / spread
-        # Fallen from the peak: by more than the noise floor and by more than half of what it had gained (a step's
-        # rule accuracy is a few samples' worth: a small dip after a real rise is not gaming).
-        fell = peak_acc - now_acc > max(self.min_accuracy_gain, 0.5 * (peak_acc - start_acc))
-        stalled = now_acc - start_acc <= self.min_accuracy_gain or fell
-        if z < self.z or not stalled:
-            return None
-        message = (f"the reward model's score rose {z:.1f} times its starting spread ({start_score:.3f} -> "
-                   f"{now_score:.3f}, mean of {w} steps) while the rule's accuracy went {start_acc:.3f} -> "
-                   f"{now_acc:.3f} (peak {peak_acc:.3f}): the policy may be gaming the reward model; read the "
-                   "samples, mix in the rule (reward.model.rule_weight) or retrain the reward model on the policy's "
-                   "newer answers")
-        return Alert(self.name, message, metric="rollout/rm_score", value=z, threshold=self.z)
+    def describe(self, z: float, start_reward: float, now_reward: float, start_value: float, now_value: float,
+                 peak: float) -> str:
+        return (f"the reward model's score rose {z:.1f} times its starting spread ({start_reward:.3f} -> "
+                f"{now_reward:.3f}, mean of {self.window} steps) while the rule's accuracy went {start_value:.3f} -> "
+                f"{now_value:.3f} (peak {peak:.3f}): the policy may be gaming the reward model; read the "
+                "samples, mix in the rule (reward.model.rule_weight) or retrain the reward model on the policy's "
+                "newer answers")
 
 
 def emit_alert(trainer: Any, alert: Alert, step: int) -> dict[str, Any]:
@@ -250,11 +289,14 @@ class HealthMonitor(TrainerCallback):
     def from_config(cls, config: Any) -> HealthMonitor:
         return cls(build_health_rules(config), config.trainer.health.cooldown_steps)
 
-    def _run(self, trainer: Any, step: int, metrics: dict[str, float], before_update: bool) -> None:
+    def _run(self, trainer: Any, step: int, metrics: dict[str, float], before_update: bool,
+             evaluation: bool = False) -> None:
         due: dict[str, Alert] = {}
         for rule in self.rules:
             if bool(getattr(rule, "before_update", False)) != before_update:
                 continue
+            if evaluation and not getattr(rule, "reads_evaluation", False):
+                continue  # a rule over step metrics: the validation row is not a step (its patience, cooldown)
             alert = rule.check(step, metrics)
             if alert is None:
                 self.last_acted.pop(id(rule), None)  # the condition cleared: the next violation acts at once
@@ -275,6 +317,10 @@ class HealthMonitor(TrainerCallback):
 
     def on_step_end(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         self._run(trainer, step, metrics, before_update=False)
+
+    def on_evaluate(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        """Validation's ``eval/*`` metrics, for the rules that read held-out numbers (``reads_evaluation``)."""
+        self._run(trainer, step, metrics, before_update=False, evaluation=True)
 
 
 # ---------------------------------------------------------------------------------------------- defaults
@@ -299,6 +345,10 @@ def default_rules(config: Any) -> list[HealthRuleConfig]:
              advice="responses are being cut at data.max_response_length: raise it, or penalise length"),
         dict(name="repetition_collapse", metric="rollout/repetition_rate", when="above", threshold=0.5,
              advice="responses repeat themselves (degenerate loops): check the samples, lower the learning rate"),
+        # The training reward against the held-out accuracy (reward-independent: the data's answers), when the run
+        # validates: a reward that rises while the accuracy does not is being gamed.
+        *([dict(name="reward_divergence", metric="rollout/reward_mean", when="diverges", against="eval/accuracy",
+                threshold=RM_STALL_Z, window=5)] if config.trainer.test_freq > 0 else []),
         dict(name="non_finite", when="non_finite", cooldown_steps=1),  # every skipped update is reported
         dict(name="non_finite", when="non_finite", patience=3, action="stop",
              advice="lower actor.optim.lr, check the reward for NaN, or use float32"),
@@ -310,11 +360,20 @@ def build_health_rules(config: Any) -> list[Rule]:
     """The rules ``trainer.health`` configures (``config`` is a ``VerlConfig``)."""
     health = config.trainer.health
     specs = default_rules(config) if health.rules is None else list(health.rules)
-    rules: list[Rule] = [MetricRule(spec) for spec in [*specs, *health.add_rules]]
+    rules: list[Rule] = [rule_of(spec) for spec in [*specs, *health.add_rules]]
     model = config.reward.model
     if health.rules is None and (model.path or model.url):
         rules.append(RewardModelGaming())  # a reward model gives the reward: watch it against the rule
     return rules
+
+
+def rule_of(spec: HealthRuleConfig) -> Rule:
+    """The rule a ``trainer.health.rules`` entry describes: ``when: diverges`` is a ``RewardDivergence`` of
+    ``metric`` (a training reward) against ``against`` (a metric the reward does not make); the rest ``MetricRule``."""
+    if spec.when == "diverges":
+        return RewardDivergence(spec.metric, spec.against, spec.window, spec.min_gain, spec.threshold,
+                                action=spec.action, advice=spec.advice, name=spec.name)
+    return MetricRule(spec)
 
 
 def early_stop_rules(patience: int = 5, kl_threshold: float | None = 0.2, reward_drop: float | None = 0.2,
