@@ -208,3 +208,12 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for excess, nodeid in over:
         terminalreporter.write_line(f"  over budget by {excess:.0f} s: {nodeid} ({_BUDGETS.get(nodeid, 0.0):g} s "
                                     "stated)")
+
+
+@pytest.fixture(scope="session")
+def bubblewrap() -> None:
+    """The code sandbox's isolation (verl/sandbox): bubblewrap, which .ci/run installs (apt-get install)."""
+    from verl.sandbox.isolation import mechanism, probe_failure  # noqa: PLC0415
+
+    if mechanism() != "bubblewrap":
+        pytest.skip(f"{NO_BUBBLEWRAP}: {probe_failure()} (apt-get install bubblewrap)")

@@ -632,6 +632,24 @@ class RayConfig(Section):
     timeout_s: float = Field(900.0, gt=0.0, description="Longest wait for one role call before failing.")
 
 
+class EvalTaskConfig(Section):
+    """A held-out task validation also runs (``trainer.eval_tasks``; verl.trainer.validation.EvalTask): its prompts
+    are generated with the validation sampling and scored by their own data source's reward (``data_source``:
+    code rows in the sandbox, math by its checker), never the training reward, so its metrics say what the policy
+    can do whatever the reward rewards. Logged as ``eval/<name>/<metric>``; the divergence rule can watch them
+    (``trainer.health``, ``when: diverges``)."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="The metrics' prefix: eval/<name>/...")
+    data: list[str] = Field(..., min_length=1, description="Prompt files (parquet) or builtin:TASK/SPLIT.")
+    evaluators: list[str] = Field(["accuracy"], description="verl.evaluators specs (accuracy, code, length, ...).")
+    every: int | None = Field(None, ge=1, description="Run at validations whose step is a multiple of this (a "
+                              "multiple of trainer.test_freq); None: at every validation.")
+    max_samples: int | None = Field(None, ge=1, description="The first N prompts (None: all).")
+    max_new_tokens: int | None = Field(None, ge=1, description="Generation length; None: data.max_response_length.")
+    max_prompt_length: int | None = Field(None, ge=1, description="Longest prompt (longer ones are dropped); None: "
+                                          "data.max_prompt_length.")
+
+
 class TrainerConfig(Section):
     output_dir: str = Field("outputs", description="Root of run directories.")
     project_name: str = Field("verl")
@@ -686,6 +704,9 @@ class TrainerConfig(Section):
         description="Validation evaluators by name from verl.evaluators (accuracy, length, diversity, reward, kl; "
         "options as name(key=value); your own as path/to/file.py:Class or module:Class). Same code as verl eval.",
     )
+    eval_tasks: list[EvalTaskConfig] = Field(
+        default_factory=list, description="Held-out tasks validation also runs, each scored by its own data source's "
+        "reward (not the training reward): eval/<name>/<metric>.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Tracker settings.")
     callbacks: CallbacksConfig = Field(default_factory=CallbacksConfig, description="Callbacks from YAML.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="Health rules over logged metrics.")
@@ -703,6 +724,15 @@ class TrainerConfig(Section):
     def _steps_or_epochs(self) -> TrainerConfig:
         if self.total_steps is None and self.total_epochs is None:
             raise ValueError("set trainer.total_steps or trainer.total_epochs")
+        names = [task.name for task in self.eval_tasks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"trainer.eval_tasks: names must differ (they prefix the metrics), got {names}")
+        for task in self.eval_tasks:
+            if self.test_freq <= 0:
+                raise ValueError(f"trainer.eval_tasks ({task.name}) run at validation: set trainer.test_freq > 0")
+            if task.every is not None and task.every % self.test_freq:
+                raise ValueError(f"trainer.eval_tasks.{task.name}.every={task.every} must be a multiple of "
+                                 f"trainer.test_freq={self.test_freq} (tasks run at validations)")
         return self
 
     @field_validator("profile_steps", mode="before")

@@ -35,7 +35,8 @@ def write_steps(log_path: Path, run: int, first: int, last: int, total: int, fin
         logger.info("train", progress=step / total)
         logger.flush(step)
         if step % 5 == 0:
-            logger.info("eval", accuracy=0.5 + 0.01 * step)
+            tasks = {"humaneval/pass@1": 0.02 * step, "clean/accuracy": 0.4} if run == 0 else {}  # trainer.eval_tasks
+            logger.info("eval", accuracy=0.5 + 0.01 * step, **tasks)
             logger.flush(step)
     if finish:
         logger.event("alert", level="WARNING", step=last, rule="kl_far_above_target", message="KL <b>high</b>")

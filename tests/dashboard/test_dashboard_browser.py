@@ -62,6 +62,9 @@ def test_dashboard_renders_runs_and_follows_a_growing_log(tmp_path):
         assert page.evaluate("window.verlDashboard.charts['env-CalculatorEnv-reward_mean'].data[1]") == \
             pytest.approx([0.2 + 0.01 * s for s in range(1, 9)])
         assert "Environment CalculatorEnv: step latency" in page.locator("#charts").inner_text()
+        wait_for_points(page, "task-humaneval-pass_at_1", [1])  # run0's eval task (trainer.eval_tasks)
+        assert "Eval task humaneval: pass@1" in page.locator("#charts").inner_text()
+        assert not page.evaluate("window.verlDashboard.panels.some((p) => p.task === 'clean')")  # eval/clean/*
         eval_steps = page.evaluate("window.verlDashboard.charts.eval_accuracy.data[0]")
         assert eval_steps == [5]
         assert page.locator("#samples tbody tr").count() == 16

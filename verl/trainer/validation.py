@@ -8,13 +8,14 @@ evaluators are ``verl eval``'s (``verl.evaluators``), so a name means the same n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from verl.config import VerlConfig
+from verl.config import EvalTaskConfig, RewardConfig, VerlConfig
 from verl.data.contamination import TrainingIndex, summary, text_of
 from verl.data.dataset import RLHFDataset
 from verl.errors import ConfigError
@@ -116,9 +117,43 @@ def sample_rows(columns: dict[str, np.ndarray], texts: list[str], scores, limit:
             for i in list(range(0, len(texts), stride))[:limit]]
 
 
+class EvalTask:
+    """A ``trainer.eval_tasks`` entry at run time: its prompts (the run's training prompts left out, as validation
+    leaves them out), its own data sources' rewards (``reward.name=auto``: never the training reward, its custom
+    function or reward model), its evaluators, and when it runs."""
+
+    def __init__(self, spec: EvalTaskConfig, config: VerlConfig, tokenizer: Any):
+        self.spec = spec
+        key = f"trainer.eval_tasks.{spec.name}.data"
+        data_cfg = config.data.model_copy(update={
+            "max_prompt_length": spec.max_prompt_length or config.data.max_prompt_length})
+        self.dataset = RLHFDataset(spec.data, tokenizer, data_cfg, key, True, disjoint_from=config.data.train_files)
+        self.reward = RewardManager(tokenizer, RewardConfig(sandbox=config.reward.sandbox))
+        self.evaluators = []
+        for evaluator_spec in spec.evaluators:
+            evaluator = build_evaluator(evaluator_spec)
+            check_validation_needs(evaluator, f"trainer.eval_tasks.{spec.name}: {evaluator_spec}", config)
+            self.evaluators.append(evaluator)
+
+    def due(self, step: int) -> bool:
+        return self.spec.every is None or step % self.spec.every == 0
+
+    def run(self, config: VerlConfig, engine: RolloutEngine, params: SamplingParams,
+            kl_terms: Callable[[DataProto], dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Generate on the task's prompts and score them: ``{<name>/<metric>: value}`` for the ``eval`` scope."""
+        if self.spec.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=self.spec.max_new_tokens)
+        batch, scores, extras, texts = generate_and_score(engine, self.dataset, self.reward, params,
+                                                          config.data.val_batch_size, self.spec.max_samples)
+        metrics = validation_metrics(batch, scores, extras)
+        evaluated, _ = run_validation_evaluators(config, self.evaluators, batch, texts, scores, extras, kl_terms)
+        metrics.update({name: metric.value for name, metric in evaluated.items()})
+        return {f"{self.spec.name}/{name}": value for name, value in metrics.items()}
+
+
 class Validator:
     """A policy run's validation: its prompts, reward, evaluators (``trainer.evaluators`` and registered ones),
-    ``data.val_group_by`` groups and the prompts that overlap the training data."""
+    ``data.val_group_by`` groups, the prompts that overlap the training data, and ``trainer.eval_tasks``."""
 
     def __init__(self, config: VerlConfig, dataset: RLHFDataset, reward_manager: Any,
                  overlap: list[str | None] | None, contamination: dict | None):
@@ -128,6 +163,8 @@ class Validator:
         self.groups = validation_group_labels(config, dataset)
         self.registered: list[Any] = []  # register_evaluator() objects
         self._configured: list[Any] | None = None  # trainer.evaluators, built on first use
+        # Built now: a task's missing data or unknown evaluator fails before the first step.
+        self.tasks = [EvalTask(spec, config, dataset.tokenizer) for spec in config.trainer.eval_tasks]
 
     def register(self, evaluator: Any) -> None:
         """Run ``evaluator`` at every validation; refused at once if validation cannot compute what it needs."""
@@ -141,9 +178,10 @@ class Validator:
         return [*self._configured, *self.registered]
 
     def run(self, engine: RolloutEngine, params: SamplingParams,
-            kl_terms: Callable[[DataProto], dict[str, torch.Tensor]]) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """Generate on the validation split and score it: the ``eval`` scope's metrics (without the scope) and the
-        sample rows to log."""
+            kl_terms: Callable[[DataProto], dict[str, torch.Tensor]], step: int = 0
+            ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Generate on the validation split and score it, then the eval tasks due at ``step``: the ``eval`` scope's
+        metrics (without the scope) and the sample rows to log."""
         cfg = self.config
         batch, scores, extras, texts = generate_and_score(engine, self.dataset, self.reward_manager, params,
                                                           cfg.data.val_batch_size, cfg.data.val_max_samples)
@@ -160,6 +198,9 @@ class Validator:
             # Beside the whole, never instead of it: the curve a user already watches keeps its meaning.
             validated = self.overlap[:cfg.data.val_max_samples]  # the prompts generate_and_score used
             metrics.update({f"clean/{k}": v for k, v in clean_validation_metrics(validated, scores, extras).items()})
+        for task in self.tasks:
+            if task.due(step):
+                metrics.update(task.run(cfg, engine, params, kl_terms))
         return metrics, sample_rows(batch.non_tensor, texts, scores, cfg.trainer.num_samples_to_log)
 
 

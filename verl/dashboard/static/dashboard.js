@@ -81,6 +81,27 @@
     }
   }
 
+  // Per held-out task (trainer.eval_tasks: eval/<task>/<metric>), a panel per headline metric as it appears.
+  const TASK_METRICS = [
+    ["accuracy", "accuracy"], ["accuracy_flexible", "flexible accuracy"], ["pass@1", "pass@1"],
+    ["tests_passed", "tests passed"], ["solved", "solved"],
+  ];
+  const TASK_TAG = /^eval\/([A-Za-z0-9_.-]+)\/([a-z_@0-9]+)$/;
+  const NOT_TASKS = new Set(["clean"]);  // eval/clean/*: validation's own prompts without the overlapping ones
+
+  function addTaskPanels() {
+    for (const tag of state.tags) {
+      const match = TASK_TAG.exec(tag);
+      if (!match || NOT_TASKS.has(match[1])) continue;
+      const [, name, metric] = match;
+      const known = TASK_METRICS.find(([m]) => m === metric);
+      const id = `task-${name.replace(/[^A-Za-z0-9_-]/g, "_")}-${metric.replace("@", "_at_")}`;
+      if (!known || state.panels.some((p) => p.id === id)) continue;
+      state.panels.push({ id, title: `Eval task ${name}: ${known[1]} — ${tag}`, tags: [tag], optional: true,
+                          task: name });
+    }
+  }
+
   function applyRun(run) {
     let known = state.runs.find((r) => r.id === run.id);
     if (!known) {
@@ -277,6 +298,7 @@
       const payload = await response.json();
       for (const run of payload.runs) applyRun(run);
       addEnvironmentPanels();
+      addTaskPanels();
       state.samples = payload.samples;
       state.alerts = payload.alerts;
       renderRuns();
