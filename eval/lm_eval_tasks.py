@@ -357,7 +357,7 @@ def evaluate_lm_eval(model_path: str, base_path: str | None, tokenizer: str | No
     """Run the tasks on the checkpoint at ``model_path``; write ``results.json``, ``samples.jsonl`` and the report
     into ``out_dir``; returns the results. ``train``: the run's training files and prompt key (contamination)."""
     from eval import contamination as contamination_check  # noqa: PLC0415
-    from eval.report import write_lm_eval_report  # noqa: PLC0415
+    from eval.report import write_tool_report  # noqa: PLC0415
     from eval.results import SCHEMA, model_hash, versions, write_results  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -387,7 +387,10 @@ def evaluate_lm_eval(model_path: str, base_path: str | None, tokenizer: str | No
         "versions": versions(), "device": device, "timing": {"total_seconds": seconds},
     }
     write_results(out_dir, results, samples)
-    write_lm_eval_report(out_dir, results, samples)
+    args = json.dumps(request.args) if request.args else "lm-eval CLI defaults"
+    write_tool_report(out_dir, results, samples, "lm-eval", f"lm-evaluation-harness {summary.get('lm_eval_version')} "
+                      f"tasks {', '.join(request.tasks)}, model `hf` with `{model_args}`, options {args}",
+                      "lm_eval_stderr")
     if say is not None:
         say(f"{label}: " + "  ".join(f"{name[len(PREFIX):]}={m['value']:.4f}" for name, m in metrics.items())
             + f"  -> {out_dir}")

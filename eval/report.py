@@ -240,29 +240,28 @@ def write_checkpoint_report(out_dir: Path, results: dict, samples: list[dict]) -
     doc.write(out_dir)
 
 
-def write_lm_eval_report(out_dir: Path, results: dict, samples: list[dict], limit: int = 10) -> None:
-    """``verl eval --lm-eval-task``'s report (eval/lm_eval_tasks.py): the tasks, lm-eval's settings, every metric
-    with lm-eval's stderr beside ours, and the first documents."""
-    lm = results["lm_eval"]
-    doc = Doc(f"verl eval — lm-eval tasks, {results['label']}")
-    doc.p(f"Checkpoint `{results['checkpoint']}` (model hash `{results['model_hash']}`) with lm-evaluation-harness "
-          f"{lm.get('lm_eval_version')}: tasks {', '.join(f'`{t}`' for t in lm['tasks'])} "
-          f"({results['data']['num_prompts']} documents); model `hf` with `{lm['model_args']}`; options "
-          f"{json.dumps(lm['request']['args']) if lm['request']['args'] else 'lm-eval CLI defaults'}.")
+def write_tool_report(out_dir: Path, results: dict, samples: list[dict], tool: str, description: str,
+                      stderr_key: str, limit: int = 10) -> None:
+    """The report of a task another tool ran and scored (``--lm-eval-task``: eval/lm_eval_tasks.py;
+    ``--inspect-task``: eval/inspect_tasks.py): what ran, every metric with the tool's stderr beside ours, and the
+    first samples."""
+    doc = Doc(f"verl eval — {tool} tasks, {results['label']}")
+    doc.p(f"Checkpoint `{results['checkpoint']}` (model hash `{results['model_hash']}`): {description} "
+          f"({results['data']['num_samples']} samples).")
     doc.h("Metrics")
-    rows = [[name, fmt(m.get("value")), fmt(m.get("lm_eval_stderr"), 2), fmt(m.get("se"), 2), fmt_ci(m), m.get("n")]
+    rows = [[name, fmt(m.get("value")), fmt(m.get(stderr_key), 2), fmt(m.get("se"), 2), fmt_ci(m), m.get("n")]
             for name, m in results["metrics"].items()]
-    doc.table(["metric", "value", "lm-eval stderr", "SE", "95% CI", "n"], rows)
-    doc.p("Value and stderr are lm-eval's own; SE and CI are ours from the per-document values (mean-aggregated "
-          "metrics), else lm-eval's stderr × 1.96. `verl compare` pairs the documents of mean-aggregated metrics.")
+    doc.table(["metric", "value", f"{tool} stderr", "SE", "95% CI", "n"], rows)
+    doc.p(f"Value and stderr are {tool}'s own; SE and CI are ours from the per-sample values (mean metrics), else "
+          f"{tool}'s stderr × 1.96. `verl compare` pairs the samples of mean metrics.")
     contamination = results.get("contamination")
     if contamination:
         doc.p(contamination_line(contamination))
-    doc.h("Documents")
-    doc.table(["task", "doc", "context (end)", "response", "target"],
-              [[r["task"], r["index"], r["prompt"][-60:], str(r["response"])[:80], str(r["ground_truth"])[:40]]
-               for r in samples[:limit]])
-    doc.p("Every document with every per-document value: `samples.jsonl`; all numbers: `results.json`.")
+    doc.h("Samples")
+    doc.table(["task", "sample", "input (end)", "response", "target"],
+              [[r["task"], r["prompt_id"].split(":")[2], r["prompt"][-60:], str(r["response"])[:80],
+                str(r["ground_truth"])[:40]] for r in samples[:limit]])
+    doc.p("Every sample with every per-sample value: `samples.jsonl`; all numbers: `results.json`.")
     doc.write(out_dir)
 
 

@@ -752,6 +752,10 @@ def run_eval(ckpt: str | Path, settings: EvalSettings, out: str | Path | None = 
     if reward_model_checkpoint(target) is not None:
         # A sequence classifier does not generate: it is scored on preference pairs instead.
         return evaluate_reward_model(target, settings, out, console)
+    if settings.inspect_tasks:  # Inspect generates (through our service) and scores
+        from eval.inspect_tasks import run_inspect_tasks  # noqa: PLC0415
+
+        return run_inspect_tasks(target, settings, out, console, load_run_config(target.run_dir)[0])
     if settings.lm_eval_tasks:  # lm-eval generates and scores: none of the machinery below runs
         from eval.lm_eval_tasks import run_lm_eval_tasks  # noqa: PLC0415
 

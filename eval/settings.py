@@ -90,6 +90,16 @@ class EvalSettings:
                                             "apply_chat_template, fewshot_as_multiturn, system_instruction, limit, "
                                             "gen_kwargs, bootstrap_iters, batch_size, seed, model_args "
                                             "(repeatable).")
+    # Inspect tasks instead of verl's own generation (eval/inspect_tasks.py).
+    inspect_tasks: list[str] | None = option(None, "--inspect-task", help="Run this Inspect task (FILE.py@task; "
+                                             "repeatable) against our service on the checkpoint (or --service).")
+    inspect_grader: str | None = option(None, "--inspect-grader", help="The model a model-graded scorer uses "
+                                        "(Inspect's grader role; served beside the checkpoint, temperature 0).")
+    inspect_args: list[str] | None = option(None, "--inspect-arg", help="KEY=VALUE for Inspect: epochs, "
+                                            "epochs_reducer, limit, temperature, top_p, max_tokens, seed, "
+                                            "max_connections, model (with --service).")
+    service: str | None = option(None, "--service", help="--inspect-task against this running service (its URL) "
+                                 "instead of one started on the checkpoint.")
     dtype: str | None = None
     kl_micro_batch_size: int = 32
 

@@ -1,0 +1,253 @@
+"""Inspect tasks inside ``verl eval`` (``--inspect-task FILE.py@task``).
+
+    verl eval --ckpt C --inspect-task tasks.py@sums [--inspect-grader builtin:smollm2-135m-instruct] \
+        [--inspect-arg epochs=4] [--service URL]
+
+Inspect (``inspect_ai.eval``) runs the task itself — its dataset, solvers, scorers, epochs and reducers — against
+an OpenAI-compatible endpoint through its ``openai-api`` provider: our service, started here on the checkpoint at
+127.0.0.1 (served as ``policy``, with the grader model beside it as ``grader`` when ``--inspect-grader`` names one)
+or a running one (``--service URL``: its first model, or ``--inspect-arg model=NAME``). A model-graded scorer gets
+the grader through Inspect's ``grader`` model role, at temperature 0. Inspect's own log goes to ``<out>/inspect``.
+
+What comes back is ``verl eval``'s: ``results.json`` with each scorer metric as
+``eval/inspect/<task>/<scorer>/<metric>`` (Inspect's value and stderr, ``inspect_stderr``; a mean metric also our
+clustered SE and 95% CI from the samples' per-epoch values), and ``samples.jsonl`` with one row per (sample,
+epoch): ``prompt_id`` ``inspect:<task>:<sample id>:<input hash>``, ``sample`` the epoch, the input, the
+completion, each scorer's value as a number (Inspect's ``value_to_float``: C 1, P 0.5, I 0), so ``verl compare``
+pairs samples as for any evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from verl.errors import ConfigError, VerlError
+from verl.evaluators.stats import Z95, mean_metric
+
+PREFIX = "eval/inspect/"
+SERVICE = "verl"  # openai-api/verl/<model>: Inspect reads VERL_API_KEY and the base URL we pass
+
+
+def _int(value: str) -> int:
+    return int(value)
+
+
+def _float(value: str) -> float:
+    return float(value)
+
+
+# --inspect-arg KEY=VALUE: what `inspect eval` users pass most, parsed as its CLI parses it.
+ARGS: dict[str, Callable[[str], Any]] = {
+    "epochs": _int, "epochs_reducer": str, "limit": _int, "temperature": _float, "top_p": _float,
+    "max_tokens": _int, "seed": _int, "max_connections": _int, "model": str,
+}
+
+
+def parse_args(raw: list[str] | None) -> dict[str, Any]:
+    args: dict[str, Any] = {}
+    for item in raw or []:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ConfigError(f"--inspect-arg {item!r}: expected KEY=VALUE (e.g. epochs=4)")
+        if key not in ARGS:
+            raise ConfigError(f"--inspect-arg {key}: not an Inspect option verl eval passes on; known: "
+                              f"{', '.join(ARGS)}")
+        try:
+            args[key] = ARGS[key](value)
+        except ValueError as exc:
+            raise ConfigError(f"--inspect-arg {key}={value}: {exc}") from None
+    return args
+
+
+def check_task_spec(spec: str) -> None:
+    path, _, name = spec.partition("@")
+    if not Path(path).is_file():
+        raise ConfigError(f"--inspect-task {spec}: no such file {path!r} (give FILE.py@task)")
+
+
+@contextlib.contextmanager
+def served(model_dir: str, grader: str | None) -> Iterator[str]:
+    """Our service on 127.0.0.1 (a free port) in a thread: ``policy`` (and ``grader``); yields its base URL."""
+    import socket  # noqa: PLC0415
+
+    import uvicorn  # noqa: PLC0415
+
+    from serve.api import create_app  # noqa: PLC0415
+    from serve.settings import load_settings  # noqa: PLC0415
+
+    models = [{"name": "policy", "path": model_dir}] + ([{"name": "grader", "path": grader}] if grader else [])
+    settings = load_settings(None, load_in_background=False, models=models)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise VerlError(f"the service for {model_dir} did not start on 127.0.0.1:{port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def first_model(url: str) -> str:
+    import httpx  # noqa: PLC0415
+
+    try:
+        data = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+    except Exception as exc:  # noqa: BLE001 - any failure here is the same fix
+        raise ConfigError(f"--service {url}: no model list at /v1/models ({exc}); is it a verl serve URL?") from None
+    return data[0]["id"]
+
+
+def run_inspect(specs: list[str], url: str, model: str, grader: str | None, args: dict[str, Any],
+                log_dir: Path) -> list[Any]:
+    """``inspect_ai.eval`` of ``specs`` on ``openai-api/verl/<model>`` at ``url``; the grader role at temperature 0."""
+    try:
+        import inspect_ai  # noqa: PLC0415
+        from inspect_ai.model import GenerateConfig, get_model  # noqa: PLC0415
+    except ImportError:
+        raise VerlError("--inspect-task needs Inspect: pip install 'inspect-ai>=0.3.285'") from None
+    os.environ.setdefault(f"{SERVICE.upper()}_API_KEY", "none")  # our service takes none unless configured
+    base = f"{url}/v1"
+    roles = None
+    if grader:
+        roles = {"grader": get_model(f"openai-api/{SERVICE}/{grader}", base_url=base,
+                                     config=GenerateConfig(temperature=0.0))}
+    generate = {k: args[k] for k in ("temperature", "top_p", "max_tokens", "seed", "max_connections") if k in args}
+    epochs = args.get("epochs")
+    if epochs is not None and "epochs_reducer" in args:
+        from inspect_ai import Epochs  # noqa: PLC0415
+
+        epochs = Epochs(epochs, args["epochs_reducer"])
+    logs = inspect_ai.eval(list(specs), model=f"openai-api/{SERVICE}/{model}", model_base_url=base,
+                           model_roles=roles, log_dir=str(log_dir), display="none", limit=args.get("limit"),
+                           epochs=epochs, **generate)
+    failed = [log for log in logs if log.status != "success"]
+    if failed:
+        error = failed[0].error.message if failed[0].error else failed[0].status
+        raise VerlError(f"Inspect task {failed[0].eval.task} did not finish: {error}")
+    return logs
+
+
+def convert(logs: list[Any]) -> tuple[dict[str, dict], list[dict]]:
+    """Inspect's logs -> (our metrics, samples.jsonl rows)."""
+    from inspect_ai.scorer import value_to_float  # noqa: PLC0415
+
+    to_float = value_to_float()
+    metrics: dict[str, dict] = {}
+    rows: list[dict] = []
+    for log in logs:
+        task = log.eval.task.split("/")[-1]
+        columns: dict[str, list[tuple[str, float]]] = {}
+        for sample in log.samples or []:
+            text = sample.input if isinstance(sample.input, str) else json.dumps(
+                [m.model_dump(mode="json") for m in sample.input])
+            digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+            row = {"prompt_id": f"inspect:{task}:{sample.id}:{digest}", "index": len(rows),
+                   "sample": int(sample.epoch) - 1, "task": task, "prompt": text,
+                   "response": sample.output.completion if sample.output else "",
+                   "ground_truth": sample.target, "data_source": f"inspect:{task}", "response_length": None}
+            for scorer, score in (sample.scores or {}).items():
+                value = float(to_float(score.value))
+                row[f"inspect/{task}/{scorer}"] = value if math.isfinite(value) else None
+                row.setdefault("answers", {})[scorer] = score.answer
+                if math.isfinite(value):
+                    columns.setdefault(scorer, []).append((row["prompt_id"], value))
+            rows.append(row)
+        for result in log.results.scores if log.results else []:
+            stderr = result.metrics.get("stderr")
+            pairs = columns.get(result.name, [])
+            values = np.array([v for _, v in pairs])
+            for name, metric in result.metrics.items():
+                if name == "stderr":
+                    continue
+                key = f"{PREFIX}{task}/{result.name}/{name}"
+                value = float(metric.value)
+                column = f"inspect/{task}/{result.name}"
+                is_mean = name in ("accuracy", "mean") and result.reducer in (None, "mean") and values.size and \
+                    math.isclose(float(values.mean()), value, rel_tol=1e-9, abs_tol=1e-12)
+                if is_mean:
+                    ours = mean_metric(values, np.array([p for p, _ in pairs]),
+                                       binary=bool(np.isin(values, (0.0, 1.0)).all()), column=column,
+                                       higher_is_better=True, evaluator="inspect").to_dict()
+                    ours["value"] = value
+                else:
+                    se = None if stderr is None else float(stderr.value)
+                    ours = {"value": value, "se": se, "ci_low": None if se is None else value - Z95 * se,
+                            "ci_high": None if se is None else value + Z95 * se, "n": int(values.size),
+                            "method": "inspect", "aggregate": "inspect", "column": None, "binary": False,
+                            "higher_is_better": None, "evaluator": "inspect"}
+                ours["inspect_stderr"] = None if stderr is None else float(stderr.value)
+                ours["reducer"] = result.reducer
+                metrics[key] = ours
+    return metrics, rows
+
+
+def run_inspect_tasks(target: Any, settings: Any, out: str | Path | None, console: Any, run_cfg: Any) -> dict:
+    """``verl eval --ckpt TARGET --inspect-task ...`` on one checkpoint or model (or ``--service URL``)."""
+    from eval.report import write_tool_report  # noqa: PLC0415
+    from eval.results import SCHEMA, model_hash, versions, write_results  # noqa: PLC0415
+    from verl.models.loader import resolve_model_path  # noqa: PLC0415
+
+    for spec in settings.inspect_tasks:
+        check_task_spec(spec)
+    args = parse_args(settings.inspect_args)
+    if target.kind == "run":
+        raise ConfigError("--inspect-task evaluates one checkpoint: give --ckpt RUN/checkpoints/global_step_N")
+    model_dir = target.path if Path(target.path).is_dir() else resolve_model_path(target.path)
+    grader = settings.inspect_grader
+    out_dir = Path(out) if out is not None else (
+        Path(target.run_dir) / "eval" / "inspect" / target.label if target.run_dir else
+        Path("outputs") / "eval" / "inspect" / target.label)
+    t0 = time.perf_counter()
+    if settings.service:
+        url = settings.service.rstrip("/")
+        model = args.get("model") or first_model(url)
+        logs = run_inspect(settings.inspect_tasks, url, model, grader, args, out_dir / "inspect")
+    else:
+        grader_dir = None if grader is None else (grader if Path(grader).is_dir() else resolve_model_path(grader))
+        with served(model_dir, grader_dir) as url:
+            logs = run_inspect(settings.inspect_tasks, url, "policy", "grader" if grader else None, args,
+                               out_dir / "inspect")
+    metrics, samples = convert(logs)
+    results = {
+        "schema": SCHEMA, "label": target.label, "checkpoint": str(model_dir), "step": target.step,
+        "run_dir": str(target.run_dir) if target.run_dir else None, "model_hash": model_hash(model_dir),
+        "created": datetime.now().isoformat(timespec="seconds"),
+        "sampling": {"engine": "inspect", "n": args.get("epochs", 1), "temperature": args.get("temperature"),
+                     "seed": args.get("seed")},
+        "data": {"files": [f"inspect:{s}" for s in settings.inspect_tasks],
+                 "num_prompts": len({r["prompt_id"] for r in samples}), "num_samples": len(samples)},
+        "evaluators": ["inspect"], "metrics": metrics, "notes": [], "config": None,
+        "inspect": {"tasks": settings.inspect_tasks, "args": args, "grader": grader, "service": settings.service,
+                    "logs": [str(log.location) for log in logs]},
+        "versions": versions(), "device": "service", "timing": {"total_seconds": time.perf_counter() - t0},
+    }
+    write_results(out_dir, results, samples)
+    write_tool_report(out_dir, results, samples, "Inspect", f"Inspect tasks {', '.join(settings.inspect_tasks)} "
+                      f"on {'the service ' + settings.service if settings.service else 'our service'}"
+                      + (f", grader {grader}" if grader else "") + f", options {json.dumps(args) or '{}'}",
+                      "inspect_stderr")
+    if console is not None and not settings.quiet:
+        console.print(f"{target.label}: " + "  ".join(f"{k[len(PREFIX):]}={m['value']:.4f}" for k, m in metrics.items())
+                      + f"  -> {out_dir}", highlight=False, soft_wrap=True)
+    return results
