@@ -142,7 +142,7 @@ def test_bad_inspect_input_fails_in_one_line(task_file, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.budget(120)
+@pytest.mark.budget(60)
 def test_a_model_graded_task_gets_the_same_grades_as_inspects_cli(task_file, tmp_path):
     """model_graded_qa with SmolLM2-135M-Instruct as the grader (a model we serve; temperature 0 both ways)."""
     from verl.models.loader import resolve_model_path
