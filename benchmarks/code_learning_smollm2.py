@@ -26,10 +26,11 @@ VERL = str(Path(sys.executable).with_name("verl"))
 MODEL = "builtin:smollm2-135m-instruct"
 
 
-def evaluate(ckpt: str, split: str, out: Path, samples: int) -> dict:
+def evaluate(ckpt: str, split: str, out: Path, samples: int, sandbox: str = "local") -> dict:
     command = [VERL, "eval", "--ckpt", ckpt, "--data", f"builtin:code_functions/{split}", "-e", "code",
                "--max-samples", str(samples), "--temperature", "0", "--max-new-tokens", "64",
-               "--max-prompt-length", "128", "--batch-size", "64", "--seed", "0", "--out", str(out), "--quiet"]
+               "--max-prompt-length", "128", "--batch-size", "64", "--seed", "0", "--sandbox-url", sandbox,
+               "--out", str(out), "--quiet"]
     print("$", " ".join(command), flush=True)
     subprocess.run(command, check=True, cwd=REPO)
     return json.loads((out / "results.json").read_text())["metrics"]
@@ -69,21 +70,24 @@ def main() -> None:
         print("$", " ".join(command), flush=True)
         subprocess.run(command, check=True, cwd=REPO)
         minutes = (time.perf_counter() - start) / 60
+        run = work / "verl" / f"code_seed{args.seed}"
+        # Both models scored through the same served sandbox the run trained against.
+        base = evaluate(MODEL, "val", work / "eval_base", args.samples, f"{url}/run_code")
+        trained = evaluate(str(run / "checkpoints" / f"global_step_{args.steps}"), "val", work / "eval_trained",
+                           args.samples, f"{url}/run_code")
     finally:
         sandbox.terminate()
         sandbox.wait(30)
-    run = work / "verl" / f"code_seed{args.seed}"
     rows = [json.loads(x) for x in (run / "verl_logs.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows if r.get("scope") == "rollout"]
-    base = evaluate(MODEL, "val", work / "eval_base", args.samples)
-    trained = evaluate(str(run / "checkpoints" / f"global_step_{args.steps}"), "val", work / "eval_trained",
-                       args.samples)
+    evals = {r["step"]: r["accuracy"] for r in rows if r.get("scope") == "eval"}
     compare = [VERL, "compare", str(work / "eval_base"), str(work / "eval_trained"), "--out", str(work / "compare")]
     subprocess.run(compare, check=True, cwd=REPO, capture_output=True)
     report = json.loads((work / "compare" / "compare.json").read_text())["comparisons"][0]["metrics"]
     print(f"\n=== summary: {args.steps} steps x 4 prompts x 4 samples, seed {args.seed}, {minutes:.1f} min")
     print(f"training reward (mean fraction of calls right): first 5 steps {sum(rewards[:5]) / 5:.3f}, "
           f"last 5 {sum(rewards[-5:]) / 5:.3f}")
+    print(f"training validation (solved, val): step 0 {evals[0]:.3f}, step {args.steps} {evals[args.steps]:.3f}")
     print(line("base, val", base))
     print(line("trained, val", trained))
     for name in ("eval/solved", "eval/tests_passed"):

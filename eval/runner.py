@@ -408,6 +408,9 @@ class Evaluation:
         self._overlaps: tuple[list[str | None], dict] | None = None
         self.reward_manager = None
         reward_cfg = run_cfg.reward if run_cfg is not None else RewardConfig()
+        if settings.sandbox_url is not None:  # a run's served sandbox may be gone: --sandbox-url local
+            url = None if settings.sandbox_url == "local" else settings.sandbox_url
+            reward_cfg = reward_cfg.model_copy(update={"sandbox": reward_cfg.sandbox.model_copy(update={"url": url})})
 
         # Rule rewards cost nothing; they are always computed so samples.jsonl carries the run's score.
         if "rewards" in self.needs or not reward_cfg.model.path:

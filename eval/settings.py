@@ -100,6 +100,9 @@ class EvalSettings:
                                             "max_connections, model (with --service).")
     service: str | None = option(None, "--service", help="--inspect-task against this running service (its URL) "
                                  "instead of one started on the checkpoint.")
+    sandbox_url: str | None = option(None, "--sandbox-url", help="Where the code reward runs programs: a "
+                                     "SandboxFusion /run_code URL (verl sandbox serve), or local (in this "
+                                     "process); default: the run's reward.sandbox.url.")
     dtype: str | None = None
     kl_micro_batch_size: int = 32
 

@@ -99,6 +99,25 @@ def test_a_program_that_games_the_harness_passes_nothing(program):
     assert code("code", program, {"inputs": [[2]], "outputs": [4], "fn_name": "f"}, timeout=2)["score"] == 0.0
 
 
+def test_a_sandbox_that_gives_no_verdict_is_no_score_not_a_failed_test():
+    """A served sandbox that is gone (after its retries) or a sandbox error is SandboxUnavailable, naming the fix:
+    never 0, which a run would train on and `verl eval` would report as the model's."""
+    from tests.ports import free_port
+    from verl.rewards.code import SandboxUnavailable
+
+    square = "```python\ndef sq(x):\n    return x * x\n```"
+    calls = {"inputs": [[2]], "outputs": [4], "fn_name": "sq"}
+    try:
+        configure(f"http://127.0.0.1:{free_port()}/run_code")  # nothing listens there
+        with pytest.raises(SandboxUnavailable, match="no answer after 3 tries.*--sandbox-url local"):
+            code("code", square, calls)
+        with pytest.raises(SandboxUnavailable):  # the stdin/stdout form too
+            code("code", "print(4)", {"inputs": ["\n"], "outputs": ["4"]})
+    finally:
+        configure(None, max_concurrent=2, memory_limit_mb=512)
+    assert code("code", square, calls) == {"score": 1.0, "acc": 1.0}
+
+
 def test_unreadable_ground_truth_is_a_data_error_saying_what_is_expected():
     with pytest.raises(DataError, match="ground_truth is text that is not JSON"):
         parse_tests("print(4)")

@@ -28,10 +28,10 @@ import re
 import secrets
 from typing import Any
 
-from verl.errors import DataError
+from verl.errors import DataError, VerlError
 from verl.rewards.registry import register_reward
 from verl.sandbox.client import memory_limit_mb, runner
-from verl.sandbox.runner import RunCodeRequest
+from verl.sandbox.runner import RunCodeRequest, RunCodeResponse
 
 FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -101,12 +101,27 @@ def _request(code: str, stdin: str, timeout: float, files: dict[str, str] | None
                           files=files or {})
 
 
+class SandboxUnavailable(VerlError):
+    """The sandbox gave no verdict (``SandboxError``: unreachable, could not start, refused the request): the row has
+    no score, which is not a failed test. Raised, so the reward worker names the row and the run stops instead of
+    training on zeros."""
+
+
+def _verdict(sandbox: Any, request: RunCodeRequest) -> RunCodeResponse:
+    reply = sandbox.run(request)
+    if reply.status == "SandboxError":
+        raise SandboxUnavailable(f"the sandbox gave no verdict: {reply.message} (reward.sandbox.url, verl's "
+                                 "reward_model.sandbox_fusion.url: is `verl sandbox serve` running there? "
+                                 "`verl eval --sandbox-url local` scores in this process)")
+    return reply
+
+
 def _run_io_cases(program: str, truth: dict[str, Any], timeout: float) -> list[bool]:
     sandbox = runner()
 
     def case(pair: tuple[Any, Any]) -> bool:
         stdin, expected = pair
-        reply = sandbox.run(_request(program, str(stdin), timeout))
+        reply = _verdict(sandbox, _request(program, str(stdin), timeout))
         out = reply.run_result.stdout if reply.run_result else None
         return reply.status == "Success" and str(out or "").rstrip("\n") == str(expected).rstrip("\n")
 
@@ -121,7 +136,7 @@ def run_tests(program: str, tests: list[dict[str, Any]], timeout: float) -> tupl
     token = secrets.token_hex(16)
     stdin = f"{token}\n{json.dumps(tests)}\n"
     files = {"solution.py": base64.b64encode(program.encode()).decode()}
-    reply = runner().run(_request(HARNESS, stdin, timeout, files))
+    reply = _verdict(runner(), _request(HARNESS, stdin, timeout, files))
     verdicts = [False] * len(tests)
     stdout = reply.run_result.stdout if reply.run_result else ""
     message = reply.message

@@ -10,6 +10,7 @@ configured).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Protocol
 
 import httpx
@@ -22,6 +23,9 @@ class Runner(Protocol):
     max_concurrent: int
 
     def run(self, request: RunCodeRequest) -> RunCodeResponse: ...
+
+
+RETRIES = 2  # a transport failure is tried again after 0.5 s and 1 s before the row gets no verdict
 
 
 class RemoteSandbox:
@@ -37,12 +41,20 @@ class RemoteSandbox:
 
     def run(self, request: RunCodeRequest) -> RunCodeResponse:
         with self._slots:
-            try:
-                reply = self._client.post(self.url, json=request.model_dump())
-                reply.raise_for_status()
-                return RunCodeResponse.model_validate(reply.json())
-            except (httpx.HTTPError, ValueError) as exc:
-                return sandbox_error(f"{self.url}: {type(exc).__name__}: {exc}")
+            for attempt in range(RETRIES + 1):
+                try:
+                    reply = self._client.post(self.url, json=request.model_dump())
+                    if reply.status_code in (502, 503, 504) and attempt < RETRIES:
+                        raise httpx.TransportError(f"HTTP {reply.status_code}")
+                    reply.raise_for_status()
+                    return RunCodeResponse.model_validate(reply.json())
+                except httpx.TransportError:  # refused, reset, a gateway's 5xx: the server may be restarting
+                    if attempt == RETRIES:
+                        return sandbox_error(f"{self.url}: no answer after {RETRIES + 1} tries")
+                    time.sleep(0.5 * 2**attempt)
+                except (httpx.HTTPError, ValueError) as exc:
+                    return sandbox_error(f"{self.url}: {type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable")
 
 
 _LOCK = threading.Lock()
