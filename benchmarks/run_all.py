@@ -71,6 +71,7 @@ BENCHES: dict[str, list[str]] = {
     "open-loop-crosscheck-smollm2": [PY, "benchmarks/open_loop_crosscheck.py", "--model", SMOLLM2, "--rate", "2",
                                      "--duration", "30", "--repeats", "3"],
     "humaneval-smollm2": [PY, "benchmarks/humaneval_smollm2.py", "--n", "10"],
+    "code-learning-smollm2": [PY, "benchmarks/code_learning_smollm2.py", "--steps", "30", "--seed", "1"],
     "sandbox-throughput": [PY, "benchmarks/sandbox_throughput.py", "--runs", "200", "--concurrency", "2",
                            "--repeats", "3"],
     "open-loop-engines": [PY, "benchmarks/open_loop_engines.py", "--rates", "2,4,6", "--duration", "30", "--slo",
