@@ -24,7 +24,6 @@ import hashlib
 import json
 import math
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -56,20 +55,9 @@ ARGS: dict[str, Callable[[str], Any]] = {
 
 
 def parse_args(raw: list[str] | None) -> dict[str, Any]:
-    args: dict[str, Any] = {}
-    for item in raw or []:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep:
-            raise ConfigError(f"--inspect-arg {item!r}: expected KEY=VALUE (e.g. epochs=4)")
-        if key not in ARGS:
-            raise ConfigError(f"--inspect-arg {key}: not an Inspect option verl eval passes on; known: "
-                              f"{', '.join(ARGS)}")
-        try:
-            args[key] = ARGS[key](value)
-        except ValueError as exc:
-            raise ConfigError(f"--inspect-arg {key}={value}: {exc}") from None
-    return args
+    from verl.utils.cli import key_values  # noqa: PLC0415
+
+    return key_values(raw, "--inspect-arg", ARGS, "Inspect", "epochs=4")
 
 
 def check_task_spec(spec: str) -> None:
@@ -81,31 +69,14 @@ def check_task_spec(spec: str) -> None:
 @contextlib.contextmanager
 def served(model_dir: str, grader: str | None) -> Iterator[str]:
     """Our service on 127.0.0.1 (a free port) in a thread: ``policy`` (and ``grader``); yields its base URL."""
-    import socket  # noqa: PLC0415
-
-    import uvicorn  # noqa: PLC0415
-
     from serve.api import create_app  # noqa: PLC0415
     from serve.settings import load_settings  # noqa: PLC0415
+    from verl.utils.net import running_app  # noqa: PLC0415
 
     models = [{"name": "policy", "path": model_dir}] + ([{"name": "grader", "path": grader}] if grader else [])
     settings = load_settings(None, load_in_background=False, models=models)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise VerlError(f"the service for {model_dir} did not start on 127.0.0.1:{port}")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with running_app(create_app(settings), timeout=120, name=f"service for {model_dir}") as url:
+        yield url
 
 
 def first_model(url: str) -> str:

@@ -43,6 +43,7 @@ import numpy as np
 
 from verl.errors import ConfigError, VerlError
 from verl.evaluators.stats import Z95, mean_metric
+from verl.utils.cli import key_values
 
 PREFIX = "eval/lm_eval/"
 
@@ -127,19 +128,7 @@ class LmEvalRequest:
         for folder in include:
             if not Path(folder).is_dir():
                 raise ConfigError(f"--lm-eval-include {folder}: no such directory")
-        args: dict[str, Any] = {}
-        for item in raw_args or []:
-            key, sep, value = item.partition("=")
-            key = key.strip()
-            if not sep:
-                raise ConfigError(f"--lm-eval-arg {item!r}: expected KEY=VALUE (e.g. num_fewshot=5)")
-            if key not in ARGS:
-                raise ConfigError(f"--lm-eval-arg {key}: not an lm-eval option verl eval passes on; known: "
-                                  f"{', '.join(ARGS)}")
-            try:
-                args[key] = ARGS[key](value)
-            except ValueError as exc:
-                raise ConfigError(f"--lm-eval-arg {key}={value}: {exc}") from None
+        args = key_values(raw_args, "--lm-eval-arg", ARGS, "lm-eval", "num_fewshot=5")
         if args.get("fewshot_as_multiturn") and not args.get("apply_chat_template"):
             raise ConfigError("--lm-eval-arg fewshot_as_multiturn=true needs apply_chat_template=true (as in lm-eval)")
         return cls(names, list(dict.fromkeys(include)), args)

@@ -384,6 +384,16 @@ def sample_rows(batch: Any, texts: list[str], scores: Any, columns: dict[str, np
     return rows
 
 
+def reward_config(run_cfg: Any, sandbox_url: str | None) -> RewardConfig:
+    """The run's reward (the built-in rules without a run); ``--sandbox-url`` replaces its sandbox, which may be a
+    served one that is gone since (``local``: this process's)."""
+    reward_cfg = run_cfg.reward if run_cfg is not None else RewardConfig()
+    if sandbox_url is None:
+        return reward_cfg
+    url = None if sandbox_url == "local" else sandbox_url
+    return reward_cfg.model_copy(update={"sandbox": reward_cfg.sandbox.model_copy(update={"url": url})})
+
+
 class Evaluation:
     """Shared state for evaluating one or more checkpoints with the same settings (tokenizer, dataset, reward
     manager, reference model and evaluators are built once)."""
@@ -407,10 +417,7 @@ class Evaluation:
         self._reference = None
         self._overlaps: tuple[list[str | None], dict] | None = None
         self.reward_manager = None
-        reward_cfg = run_cfg.reward if run_cfg is not None else RewardConfig()
-        if settings.sandbox_url is not None:  # a run's served sandbox may be gone: --sandbox-url local
-            url = None if settings.sandbox_url == "local" else settings.sandbox_url
-            reward_cfg = reward_cfg.model_copy(update={"sandbox": reward_cfg.sandbox.model_copy(update={"url": url})})
+        reward_cfg = reward_config(run_cfg, settings.sandbox_url)
 
         # Rule rewards cost nothing; they are always computed so samples.jsonl carries the run's score.
         if "rewards" in self.needs or not reward_cfg.model.path:

@@ -6,7 +6,8 @@ import pytest
 from runlogs import reward, write_steps
 
 from verl.dashboard.app import create_app
-from verl.dashboard.browser import find_chromium, headless_chromium, running_app, wait_for_points
+from verl.dashboard.browser import find_chromium, headless_chromium, wait_for_points
+from verl.utils.net import running_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
     find_chromium() is None, reason="needs the system Chromium: apt-get install -y chromium chromium-driver"

@@ -162,7 +162,7 @@ def test_the_readmes_code_lines_train_through_the_served_sandbox_verls_way(serve
     words = [w.replace("http://127.0.0.1:8080", server) for w in shlex.split(lines[1])]
     assert words[:2] == ["verl", "train"] and f"reward_model.sandbox_fusion.url={server}/run_code" in words
     args = [*words[2:], f"trainer.output_dir={tmp_path}", "trainer.total_steps=2", *TINY, "trainer.test_freq=0",
-            "data.max_response_length=48", "reward_model.sandbox_fusion.max_concurrent=2"]
+            "data.max_response_length=48", "reward_model.sandbox_fusion.max_concurrent=2", "trainer.save_freq=2"]
     dry = run_cli(["train", "--dry-run", *args])
     assert dry.returncode == 0 and "reward_model.sandbox_fusion.url -> reward.sandbox.url" in dry.stderr, dry.stderr
     before = httpx.get(server + "/health").json()["runs"]
@@ -173,6 +173,20 @@ def test_the_readmes_code_lines_train_through_the_served_sandbox_verls_way(serve
     assert ran == 2 * 4 * 2, (before, after)  # steps x prompts x samples: each sample's tests in one run
     steps = rows(next(tmp_path.rglob("verl_logs.jsonl")), "rollout")
     assert [r["num_responses"] for r in steps] == [8, 8] and all(0.0 <= r["score_mean"] <= 1.0 for r in steps)
+
+    # The checkpoint's config names the served sandbox. One that no longer answers is no score, said with the fix;
+    # `--sandbox-url local` scores in the evaluating process instead.
+    from tests.ports import free_port
+
+    checkpoint = str(next(tmp_path.rglob("global_step_2")))
+    common = ["eval", "--ckpt", checkpoint, "-e", "code", "--max-samples", "4", "--max-new-tokens", "48"]
+    gone = run_cli([*common, "--sandbox-url", f"http://127.0.0.1:{free_port()}/run_code", "--out",
+                    str(tmp_path / "gone")])
+    assert gone.returncode != 0 and "SandboxUnavailable" in gone.stderr and "--sandbox-url local" in gone.stderr
+    assert not (tmp_path / "gone" / "results.json").exists()
+    local = run_cli([*common, "--sandbox-url", "local", "--out", str(tmp_path / "local")])
+    assert local.returncode == 0, local.stderr[-2000:]
+    assert json.loads((tmp_path / "local" / "results.json").read_text())["metrics"]["eval/tests_passed"]["n"] == 4
 
 
 @pytest.mark.e2e

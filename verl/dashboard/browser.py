@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,10 +18,10 @@ from typing import Any
 
 from verl.dashboard.app import create_app
 from verl.dashboard.server import resolve_runs
-from verl.errors import MissingDependencyError, VerlError
+from verl.errors import MissingDependencyError
 from verl.tracking.follow import row_kind
 from verl.utils.log import read_jsonl
-from verl.utils.net import free_port
+from verl.utils.net import running_app
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
@@ -36,27 +34,6 @@ def find_chromium() -> str | None:
         if path:
             return path
     return None
-
-
-@contextmanager
-def running_app(app: Any, port: int | None = None, timeout: float = 30.0) -> Iterator[str]:
-    """Serve ``app`` with uvicorn in a background thread; yields its base URL, stops it on exit."""
-    import uvicorn
-
-    port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="verl-dashboard", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise VerlError(f"the dashboard server did not start on 127.0.0.1:{port}")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout)
 
 
 @contextmanager
@@ -96,7 +73,7 @@ def screenshot(log_dirs: list[Path], out: Path, width: int = 1400, height: int =
     expected = [sum(1 for r in read_jsonl(p) if row_kind(r) == "metrics" and r.get("scope") == "rollout"
                     and "reward_mean" in r) for p in logs]
     app = create_app(logs, refresh_seconds=1.0)
-    with running_app(app) as url, headless_chromium() as browser:
+    with running_app(app, name="dashboard") as url, headless_chromium() as browser:
         page = browser.new_page(viewport={"width": width, "height": height})
         page.goto(url)
         wait_for_points(page, "reward", expected)

@@ -128,3 +128,22 @@ def command(run: Callable[..., Any], settings: type, *leading: inspect.Parameter
     invoke.__signature__ = inspect.Signature([*leading, *_options(settings)])
     invoke.__doc__, invoke.__name__ = run.__doc__, run.__name__
     return invoke
+
+
+def key_values(items: list[str] | None, flag: str, parsers: dict[str, Callable[[str], Any]], tool: str,
+               example: str) -> dict[str, Any]:
+    """``--FLAG KEY=VALUE`` options passed on to another tool (lm-eval, Inspect): each key one ``parsers`` knows,
+    each value parsed as that tool's CLI parses it; anything else refused by name, in one line."""
+    values: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE (e.g. {example})")
+        if key not in parsers:
+            raise ConfigError(f"{flag} {key}: not an {tool} option verl eval passes on; known: {', '.join(parsers)}")
+        try:
+            values[key] = parsers[key](value)
+        except ValueError as exc:
+            raise ConfigError(f"{flag} {key}={value}: {exc}") from None
+    return values

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 LOOPBACK = "127.0.0.1"
 
@@ -44,3 +45,31 @@ def reserved_port(host: str = LOOPBACK) -> Iterator[int]:
         yield int(sock.getsockname()[1])
     finally:
         sock.close()
+
+
+@contextlib.contextmanager
+def running_app(app: Any, port: int | None = None, timeout: float = 30.0, name: str = "server"
+                ) -> Iterator[str]:
+    """Serve the ASGI ``app`` with uvicorn in a background thread on the loopback interface; yields its base URL
+    once it listens, stops it on exit. ``timeout`` bounds both the start-up and the stop."""
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    import uvicorn  # noqa: PLC0415
+
+    from verl.errors import VerlError  # noqa: PLC0415
+
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name=f"verl-{name}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise VerlError(f"the {name} did not start on {LOOPBACK}:{port}")
+        time.sleep(0.05)
+    try:
+        yield f"http://{LOOPBACK}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
