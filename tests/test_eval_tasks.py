@@ -53,6 +53,34 @@ def test_eval_tasks_are_scored_by_their_own_rewards_and_equal_verl_eval(tmp_path
         assert offline["metrics"][f"eval/{name}"]["value"] == evals[4][f"sums/{name}"], name
 
 
+def test_an_lm_eval_task_runs_on_the_policy_in_memory_and_equals_verl_eval_lm_eval_task(tmp_path):
+    """lm-eval's multiple-choice task on the trainer's policy at each validation (lm-eval's hf model around the
+    module in memory): at step 2 its numbers equal `verl eval --lm-eval-task` on the step-2 checkpoint (a directory,
+    as lm-eval's CLI would load it)."""
+    pytest.importorskip("lm_eval")
+    from eval.runner import EvalSettings, run_eval
+    from tests.eval.test_lm_eval_tasks import write_tasks
+
+    tasks = write_tasks(tmp_path / "lm")
+    spec = {"name": "mc", "lm_eval_task": str(tasks / "verl_choice.yaml"), "lm_eval_args": ["limit=20"]}
+    cfg = config(tmp_path, total_steps=2, test_freq=2, val_before_train=True, save_freq=2, eval_tasks=[spec])
+    trainer = LocalPPOTrainer(cfg, quiet=True)
+    trainer.fit()
+    assert trainer.model.training  # lm-eval's eval mode was undone
+    rows = [json.loads(line) for line in trainer.config.log_path().read_text().splitlines()]
+    evals = {r["step"]: r for r in rows if r["scope"] == "eval"}
+    assert {"mc/verl_choice/acc", "mc/verl_choice/acc_norm"} <= set(evals[0]) and set(evals) == {0, 2}
+    checkpoint = trainer.run_dir / "checkpoints" / "global_step_2"
+    offline = run_eval(str(checkpoint), EvalSettings(lm_eval_tasks=[str(tasks / "verl_choice.yaml")],
+                                                     lm_eval_args=["limit=20"], quiet=True), tmp_path / "eval")
+    for name in ("acc", "acc_norm"):
+        assert offline["metrics"][f"eval/lm_eval/verl_choice/{name}"]["value"] == evals[2][f"mc/verl_choice/{name}"]
+    with pytest.raises(ConfigError, match="lm_eval_task defines its own"):
+        build_config({"trainer": {"test_freq": 2, "eval_tasks": [{**spec, "max_samples": 4}]}})
+    with pytest.raises(ConfigError, match="one of them"):
+        build_config({"trainer": {"test_freq": 2, "eval_tasks": [{**spec, "data": ["builtin:arithmetic/test"]}]}})
+
+
 @pytest.mark.parametrize("tasks,trainer,expected", [
     ([{"name": "a", "data": ["builtin:arithmetic/test"], "every": 3}], {"test_freq": 2}, "multiple of"),
     ([{"name": "a", "data": ["builtin:arithmetic/test"]}] * 2, {"test_freq": 2}, "names must differ"),

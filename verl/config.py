@@ -640,7 +640,13 @@ class EvalTaskConfig(Section):
     (``trainer.health``, ``when: diverges``)."""
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="The metrics' prefix: eval/<name>/...")
-    data: list[str] = Field(..., min_length=1, description="Prompt files (parquet) or builtin:TASK/SPLIT.")
+    data: list[str] = Field(default_factory=list, description="Prompt files (parquet) or builtin:TASK/SPLIT.")
+    lm_eval_task: str | None = Field(None, description="Instead of data: an lm-evaluation-harness task (a name or "
+                                     "its YAML file), run on the policy in memory (verl.evaluators.lm_eval): "
+                                     "eval/<name>/<task>/<metric>[/<filter>].")
+    lm_eval_include: list[str] = Field(default_factory=list, description="Folders of lm-eval task YAMLs.")
+    lm_eval_args: list[str] = Field(default_factory=list, description="KEY=VALUE for lm-eval, as verl eval's "
+                                    "--lm-eval-arg (num_fewshot, limit, gen_kwargs, ...).")
     evaluators: list[str] = Field(["accuracy"], description="verl.evaluators specs (accuracy, code, length, ...).")
     every: int | None = Field(None, ge=1, description="Run at validations whose step is a multiple of this (a "
                               "multiple of trainer.test_freq); None: at every validation.")
@@ -648,6 +654,17 @@ class EvalTaskConfig(Section):
     max_new_tokens: int | None = Field(None, ge=1, description="Generation length; None: data.max_response_length.")
     max_prompt_length: int | None = Field(None, ge=1, description="Longest prompt (longer ones are dropped); None: "
                                           "data.max_prompt_length.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalTaskConfig:
+        if bool(self.data) == bool(self.lm_eval_task):
+            raise ValueError(f"trainer.eval_tasks.{self.name}: give data (prompt files) or lm_eval_task, one of them")
+        if self.lm_eval_task and (self.max_new_tokens or self.max_prompt_length or self.max_samples
+                                  or self.evaluators != ["accuracy"]):
+            raise ValueError(f"trainer.eval_tasks.{self.name}: an lm_eval_task defines its own prompts, generation "
+                             "and metrics; use lm_eval_args (limit=N, gen_kwargs=max_gen_toks=N) instead of "
+                             "max_samples, max_new_tokens, max_prompt_length or evaluators")
+        return self
 
 
 class TrainerConfig(Section):

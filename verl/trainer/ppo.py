@@ -298,7 +298,7 @@ class PPOTrainer:
         step = self.global_step
         start = time.perf_counter()
         metrics, samples = self.validator.run(self.roles.validation_engine(), self.rollout_stage.val_sampling(),
-                                              self.roles.compute_kl_terms, step)
+                                              self.roles.compute_kl_terms, step, getattr(self.roles, "model", None))
         metrics["seconds"] = time.perf_counter() - start
         for row in samples:
             self.logger.event("sample", step=step, split="val", **row)

@@ -123,7 +123,13 @@ class EvalTask:
     function or reward model), its evaluators, and when it runs."""
 
     def __init__(self, spec: EvalTaskConfig, config: VerlConfig, tokenizer: Any):
-        self.spec = spec
+        self.spec, self.tokenizer = spec, tokenizer
+        if spec.lm_eval_task:  # lm-eval's own prompts and metrics, on the policy in memory
+            from verl.evaluators.lm_eval import LmEvalRequest  # noqa: PLC0415
+
+            self.lm_eval = LmEvalRequest.parse([spec.lm_eval_task], spec.lm_eval_include, spec.lm_eval_args)
+            return
+        self.lm_eval = None
         key = f"trainer.eval_tasks.{spec.name}.data"
         data_cfg = config.data.model_copy(update={
             "max_prompt_length": spec.max_prompt_length or config.data.max_prompt_length})
@@ -139,8 +145,11 @@ class EvalTask:
         return self.spec.every is None or step % self.spec.every == 0
 
     def run(self, config: VerlConfig, engine: RolloutEngine, params: SamplingParams,
-            kl_terms: Callable[[DataProto], dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Generate on the task's prompts and score them: ``{<name>/<metric>: value}`` for the ``eval`` scope."""
+            kl_terms: Callable[[DataProto], dict[str, torch.Tensor]], policy: Any = None) -> dict[str, float]:
+        """Generate on the task's prompts and score them: ``{<name>/<metric>: value}`` for the ``eval`` scope.
+        ``policy``: the model in this process (an lm-eval task runs on it)."""
+        if self.lm_eval is not None:
+            return self._run_lm_eval(policy)
         if self.spec.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=self.spec.max_new_tokens)
         batch, scores, extras, texts = generate_and_score(engine, self.dataset, self.reward, params,
@@ -149,6 +158,24 @@ class EvalTask:
         evaluated, _ = run_validation_evaluators(config, self.evaluators, batch, texts, scores, extras, kl_terms)
         metrics.update({name: metric.value for name, metric in evaluated.items()})
         return {f"{self.spec.name}/{name}": value for name, value in metrics.items()}
+
+    def _run_lm_eval(self, policy: Any) -> dict[str, float]:
+        from verl.evaluators.lm_eval import PREFIX, convert, in_memory_lm, run_lm_eval  # noqa: PLC0415
+
+        if policy is None:
+            raise ConfigError(f"trainer.eval_tasks.{self.spec.name}: an lm_eval_task runs on the policy in the "
+                              "trainer's process; the Ray executor holds it in its workers: run `verl eval "
+                              "--lm-eval-task` on the checkpoints instead")
+        was_training = policy.training
+        device = str(next(policy.parameters()).device)
+        try:
+            with torch.no_grad():
+                lm = in_memory_lm(policy, self.tokenizer, self.lm_eval.args.get("batch_size", 1), device)
+                out = run_lm_eval(lm, self.lm_eval, device)
+        finally:
+            policy.train(was_training)  # lm-eval puts the model in eval mode
+        metrics, _, _ = convert(out)
+        return {f"{self.spec.name}/{name[len(PREFIX):]}": m["value"] for name, m in metrics.items()}
 
 
 class Validator:
@@ -178,7 +205,7 @@ class Validator:
         return [*self._configured, *self.registered]
 
     def run(self, engine: RolloutEngine, params: SamplingParams,
-            kl_terms: Callable[[DataProto], dict[str, torch.Tensor]], step: int = 0
+            kl_terms: Callable[[DataProto], dict[str, torch.Tensor]], step: int = 0, policy: Any = None
             ) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Generate on the validation split and score it, then the eval tasks due at ``step``: the ``eval`` scope's
         metrics (without the scope) and the sample rows to log."""
@@ -200,7 +227,7 @@ class Validator:
             metrics.update({f"clean/{k}": v for k, v in clean_validation_metrics(validated, scores, extras).items()})
         for task in self.tasks:
             if task.due(step):
-                metrics.update(task.run(cfg, engine, params, kl_terms))
+                metrics.update(task.run(cfg, engine, params, kl_terms, policy))
         return metrics, sample_rows(batch.non_tensor, texts, scores, cfg.trainer.num_samples_to_log)
 
 
