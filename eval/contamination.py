@@ -42,6 +42,18 @@ def clean_metrics(samples: list[dict], metrics: dict[str, dict]) -> dict[str, di
     return out
 
 
+def of_samples(samples: list[dict], metrics: dict[str, dict], run_cfg: Any, strict: bool) -> dict[str, Any]:
+    """The results' entry for rows another tool generated (lm-eval, Inspect): each row's ``prompt`` against the
+    run's training prompts (``run_cfg``; None: not checked), each row marked ``contaminated``, and the clean
+    metrics."""
+    if run_cfg is None or not run_cfg.data.train_files:
+        return not_checked("no training data is known for this checkpoint")
+    kinds, info = check(samples, "prompt", list(run_cfg.data.train_files), run_cfg.data.prompt_key, strict)
+    for row, kind in zip(samples, kinds, strict=True):
+        row["contaminated"] = kind
+    return {**info, "clean": clean_metrics(samples, metrics)}
+
+
 def not_checked(reason: str) -> dict[str, Any]:
     """The results' entry when nothing could be checked (no run, or a run without training files)."""
     return {"checked": 0, "overlapping": 0, "exact": 0, "ngram": 0, "n": NGRAM, "against": [], "clean": {},

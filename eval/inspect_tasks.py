@@ -174,7 +174,8 @@ def convert(logs: list[Any]) -> tuple[dict[str, dict], list[dict]]:
 
 
 def run_inspect_tasks(target: Any, settings: Any, out: str | Path | None, console: Any, run_cfg: Any) -> dict:
-    """``verl eval --ckpt TARGET --inspect-task ...`` on one checkpoint or model (or ``--service URL``)."""
+    """``verl eval --ckpt TARGET --inspect-task ...`` on one checkpoint or model (or ``--service URL``);
+    ``run_cfg``: the checkpoint's run, whose training prompts the samples' inputs are checked against."""
     from eval.report import write_tool_report  # noqa: PLC0415
     from eval.results import SCHEMA, model_hash, versions, write_results  # noqa: PLC0415
     from verl.models.loader import resolve_model_path  # noqa: PLC0415
@@ -200,6 +201,9 @@ def run_inspect_tasks(target: Any, settings: Any, out: str | Path | None, consol
             logs = run_inspect(settings.inspect_tasks, url, "policy", "grader" if grader else None, args,
                                out_dir / "inspect")
     metrics, samples = convert(logs)
+    from eval import contamination as contamination_check  # noqa: PLC0415
+
+    contamination = contamination_check.of_samples(samples, metrics, run_cfg, settings.strict)
     results = {
         "schema": SCHEMA, "label": target.label, "checkpoint": str(model_dir), "step": target.step,
         "run_dir": str(target.run_dir) if target.run_dir else None, "model_hash": model_hash(model_dir),
@@ -208,7 +212,7 @@ def run_inspect_tasks(target: Any, settings: Any, out: str | Path | None, consol
                      "seed": args.get("seed")},
         "data": {"files": [f"inspect:{s}" for s in settings.inspect_tasks],
                  "num_prompts": len({r["prompt_id"] for r in samples}), "num_samples": len(samples)},
-        "evaluators": ["inspect"], "metrics": metrics, "notes": [], "config": None,
+        "evaluators": ["inspect"], "metrics": metrics, "contamination": contamination, "notes": [], "config": None,
         "inspect": {"tasks": settings.inspect_tasks, "args": args, "grader": grader, "service": settings.service,
                     "logs": [str(log.location) for log in logs]},
         "versions": versions(), "device": "service", "timing": {"total_seconds": time.perf_counter() - t0},

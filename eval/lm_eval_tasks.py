@@ -26,9 +26,10 @@ from verl.evaluators.lm_eval import DEFAULT_SEEDS, PREFIX, LmEvalRequest, conver
 
 def evaluate_lm_eval(model_path: str, base_path: str | None, tokenizer: str | None, request: LmEvalRequest,
                      out_dir: Path, label: str, step: int | None, run_dir: Path | None, device: str,
-                     train: tuple[list[str], str] | None, strict: bool, say: Any = None) -> dict:
+                     run_cfg: Any, strict: bool, say: Any = None) -> dict:
     """Run the tasks on the checkpoint at ``model_path``; write ``results.json``, ``samples.jsonl`` and the report
-    into ``out_dir``; returns the results. ``train``: the run's training files and prompt key (contamination)."""
+    into ``out_dir``; returns the results. ``run_cfg``: the run's config, whose training prompts the contexts are
+    checked against (None: not checked)."""
     from eval import contamination as contamination_check  # noqa: PLC0415
     from eval.report import write_tool_report  # noqa: PLC0415
     from eval.results import SCHEMA, model_hash, versions, write_results  # noqa: PLC0415
@@ -38,13 +39,7 @@ def evaluate_lm_eval(model_path: str, base_path: str | None, tokenizer: str | No
     out = run_lm_eval(model_args, request, device)
     seconds = time.perf_counter() - t0
     metrics, samples, summary = convert(out)
-    if train is not None:
-        kinds, info = contamination_check.check(samples, "prompt", train[0], train[1], strict)
-        for row, kind in zip(samples, kinds, strict=True):
-            row["contaminated"] = kind
-        contamination = {**info, "clean": contamination_check.clean_metrics(samples, metrics)}
-    else:
-        contamination = contamination_check.not_checked("no training data is known for this checkpoint")
+    contamination = contamination_check.of_samples(samples, metrics, run_cfg, strict)
     results = {
         "schema": SCHEMA, "label": label, "checkpoint": str(model_path), "step": step,
         "run_dir": str(run_dir) if run_dir else None, "model_hash": model_hash(model_path),
@@ -111,9 +106,6 @@ def run_lm_eval_tasks(target: Any, settings: Any, out: str | Path | None, consol
     request = LmEvalRequest.parse(settings.lm_eval_tasks, settings.lm_eval_include, settings.lm_eval_args)
     set_num_threads(settings.num_threads or (run_cfg.trainer.num_threads if run_cfg is not None else 1))
     device = str(pick_device(settings.device))
-    train = None
-    if run_cfg is not None and run_cfg.data.train_files:
-        train = (list(run_cfg.data.train_files), run_cfg.data.prompt_key)
     say = None if console is None or settings.quiet else (
         lambda text: console.print(text, highlight=False, soft_wrap=True))
     if target.kind == "run":
@@ -146,5 +138,5 @@ def run_lm_eval_tasks(target: Any, settings: Any, out: str | Path | None, consol
         else:
             out_dir = Path("outputs") / "eval" / "lm_eval" / label
         per_checkpoint[label] = evaluate_lm_eval(model_dir, base, tokenizer, request, out_dir, label, step,
-                                                 target.run_dir, device, train, settings.strict, say)
+                                                 target.run_dir, device, run_cfg, settings.strict, say)
     return per_checkpoint if target.kind == "run" else per_checkpoint[checkpoints[0][2]]

@@ -75,6 +75,9 @@ def test_an_lm_eval_task_runs_on_the_policy_in_memory_and_equals_verl_eval_lm_ev
                                                      lm_eval_args=["limit=20"], quiet=True), tmp_path / "eval")
     for name in ("acc", "acc_norm"):
         assert offline["metrics"][f"eval/lm_eval/verl_choice/{name}"]["value"] == evals[2][f"mc/verl_choice/{name}"]
+    # The run's checkpoint: lm-eval's contexts were checked against the run's training prompts.
+    assert offline["contamination"]["checked"] == 20 and offline["contamination"]["against"] == cfg["data"].get(
+        "train_files", ["builtin:arithmetic/train"])
     with pytest.raises(ConfigError, match="lm_eval_task defines its own"):
         build_config({"trainer": {"test_freq": 2, "eval_tasks": [{**spec, "max_samples": 4}]}})
     with pytest.raises(ConfigError, match="one of them"):
