@@ -33,24 +33,16 @@ from typing import Any
 import numpy as np
 
 from verl.errors import ConfigError, VerlError
-from verl.evaluators.stats import Z95, mean_metric
+from verl.evaluators.stats import reported_metric
 
 PREFIX = "eval/inspect/"
 SERVICE = "verl"  # openai-api/verl/<model>: Inspect reads VERL_API_KEY and the base URL we pass
 
 
-def _int(value: str) -> int:
-    return int(value)
-
-
-def _float(value: str) -> float:
-    return float(value)
-
-
 # --inspect-arg KEY=VALUE: what `inspect eval` users pass most, parsed as its CLI parses it.
 ARGS: dict[str, Callable[[str], Any]] = {
-    "epochs": _int, "epochs_reducer": str, "limit": _int, "temperature": _float, "top_p": _float,
-    "max_tokens": _int, "seed": _int, "max_connections": _int, "model": str,
+    "epochs": int, "epochs_reducer": str, "limit": int, "temperature": float, "top_p": float,
+    "max_tokens": int, "seed": int, "max_connections": int, "model": str,
 }
 
 
@@ -61,7 +53,7 @@ def parse_args(raw: list[str] | None) -> dict[str, Any]:
 
 
 def check_task_spec(spec: str) -> None:
-    path, _, name = spec.partition("@")
+    path = spec.partition("@")[0]
     if not Path(path).is_file():
         raise ConfigError(f"--inspect-task {spec}: no such file {path!r} (give FILE.py@task)")
 
@@ -151,25 +143,12 @@ def convert(logs: list[Any]) -> tuple[dict[str, dict], list[dict]]:
             for name, metric in result.metrics.items():
                 if name == "stderr":
                     continue
-                key = f"{PREFIX}{task}/{result.name}/{name}"
-                value = float(metric.value)
-                column = f"inspect/{task}/{result.name}"
-                is_mean = name in ("accuracy", "mean") and result.reducer in (None, "mean") and values.size and \
-                    math.isclose(float(values.mean()), value, rel_tol=1e-9, abs_tol=1e-12)
-                if is_mean:
-                    ours = mean_metric(values, np.array([p for p, _ in pairs]),
-                                       binary=bool(np.isin(values, (0.0, 1.0)).all()), column=column,
-                                       higher_is_better=True, evaluator="inspect").to_dict()
-                    ours["value"] = value
-                else:
-                    se = None if stderr is None else float(stderr.value)
-                    ours = {"value": value, "se": se, "ci_low": None if se is None else value - Z95 * se,
-                            "ci_high": None if se is None else value + Z95 * se, "n": int(values.size),
-                            "method": "inspect", "aggregate": "inspect", "column": None, "binary": False,
-                            "higher_is_better": None, "evaluator": "inspect"}
-                ours["inspect_stderr"] = None if stderr is None else float(stderr.value)
+                mean = name in ("accuracy", "mean") and result.reducer in (None, "mean")
+                ours = reported_metric(float(metric.value), None if stderr is None else float(stderr.value),
+                                       "inspect", values, mean=mean, clusters=np.array([p for p, _ in pairs]),
+                                       column=f"inspect/{task}/{result.name}", higher_is_better=True if mean else None)
                 ours["reducer"] = result.reducer
-                metrics[key] = ours
+                metrics[f"{PREFIX}{task}/{result.name}/{name}"] = ours
     return metrics, rows
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from verl.errors import ConfigError, VerlError
-from verl.evaluators.stats import Z95, mean_metric
+from verl.evaluators.stats import reported_metric
 from verl.utils.cli import key_values
 
 PREFIX = "eval/lm_eval/"
@@ -273,16 +273,9 @@ def convert(out: dict) -> tuple[dict[str, dict], list[dict], dict[str, Any]]:
             values = np.array([v for _, v in pairs])
             if value is None:
                 continue
-            if _is_mean(config, metric) and math.isclose(float(values.mean()), float(value), rel_tol=1e-9,
-                                                         abs_tol=1e-12):
-                ours = mean_metric(values, binary=bool(np.isin(values, (0.0, 1.0)).all()),
-                                   column=name[len("eval/"):], higher_is_better=higher.get(task, {}).get(metric),
-                                   evaluator="lm_eval").to_dict()
-                ours["value"] = float(value)  # lm-eval's own number, to its last digit
-            else:
-                ours = _lm_eval_only(float(value), stderr, len(values), higher.get(task, {}).get(metric))
-            ours["lm_eval_stderr"] = _number(stderr)
-            metrics[name] = ours
+            metrics[name] = reported_metric(float(value), _number(stderr), "lm_eval", values,
+                                            mean=_is_mean(config, metric), column=name[len("eval/"):],
+                                            higher_is_better=higher.get(task, {}).get(metric))
     for group, subtasks in (out.get("group_subtasks") or {}).items():
         if not subtasks:
             continue
@@ -292,20 +285,13 @@ def convert(out: dict) -> tuple[dict[str, dict], list[dict], dict[str, Any]]:
                 continue
             stderr = out["results"][group].get(f"{metric}_stderr,{filt}")
             count = sum(len(out["samples"].get(t, [])) for t in subtasks)
-            metrics[_metric_name(group, metric, filt)] = _lm_eval_only(float(value), stderr, count, None)
+            metrics[_metric_name(group, metric, filt)] = reported_metric(float(value), _number(stderr), "lm_eval",
+                                                                         n=count)
     summary = {"tasks": sorted(out.get("samples", {})), "groups": dict(out.get("group_subtasks") or {}),
                "n_shot": out.get("n-shot", {}), "versions": out.get("versions", {}),
                "n_samples": out.get("n-samples", {}), "config": out.get("config", {}),
                "lm_eval_version": out.get("lm_eval_version")}
     return metrics, list(rows.values()), summary
-
-
-def _lm_eval_only(value: float, stderr: Any, n: int, higher: bool | None) -> dict:
-    se = _number(stderr)
-    low, high = (value - Z95 * se, value + Z95 * se) if se is not None else (None, None)
-    return {"value": value, "se": se, "ci_low": low, "ci_high": high, "n": n, "method": "lm_eval",
-            "aggregate": "lm_eval", "column": None, "binary": False, "higher_is_better": higher,
-            "evaluator": "lm_eval"}
 
 
 def _number(value: Any) -> float | None:

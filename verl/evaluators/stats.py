@@ -113,6 +113,27 @@ def mean_metric(values: Sequence[float] | np.ndarray, clusters: np.ndarray | Non
     return Metric(mean, se, low, high, int(np.sum(~np.isnan(x))), "cluster" if multi else "mean", **meta)
 
 
+def reported_metric(value: float, stderr: float | None, tool: str, values: np.ndarray | None = None,
+                    n: int | None = None, mean: bool = False, clusters: np.ndarray | None = None,
+                    column: str | None = None, higher_is_better: bool | None = None) -> dict:
+    """A number another tool computed (lm-eval, Inspect) as ``results.json``'s metric. When ``mean`` and it is the
+    mean of the per-sample ``values`` ``(N,)``: our (clustered) SE and CI beside the tool's value, pairable by its
+    ``column``; otherwise the tool's ``stderr`` with the normal CI, not paired (``aggregate`` = ``tool``). Either
+    way ``<tool>_stderr`` keeps the tool's own."""
+    if mean and values is not None and values.size and math.isclose(float(values.mean()), value, rel_tol=1e-9,
+                                                                     abs_tol=1e-12):
+        out = mean_metric(values, clusters, binary=bool(np.isin(values, (0.0, 1.0)).all()), column=column,
+                          higher_is_better=higher_is_better, evaluator=tool).to_dict()
+        out["value"] = value  # the tool's own number, to its last digit
+    else:
+        se = float("nan") if stderr is None else stderr
+        count = n if n is not None else (0 if values is None else int(values.size))
+        out = Metric(value, se, value - Z95 * se, value + Z95 * se, count, tool, aggregate=tool,
+                     higher_is_better=higher_is_better, evaluator=tool).to_dict()
+    out[f"{tool}_stderr"] = stderr
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- bootstrap
 
 
