@@ -83,7 +83,7 @@ def chat_prompt(engine: Engine, messages: list, add_generation_prompt: bool, pla
         raise ApiError(400, "this model has no chat template; use /v1/completions with a plain prompt",
                        param="messages")
     plan = plan or ToolPlan()
-    conversation = template_messages(messages)
+    conversation = template_messages(messages, answering=add_generation_prompt)
     extra: dict[str, Any] = {}
     if uses_tools(messages, plan):
         try:

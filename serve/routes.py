@@ -292,12 +292,16 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
             if out is not None and out.logprobs:
                 more = logprobs.block(out.token_ids, out.logprobs)
                 block = more if block is None else {k: block[k] + more[k] for k in block}
-            if not text and block is None and not (out and out.finished):
+            if not text and block is None and not (out and out.finished) and not (body.return_token_ids and first):
                 return None
             choice = {"index": index, "text": text, "logprobs": block,
                       "finish_reason": out.finish_reason if out else None}
             if out is not None and out.finished:
                 choice["stop_reason"] = out.stop_reason
+            if body.return_token_ids:
+                choice["token_ids"] = out.token_ids if out is not None else []
+                if first:
+                    choice["prompt_token_ids"] = spec.prompt_ids
             return {**base, "choices": [choice]}
 
         return stream_response(service, request_id, specs, prompt_tokens, chunk, [], body.stream_options, base, target)
@@ -314,7 +318,9 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
         if echoes is not None:
             text = echoes[spec.prompt_index] + text
         choices.append({"index": spec.index, "text": text, "logprobs": block, "finish_reason": r.finish_reason,
-                        "stop_reason": r.stop_reason})
+                        "stop_reason": r.stop_reason,
+                        **({"prompt_token_ids": spec.prompt_ids, "token_ids": r.token_ids}
+                           if body.return_token_ids else {})})
     return JSONResponse({"id": request_id, "object": "text_completion", "created": created, "model": target.name,
                          "choices": choices, "usage": usage_block(prompt_tokens, results)}, headers=target.headers())
 
@@ -351,7 +357,7 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
             finished = out is not None and out.finished
             splitter = splitters.get(index)
             deltas = splitter.feed(text, final=finished) if splitter else ([{"content": text}] if text else [])
-            if not deltas and block is None and not finished:
+            if not deltas and block is None and not finished and not (body.return_token_ids and out and out.token_ids):
                 return None
             delta: dict = {}
             for part in deltas:  # content first, then the calls that finished in this piece of text
@@ -365,10 +371,15 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
             choice = {"index": index, "delta": delta, "logprobs": block, "finish_reason": finish}
             if finished:
                 choice["stop_reason"] = out.stop_reason
+            if body.return_token_ids:
+                choice["token_ids"] = out.token_ids if out is not None else []
             return {**base, "choices": [choice]}
 
-        preamble = [{**base, "choices": [{"index": s.index, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]} for s in specs]
+        # vLLM's shape: the rendered prompt's ids on the first chunk, each chunk's sampled ids on its choice.
+        first = {"prompt_token_ids": prompt} if body.return_token_ids else {}
+        preamble = [{**base, **(first if s.index == 0 else {}), "choices": [{
+            "index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]} for s in specs]
         return stream_response(service, request_id, specs, len(prompt), chunk, preamble, body.stream_options, base,
                                target)
     results = await run_to_completion(service, request, request_id, specs, target)
@@ -377,9 +388,12 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
         message, finish = response_message("".join(r.text), r.finish_reason, plan)
         choices.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(r.logprobs, text_of) if body.logprobs else None,
-                        "finish_reason": finish, "stop_reason": r.stop_reason})
+                        "finish_reason": finish, "stop_reason": r.stop_reason,
+                        **({"token_ids": r.token_ids} if body.return_token_ids else {})})
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": target.name,
-                         "choices": choices, "usage": usage_block(len(prompt), results)}, headers=target.headers())
+                         "choices": choices, "usage": usage_block(len(prompt), results),
+                         **({"prompt_token_ids": prompt} if body.return_token_ids else {})},
+                        headers=target.headers())
 
 
 USER_HEADER = "X-Verl-User"

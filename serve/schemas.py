@@ -103,6 +103,9 @@ class _SamplingFields(_Strict):
     stream: StrictBool = Field(False, description="Server-sent events, ending with `data: [DONE]`.")
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = Field(False, description="vLLM extension: keep generating past the end-of-text token.")
+    return_token_ids: StrictBool = Field(False, description="vLLM extension: the response carries the prompt's ids "
+                                         "as rendered (`prompt_token_ids`) and each choice's sampled ids "
+                                         "(`token_ids`), so a client can train on them without re-tokenizing.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from the logit of every "
                                     "token already generated.")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit per time "
@@ -167,6 +170,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: str | int | None = Field(None, description="The stop string or token id that ended the choice.")
+    prompt_token_ids: list[int] | None = Field(None, description="With `return_token_ids`: the prompt's ids.")
+    token_ids: list[int] | None = Field(None, description="With `return_token_ids`: the sampled ids.")
 
 
 class Usage(BaseModel):
@@ -312,6 +317,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = Field(None, description="With `return_token_ids`: the sampled ids.")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -321,6 +327,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="With `return_token_ids`: the rendered prompt's "
+                                               "ids (the chat template applied).")
 
 
 # ---------------------------------------------------------------- /generate (the tutorial-style endpoint)

@@ -146,13 +146,18 @@ def _response_format_grammar(body: ChatCompletionRequest) -> str | None:
 # ---------------------------------------------------------------------------------------------- history
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def template_messages(messages: list[ChatMessage], answering: bool = True) -> list[dict[str, Any]]:
     """The history as chat templates read it: assistant ``tool_calls`` with their arguments parsed, ``tool``
-    messages with their ``tool_call_id`` and the function's name. A broken history is a 400 naming the message."""
+    messages with their ``tool_call_id`` and the function's name. A broken history is a 400 naming the message;
+    so are calls left unanswered before the next user or assistant turn, or before the end when the model is to
+    answer (``answering``: a generation prompt follows; rendering a finished turn, ``/tokenize``, may end on calls)."""
     out: list[dict[str, Any]] = []
     calls: dict[str, str] = {}  # id -> function name, of every call made so far
+    unanswered: dict[str, int] = {}  # call id -> the assistant message that made it, until a tool message answers
     for i, message in enumerate(messages):
         role = "system" if message.role == "developer" else message.role
+        if role in ("user", "assistant") and unanswered:
+            raise_unanswered(unanswered, f"messages[{i}]")
         entry: dict[str, Any] = {"role": role, "content": message.text()}
         if message.tool_calls:
             if role != "assistant":
@@ -169,6 +174,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object",
                                    param=f"messages[{i}].tool_calls[{j}].function.arguments")
                 calls[call.id] = call.function.name
+                unanswered[call.id] = i
                 entry["tool_calls"].append({"id": call.id, "type": "function",
                                             "function": {"name": call.function.name, "arguments": arguments}})
         if role == "tool":
@@ -179,11 +185,24 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 raise ApiError(400, f"messages[{i}].tool_call_id '{message.tool_call_id}' answers no tool call of an "
                                "earlier assistant message", param=f"messages[{i}].tool_call_id")
             entry.update(tool_call_id=message.tool_call_id, name=calls[message.tool_call_id])
+            unanswered.pop(message.tool_call_id, None)
         elif message.tool_call_id is not None:
             raise ApiError(400, f"messages[{i}] has tool_call_id but role '{message.role}'; only tool messages "
                            "carry it", param=f"messages[{i}].tool_call_id")
         out.append(entry)
+    if unanswered and answering:
+        raise_unanswered(unanswered, "the end of the messages")
     return out
+
+
+def raise_unanswered(unanswered: dict[str, int], where: str) -> None:
+    """OpenAI's rule: every call of an assistant message is answered by a tool message (its ``tool_call_id``)
+    before the next user or assistant message; a 400 naming the calls that were not."""
+    ids = ", ".join(repr(call_id) for call_id in unanswered)
+    first = min(unanswered.values())
+    raise ApiError(400, f"messages[{first}] is an assistant message with 'tool_calls' that must be followed by a "
+                   f"tool message answering each 'tool_call_id'; {ids} had no answer before {where}",
+                   param=f"messages[{first}].tool_calls")
 
 
 def uses_tools(messages: list[ChatMessage], plan: ToolPlan) -> bool:

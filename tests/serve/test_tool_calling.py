@@ -186,6 +186,15 @@ HISTORY = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
     ({"messages": [*QUESTION, {"role": "tool", "tool_call_id": "call_9", "content": "1"}]},
      "messages[1].tool_call_id", "answers no tool call"),
     ({"messages": [*QUESTION, {"role": "tool", "content": "1"}]}, "messages[1].tool_call_id", "without"),
+    # OpenAI's rule (issue 64): every call is answered before the next user or assistant message, or at the end.
+    ({"messages": [*HISTORY[:2], *QUESTION]}, "messages[1].tool_calls",
+     "'call_1' had no answer before messages[2]"),
+    ({"messages": HISTORY[:2]}, "messages[1].tool_calls", "'call_1' had no answer before the end of the messages"),
+    ({"messages": [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "calculator", "arguments": "{}"}},
+        {"id": "b", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "1"}, {"role": "assistant", "content": "2"}]},
+     "messages[1].tool_calls", "'b' had no answer before messages[3]"),
     ({"messages": [*QUESTION, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "calculator", "arguments": "{not json"}}]}]}, "messages[1].tool_calls[0].function.arguments",
      "not valid JSON"),
@@ -216,6 +225,11 @@ def test_a_history_with_calls_renders_through_the_tool_template(agent):
     text = httpx.post(agent.url + "/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
     assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "37*412"}}\n</tool_call>' in text
     assert text.endswith("<|tool|>15244\n<|assistant|>")
+    # A finished turn that ends on its calls renders (nothing is to answer them yet); a prompt to answer does not.
+    turn = {"messages": HISTORY[:2], "add_generation_prompt": False}
+    assert httpx.post(agent.url + "/tokenize", json=turn, timeout=30).status_code == 200
+    assert httpx.post(agent.url + "/tokenize", json={**turn, "add_generation_prompt": True}, timeout=30).status_code \
+        == 400
 
 
 def test_a_model_whose_template_renders_no_tools_says_so(server):
@@ -263,3 +277,31 @@ def test_the_default_service_answers_tool_calls_with_the_tool_model(monkeypatch)
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_return_token_ids_gives_the_ids_as_rendered_and_as_sampled(agent):
+    """vLLM's ``return_token_ids``: the chat's rendered prompt ids and each choice's sampled ids (the stop token
+    included), the same streamed and not; decoded, the sampled ids are the answer with its tool-call block."""
+    body = {"model": "tiny-agent", "messages": QUESTION, "tools": [CALCULATOR], "tool_choice": "required",
+            "temperature": 1.0, "seed": 11, "max_tokens": 96, "return_token_ids": True}
+    with httpx.Client(base_url=agent.url, timeout=60) as http:
+        whole = http.post("/v1/chat/completions", json=body).json()
+        chunks = sse_chunks(http, "/v1/chat/completions", {**body, "stream": True})
+        plain = http.post("/v1/chat/completions", json={**body, "return_token_ids": False}).json()
+        prompt_text = http.post("/detokenize", json={"tokens": whole["prompt_token_ids"]}).json()["prompt"]
+        answer_text = http.post("/detokenize", json={"tokens": whole["choices"][0]["token_ids"]}).json()["prompt"]
+        completion = http.post("/v1/completions", json={"model": "tiny-agent", "prompt": prompt_text, "seed": 11,
+                                                        "max_tokens": 96, "return_token_ids": True}).json()
+        tokenized = http.post("/tokenize", json={"prompt": prompt_text}).json()["tokens"]
+    validate(whole, "CreateChatCompletionResponse")
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    ids = whole["choices"][0]["token_ids"]
+    assert len(ids) == whole["usage"]["completion_tokens"] and whole["usage"]["prompt_tokens"] == len(
+        whole["prompt_token_ids"])
+    assert prompt_text.endswith("<|assistant|>") and QUESTION[0]["content"] in prompt_text
+    assert "<tool_call>" in answer_text and whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])] == ids
+    # /v1/completions on the rendered text: the ids it reports are its tokenization, and it samples the same ids.
+    assert completion["choices"][0]["prompt_token_ids"] == tokenized
+    assert completion["choices"][0]["token_ids"] == ids
