@@ -1,4 +1,5 @@
-"""Prometheus metrics with vLLM's names under a ``verl:`` prefix, so vLLM dashboards work after a rename.
+"""Prometheus metrics with vLLM's names under a ``verl:`` prefix, and vLLM's own families under ``vllm:`` as well
+(``with_vllm_names``), so a vLLM dashboard reads the page unchanged.
 
 Each app gets its own ``CollectorRegistry`` (several apps in one process, as in tests, never collide).
 Latency metrics are measured by the API layer from the engine's output stream, so the transformers and vLLM
@@ -104,7 +105,29 @@ class ServeMetrics:
         self.healthy.labels(self.model_name).set_function(healthy)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        """The Prometheus page: every family under ``verl:``, and the ones vLLM has under ``vllm:`` too."""
+        return with_vllm_names(generate_latest(self.registry))
+
+
+# The families vLLM's server exports under these names (and the `model_name` label), which its Grafana dashboards
+# read: the page repeats them under `vllm:` so such a dashboard works unchanged (docs/serving.md).
+VLLM_FAMILIES = ("num_requests_running", "num_requests_waiting", "prompt_tokens", "generation_tokens",
+                 "request_success", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
+                 "request_generation_tokens")
+_SUFFIXES = ("", "_total", "_bucket", "_sum", "_count")
+
+
+def with_vllm_names(page: bytes) -> bytes:
+    """``page`` and, after it, each of its ``verl:`` lines of a ``VLLM_FAMILIES`` family renamed to ``vllm:``."""
+    families = {f"{PREFIX}{family}{suffix}" for family in VLLM_FAMILIES for suffix in _SUFFIXES}
+    copies = []
+    for line in page.decode().splitlines():
+        text = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        name = text.split("{", 1)[0].split(" ", 1)[0]
+        if name in families:
+            copies.append(line.replace(PREFIX, "vllm:", 1))
+    return page + "".join(c + "\n" for c in copies).encode()
 
 
 class SequenceTimer:

@@ -7,7 +7,9 @@ import json
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from serve.metrics import VLLM_FAMILIES
 from tests.serve.helpers import metric_value
 
 PROMPT = "What is 12+30?"
@@ -216,6 +218,14 @@ def test_metrics_counters_move(server, client):
     assert metric_value(after, "verl:num_requests_running", **label) == 0
     assert metric_value(after, "verl:engine_healthy", **label) == 1
     assert 'verl:server_info{engine="transformers"' in after
+    # vLLM's families again under vLLM's names (a vLLM Grafana dashboard reads them), sample for sample.
+    families = {f.name: f for f in text_string_to_metric_families(after)}
+    for family in VLLM_FAMILIES:
+        ours, theirs = families["verl:" + family], families["vllm:" + family]
+        assert theirs.type == ours.type and theirs.samples, family
+        assert [(s.name.replace("vllm:", "verl:"), s.labels, s.value) for s in theirs.samples] == [
+            (s.name, s.labels, s.value) for s in ours.samples]
+    assert "vllm:http_requests_total" not in after  # only the families vLLM has
 
 
 def test_completion_logprobs_legacy_shape(client):
