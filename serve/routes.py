@@ -10,7 +10,9 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from serve import __version__
 from serve.admission import Responder
@@ -47,6 +49,7 @@ from serve.schemas import (
     ModelList,
     PoolingResponse,
     ScoreRequest,
+    TokenGenerateRequest,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
@@ -186,6 +189,33 @@ def native_router(service: Service) -> APIRouter:
                              "prompt_tokens": len(prompts[0]), "completion_tokens": result.tokens},
                             headers=target.headers())
 
+
+    @router.post("/inference/v1/generate", dependencies=protected, responses=ERROR_RESPONSES, tags=["simple"])
+    async def generate_tokens(body: TokenGenerateRequest, request: Request) -> JSONResponse:
+        """vLLM's token-in, token-out generation: the prompt's ids in; per choice the sampled ``token_ids`` and, with
+        ``sampling_params.logprobs``, their log-probs (named ``token_id:<id>``, as vLLM's
+        ``return_tokens_as_token_ids`` names them). Nothing is rendered or re-tokenized."""
+        if body.stream:
+            raise ApiError(400, "'stream' is not supported on /inference/v1/generate by this server; send false",
+                           param="stream", code="unsupported_parameter")
+        completion = token_completion(body)
+        target = pick_target(service, completion, request)
+        engine = target.model.engine
+        max_tokens = plan_tokens(service, engine, [body.token_ids], completion.max_tokens, "sampling_params.max_tokens",
+                                 "token_ids")
+        specs = sequence_specs(engine, [body.token_ids], completion, max_tokens)
+        request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
+        service.admission.admit(len(specs), target, request_id)
+        results = await run_to_completion(service, request, request_id, specs, target)
+        choices = [{"index": spec.index, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                    "stop_reason": r.stop_reason,
+                    "logprobs": None if completion.logprobs is None else {"content": [
+                        {"token": f"token_id:{e.token_id}", "logprob": e.logprob,
+                         "top_logprobs": [{"token": f"token_id:{t}", "logprob": v} for t, v in e.top]}
+                        for e in r.logprobs]}} for spec, r in zip(specs, results, strict=True)]
+        return JSONResponse({"request_id": request_id, "model": target.name, "choices": choices,
+                             "prompt_logprobs": None, "usage": usage_block(len(body.token_ids), results)},
+                            headers=target.headers())
 
     @router.post("/tokenize", response_model=TokenizeResponse, dependencies=protected, responses=ERROR_RESPONSES,
               tags=["utility"])
@@ -397,6 +427,26 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
 
 
 USER_HEADER = "X-Verl-User"
+# vLLM's SamplingParams fields that /inference/v1/generate takes (the completion request's, under their names).
+TOKEN_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stop_token_ids",
+                         "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                         "logit_bias")
+
+
+def token_completion(body: TokenGenerateRequest) -> CompletionRequest:
+    """The completion request a token-in request amounts to; its sampling params checked as the completion's are
+    (a 400 naming ``sampling_params.<field>``), and a vLLM field not served here refused by name."""
+    params = body.sampling_params
+    unknown = sorted(set(params) - set(TOKEN_SAMPLING_FIELDS))
+    if unknown:
+        raise ApiError(400, f"sampling_params.{unknown[0]} is not supported by this server (supported: "
+                       f"{', '.join(TOKEN_SAMPLING_FIELDS)})", param=f"sampling_params.{unknown[0]}",
+                       code="unsupported_parameter")
+    try:
+        return CompletionRequest(model=body.model, prompt=body.token_ids, **params)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", "sampling_params", *e["loc"])} for e in exc.errors()
+                                      if e["loc"][:1] != ("prompt",)] or exc.errors()) from None
 
 
 def renders_tools(tokenizer: Any) -> bool:

@@ -343,6 +343,18 @@ class GenerateRequest(_Strict):
     stop: list[str] | None = Field(None, max_length=16)
 
 
+class TokenGenerateRequest(_Strict):
+    """vLLM's token-in, token-out ``POST /inference/v1/generate`` (what verifiers' and prime-rl's clients call)."""
+
+    model: str | None = Field(None, description="Model id from /v1/models (optional).")
+    token_ids: list[TokenId] = Field(..., min_length=1, description="The prompt's ids, as the client rendered them.")
+    sampling_params: dict[str, Any] = Field(default_factory=dict, description="vLLM's SamplingParams fields: "
+                                            "max_tokens, temperature, top_p, top_k, n, seed, stop, stop_token_ids, "
+                                            "ignore_eos, logprobs, penalties, logit_bias.")
+    stream: StrictBool = Field(False, description="Only false: token-in, token-out answers are whole.")
+    request_id: str | None = Field(None, max_length=256, description="Echoed back; one is made up when absent.")
+
+
 class GenerateResponse(BaseModel):
     response: str = Field(..., description="The generated text (without the prompt).")
     finish_reason: Literal["stop", "length", "abort"]

@@ -305,3 +305,28 @@ def test_return_token_ids_gives_the_ids_as_rendered_and_as_sampled(agent):
     # /v1/completions on the rendered text: the ids it reports are its tokenization, and it samples the same ids.
     assert completion["choices"][0]["prompt_token_ids"] == tokenized
     assert completion["choices"][0]["token_ids"] == ids
+
+
+def test_inference_generate_is_token_in_token_out(agent):
+    """vLLM's ``/inference/v1/generate``: the rendered chat's ids in, the same ids and log-probs out as the chat
+    completion sampled (same seed); bad sampling params are 400s naming ``sampling_params.<field>``."""
+    body = {"model": "tiny-agent", "messages": QUESTION, "tools": [CALCULATOR], "temperature": 1.0, "seed": 3,
+            "max_tokens": 64, "return_token_ids": True, "logprobs": True}
+    with httpx.Client(base_url=agent.url, timeout=60) as http:
+        chat = http.post("/v1/chat/completions", json=body).json()
+        params = {"max_tokens": 64, "temperature": 1.0, "seed": 3, "logprobs": 0}
+        out = http.post("/inference/v1/generate", json={"model": "tiny-agent", "token_ids": chat["prompt_token_ids"],
+                                                        "sampling_params": params, "request_id": "r1"})
+        bad = [http.post("/inference/v1/generate", json={"token_ids": [1, 2], **change}) for change in (
+            {"sampling_params": {"temperature": 9}}, {"sampling_params": {"best_of": 2}}, {"stream": True})]
+    assert out.status_code == 200, out.text
+    answer = out.json()
+    assert answer["request_id"] == "r1" and answer["usage"]["prompt_tokens"] == len(chat["prompt_token_ids"])
+    [choice] = answer["choices"]
+    assert choice["token_ids"] == chat["choices"][0]["token_ids"]
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert [c["logprob"] for c in content] == [c["logprob"] for c in chat["choices"][0]["logprobs"]["content"]]
+    assert [r.status_code for r in bad] == [400, 400, 400]
+    assert [r.json()["error"]["param"] for r in bad] == ["sampling_params.temperature", "sampling_params.best_of",
+                                                          "stream"]
