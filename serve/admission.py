@@ -38,6 +38,8 @@ class Responder:
     prompt: Any = None  # the prompt as sent, kept only with record_texts (serve.records.clip_prompt)
     not_for_training: bool = False  # the client's verl.not_for_training, or the service's setting
     choices: int = 1  # the request's sequences (prompts x n), set at admission
+    episode: str | None = None  # training traffic: its episode id (its records carry the token ids)
+    plan: Any = None  # training traffic on chat: the request's ToolPlan (the answer's calls are parsed with it)
 
     @property
     def name(self) -> str:
@@ -52,7 +54,8 @@ class Responder:
 
     def record(self, request_id: str | None, index: int, now: float, prompt_tokens: int, produced: int,
                ttft: float | None, e2e: float, finish: str, error: str | None, reward: float | None,
-               prompt_id: str | None = None, answer: str | None = None, max_chars: int = 0) -> OnlineRecord:
+               prompt_id: str | None = None, answer: str | None = None, max_chars: int = 0,
+               **tokens: Any) -> OnlineRecord:
         """The online record of one of this request's sequences (choice ``index``); ``answer`` is kept only when
         the prompt is (record_texts), cut at ``max_chars``."""
         online = self.online
@@ -70,7 +73,7 @@ class Responder:
             reward_source=f"rule:{online.reward}" if ruled else None,
             scorer_version=RULE_SCORER_VERSION if ruled else None, not_for_training=self.not_for_training,
             prompt=prompt, answer=answer if self.prompt is not None else None, texts_truncated=cut,
-            **self.model.lineage.fields())
+            episode=self.episode, **tokens, **self.model.lineage.fields())
 
     @property
     def rule_scored(self) -> bool:
@@ -86,6 +89,8 @@ class Admission:
         self.settings, self.lifecycle, self.metrics, self.records = settings, lifecycle, metrics, records
         self.capacity = settings.max_batch_size + settings.max_queue_size
         self.in_flight = 0
+        self.training_in_flight = 0  # of in_flight: training traffic's (at most training_max_slots_share)
+        self.training_capacity = max(1, int(self.capacity * settings.training_max_slots_share))
 
     def ready(self) -> None:
         """Nothing, or the 503 while loading, draining or dead."""
@@ -152,6 +157,13 @@ class Admission:
             raise ApiError(429, f"the server is at capacity ({self.in_flight} sequences in flight, limit "
                            f"{self.capacity}); retry later", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
+        if target.episode is not None:
+            if self.training_in_flight + sequences > self.training_capacity:
+                self.metrics.rejected.labels(self.lifecycle.model_name, "training_share_full").inc()
+                raise ApiError(429, f"training traffic holds {self.training_in_flight} of its {self.training_capacity} "
+                               "sequence slots (training_max_slots_share); retry later", type="rate_limit_error",
+                               code="training_share_full", headers={"Retry-After": str(self.settings.retry_after_s)})
+            self.training_in_flight += sequences
         self.in_flight += sequences
 
     def reserve_spare(self, sequences: int) -> bool:
@@ -161,8 +173,10 @@ class Admission:
         self.in_flight += sequences
         return True
 
-    def release(self, sequences: int = 1) -> None:
+    def release(self, sequences: int = 1, training: bool = False) -> None:
         self.in_flight -= sequences
+        if training:
+            self.training_in_flight -= sequences
 
 
 class PerKeyRateLimit:

@@ -24,9 +24,16 @@ def service_of(request: Request) -> Service:
 def check_bearer(settings: ServeSettings, given: str) -> None:
     """Raise the 401 unless ``given`` (the bearer token, "" when absent) is the configured key (constant time)."""
     key = settings.api_key
-    if key is not None and not secrets.compare_digest(given.encode(), key.get_secret_value().encode()):
+    if key is not None and not secrets.compare_digest(given.encode(), key.get_secret_value().encode()) and not \
+            is_training_key(settings, given):
         raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                        type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def is_training_key(settings: ServeSettings, given: str) -> bool:
+    """Whether ``given`` (a bearer token) is the configured ``training_api_key`` (constant time)."""
+    key = settings.training_api_key
+    return key is not None and secrets.compare_digest(given.encode(), key.get_secret_value().encode())
 
 
 async def require_api_key(request: Request,

@@ -18,6 +18,7 @@ from serve.metrics import SequenceTimer, ServeMetrics
 from serve.records import OnlineRecords, prompt_hash, score
 from serve.settings import ServeSettings
 from serve.shadow import ShadowTraffic
+from serve.tool_calling import response_message
 
 TIMEOUT_CANCEL = "verl-timeout"  # the message a pump is cancelled with when its request timed out (an error row)
 
@@ -89,6 +90,8 @@ class Pumps:
                     sink: Sink) -> None:
         finish, produced, error = "abort", 0, None
         text: list[str] = []
+        sampled: list[int] = []  # training traffic: the ids and their log-probs, for its record
+        logprobs: list[float] = []
         scored = self.live.draws(target)
         try:
             self._inject_fault(target)
@@ -97,8 +100,11 @@ class Pumps:
                 async for out in stream:
                     timer.on_output(time.perf_counter(), len(out.token_ids), out.scheduled_time, out.token_times)
                     produced = out.num_generated_tokens
-                    if target.rule_scored or target.prompt is not None or scored:
+                    if target.rule_scored or target.prompt is not None or scored or target.episode is not None:
                         text.append(out.text)
+                    if target.episode is not None:
+                        sampled.extend(out.token_ids)
+                        logprobs.extend(entry.logprob for entry in out.logprobs or [])
                     sink(index, out)
                     if out.finished:
                         finish = out.finish_reason
@@ -116,11 +122,13 @@ class Pumps:
             self.metrics.errors.labels(target.name).inc()
             sink(index, exc)
         finally:
-            self.admission.release()
+            self.admission.release(training=target.episode is not None)
             target.model.release()
             end = time.perf_counter()
             timer.on_finish(end, finish)
-            self._record(target, req, request_id, index, timer, end, finish, produced, error, "".join(text))
+            tokens = {} if target.episode is None else training_fields(target, req, sampled, logprobs, "".join(text),
+                                                                        finish)
+            self._record(target, req, request_id, index, timer, end, finish, produced, error, "".join(text), tokens)
             if scored and error is None and finish != "abort":
                 self.live.offer(Answer(target, request_id, index, list(req.prompt_token_ids), "".join(text)))
 
@@ -132,7 +140,7 @@ class Pumps:
             raise RequestFailedError(f"injected fault (fault_error_rate {rate:g} for {target.name})")
 
     def _record(self, target: Responder, req: EngineRequest, request_id: str, index: int, timer: SequenceTimer,
-                end: float, finish: str, produced: int, error: str | None, text: str) -> None:
+                end: float, finish: str, produced: int, error: str | None, text: str, tokens: dict) -> None:
         """One online record per finished sequence; the reward when the request asked for one."""
         reward = None
         online = target.online
@@ -145,4 +153,16 @@ class Pumps:
                 self.metrics.reward.labels(target.name).observe(reward)
         self.records.add(target.record(request_id, index, time.time(), len(req.prompt_token_ids), produced, timer.ttft,
                                        end - timer.arrival, finish, error, reward, prompt_hash(req.prompt_token_ids),
-                                       answer=text, max_chars=self.settings.record_texts_max_chars))
+                                       answer=text, max_chars=self.settings.record_texts_max_chars, **tokens))
+
+
+def training_fields(target: Responder, req: EngineRequest, sampled: list[int], logprobs: list[float], text: str,
+                    finish: str) -> dict:
+    """What a training record adds (verl.data.records.OnlineRecord): the prompt's ids as the engine got them,
+    the sampled ids with their log-probs, the weight version and, on chat with tools, the calls parsed."""
+    calls = None
+    if target.plan is not None and target.plan.parses_calls:
+        message, _ = response_message(text, finish, target.plan)
+        calls = message.get("tool_calls") or []
+    return {"prompt_ids": list(req.prompt_token_ids), "token_ids": sampled, "logprobs": logprobs,
+            "weight_version": target.model.weight_version, "tool_calls": calls}

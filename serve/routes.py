@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from serve import __version__
 from serve.admission import Responder
-from serve.auth import require_api_key
+from serve.auth import is_training_key, require_api_key
 from serve.engines.base import EngineOutput, SamplingOptions
 from serve.errors import ERROR_RESPONSES, SSE_DOC, ApiError
 from serve.feedback import take as take_feedback
@@ -204,6 +204,7 @@ def native_router(service: Service) -> APIRouter:
         max_tokens = plan_tokens(service, engine, [body.token_ids], completion.max_tokens, "sampling_params.max_tokens",
                                  "token_ids")
         specs = sequence_specs(engine, [body.token_ids], completion, max_tokens)
+        record_token_logprobs(specs, target)
         request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
         service.admission.admit(len(specs), target, request_id)
         results = await run_to_completion(service, request, request_id, specs, target)
@@ -300,6 +301,7 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
         raise ApiError(400, f"'n' is {body.n}; this server allows at most {service.settings.max_n}", param="n")
     max_tokens = plan_tokens(service, engine, prompts, body.max_tokens, "max_tokens", "prompt")
     specs = sequence_specs(engine, prompts, body, max_tokens)
+    record_token_logprobs(specs, target)
     prompt_tokens = sum(len(p) for p in prompts)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -319,7 +321,7 @@ async def create_completion(service: Service, body: CompletionRequest, request: 
                 text = echoes[spec.prompt_index] + text
                 if body.logprobs is not None and out is not None:
                     block = logprobs.block(spec.prompt_ids, out.prompt_logprobs or [None] * len(spec.prompt_ids))
-            if out is not None and out.logprobs:
+            if out is not None and out.logprobs and body.logprobs is not None:
                 more = logprobs.block(out.token_ids, out.logprobs)
                 block = more if block is None else {k: block[k] + more[k] for k in block}
             if not text and block is None and not (out and out.finished) and not (body.return_token_ids and first):
@@ -373,6 +375,8 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = plan_tokens(service, engine, [prompt], requested, param, "messages")
     specs = sequence_specs(engine, [prompt], body, max_tokens, plan.grammar)
+    target.plan = plan
+    record_token_logprobs(specs, target)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     text_of = token_texts(lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
@@ -383,7 +387,7 @@ async def create_chat_completion(service: Service, body: ChatCompletionRequest, 
         splitters = {s.index: ToolCallStream(plan) for s in specs} if plan.parses_calls else {}
 
         def chunk(index: int, text: str, out: EngineOutput | None) -> dict | None:
-            block = chat_logprobs(out.logprobs, text_of) if out is not None and out.logprobs else None
+            block = chat_logprobs(out.logprobs, text_of) if out is not None and out.logprobs and body.logprobs else None
             finished = out is not None and out.finished
             splitter = splitters.get(index)
             deltas = splitter.feed(text, final=finished) if splitter else ([{"content": text}] if text else [])
@@ -464,16 +468,51 @@ def tool_model_target(service: Service, body: ChatCompletionRequest, request: Re
     for name in service.lifecycle.registry.names():
         model = service.lifecycle.registry.models[name]
         if model.kind == "model" and renders_tools(model.engine.tokenizer):
-            return service.admission.target(name, body.user or request.headers.get(USER_HEADER), body.verl,
-                                            prompt_as_sent(body))
+            target = service.admission.target(name, body.user or request.headers.get(USER_HEADER), body.verl,
+                                              prompt_as_sent(body))
+            target.episode = training_episode(service, body, request)
+            return target
     return None
 
 
 def pick_target(service: Service, body: CompletionRequest | ChatCompletionRequest, request: Request) -> Responder:
     """The model that answers: ``body.model`` (a model or a route; none: the default), sticky per ``user`` (else
-    the ``X-Verl-User`` header)."""
-    return service.admission.target(body.model, body.user or request.headers.get(USER_HEADER), body.verl,
-                                    prompt_as_sent(body))
+    the ``X-Verl-User`` header); training traffic is marked with its episode (``training_episode``)."""
+    episode = training_episode(service, body, request)
+    target = service.admission.target(body.model, body.user or request.headers.get(USER_HEADER), body.verl,
+                                      prompt_as_sent(body))
+    target.episode = episode
+    return target
+
+
+SESSION_HEADER = "X-Session-ID"  # verifiers' and prime-rl's clients send the episode (rollout) id in it
+
+
+def training_episode(service: Service, body: CompletionRequest | ChatCompletionRequest, request: Request) -> str | None:
+    """The episode id when this request is training traffic: the training key (``training_api_key``) and an episode
+    id (``X-Session-ID`` or ``verl.episode_id``), else None. ``verl.episode_id`` without the training key is a 403,
+    the training key without an episode id a 400; ``X-Session-ID`` alone is a user's session, not training."""
+    given = request.headers.get("authorization", "")
+    keyed = given.lower().startswith("bearer ") and is_training_key(service.settings, given[7:].strip())
+    marked = body.verl.episode_id if body.verl is not None else None
+    episode = marked or request.headers.get(SESSION_HEADER) or None
+    if marked is not None and not keyed:
+        raise ApiError(403, "verl.episode_id marks training traffic, which needs the training key (the service's "
+                       "training_api_key) as 'Authorization: Bearer <key>'", param="verl.episode_id",
+                       type="permission_error", code="training_key_required")
+    if keyed and episode is None:
+        raise ApiError(400, f"training traffic needs an episode id: the '{SESSION_HEADER}' header or verl.episode_id",
+                       param="verl.episode_id", code="episode_id_required")
+    return episode if keyed else None
+
+
+def record_token_logprobs(specs: list[SequenceSpec], target: Responder) -> None:
+    """Training traffic's records keep each sampled id's log-prob: ask the engine for them (the response shows them
+    only when the client asked)."""
+    if target.episode is not None:
+        for spec in specs:
+            if spec.sampling.logprobs is None:
+                spec.sampling.logprobs = 0
 
 
 def prompt_as_sent(body: CompletionRequest | ChatCompletionRequest) -> Any:

@@ -88,6 +88,8 @@ class VerlExtension(_Strict):
                                   "(default: a hash of the prompt tokens).")
     not_for_training: bool = Field(False, description="Never export this request or its answer for training "
                                    "(`verl data from-records` leaves it out).")
+    episode_id: str | None = Field(None, min_length=1, max_length=256, description="Training traffic: the episode "
+                                   "this call belongs to (as the `X-Session-ID` header); needs the training key.")
 
 
 class _SamplingFields(_Strict):

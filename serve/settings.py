@@ -271,6 +271,13 @@ class ServeSettings(BaseSettings):
     api_key: SecretStr | None = Field(
         None, description="When set, /v1/*, /generate, /tokenize, /detokenize need `Authorization: Bearer <key>`."
     )
+    training_api_key: SecretStr | None = Field(
+        None, description="The key of training traffic (issue 64's gateway): a request with this bearer key and an "
+        "episode id (`X-Session-ID` header or `verl.episode_id`) is recorded with its prompt ids as rendered, its "
+        "sampled ids and log-probs and the weight version; it is also accepted wherever the API key is.")
+    training_max_slots_share: float = Field(
+        0.5, gt=0.0, le=1.0, description="Training traffic holds at most this share of the sequence slots "
+        "(max_batch_size + max_queue_size); past it a training request is a 429 and user traffic keeps the rest.")
     metrics_public: bool = Field(
         False, description="With an API key set, still serve /metrics without it (for scrapers that send no header)."
     )
@@ -302,7 +309,7 @@ class ServeSettings(BaseSettings):
         """The serve.yaml these settings read, if any (logged at startup)."""
         return self._config_file
 
-    @field_validator("api_key", "admin_api_key")
+    @field_validator("api_key", "admin_api_key", "training_api_key")
     @classmethod
     def _empty_key_is_none(cls, value: SecretStr | None) -> SecretStr | None:
         # `VERL_SERVE_API_KEY=` (empty) must not mean "the key is the empty string".

@@ -72,6 +72,13 @@ class OnlineRecord:
     prompt: Any = None  # record_texts only: the chat messages or the completion prompt, as sent
     answer: str | None = None  # record_texts only: the generated text
     texts_truncated: bool = False  # record_texts: the prompt or answer was cut at record_texts_max_chars
+    # Training traffic only (serve's training_api_key and an episode id): what a trainer learns from, token-exact.
+    episode: str | None = None  # the episode id (X-Session-ID or verl.episode_id)
+    prompt_ids: list[int] | None = None  # the prompt's ids as rendered (the chat template applied)
+    token_ids: list[int] | None = None  # the sampled ids (the stop token included)
+    logprobs: list[float] | None = None  # each sampled id's log-prob, the engine's own (raw, before temperature)
+    weight_version: int | None = None  # the served weights' version that sampled the ids
+    tool_calls: list[dict] | None = None  # the tool calls parsed from the answer (chat with tools)
 
 
 def user_hash(user: str | None) -> str | None:
