@@ -215,7 +215,9 @@ def test_fsdp_over_two_ray_workers_matches_the_local_executor(tmp_path):
     for key, value in local32.items():
         before_update = key.endswith("@1")
         assert sharded32[key] == pytest.approx(value, rel=1e-5 if before_update else 2e-3, abs=1e-6), key
-    assert rows_by_step(sharded.run_dir, "eval")[0]["kl_exact"] == 0.0  # before any update: the reference itself
+    # Before any update the policy is the reference: 0 up to float32 rounding (CI saw 2.0e-8 for the sharded run: the
+    # gathered reference and the sharded policy do not reduce in the same order), held as the unsharded test holds it.
+    assert 0.0 <= rows_by_step(sharded.run_dir, "eval")[0]["kl_exact"] <= 1e-6
     ckpt = read_pointer(sharded.run_dir)
     # Sharded optimizer state is saved per rank; the model is gathered into one HF directory.
     assert {"actor_state_rank0.pt", "actor_state_rank1.pt"} <= {p.name for p in ckpt.iterdir()}
