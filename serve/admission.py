@@ -46,8 +46,10 @@ class Responder:
         return self.model.name
 
     def headers(self) -> dict[str, str]:
-        """Response headers naming the variant that answered (and the route that chose it)."""
-        headers = {"X-Verl-Model": self.model.name, **self.model.lineage.headers()}
+        """Response headers naming the variant that answered (and the route that chose it) and the version of its
+        weights when the headers were sent (a streamed answer's later tokens may be newer: its record says)."""
+        headers = {"X-Verl-Model": self.model.name, **self.model.lineage.headers(),
+                   "X-Verl-Weight-Version": str(self.model.weight_version)}
         if self.route is not None:
             headers["X-Verl-Route"] = self.route
         return headers

@@ -38,6 +38,7 @@ from serve.errors import ApiError, error_body, error_response
 from serve.routes import add_routes
 from serve.service import Service
 from serve.settings import ServeSettings, load_settings
+from serve.weight_updates import WEIGHT_PATHS, weight_router
 
 
 class HTTPMetricsMiddleware:
@@ -86,7 +87,7 @@ class EdgeGuard:
         try:
             auth = headers.get(b"authorization", b"").decode("latin-1")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if scope["path"].startswith(ADMIN_PREFIX + "/"):
+            if scope["path"].startswith(ADMIN_PREFIX + "/") or scope["path"] in WEIGHT_PATHS:
                 if self.settings.admin_api_key is not None:  # (else the path is a 404 anyway)
                     check_admin_key(self.settings, token)
             else:
@@ -201,6 +202,7 @@ def create_app(settings: ServeSettings | None = None, fleet: Any = None) -> Fast
     add_routes(app, service)
     if settings.admin_api_key is not None:
         app.include_router(admin_router(service))
+        app.include_router(weight_router(service))
         problem = multiple_workers_problem(serving_processes())
         if problem is not None and fleet is None:
             log.warning("verl serve: %s", problem)

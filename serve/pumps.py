@@ -92,6 +92,7 @@ class Pumps:
         text: list[str] = []
         sampled: list[int] = []  # training traffic: the ids and their log-probs, for its record
         logprobs: list[float] = []
+        versions: list[int] = []
         scored = self.live.draws(target)
         try:
             self._inject_fault(target)
@@ -105,6 +106,7 @@ class Pumps:
                     if target.episode is not None:
                         sampled.extend(out.token_ids)
                         logprobs.extend(entry.logprob for entry in out.logprobs or [])
+                    versions.extend(out.weight_versions or [])
                     sink(index, out)
                     if out.finished:
                         finish = out.finish_reason
@@ -126,8 +128,8 @@ class Pumps:
             target.model.release()
             end = time.perf_counter()
             timer.on_finish(end, finish)
-            tokens = {} if target.episode is None else training_fields(target, req, sampled, logprobs, "".join(text),
-                                                                        finish)
+            tokens = version_fields(target, versions) if target.episode is None else training_fields(
+                target, req, sampled, logprobs, versions, "".join(text), finish)
             self._record(target, req, request_id, index, timer, end, finish, produced, error, "".join(text), tokens)
             if scored and error is None and finish != "abort":
                 self.live.offer(Answer(target, request_id, index, list(req.prompt_token_ids), "".join(text)))
@@ -156,13 +158,21 @@ class Pumps:
                                        answer=text, max_chars=self.settings.record_texts_max_chars, **tokens))
 
 
-def training_fields(target: Responder, req: EngineRequest, sampled: list[int], logprobs: list[float], text: str,
-                    finish: str) -> dict:
+def training_fields(target: Responder, req: EngineRequest, sampled: list[int], logprobs: list[float],
+                    versions: list[int], text: str, finish: str) -> dict:
     """What a training record adds (verl.data.records.OnlineRecord): the prompt's ids as the engine got them,
-    the sampled ids with their log-probs, the weight version and, on chat with tools, the calls parsed."""
+    the sampled ids with their log-probs, the weight version that sampled the first id (and each id's, when an
+    in-place update came in between) and, on chat with tools, the calls parsed."""
     calls = None
     if target.plan is not None and target.plan.parses_calls:
         message, _ = response_message(text, finish, target.plan)
         calls = message.get("tool_calls") or []
     return {"prompt_ids": list(req.prompt_token_ids), "token_ids": sampled, "logprobs": logprobs,
-            "weight_version": target.model.weight_version, "tool_calls": calls}
+            **version_fields(target, versions), "tool_calls": calls}
+
+
+def version_fields(target: Responder, versions: list[int]) -> dict:
+    """Every record's weight version: the one that sampled its first token (the current one when it sampled none),
+    and each token's when an in-place update came mid-answer (pause mode keep)."""
+    return {"weight_version": versions[0] if versions else target.model.weight_version,
+            "weight_versions": versions if len(set(versions)) > 1 else None}

@@ -41,9 +41,13 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
     lineage: Lineage = field(default_factory=Lineage)  # run, step and weights hash (headers and records)
     in_flight: int = 0
-    weight_version: int = 0  # bumped by each in-place weight update (training records carry it)
     retiring: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights answering for this name now (moved by each in-place update: the engine's)."""
+        return self.engine.weight_version(self.adapter)
 
     @property
     def adapter(self) -> str | None:

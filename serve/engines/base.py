@@ -103,6 +103,8 @@ class EngineOutput:
     logprobs: list[TokenLogprob] | None = None
     # When asked for (SamplingOptions.prompt_logprobs), first output only: one per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # The version of the weights that sampled each id in ``token_ids`` (engines with in-place weight updates).
+    weight_versions: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -158,6 +160,47 @@ class Engine(abc.ABC):
     async def remove_adapter(self, name: str) -> None:
         """Unload adapter ``name``; the caller makes sure no request still uses it."""
         raise EngineError(f"the {self.name} engine does not serve LoRA adapters")
+
+    # ------------------------------------------------------------ in-place weights, pause, sleep (vLLM's RL endpoints)
+
+    supports_weight_updates: bool = False
+
+    def _no_weight_updates(self, what: str) -> EngineError:
+        return EngineError(f"the {self.name} engine does not {what} in place here; serve with the transformers "
+                           "engine (VERL_SERVE_ENGINE=transformers), or load the new weights as a model "
+                           "(POST /admin/models) and move the route")
+
+    async def update_weights(self, adapter: str | None, path: str, version: int) -> None:
+        """Replace the full model's weights (``adapter`` None) or an adapter's with those in directory ``path``,
+        without restarting or failing requests; tokens sampled afterwards carry ``version``."""
+        raise self._no_weight_updates("update weights")
+
+    def weight_version(self, adapter: str | None) -> int:
+        """The version of the weights that sample for ``adapter`` (None: the full model) now."""
+        return 0
+
+    async def pause(self, mode: str) -> None:
+        """Stop generating: ``abort`` ends every sequence, ``wait`` returns once the running ones finished,
+        ``keep`` freezes them where they are; new requests queue until ``resume``."""
+        raise self._no_weight_updates("pause")
+
+    async def resume(self) -> None:
+        raise self._no_weight_updates("pause")
+
+    @property
+    def paused(self) -> bool:
+        return False
+
+    async def sleep(self, level: int, mode: str) -> None:
+        """Pause (``mode``) and release memory: level 0 nothing more, 1 the caches."""
+        raise self._no_weight_updates("sleep")
+
+    async def wake_up(self) -> None:
+        raise self._no_weight_updates("sleep")
+
+    @property
+    def sleeping(self) -> bool:
+        return False
 
     def eos_token_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -26,6 +26,9 @@ How it works (one background thread owns the model):
   forward passes ``adapter_names`` per row, so requests for different adapters and for the base share one decode
   step (PEFT runs each adapter's low-rank product on its rows only). Adapters are loaded and unloaded on the engine
   thread between two steps, so requests in flight never pause or fail.
+- New weights arrive in place (``update_weights``: a safetensors or LoRA directory, read off the engine thread and
+  copied between two steps, serve/engines/weights.py), and the loop pauses and resumes with vLLM's modes; every
+  token carries the version of the weights that sampled it.
 - Non-streamed requests get one aggregated output at the end (with per-token times for the latency metrics),
   and their text is decoded once unless stop strings need it per step.
 
@@ -58,7 +61,8 @@ from serve.engines.base import (
     StopChecker,
 )
 from serve.engines.rows import RunningSequence
-from serve.engines.step_loop import StepLoop
+from serve.engines.step_loop import PAUSE_MODES, StepLoop
+from serve.engines.weights import read_update
 from serve.settings import ServeSettings
 from verl.models.loader import load_causal_lm, pick_device
 from verl.utils.allocator import keep_freed_memory
@@ -70,6 +74,7 @@ class TransformersEngine(Engine):
 
     name = "transformers"
     supports_adapters = True
+    supports_weight_updates = True
 
     def __init__(self, settings: ServeSettings, tokenizer: PreTrainedTokenizerBase, model_path: str,
                  max_model_len: int):
@@ -81,6 +86,7 @@ class TransformersEngine(Engine):
         self._eos_ids = self.eos_token_ids()
         self._grammar_lock = threading.Lock()
         self._grammar_tokenizer: GrammarTokenizer | None = None  # built by the first constrained request
+        self._sleeping = False
 
     # The step loop's model and counters, for metrics and tests.
     model = property(lambda self: self.steps.model)
@@ -124,6 +130,52 @@ class TransformersEngine(Engine):
 
     async def remove_adapter(self, name: str) -> None:
         await self._on_engine_thread(lambda: self.steps.unload_adapter(name))
+
+    # ---------------------------------------------------------------- in-place weights, pause, sleep
+
+    async def update_weights(self, adapter: str | None, path: str, version: int) -> None:
+        update = await asyncio.to_thread(read_update, path)  # read and parse off the engine thread
+        await self._on_engine_thread(lambda: self.steps.update_weights(adapter, update, version))
+
+    def weight_version(self, adapter: str | None) -> int:
+        return self.steps.weights.version_of(adapter)
+
+    async def pause(self, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise EngineError(f"unknown pause mode '{mode}': use one of {', '.join(PAUSE_MODES)}")
+        await self._on_engine_thread(lambda: self.steps.pause(mode))
+        while mode == "wait" and len(self.steps.batch) and self.is_healthy():  # the running rows decode to the end
+            await asyncio.sleep(0.01)
+
+    async def resume(self) -> None:
+        if self._sleeping:
+            raise EngineError("the engine is asleep: POST /wake_up resumes it")
+        await self._on_engine_thread(self.steps.resume)
+
+    @property
+    def paused(self) -> bool:
+        return self.steps.pause_mode is not None
+
+    async def sleep(self, level: int, mode: str) -> None:
+        if level not in (0, 1):
+            raise EngineError(f"sleep level {level} is not served: on CPU the weights have nowhere to be offloaded "
+                              "to, so the transformers engine keeps them (level 1 releases its KV cache and packed "
+                              "weight copies; level 0 only pauses)")
+        if level >= 1 and mode == "keep":
+            raise EngineError("sleep level 1 releases the KV cache that pause mode keep would keep: use mode abort "
+                              "or wait (or level 0)")
+        await self.pause(mode)
+        if level >= 1:
+            await self._on_engine_thread(self.steps.release_caches)
+        self._sleeping = True
+
+    async def wake_up(self) -> None:
+        self._sleeping = False
+        await self._on_engine_thread(self.steps.resume)
+
+    @property
+    def sleeping(self) -> bool:
+        return self._sleeping
 
     async def _on_engine_thread(self, work: Callable[[], None]) -> None:
         """Run ``work`` on the engine thread between two steps (the model is never changed under a forward)."""

@@ -37,15 +37,18 @@ class RunningSequence:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # computed at admission when asked for
     failure: BaseException | None = None  # this sequence alone could not be computed (see RowSampler.sample)
     matcher: GrammarMatcher | None = None  # constrained decoding: the tokens its grammar allows next
+    versions: list[int] = field(default_factory=list)  # the weight version that sampled each generated token
 
     @property
     def sampling(self) -> SamplingOptions:
         return self.request.sampling
 
-    def advance(self, token: int, now: float, max_model_len: int, logprob: TokenLogprob | None = None
-                ) -> EngineOutput | None:
-        """One token: a delta (streamed), the aggregated result (non-streamed, at the end) or None."""
+    def advance(self, token: int, now: float, max_model_len: int, logprob: TokenLogprob | None = None,
+                version: int = 0) -> EngineOutput | None:
+        """One token (sampled by weights ``version``): a delta (streamed), the aggregated result (non-streamed, at
+        the end) or None."""
         self.generated.append(token)
+        self.versions.append(version)
         sampling = self.sampling
         finish, stop_reason = None, None
         if self.matcher is not None:
@@ -71,7 +74,7 @@ class RunningSequence:
                                 finish_reason=finish, stop_reason=stop_reason,
                                 scheduled_time=self.scheduled_time if first else None,
                                 logprobs=[logprob] if logprob is not None else None,
-                                prompt_logprobs=self.prompt_logprobs if first else None)
+                                prompt_logprobs=self.prompt_logprobs if first else None, weight_versions=[version])
         self.text_parts.append(text)
         self.token_times.append(now)
         if logprob is not None:
@@ -82,7 +85,7 @@ class RunningSequence:
                             num_generated_tokens=len(self.generated), finish_reason=finish, stop_reason=stop_reason,
                             scheduled_time=self.scheduled_time, token_times=self.token_times,
                             logprobs=self.logprobs if self.sampling.logprobs is not None else None,
-                            prompt_logprobs=self.prompt_logprobs)
+                            prompt_logprobs=self.prompt_logprobs, weight_versions=list(self.versions))
 
 
 class RowSampler:

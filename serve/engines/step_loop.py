@@ -1,7 +1,14 @@
 """The transformers engine's thread (``serve/engines/hf_engine.py``): one loop that owns the model and, each
-iteration, runs queued control work (adapter loads), admits waiting sequences into free rows with one batched
-prefill, runs one decode step for every row and hands the outputs to the event loop. A request that fails alone
-fails alone (``RequestFailedError``); ``FAILURES_BEFORE_DEAD`` of them in a row stop the engine."""
+iteration, runs queued control work (adapter loads, weight updates, pause and resume), admits waiting sequences into
+free rows with one batched prefill, runs one decode step for every row and hands the outputs to the event loop. A
+request that fails alone fails alone (``RequestFailedError``); ``FAILURES_BEFORE_DEAD`` of them in a row stop the
+engine.
+
+Paused (vLLM's ``/pause`` modes): ``abort`` ends every running and queued sequence with ``finish_reason`` "abort";
+``wait`` admits nothing new and decodes the running rows to their end; ``keep`` freezes the running rows with their
+KV cache where they are. New requests queue until ``resume``. Every sampled token is stamped with the version of the
+weights that sampled it (``versions``: the full model's, or its adapter's), so a sequence that a weight update
+interrupted under ``keep`` says which tokens each version produced."""
 
 from __future__ import annotations
 
@@ -16,20 +23,20 @@ import time
 from collections.abc import Callable
 
 import torch
-from peft import PeftModel
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from serve.engines.base import EngineDeadError, EngineError, EngineOutput, RequestFailedError, TokenLogprob
 from serve.engines.rows import RowSampler, RunningSequence, logprob_entries, token_logprobs
+from serve.engines.weights import ServedWeights, WeightsUpdate
 from serve.settings import ServeSettings
 from verl.models.fused_decoder import fused_decoder_layers
 from verl.models.kv_cache import GrowingLayer, Joining, RowBatch, new_growing_cache
-from verl.models.packed_linear import packed_weights
+from verl.models.packed_linear import packed_weights, refresh_packed_linear
 from verl.protocol import pad_tokens
 
 log = logging.getLogger("uvicorn.error.serve.engine")  # shows in the uvicorn server log
 FAILURES_BEFORE_DEAD = 8  # consecutive requests that fail alone before the engine declares itself dead
-BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class StepLoop:
@@ -39,7 +46,7 @@ class StepLoop:
     def __init__(self, settings: ServeSettings, tokenizer: PreTrainedTokenizerBase, max_model_len: int):
         self.settings, self.tokenizer, self.max_model_len = settings, tokenizer, max_model_len
         self.max_batch_size = settings.max_batch_size
-        self.model: PreTrainedModel | None = None  # set by the engine's load, before the thread starts
+        self.weights = ServedWeights()  # its model is set by the engine's load, before the thread starts
         self.device = torch.device("cpu")
         self.waiting: collections.deque[RunningSequence] = collections.deque()
         self.batch = RowBatch()
@@ -52,43 +59,61 @@ class StepLoop:
         self.sampler = RowSampler(settings.seed)
         self.prefilling = 0
         self.admitted: list[RunningSequence] = []  # taken from the queue for the prefill in progress
-        self.peft: PeftModel | None = None  # set once an adapter is loaded; wraps self.model
         self.mixed_adapter_steps = 0  # forwards whose rows used more than one adapter (or adapter and base)
         self.shared_prefix_tokens = 0  # prompt tokens not recomputed: prefixes shared within a prefill
+        self.pause_mode: str | None = None  # one of PAUSE_MODES while paused
 
-    @property
-    def adapters(self) -> list[str]:
-        return list(self.peft.peft_config) if self.peft is not None else []
+    # The model, its adapters and their weight versions (serve/engines/weights.py).
+    model = property(lambda self: self.weights.model, lambda self, model: setattr(self.weights, "model", model))
+    adapters = property(lambda self: self.weights.adapters)
 
     def load_adapter(self, name: str, path: str) -> None:
-        if name in self.adapters:
-            raise EngineError(f"an adapter named '{name}' is already loaded")
-        if self.peft is None:
-            self.peft = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
-        else:
-            self.peft.load_adapter(path, adapter_name=name, is_trainable=False)
-        self.peft.eval()
+        self.weights.load_adapter(name, path)
 
     def unload_adapter(self, name: str) -> None:
-        if name not in self.adapters:
-            raise EngineError(f"no adapter named '{name}' is loaded")
-        if len(self.adapters) == 1:
-            self.model = self.peft.unload()  # the last one: back to the plain model, no PEFT hooks per forward
-            self.peft = None
-        else:
-            self.peft.delete_adapter(name)
+        self.weights.unload_adapter(name)
+
+    def update_weights(self, adapter: str | None, update: WeightsUpdate, version: int) -> None:
+        self.weights.update(adapter, update, version)
+
+    def pause(self, mode: str) -> None:
+        """Stop stepping (see the module docstring); ``abort`` ends every sequence now."""
+        self.pause_mode = mode
+        if mode == "abort":
+            with self.cv:
+                pending = [*self.batch.rows, *self.waiting]
+                self.waiting.clear()
+            self.batch = RowBatch()
+            self._end(pending)
+
+    def resume(self) -> None:
+        self.pause_mode = None
+
+    def release_caches(self) -> None:
+        """Sleep (level 1 on CPU): drop the KV cache and the packed weight copies; both are rebuilt on demand."""
+        if self.batch.rows:
+            raise EngineError(f"{len(self.batch.rows)} sequence(s) are kept with their KV cache (pause mode keep); "
+                              "sleep with mode abort or wait")
+        self.batch = RowBatch()
+        refresh_packed_linear(self.model)
+
+    def _stepping(self) -> bool:
+        """Whether there is generation work this iteration (paused: only ``wait`` decodes its running rows)."""
+        if self.pause_mode is None:
+            return bool(self.waiting or self.batch.rows)
+        return self.pause_mode == "wait" and bool(self.batch.rows)
 
     def forward(self, rows: list[RunningSequence], **kwargs):
         """The model's forward for ``rows`` (one batch row each), each with its own adapter when any is loaded;
         frozen linear layers multiply by oneDNN-packed weights (verl/models/packed_linear.py) and the decoder layers'
         small operations run fused (verl/models/fused_decoder.py)."""
         with packed_weights(), fused_decoder_layers():
-            if self.peft is None:
+            if self.weights.peft is None:
                 return self.model(**kwargs)
-            names = [row.request.adapter or BASE_ADAPTER for row in rows]
+            names = self.weights.adapter_names([row.request.adapter for row in rows])
             if len(set(names)) > 1:
                 self.mixed_adapter_steps += 1
-            return self.peft(**kwargs, adapter_names=names)
+            return self.weights.peft(**kwargs, adapter_names=names)
 
     def run_control(self) -> None:
         while True:
@@ -108,13 +133,15 @@ class StepLoop:
             with torch.inference_mode():
                 while True:
                     with self.cv:
-                        while not (self.stopping or self.waiting or self.batch.rows or self.control):
+                        while not (self.stopping or self.control or self._stepping()):
                             self.cv.wait()
                         if self.stopping:
                             break
                     self.run_control()
+                    if not self._stepping():
+                        continue
                     with self.cv:
-                        free = self.max_batch_size - len(self.batch)
+                        free = self.max_batch_size - len(self.batch) if self.pause_mode is None else 0
                         admitted = self.admitted = []
                         while free > 0 and self.waiting:
                             seq = self.waiting.popleft()
@@ -149,8 +176,14 @@ class StepLoop:
         self.batch = RowBatch()
         for _, future in controls:
             future.set_exception(EngineError("the engine stopped"))
-        self.deliver([(seq, EngineOutput("", [], len(seq.generated), finish_reason="abort")) for seq in pending
-                       if not seq.finished])
+        self._end(pending)
+
+    def _end(self, seqs: list[RunningSequence]) -> None:
+        """A final ``abort`` for each sequence not finished yet, so no client waits forever."""
+        ended = [seq for seq in seqs if not seq.finished]
+        for seq in ended:
+            seq.finished = True
+        self.deliver([(seq, EngineOutput("", [], len(seq.generated), finish_reason="abort")) for seq in ended])
 
     def drop_aborted(self) -> None:
         keep = [i for i, seq in enumerate(self.batch.rows) if not seq.aborted]
@@ -279,7 +312,8 @@ class StepLoop:
             if seq.failure is not None:
                 self._fail([seq], seq.failure, deliveries)
                 continue
-            output = seq.advance(token, now, self.max_model_len, logprobs.get(i))
+            version = self.weights.version_of(seq.request.adapter)
+            output = seq.advance(token, now, self.max_model_len, logprobs.get(i), version)
             if output is not None:
                 deliveries.append((seq, output))
             if seq.finished:

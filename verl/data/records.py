@@ -77,7 +77,8 @@ class OnlineRecord:
     prompt_ids: list[int] | None = None  # the prompt's ids as rendered (the chat template applied)
     token_ids: list[int] | None = None  # the sampled ids (the stop token included)
     logprobs: list[float] | None = None  # each sampled id's log-prob, the engine's own (raw, before temperature)
-    weight_version: int | None = None  # the served weights' version that sampled the ids
+    weight_version: int | None = None  # the served weights' version that sampled the ids (the first one's)
+    weight_versions: list[int] | None = None  # per sampled id, only when an in-place update came mid-answer
     tool_calls: list[dict] | None = None  # the tool calls parsed from the answer (chat with tools)
 
 

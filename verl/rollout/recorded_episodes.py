@@ -93,7 +93,11 @@ class _Open:
             raise ValueError(f"record {row.get('id')}: {len(ids)} token_ids but {len(logprobs)} logprobs")
         for token, log_prob in zip(ids, logprobs, strict=True):
             self.row.append(int(token), generated=True, log_prob=float(log_prob))
-        self.versions.extend([version] * (len(context) + len(ids)))
+        per_token = row.get("weight_versions")  # an in-place update mid-answer: each id's own version
+        if per_token is not None and len(per_token) != len(ids):
+            raise ValueError(f"record {row.get('id')}: {len(ids)} token_ids but {len(per_token)} weight_versions")
+        self.versions.extend([version] * len(context) + ([int(v) for v in per_token] if per_token is not None
+                                                          else [version] * len(ids)))
         self.row.turns += 1
         self.row.calls += len(row.get("tool_calls") or [])
         self.row.valid_calls = self.row.calls
