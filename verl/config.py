@@ -174,6 +174,34 @@ class MultiTurnConfig(Section):
                                  "start an episode); past it the trajectory is a failed, masked sample.")
 
 
+class GatewayConfig(Section):
+    """Training an agent of your own through the OpenAI API (docs/agents.md, "Your agent"): the trainer serves the
+    current policy on 127.0.0.1 (serve's gateway), runs the agent ``rollout.n`` times per prompt, each episode on its
+    own ``X-Session-ID``, and learns from the token ids and log-probs the service recorded."""
+
+    agent: str | None = Field(None, description="The agent: 'module:function' or 'file.py:function', called as "
+                              "function(client, row) -> reward or None (None: the data source's reward scores the "
+                              "episode's text); client is an openai.OpenAI bound to the served policy and the episode.")
+    command: list[str] | None = Field(None, description="Instead of agent: a command run per episode with "
+                                      "OPENAI_BASE_URL, OPENAI_API_KEY and VERL_EPISODE_ID set and the row as JSON on "
+                                      "stdin; the last line of its stdout, if a number, is the reward.")
+    max_concurrent_episodes: int = Field(16, ge=1, description="Episodes running at once.")
+    episode_timeout_s: float = Field(120.0, gt=0, description="Longest an episode may take; past it its samples are "
+                                     "masked and counted (rollout/gateway/timeouts).")
+    max_tokens: int | None = Field(None, ge=1, description="A cap on each call's max_tokens (default: "
+                                   "data.max_response_length).")
+
+    @property
+    def enabled(self) -> bool:
+        return self.agent is not None or self.command is not None
+
+    @model_validator(mode="after")
+    def _one_agent(self) -> GatewayConfig:
+        if self.agent is not None and self.command is not None:
+            raise ValueError("rollout.gateway: give agent or command, not both")
+        return self
+
+
 class RolloutConfig(Section):
     name: Literal["hf", "vllm"] = Field("hf", description="Generation engine: hf (transformers) or vllm.")
     n: int = Field(8, ge=1, description="Responses sampled per prompt (the GRPO group size).")
@@ -190,6 +218,7 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM only: GPU memory fraction.")
     enforce_eager: bool = Field(True, description="vLLM only: skip graph capture (faster start).")
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     calculate_log_probs: bool = Field(
         True, description="The engine returns each drawn token's log-prob (verl's name): the rollout/trainer mismatch "
         "(rollout_corr/*, training/rollout_probs_diff_*) is measured every step, and algorithm.rollout_correction "
@@ -204,6 +233,9 @@ class RolloutConfig(Section):
     def _interaction_when_multi_turn(self) -> RolloutConfig:
         if self.multi_turn.interaction_config_path and not self.multi_turn.enable:
             raise ValueError("rollout.multi_turn.interaction_config_path needs rollout.multi_turn.enable=true")
+        if self.gateway.enabled and self.multi_turn.enable:
+            raise ValueError("rollout.gateway runs your agent's own loop: drop rollout.multi_turn.enable (its tools "
+                             "and turns are the agent's)")
         return self
 
 
@@ -800,6 +832,14 @@ class VerlConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _gateway_runs_here(self) -> VerlConfig:
+        """The gateway serves the policy in the trainer's process: not yet from Ray workers or the off-policy one."""
+        if self.rollout.gateway.enabled and (self.trainer.executor == "ray" or self.trainer.one_step_off_policy):
+            raise ValueError("rollout.gateway runs in the trainer's own process: drop trainer.executor=ray and "
+                             "trainer.one_step_off_policy (neither drives a gateway yet)")
+        return self
 
     @model_validator(mode="after")
     def _check_batch_shapes(self) -> VerlConfig:

@@ -224,10 +224,10 @@ class RLHFDataset:
                 "sample_source": [r["__source__"] for r in rows],
                 "sample_key": [self.sample_keys[i] for i in indices],
                 "sample_index": np.asarray([r["__row__"] for r in rows], dtype=np.int64),
+                # the conversation an environment or a gateway agent reads: the prompt's messages, not rendered
+                "prompt_messages": [as_messages(r[self.config.prompt_key]) for r in rows],
                 **({"tool_names": [r["__tool_names__"] for r in rows],
-                    "tool_kwargs": [r["__tool_kwargs__"] for r in rows],
-                    # the conversation an environment reads (verl.envs): the prompt's messages
-                    "prompt_messages": [as_messages(r[self.config.prompt_key]) for r in rows]}
+                    "tool_kwargs": [r["__tool_kwargs__"] for r in rows]}
                    if self.tools is not None else {}),
             },
             stage="dataset",

@@ -102,6 +102,13 @@ ROLLOUT_ENGINES.lazy("hf", "verl.rollout.hf:HFRollout")
 ROLLOUT_ENGINES.lazy("vllm", "verl.rollout.vllm_rollout:VLLMRollout")
 
 
+# What runs a user's own agent against a served policy (``rollout.gateway``): serve contributes ``serve`` through the
+# ``verl.gateways`` entry point (pyproject.toml), so the core names no module of the serving layer.
+GATEWAY_ENGINES: Registry[type[RolloutEngine]] = Registry(
+    "agent gateway", key="rollout.gateway", group="verl.gateways",
+    hint="the gateway is the serve package's: install the project (pip install -e .) so its entry point is known")
+
+
 def register_rollout(name: str) -> Callable[[type[RolloutEngine]], type[RolloutEngine]]:
     """Register an engine class (its ``build(spec: EngineSpec)`` makes one) as ``rollout.name=NAME``."""
     return ROLLOUT_ENGINES.register(name)

@@ -143,18 +143,26 @@ def episode_samples(episode: str, calls: list[dict]) -> EpisodeSamples:
     return out
 
 
-def samples_batch(episodes: list[EpisodeSamples], pad_id: int) -> DataProto:
+def samples_batch(episodes: list[EpisodeSamples], pad_id: int,
+                  row_fields: list[dict[str, Any]] | None = None) -> DataProto:
     """Every episode's samples as one rollout batch (``assemble_trajectories``'s tensors, prompts left-padded,
     ``rollout_log_probs`` the recorded log-probs, ``weight_version`` (rows, response_len) per id); ``episode`` and
-    ``sample`` (its number within the episode) as non-tensor fields, so rewards and groups map back."""
+    ``sample`` (its number within the episode) as non-tensor fields, so rewards and groups map back.
+    ``row_fields``: per episode, non-tensor fields each of its samples carries (the dataset row's ground truth,
+    data source and index: what the reward and the advantage groups read)."""
     rows = [t for e in episodes for t in e.trajectories]
     if not rows:
         raise ValueError("no samples: the episodes recorded no training calls")
     input_ids, attention_mask = pad_tokens([t.prompt_ids for t in rows], pad_id, left=True)
-    prompts = DataProto.from_dict(
-        tensors={"input_ids": input_ids, "attention_mask": attention_mask},
-        non_tensors={"episode": np.array([e.episode for e in episodes for _ in e.trajectories], dtype=object),
-                     "sample": np.array([i for e in episodes for i in range(len(e.trajectories))], dtype=np.int64)})
+    non_tensors: dict[str, Any] = {
+        "episode": np.array([e.episode for e in episodes for _ in e.trajectories], dtype=object),
+        "sample": np.array([i for e in episodes for i in range(len(e.trajectories))], dtype=np.int64)}
+    for key in (row_fields[0] if row_fields else {}):
+        values = [fields[key] for e, fields in zip(episodes, row_fields, strict=True) for _ in e.trajectories]
+        numbers = all(isinstance(v, int | float | np.number) for v in values)
+        non_tensors[key] = np.asarray(values) if numbers else _objects(values)
+    prompts = DataProto.from_dict(tensors={"input_ids": input_ids, "attention_mask": attention_mask},
+                                  non_tensors=non_tensors)
     batch = assemble_trajectories(prompts, rows, 1, pad_id, log_probs=True)
     width = batch.batch["responses"].shape[1]
     versions = torch.zeros((len(rows), width), dtype=torch.int64)
@@ -162,3 +170,11 @@ def samples_batch(episodes: list[EpisodeSamples], pad_id: int) -> DataProto:
         versions[i, :len(v)] = torch.tensor(v, dtype=torch.int64)
     batch.batch["weight_version"] = versions
     return batch
+
+
+def _objects(values: list[Any]) -> np.ndarray:
+    """An object array of ``values`` one per row, even where each value is itself a list or a dict."""
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):  # one by one: a slice assignment would broadcast lists of equal length
+        out[i] = value
+    return out

@@ -261,7 +261,7 @@ class PPOTrainer:
         """Old log-probs (a trainer forward where the update is off-policy and the rollout's are not the anchor),
         rollout correction, reference log-probs and critic values: each only where the step needs it."""
         cfg = self.config
-        trainer_old = (needs_old_log_probs(cfg) and batch.anchor is Anchor.CURRENT
+        trainer_old = (needs_old_log_probs(cfg, len(batch)) and batch.anchor is Anchor.CURRENT
                        and not cfg.algorithm.rollout_correction.bypass_mode)
         if trainer_old:
             with self.timer("old_log_prob"):
@@ -373,10 +373,12 @@ class PPOTrainer:
                               threads=torch.get_num_threads(), reference=cfg.use_reference, critic=cfg.use_critic)
 
 
-def needs_old_log_probs(cfg: VerlConfig) -> bool:
-    """Whether the update needs the trainer's old log-probs: several epochs or mini-batches, a KL in the reward, or
+def needs_old_log_probs(cfg: VerlConfig, rows: int) -> bool:
+    """Whether the update of a batch of ``rows`` samples needs the trainer's old log-probs: several epochs or
+    mini-batches (counted on the batch: a gateway episode may give several samples), a KL in the reward, or
     decoupled rollout correction."""
-    off_policy = cfg.actor.ppo_epochs > 1 or cfg.data.train_batch_size > cfg.actor.ppo_mini_batch_size
+    off_policy = (cfg.actor.ppo_epochs > 1 or cfg.data.train_batch_size > cfg.actor.ppo_mini_batch_size
+                  or rows > cfg.actor.ppo_mini_batch_size * cfg.rollout.n)
     return off_policy or cfg.algorithm.use_kl_in_reward or cfg.algorithm.rollout_correction.decoupled
 
 

@@ -102,6 +102,8 @@ def tool_metrics(batch: TrainBatch) -> dict[str, float]:
         metrics["valid_call_rate"] = float(np.sum(batch.turns.valid_calls.astype(np.float64)) / calls.sum())
         metrics["tool_error_rate"] = float(np.sum(batch.turns.tool_errors.astype(np.float64)) / calls.sum())
     metrics.update(environment_metrics(batch))
+    # A gateway rollout's counts (serve/gateway_rollout.py): calls, failed episodes, rewritten and re-rendered calls.
+    metrics.update({f"gateway/{name}": value for name, value in batch.meta.get("gateway", {}).items()})
     return metrics
 
 

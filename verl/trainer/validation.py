@@ -236,9 +236,10 @@ class Validator:
 def check_validation_needs(evaluator: Any, label: str, config: VerlConfig) -> None:
     """Refuse, with the fix, an evaluator whose inputs this run's validation cannot compute. Validation computes
     every input of ``verl.evaluators.batch.NEEDS`` (the one list; the registry refuses others), tool calls only in
-    multi-turn runs and reference log-probs only where a reference is loaded."""
+    multi-turn and gateway runs (a gateway's calls are the served policy's) and reference log-probs only where a
+    reference is loaded."""
     needs = evaluator_needs(evaluator)
-    if "tool_calls" in needs and not config.rollout.multi_turn.enable:
+    if "tool_calls" in needs and not (config.rollout.multi_turn.enable or config.rollout.gateway.enabled):
         raise ConfigError(
             f"trainer.evaluators: '{label}' measures tool calls, which only multi-turn rollouts make; set "
             "rollout.multi_turn.enable=true (with rollout.multi_turn.tools) or drop it"

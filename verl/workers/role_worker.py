@@ -25,7 +25,7 @@ from verl.models.lora import apply_lora, is_lora
 from verl.models.weights import load_model_weights, read_model_weights
 from verl.protocol import DataProto
 from verl.rollout.agent_loop import AgentRollout
-from verl.rollout.base import EngineSpec, SamplingParams, build_rollout
+from verl.rollout.base import GATEWAY_ENGINES, EngineSpec, SamplingParams, build_rollout
 from verl.utils.seeding import seed_everything, set_num_threads
 from verl.utils.timing import StageTimer
 from verl.workers.actor import Actor
@@ -107,10 +107,13 @@ class RoleWorker:
             autocast = torch.bfloat16 if cfg.rollout.dtype == "bfloat16" else None
         # Sharded models run collectives in every forward: ranks must agree on when decoding stops.
         stop_when = (lambda done: all_ranks(done, self.dist)) if self.dist.fsdp else None
-        self.rollout = build_rollout(cfg.rollout.name, EngineSpec(
-            model, cfg.model.path, self.tokenizer, cfg.rollout, cfg.data.max_prompt_length +
-            cfg.data.max_response_length, cfg.trainer.seed, cfg.rollout.micro_batch_size, cfg.rollout.max_num_seqs,
-            autocast, stop_when))
+        spec = EngineSpec(model, cfg.model.path, self.tokenizer, cfg.rollout, cfg.data.max_prompt_length +
+                          cfg.data.max_response_length, cfg.trainer.seed, cfg.rollout.micro_batch_size,
+                          cfg.rollout.max_num_seqs, autocast, stop_when)
+        if cfg.rollout.gateway.enabled:  # the user's agent against the served policy (serve/gateway_rollout.py)
+            self.rollout = GATEWAY_ENGINES["serve"].build(spec)
+            return
+        self.rollout = build_rollout(cfg.rollout.name, spec)
         if cfg.rollout.multi_turn.enable:  # tool-calling trajectories on the same engine (agent_loop.py)
             self.rollout = AgentRollout(self.rollout, cfg.rollout.multi_turn, cfg.data.max_response_length)
 
