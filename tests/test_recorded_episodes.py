@@ -3,6 +3,7 @@ answers are known: extension into one multi-turn sample, a rewritten history, a 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,3 +86,22 @@ def test_rows_without_training_ids_are_not_episodes_and_bad_rows_are_named():
         episode_samples("e", [{**call("c1", [1], [2, 3], 0.0), "logprobs": [-0.5]}])
     with pytest.raises(ValueError, match="no samples"):
         samples_batch([], pad_id=0)
+
+
+def test_samples_of_one_episode_share_its_final_samples_outcome_and_validation_scores_episodes_once():
+    """Episode a gave two samples (a rewritten history), b one: a's first sample takes its last one's score and
+    extras; validation keeps each episode's last sample."""
+    from verl.protocol import DataProto
+    from verl.trainer.validation import final_samples
+    from verl.workers.reward import episode_outcomes
+
+    episodes = np.array(["a", "a", "b"], dtype=object)
+    extras = {"acc": np.array([0.0, 1.0, 0.0]), "pred": np.array(["", "42", "7"], dtype=object)}
+    scores = episode_outcomes(torch.tensor([0.0, 1.0, 0.5]), extras, episodes)
+    assert scores.tolist() == [1.0, 1.0, 0.5] and extras["acc"].tolist() == [1.0, 1.0, 0.0]
+    assert extras["pred"].tolist() == ["42", "42", "7"]
+    batch = DataProto.from_dict(tensors={"responses": torch.tensor([[1], [2], [3]])},
+                                non_tensors={"episode": episodes})
+    assert final_samples(batch).batch["responses"].tolist() == [[2], [3]]
+    single = DataProto.from_dict(tensors={"responses": torch.tensor([[1]])}, non_tensors={})
+    assert final_samples(single) is single

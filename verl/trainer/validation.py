@@ -42,7 +42,7 @@ def generate_and_score(
     extras: dict[str, list[np.ndarray]] = {}
     for start in range(0, count, batch_size):
         prompts = dataset.collate(list(range(start, min(start + batch_size, count))))
-        out = engine.generate(prompts, params)
+        out = final_samples(engine.generate(prompts, params))
         token_scores, ex, txt = reward.compute(out)
         outputs.append(out)
         scores.append(token_scores.sum(-1).numpy())
@@ -51,6 +51,16 @@ def generate_and_score(
             extras.setdefault(key, []).append(value)
     batch = DataProto.concat(pad_responses(outputs, dataset.tokenizer.pad_token_id))
     return batch, np.concatenate(scores), {k: np.concatenate(v) for k, v in extras.items()}, texts
+
+
+def final_samples(batch: DataProto) -> DataProto:
+    """A gateway batch scored once per episode: each episode's last sample (its final answer; an agent that
+    rewrote its history gave several, ``verl.rollout.recorded_episodes``). Other batches as they are."""
+    if "episode" not in batch.non_tensor:
+        return batch
+    episodes = batch.non_tensor["episode"].tolist()
+    last = [row for row, episode in enumerate(episodes) if row + 1 == len(episodes) or episodes[row + 1] != episode]
+    return batch if len(last) == len(batch) else batch.index(last)
 
 
 def accuracy_of(scores: np.ndarray, acc: np.ndarray | None) -> float:

@@ -82,6 +82,19 @@ def environment_rewards(token_scores: torch.Tensor, batch: DataProto, extras: di
     return out
 
 
+def episode_outcomes(scores: torch.Tensor, extras: dict[str, np.ndarray], episodes: np.ndarray) -> torch.Tensor:
+    """Samples of one episode (a gateway agent that rewrote its history: ``verl.rollout.recorded_episodes``) share
+    the episode's outcome: the score and extras of its last sample, the one that holds the final answer (``scores``
+    and each extra ``(batch,)``; an episode's samples are adjacent rows, in the order they were started)."""
+    last: dict[str, int] = {}
+    for row, episode in enumerate(episodes.tolist()):
+        last[episode] = row
+    source = torch.tensor([last[e] for e in episodes.tolist()], dtype=torch.long)
+    for name, values in extras.items():
+        extras[name] = np.asarray(values)[source.numpy()]
+    return scores[source]
+
+
 def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """``scores`` (batch,) -> (batch, response_len) with each score at the last token of ``response_mask`` (the
     last generated token; a multi-turn trajectory's mask has gaps at its tool turns)."""
@@ -149,6 +162,8 @@ class RewardManager:
             scores, extras = self._score_with_reward_model(batch, texts)
         else:
             scores, extras = self._score_with_rules(batch, texts)
+        if "episode" in batch.non_tensor:  # a gateway batch: one episode may be several samples
+            scores = episode_outcomes(scores, extras, batch.non_tensor["episode"])
         token_scores = place_at_last_token(scores, batch.batch["response_mask"])
         if "turn_rewards" in batch.non_tensor:
             token_scores = environment_rewards(token_scores, batch, extras)
