@@ -12,7 +12,7 @@ from tests.trainer_utils import rows_by_step, run_cli
 
 
 @pytest.mark.slow
-@pytest.mark.budget(150)
+@pytest.mark.budget(100)
 def test_an_openai_agent_that_summarises_its_history_learns_through_the_gateway(tmp_path):
     done = run_cli(["train", "--config", "configs/agent_tiny.yaml", "rollout.multi_turn.enable=false",
                     "rollout.gateway.agent=examples/openai_agent.py:solve_summarising", "trainer.total_steps=10",

@@ -115,7 +115,7 @@ def test_sampled_ids_and_log_probs_are_the_engines_and_the_policys(gateway, mode
 
 
 @pytest.mark.slow
-@pytest.mark.budget(90)
+@pytest.mark.budget(65)
 def test_a_thousand_calls_are_token_exact(gateway, model, tokenizer):
     """The issue's count: >= 1,000 recorded calls (tool calls and their answers included) of the tiny agent (840
     episodes at temperature 1 made 1,050 here: about a fifth of the answers call the tool)."""
