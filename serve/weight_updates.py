@@ -76,10 +76,10 @@ class UnloadLora(_Strict):
 
 
 async def one_control_plane(request: Request) -> None:
-    await one_control_plane_of(service_of(request))
+    refuse_on_a_fleet(service_of(request))
 
 
-async def one_control_plane_of(service: Service) -> None:
+def refuse_on_a_fleet(service: Service) -> None:
     """Refuse on a fleet replica: a weight change must reach every replica, through the control plane."""
     if service.fleet is not None:
         raise ApiError(409, "in-place weight changes are not served on a fleet replica yet: they would reach this "
@@ -149,24 +149,24 @@ def weight_router(service: Service) -> APIRouter:
     lock = asyncio.Lock()  # one weight change at a time
 
     async def each_engine(work: str, *args) -> None:
-        try:
-            for engine in engines(service):
-                await getattr(engine, work)(*args)
-        except EngineError as exc:
-            raise ApiError(400, str(exc)) from None
+        """``engine.<work>(*args)`` on every engine, one change at a time; an engine's refusal is a 400."""
+        async with lock:
+            try:
+                for engine in engines(service):
+                    await getattr(engine, work)(*args)
+            except EngineError as exc:
+                raise ApiError(400, str(exc)) from None
 
     @router.post("/pause", dependencies=changes)
     async def pause(mode: PauseMode = Query("abort"), wait_for_inflight_requests: bool = Query(False),
                     clear_cache: bool = Query(True)) -> dict:
         # vLLM's deprecated wait_for_inflight_requests=true is mode=wait; clear_cache is moot (no prefix cache).
-        async with lock:
-            await each_engine("pause", "wait" if wait_for_inflight_requests else mode)
+        await each_engine("pause", "wait" if wait_for_inflight_requests else mode)
         return {"status": "paused"}
 
     @router.post("/resume", dependencies=changes)
     async def resume() -> dict:
-        async with lock:
-            await each_engine("resume")
+        await each_engine("resume")
         return {"status": "resumed"}
 
     @router.get("/is_paused")
@@ -180,14 +180,12 @@ def weight_router(service: Service) -> APIRouter:
 
     @router.post("/sleep", dependencies=changes)
     async def sleep(level: int = Query(1, ge=0, le=2), mode: PauseMode = Query("abort")) -> dict:
-        async with lock:
-            await each_engine("sleep", level, mode)
+        await each_engine("sleep", level, mode)
         return {"status": "sleeping", "level": level}
 
     @router.post("/wake_up", dependencies=changes)
     async def wake_up() -> dict:
-        async with lock:
-            await each_engine("wake_up")
+        await each_engine("wake_up")
         return {"status": "awake"}
 
     @router.get("/is_sleeping")
@@ -203,8 +201,7 @@ def weight_router(service: Service) -> APIRouter:
     async def load_lora_adapter(body: LoadLora) -> PlainTextResponse:
         existing = service.lifecycle.registry.models.get(body.lora_name)
         if existing is not None and body.load_inplace:
-            if service.fleet is not None:
-                await one_control_plane_of(service)
+            refuse_on_a_fleet(service)
             if existing.kind != "adapter":
                 raise ApiError(400, f"'{body.lora_name}' is a full model, not a LoRA adapter", param="lora_name")
             async with lock:

@@ -126,16 +126,16 @@ class TransformersEngine(Engine):
             model(input_ids=ids, use_cache=True, past_key_values=DynamicCache(config=model.config))
 
     async def add_adapter(self, name: str, path: str) -> None:
-        await self._on_engine_thread(lambda: self.steps.load_adapter(name, path))
+        await self._on_engine_thread(lambda: self.steps.weights.load_adapter(name, path))
 
     async def remove_adapter(self, name: str) -> None:
-        await self._on_engine_thread(lambda: self.steps.unload_adapter(name))
+        await self._on_engine_thread(lambda: self.steps.weights.unload_adapter(name))
 
     # ---------------------------------------------------------------- in-place weights, pause, sleep
 
     async def update_weights(self, adapter: str | None, path: str, version: int) -> None:
         update = await asyncio.to_thread(read_update, path)  # read and parse off the engine thread
-        await self._on_engine_thread(lambda: self.steps.update_weights(adapter, update, version))
+        await self._on_engine_thread(lambda: self.steps.weights.update(adapter, update, version))
 
     def weight_version(self, adapter: str | None) -> int:
         return self.steps.weights.version_of(adapter)

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from serve.engines.base import EngineDeadError, EngineError, EngineOutput, RequestFailedError, TokenLogprob
 from serve.engines.rows import RowSampler, RunningSequence, logprob_entries, token_logprobs
-from serve.engines.weights import ServedWeights, WeightsUpdate
+from serve.engines.weights import ServedWeights
 from serve.settings import ServeSettings
 from verl.models.fused_decoder import fused_decoder_layers
 from verl.models.kv_cache import GrowingLayer, Joining, RowBatch, new_growing_cache
@@ -66,15 +66,6 @@ class StepLoop:
     # The model, its adapters and their weight versions (serve/engines/weights.py).
     model = property(lambda self: self.weights.model, lambda self, model: setattr(self.weights, "model", model))
     adapters = property(lambda self: self.weights.adapters)
-
-    def load_adapter(self, name: str, path: str) -> None:
-        self.weights.load_adapter(name, path)
-
-    def unload_adapter(self, name: str) -> None:
-        self.weights.unload_adapter(name)
-
-    def update_weights(self, adapter: str | None, update: WeightsUpdate, version: int) -> None:
-        self.weights.update(adapter, update, version)
 
     def pause(self, mode: str) -> None:
         """Stop stepping (see the module docstring); ``abort`` ends every sequence now."""
