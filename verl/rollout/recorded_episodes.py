@@ -172,6 +172,15 @@ def samples_batch(episodes: list[EpisodeSamples], pad_id: int,
     return batch
 
 
+def episode_last_rows(episodes: np.ndarray) -> np.ndarray:
+    """For each row of a batch (``episodes`` its episode ids, ``(batch,)``, an episode's samples adjacent and in the
+    order they were started), the row of its episode's last sample: the one that holds the final answer."""
+    last: dict[Any, int] = {}
+    for row, episode in enumerate(episodes.tolist()):
+        last[episode] = row
+    return np.array([last[e] for e in episodes.tolist()], dtype=np.int64)
+
+
 def _objects(values: list[Any]) -> np.ndarray:
     """An object array of ``values`` one per row, even where each value is itself a list or a dict."""
     out = np.empty(len(values), dtype=object)

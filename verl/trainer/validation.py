@@ -25,6 +25,7 @@ from verl.evaluators.registry import evaluator_label, evaluator_needs
 from verl.evaluators.stats import mean_metric
 from verl.protocol import DataProto, pad_responses
 from verl.rollout.base import RolloutEngine, SamplingParams
+from verl.rollout.recorded_episodes import episode_last_rows
 from verl.workers.reward import RewardManager
 
 
@@ -58,8 +59,7 @@ def final_samples(batch: DataProto) -> DataProto:
     rewrote its history gave several, ``verl.rollout.recorded_episodes``). Other batches as they are."""
     if "episode" not in batch.non_tensor:
         return batch
-    episodes = batch.non_tensor["episode"].tolist()
-    last = [row for row, episode in enumerate(episodes) if row + 1 == len(episodes) or episodes[row + 1] != episode]
+    last = np.unique(episode_last_rows(batch.non_tensor["episode"]))
     return batch if len(last) == len(batch) else batch.index(last)
 
 

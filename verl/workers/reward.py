@@ -31,6 +31,7 @@ from verl.protocol import DataProto
 from verl.rewards.judge import PointwiseRubric, RemoteJudge, load_rubric
 from verl.rewards.registry import get_reward_fn, load_custom_reward, reward_for_data_source
 from verl.rewards.remote import RemoteRewardModel
+from verl.rollout.recorded_episodes import episode_last_rows
 from verl.sandbox.client import configure as configure_sandbox
 from verl.utils import log
 
@@ -86,13 +87,10 @@ def episode_outcomes(scores: torch.Tensor, extras: dict[str, np.ndarray], episod
     """Samples of one episode (a gateway agent that rewrote its history: ``verl.rollout.recorded_episodes``) share
     the episode's outcome: the score and extras of its last sample, the one that holds the final answer (``scores``
     and each extra ``(batch,)``; an episode's samples are adjacent rows, in the order they were started)."""
-    last: dict[str, int] = {}
-    for row, episode in enumerate(episodes.tolist()):
-        last[episode] = row
-    source = torch.tensor([last[e] for e in episodes.tolist()], dtype=torch.long)
+    source = episode_last_rows(episodes)
     for name, values in extras.items():
-        extras[name] = np.asarray(values)[source.numpy()]
-    return scores[source]
+        extras[name] = np.asarray(values)[source]
+    return scores[torch.from_numpy(source)]
 
 
 def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
