@@ -51,6 +51,9 @@ class ServeMetrics:
         r, labels = self.registry, ["model_name"]
         self.running = Gauge(PREFIX + "num_requests_running", "Sequences in the running batch.", labels, registry=r)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Sequences waiting for a batch slot.", labels, registry=r)
+        self.kv_cache = Gauge(PREFIX + "kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent (of the "
+                              "engine's max_batch_size x max_model_len token positions on the transformers engine).",
+                              labels, registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed (per sequence).", labels,
                                      registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels, registry=r)
@@ -98,10 +101,11 @@ class ServeMetrics:
         self.info.clear()
         self.info.labels(self.model_name, engine_name, version).set(1)
 
-    def bind_gauges(self, running: Callable[[], float], waiting: Callable[[], float],
+    def bind_gauges(self, running: Callable[[], float], waiting: Callable[[], float], kv_cache: Callable[[], float],
                     healthy: Callable[[], float]) -> None:
         self.running.labels(self.model_name).set_function(running)
         self.waiting.labels(self.model_name).set_function(waiting)
+        self.kv_cache.labels(self.model_name).set_function(kv_cache)
         self.healthy.labels(self.model_name).set_function(healthy)
 
     def exposition(self) -> bytes:
@@ -111,8 +115,8 @@ class ServeMetrics:
 
 # The families vLLM's server exports under these names (and the `model_name` label), which its Grafana dashboards
 # read: the page repeats them under `vllm:` so such a dashboard works unchanged (docs/serving.md).
-VLLM_FAMILIES = ("num_requests_running", "num_requests_waiting", "prompt_tokens", "generation_tokens",
-                 "request_success", "time_to_first_token_seconds", "inter_token_latency_seconds",
+VLLM_FAMILIES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
+                 "generation_tokens", "request_success", "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
                  "request_generation_tokens")
 _SUFFIXES = ("", "_total", "_bucket", "_sum", "_count")

@@ -27,6 +27,7 @@ from serve.live_scoring import LiveScoring
 from serve.metrics import ServeMetrics
 from serve.pumps import Pumps
 from serve.records import OnlineRecords
+from serve.registry import ServedModel
 from serve.settings import ServeSettings
 from serve.shadow import ShadowTraffic
 
@@ -58,6 +59,7 @@ class Service:
         self._abort_timer: asyncio.TimerHandle | None = None
         self.metrics.bind_gauges(running=lambda: sum(m.engine.num_running for m in registry.full_models()),
                                  waiting=lambda: sum(m.engine.num_waiting for m in registry.full_models()),
+                                 kv_cache=lambda: kv_cache_usage(registry.full_models()),
                                  healthy=lambda: 1.0 if self.lifecycle.health()[0] == "ok" else 0.0)
 
     async def load(self) -> None:
@@ -78,3 +80,11 @@ class Service:
         await self.live_scoring.stop()
         await self.lifecycle.shutdown_engines()
         self.pumps.abort_all()
+
+
+def kv_cache_usage(models: list[ServedModel]) -> float:
+    """The served engines' mean KV-cache usage (each in [0, 1]; NaN where none can say): one gauge for the service,
+    as vLLM has one for its one engine."""
+    shares = [share for share in (m.engine.kv_cache_usage for m in models) if share == share]  # NaN != NaN
+    return sum(shares) / len(shares) if shares else float("nan")
+

@@ -149,6 +149,12 @@ class Engine(abc.ABC):
     def num_waiting(self) -> int:
         """Sequences admitted but not yet in the batch."""
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of the engine's KV-cache capacity that holds tokens, in [0, 1] (vLLM's
+        ``kv_cache_usage_perc``: 1.0 is full); NaN where an engine cannot say."""
+        return float("nan")
+
     # ------------------------------------------------------------ LoRA adapters (engines that serve several)
 
     supports_adapters: bool = False

@@ -209,6 +209,16 @@ class TransformersEngine(Engine):
     def num_waiting(self) -> int:
         return len(self.steps.waiting)
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Cached token positions of the running rows over ``max_batch_size × max_model_len``: vLLM's block usage
+        with a block of one token (padding columns hold no token and are not counted; prefills in flight are not
+        yet in the cache)."""
+        # Read off the step loop's thread without its lock: a scrape during a compaction may count a moved row
+        # twice, for that scrape only.
+        mask = self.steps.batch.mask
+        return float(mask.sum()) / (self.steps.max_batch_size * self.max_model_len)
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if self.steps.dead is not None:
             raise EngineDeadError(f"the engine stopped: {self.steps.dead}")

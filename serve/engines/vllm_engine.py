@@ -41,6 +41,7 @@ class VLLMEngine(Engine):
         self.lora_enabled = False  # set by the service before start() when adapters may be served
         self._loras: dict[str, Any] = {}  # adapter name -> vLLM LoRARequest
         self._next_lora_id = 1
+        self._kv_cache_usage = 0.0  # the scheduler's, from each of vLLM's stat records (kv_cache_logger)
 
     @property
     def supports_adapters(self) -> bool:  # type: ignore[override]
@@ -113,7 +114,7 @@ class VLLMEngine(Engine):
             # serve/constrained.py) mean the same on both engines.
             structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
         )
-        return AsyncLLM.from_engine_args(args)
+        return AsyncLLM.from_engine_args(args, stat_loggers=[kv_cache_logger(self)])
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         from vllm import SamplingParams
@@ -199,6 +200,29 @@ class VLLMEngine(Engine):
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self._kv_cache_usage
+
+
+def kv_cache_logger(engine: VLLMEngine) -> Any:
+    """A vLLM stat-logger class (its factory interface: ``cls(vllm_config, engine_index)``) that hands the
+    scheduler's KV-cache usage, as vLLM's own ``vllm:kv_cache_usage_perc`` reports it, to ``engine``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class KVCacheUsage(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+            if scheduler_stats is not None:
+                engine._kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return KVCacheUsage
 
 
 def _entry(token: int, candidates: dict, top: int) -> TokenLogprob:

