@@ -140,8 +140,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 # 54 since `verl eval --lm-eval-task` beside lm-eval's own CLI (60 s stated, ~31 s measured) joined it; 56 since
 # the gamed-reward runs of the divergence rule (100 s stated, ~49 s measured); 57 since Inspect's model-graded task
 # beside `inspect eval` (60 s stated, ~29 s measured); 62 since the gateway's learning run, its 1,050 token-exact
-# tiny-agent calls and 100 SmolLM2 calls (100 + 65 + 140 s stated, ~83 + 52 + 123 s measured alone).
-SLOW_GROUP_BUDGET_S = 62 * 60  # one by one; the two parts at once take about half of it in wall time
+# tiny-agent calls and 100 SmolLM2 calls (100 + 65 + 140 s stated, ~83 + 52 + 123 s measured alone). 63 since verl
+# ship's end-to-end test also loads an adapter by /v1/load_lora_adapter and replaces its weights in place under load
+# (245 -> 275 s stated, 274 s measured alone).
+SLOW_GROUP_BUDGET_S = 63 * 60  # one by one; the two parts at once take about half of it in wall time
 _DURATIONS: dict[str, float] = {}
 _BUDGETS: dict[str, float] = {}
 

@@ -58,6 +58,24 @@ def _candidate(settings: ShipSettings) -> tuple[Path, int | None, Path]:
     return selection.checkpoint, selection.step, run
 
 
+def already_served(model: dict | None, ckpt: Path, share: float) -> bool:
+    """Whether the service already serves the candidate under its name (``/v1/load_lora_adapter`` or
+    ``POST /admin/models`` before the ship): then the canary ships that model as it is and leaves it loaded after a
+    rollback. A model of that name with other weights, or one that already has a share of the route, is refused."""
+    from serve.lineage import lineage_of  # noqa: PLC0415  (torch-heavy)
+
+    if model is None:
+        return False
+    weights = lineage_of(str(ckpt)).weights
+    if model.get("weights") != weights:
+        raise ConfigError(f"the service already serves a model named '{model['name']}' with other weights (sha256 "
+                          f"{model.get('weights')}, the checkpoint's {weights}); pass --name")
+    if share > 0:
+        raise ConfigError(f"'{model['name']}' already has {share:.0%} of the route; a canary starts from 0% (move "
+                          "the route back with `verl promote`, or ship another name with --name)")
+    return True
+
+
 def plan(settings: ShipSettings, client: AdminClient) -> dict:
     """What would happen, from the run and the service's state (``--dry-run`` prints it)."""
     ckpt, step, run = _candidate(settings)
@@ -69,13 +87,12 @@ def plan(settings: ShipSettings, client: AdminClient) -> dict:
     models = {m["name"]: m for m in state["models"]}
     adapter = (ckpt / "adapter_config.json").is_file()
     name = settings.name or f"{run.name}-step{step}"
-    if name in models:
-        raise ConfigError(f"the service already serves a model named '{name}'; pass --name")
     fulls = [m for m in state["models"] if m["kind"] == "model"]
     c = settings.canary
     return {"candidate": {"name": name, "checkpoint": str(ckpt), "step": step, "run": str(run),
                           "kind": "adapter" if adapter else "model",
-                          "base": models[incumbent]["base"] if adapter else None},
+                          "base": models[incumbent]["base"] if adapter else None,
+                          "preloaded": already_served(models.get(name), ckpt, weights.get(name, 0.0))},
             "incumbent": {"name": incumbent, **{k: models[incumbent].get(k) for k in ("kind", "source", "base", "run",
                                                                                       "step", "weights")}},
             "route": {"name": settings.route, "weights": weights}, "config_version": state["version"],
@@ -301,6 +318,12 @@ class Shipment:
 
     def load_candidate(self) -> None:
         c = self.shipping["candidate"]
+        if c["preloaded"]:
+            state = self.client.call("GET", "/state")
+            self.record["candidate_lineage"] = next(m for m in state["models"] if m["name"] == self.cand)
+            self.audit({"event": "already_loaded", "model": self.record["candidate_lineage"],
+                        "config_version": state["version"]})
+            return
         body = ({"name": self.cand, "adapter": c["checkpoint"], "base": c["base"]} if c["kind"] == "adapter"
                 else {"name": self.cand, "path": c["checkpoint"]})
         state = self.client.call("POST", "/models", json=body)
@@ -345,9 +368,11 @@ class Shipment:
         return (EXIT_PROMOTED if decision == "promote" else EXIT_NOT_PROMOTED), self.record
 
     def back_out(self, decision: str, reason: str, evidence: dict | None = None) -> tuple[int, dict]:
-        """Put the route's weights back as they were, unload the candidate, then finish."""
+        """Put the route's weights back as they were, unload the candidate (unless it was served before the ship),
+        then finish."""
         self.client.call("PUT", f"/routes/{self.route}", json={"weights": self.original})
-        self.client.call("DELETE", f"/models/{self.cand}")
+        if not self.shipping["candidate"]["preloaded"]:
+            self.client.call("DELETE", f"/models/{self.cand}")
         return self.finish(decision, reason, evidence)
 
 

@@ -8,9 +8,11 @@ the simulation measures):
 1. a deliberately worse LoRA run (2 steps at lr 2e-4: the warm start's ~0.4%) is refused by the offline quality gate,
    before any user sees it; shipped again without the offline gates, the canary's sequential test rolls it back on
    live rewards;
-2. a sound LoRA run (10 steps at lr 1e-3: ~90%) passes every gate (quality, guardrails, tripwire, capacity), a
-   shadow stage (half the route's requests mirrored to it, its answers never returned) and the canary, which
-   promotes it;
+2. a sound LoRA run (10 steps at lr 1e-3: ~90%), loaded under the load by ``/v1/load_lora_adapter`` and shipped
+   by that name, passes every gate (quality, guardrails, tripwire, capacity), a shadow stage (half the route's
+   requests mirrored to it, its answers never returned) and the canary, which promotes it;
+3. the promoted adapter's weights are replaced in place under the load (``/pause`` keep, ``/update_weights``,
+   ``/resume``), and the records show the version switch;
 
 with 1% of requests failing on every model (the service's test-only ``fault_error_rate``) and a p95 SLO at 1.25x the
 service's measured p95, so the error and latency guardrails run under ordinary conditions and must not fire; no
@@ -171,7 +173,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             "good": train_lora(root, "good", "1e-3")}
 
 
-@pytest.mark.budget(245)
+@pytest.mark.budget(275)
 def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path, runs):
     incumbent, bad, good = runs["inc"], runs["bad"], runs["good"]
     (tmp_path / "serve.yaml").write_text(
@@ -211,13 +213,23 @@ def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path,
         state = httpx.get(url + "/admin/state", headers={"Authorization": f"Bearer {KEY}"}).json()
         assert state["routes"]["default"] == {"inc": 1.0} and {m["name"] for m in state["models"]} == {"tiny", "inc"}
 
-        # 2. The sound run passes every gate and is promoted.
+        # 2. The sound run, loaded under the load by vLLM's /v1/load_lora_adapter (no restart), answers by its name;
+        # `verl ship --name` canaries that adapter as loaded; it passes every gate and is promoted.
+        admin = {"Authorization": f"Bearer {KEY}"}
+        loaded = httpx.post(url + "/v1/load_lora_adapter", headers=admin, timeout=60,
+                            json={"lora_name": "good-live", "lora_path": str(good)})
+        assert loaded.status_code == 200 and "added successfully" in loaded.text, loaded.text
+        answer = httpx.post(url + "/v1/completions", timeout=60,
+                            json={"model": "good-live", "prompt": "12+7=", "max_tokens": 4, "temperature": 0})
+        assert answer.status_code == 200 and answer.json()["model"] == "good-live"
         shipped = verl("ship", str(good), "--service", url, "--out", str(tmp_path / "good"), "--shadow", "0.5",
-                       "--shadow-requests", "30", *ship)
+                       "--shadow-requests", "30", "--name", "good-live", *ship)
         assert shipped.returncode == 0, shipped.stderr[-3000:]
         events = audit(tmp_path / "good")
         gates = {e["name"]: e["passed"] for e in events if e["event"] == "gate"}
         assert gates == {"quality": True, "guardrails": True, "tripwire": True, "capacity": True}
+        assert [e["model"]["name"] for e in events if e["event"] == "already_loaded"] == ["good-live"]
+        assert not any(e["event"] == "loaded" for e in events)
         shadow = next(e for e in events if e["event"] == "shadow")
         assert shadow["passed"] and shadow["evidence"]["reward"]["n_pairs"] >= 30
         stages = [e["share"] for e in events if e["event"] == "stage"]
@@ -243,6 +255,19 @@ def test_ship_refuses_and_rolls_back_a_bad_run_and_promotes_a_good_one(tmp_path,
         lineage = [r for r in map(json.loads, (tmp_path / "records.jsonl").read_text().splitlines())
                    if r["model"] == name]
         assert lineage and all(r["run"] == "good" and r["step"] == 10 and len(r["weights"]) == 16 for r in lineage)
+        assert name == "good-live" and {r["weight_version"] for r in lineage} == {0}
+
+        # 3. New weights into the promoted adapter under the same load (vLLM's RL endpoints): /pause (keep), the
+        # bad run's adapter by /update_weights, /resume; no request fails (served_under_load checks on exit), and
+        # the records show the switch: version 1 with the new lineage after it.
+        for path, body in (("/pause?mode=keep", None), ("/update_weights", {"update_info": {
+                "path": str(bad / "checkpoints" / "global_step_2"), "model": name, "version": 1}}), ("/resume", None)):
+            assert httpx.post(url + path, headers=admin, json=body, timeout=60).status_code == 200, path
+        time.sleep(4)
+        rows = [r for r in map(json.loads, (tmp_path / "records.jsonl").read_text().splitlines())
+                if r["model"] == name][len(lineage):]
+        assert rows and {r["weight_version"] for r in rows} <= {0, 1} and rows[-1]["weight_version"] == 1
+        assert all(r["run"] == "bad" and r["step"] == 2 for r in rows if r["weight_version"] == 1)
 
 
 @pytest.mark.budget(60)
