@@ -5,17 +5,22 @@ refused with their reason."""
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from tests.trainer_utils import fit_and_shutdown, rows
-from verl.config import build_config
+from verl.config import SFTConfig, build_config
+from verl.data.builtin import resolve_builtin, write_parquet
 from verl.errors import ConfigError
+from verl.rollout.base import SamplingParams
 from verl.trainer.local import LocalPPOTrainer
+from verl.trainer.sft import AGENT_WARM_START, SFTTrainer
 
 AGENT = "examples/openai_agent.py:solve"
 HERE = __file__
@@ -150,3 +155,62 @@ def test_a_command_agent_gets_the_served_policy_in_its_environment(tmp_path):
     [train] = [r for r in rows(trainer.config.log_path(), "rollout") if "gateway/episodes" in r]
     assert train["gateway/failed"] == 0 and train["env/gateway/reward_mean"] == 0.25
     assert json.loads(json.dumps(train["gateway/calls"])) == 4
+
+
+@pytest.fixture(scope="module")
+def calling_agent(tmp_path_factory) -> str:
+    """The warm start answers at once at temperature 0 (three quarters of its SFT conversations do); ten `verl sft`
+    steps on the SFT conversations that call the calculator give a checkpoint whose greedy answers call it."""
+    root = tmp_path_factory.mktemp("calling")
+    table = pq.read_table(resolve_builtin("builtin:tool_arithmetic/sft_train")).to_pylist()
+    write_parquet([r for r in table if '"tool_calls"' in r["messages"]], root / "calls.parquet")
+    settings = copy.deepcopy(AGENT_WARM_START)
+    settings["model"]["path"] = "builtin:tiny-agent"
+    settings["data"].update(train_files=[str(root / "calls.parquet")], val_files=[])
+    settings["optim"] = {"lr": 1e-3}
+    settings["trainer"].update(total_steps=10, test_freq=0, output_dir=str(root), experiment_name="calls",
+                               logger=["jsonl"])
+    return str(SFTTrainer(build_config(settings, schema=SFTConfig), quiet=True).fit())
+
+
+def greedy_trajectories(tmp_path, model: str, rollout: dict, prompts: int = 16) -> tuple[list, object]:
+    """Each prompt's whole token sequence (prompt, then every id of the trajectory), its loss mask and its behaviour
+    log-probs, as the trainer built with ``rollout`` generates them at temperature 0."""
+    config = gateway_config(tmp_path, AGENT)
+    config["model"]["path"] = model
+    config["data"].update(max_response_length=128, val_max_samples=prompts)
+    config["rollout"] = {"n": 2, **rollout}
+    trainer = LocalPPOTrainer(build_config(config), quiet=True)
+    try:
+        out = trainer.rollout.generate(trainer.val_dataset.collate(list(range(prompts))),
+                                       SamplingParams(n=1, temperature=0.0, max_new_tokens=128, logprobs=True))
+    finally:
+        trainer.shutdown()
+    width = out.batch["prompts"].shape[1]
+    found = []
+    for i in range(len(out)):
+        present = out.batch["attention_mask"][i].bool()
+        ids = out.batch["input_ids"][i][present].tolist()
+        mask = out.batch["response_mask"][i][present[width:]].tolist()
+        found.append((ids, mask, out.batch["rollout_log_probs"][i][present[width:]]))
+    return found, out
+
+
+def test_an_agent_that_mirrors_the_built_in_loop_gives_its_trajectories_token_for_token(tmp_path, calling_agent):
+    """Issue 64's token identity: examples/openai_agent.py:solve (the openai client's tool loop, the calculator
+    run by the agent) through the gateway samples, at temperature 0, the very ids of the built-in multi-turn loop
+    (the calculator run by our tool runner): same prompt ids, same calls, same tool-turn ids, same answers, same
+    loss mask, and behaviour log-probs equal to float rounding."""
+    built_in, ours = greedy_trajectories(
+        tmp_path / "built-in", calling_agent,
+        {"multi_turn": {"enable": True, "tools": ["calculator"], "max_assistant_turns": 3}})
+    gateway, theirs = greedy_trajectories(
+        tmp_path / "gateway", calling_agent, {"gateway": {"agent": AGENT, "max_concurrent_episodes": 4}})
+    assert list(theirs.non_tensor["episode"]) == [f"r0-p{i}-s0" for i in range(16)]  # one sample per episode
+    assert theirs.meta["gateway"]["rerendered"] == 0 and theirs.meta["gateway"]["failed"] == 0
+    # Not vacuous: every trajectory called the calculator and answered after its result.
+    assert all(ours.non_tensor["num_tool_calls"] >= 1) and set(ours.non_tensor["finish_reason"]) == {"stop"}
+    for i, ((ids, mask, logp), (ids_g, mask_g, logp_g)) in enumerate(zip(built_in, gateway, strict=True)):
+        assert ids_g == ids, (i, len(ids), len(ids_g))
+        assert mask_g == mask and 0 in mask, i  # the tool turn is context (mask 0) in both
+        torch.testing.assert_close(logp_g, logp, atol=1e-4, rtol=0)
