@@ -118,7 +118,8 @@ def state(service: Service) -> dict:
         "version": service.lifecycle.config_version,
         "process": process,
         "models": [{"name": m.name, "kind": m.kind, "base": m.base, "source": m.source, "in_flight": m.in_flight,
-                    "retiring": m.retiring, "engine": m.engine.name, **m.lineage.fields()}
+                    "retiring": m.retiring, "engine": m.engine.name, "weight_version": m.weight_version,
+                    **m.lineage.fields()}
                    for m in registry.models.values()]
         + [{"name": name, "kind": "reward", "base": name, "source": scorer.source, "in_flight": 0, "retiring": False,
             "engine": "transformers", **scorer.lineage.fields()} for name, scorer in service.lifecycle.scorers.items()],

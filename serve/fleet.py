@@ -6,9 +6,11 @@ version live in one place, the ``ControlPlane`` actor (named ``verl-control``, p
 restarted by Ray when it dies). A change is all or nothing, in two phases:
 
 1. **prepare**: the control plane publishes the desired state as *pending* at version v+1; every live replica loads
-   what is new (models, adapters) without routing to it, and reports *prepared v+1* (or the error);
-2. **commit**: when every live replica prepared, the state becomes v+1; every replica switches its routes and
-   unloads what is gone, and reports *active v+1*; the admin call answers when all live replicas report it.
+   what is new (models, adapters) without routing to it, checks new in-place weights against what it serves
+   without applying them, and reports *prepared v+1* (or the error);
+2. **commit**: when every live replica prepared, the state becomes v+1; every replica switches its routes, copies
+   new weights in place, pauses, resumes, sleeps or wakes its engines as the state says, unloads what is gone,
+   and reports *active v+1*; the admin call answers when all live replicas report it.
 
 A replica that fails to prepare, or does not switch in time, rolls the change back (a commit rolled back becomes
 version v+2 holding v's content) and the admin call answers 409 naming the replicas that did not follow. Replicas
@@ -59,6 +61,13 @@ def state_from_service(entries: list[Any], routes: dict[str, dict[str, float]]) 
     return {"models": models, "routes": {r: dict(w) for r, w in routes.items()}}
 
 
+def desired_content(desired: dict) -> dict:
+    """What a version holds: ``models`` (each may carry ``weights``: the directory and version of its latest
+    in-place update), ``routes``, and ``engine`` (``paused``: a pause mode or None; ``sleeping``: a sleep level or
+    None)."""
+    return {"models": desired["models"], "routes": desired["routes"], "engine": dict(desired.get("engine") or {})}
+
+
 class ControlPlane:
     """The single source of truth for what the replicas serve (a Ray actor; its methods run on one event loop)."""
 
@@ -73,8 +82,7 @@ class ControlPlane:
         saved = None
         if state_path and Path(state_path).is_file():
             saved = json.loads(Path(state_path).read_text())
-        self.state = {"version": int((saved or {}).get("version", 1)), "models": (saved or initial)["models"],
-                      "routes": (saved or initial)["routes"]}
+        self.state = {"version": int((saved or {}).get("version", 1)), **desired_content(saved or initial)}
         self.pending: dict | None = None
         self.replicas: dict[str, dict] = {}
         self.metrics: dict[str, str] = {}  # each replica's latest /metrics page
@@ -133,13 +141,12 @@ class ControlPlane:
         async with self.lock:
             old = self.state
             version = old["version"] + 1
-            self.pending = {"version": version, "models": desired["models"], "routes": desired["routes"]}
+            self.pending = {"version": version, **desired_content(desired)}
             prepared, failed = await self._wait(lambda r: r["prepared"] >= version, version, timeout_s)
             if failed:
                 self.pending = None
                 return {"ok": False, "version": old["version"], "phase": "prepare", "replicas": failed}
-            self.state, self.pending = {"version": version, "models": desired["models"],
-                                        "routes": desired["routes"]}, None
+            self.state, self.pending = {"version": version, **desired_content(desired)}, None
             self._persist()
             switched, failed = await self._wait(lambda r: r["active"] >= version, version, timeout_s)
             if failed:  # back to the old content, at a new version every replica will move to
@@ -209,6 +216,7 @@ class FleetLink:
         self.error: str | None = None
         self.live = 0
         self.versions: list[int] = []
+        self.joined: dict = {"models": [], "routes": {}}  # the state this replica joined at
         self._task: asyncio.Task | None = None
 
     async def join(self, service: Any) -> None:
@@ -216,6 +224,7 @@ class FleetLink:
         reply = await control_plane().get.remote()  # read only: it reports in once it serves this version
         state = reply["state"]
         service.changes.join(state)
+        self.joined = state
         self.active = self.prepared = int(state["version"])
         self.live = len(reply["replicas"])
 
@@ -256,6 +265,10 @@ class FleetLink:
 
     async def _follow(self, service: Any) -> None:
         shipped = 0.0
+        try:  # the joined version's in-place weights and pause or sleep, now that its models are loaded
+            await service.changes.settle(self.joined)
+        except Exception as exc:  # logged, not reported: nothing would undo it (a vanished weights directory)
+            log.error("verl serve: cannot take version %d's weights or engine state: %s", self.active, exc)
         while True:
             records = service.records.drain()
             metrics = None
@@ -281,7 +294,13 @@ class FleetLink:
                 continue
             if state["version"] > self.active or (pending is None and (self.prepared > self.active or self.error)):
                 # A new version, or a change rolled back after this replica loaded its models: serve the state.
-                await service.changes.commit(state)
+                try:
+                    await service.changes.commit(state)
+                except Exception as exc:  # reported: the control plane rolls the change back on every replica
+                    self.error = f"v{state['version']}: {exc}"
+                    log.error("verl serve: cannot switch to version %d: %s", state["version"], exc)
+                    await asyncio.sleep(POLL_S)
+                    continue
                 self.active = self.prepared = int(state["version"])
                 self.error = None
                 continue

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from serve.engines.base import Engine
-from serve.lineage import Lineage
+from serve.lineage import Lineage, lineage_of
 from serve.settings import check_route
 
 DEFAULT_ROUTE = "default"
@@ -53,6 +53,12 @@ class ServedModel:
     def adapter(self) -> str | None:
         """The adapter id inside the engine (the model's name), None for a full model."""
         return self.name if self.kind == "adapter" else None
+
+    async def replace_weights(self, path: str, version: int) -> None:
+        """The weights in directory ``path`` in place of this name's (``/update_weights``): tokens sampled from now
+        on carry ``version``, responses and records the new directory's lineage."""
+        await self.engine.update_weights(self.adapter, path, version)
+        self.lineage = await asyncio.to_thread(lineage_of, path)
 
     def acquire(self) -> None:
         self.in_flight += 1

@@ -23,9 +23,13 @@ update came mid-answer under ``keep``).
 
 Like ``/admin``, they exist only when ``admin_api_key`` is set and need it as the bearer token (vLLM serves them
 only in its dev mode, unauthenticated); a service of several worker processes refuses them (``multiple_workers``).
-A fleet's replicas take weight changes through the control plane's versioned state, which these endpoints do not
-write yet: on a replica they are refused (409) rather than applied to one replica of several. An update that does
-not fit the served model (other names or shapes) is a 400 and leaves the weights as they were.
+An update that does not fit the served model (other names or shapes) is a 400 and leaves the weights as they were.
+
+On a fleet (``verl serve --replicas``) each is a versioned change of the control plane's state, as admin changes are
+(serve/fleet_sync.py): every replica checks new weights before any applies them, and pauses, updates, resumes or
+sleeps with the others or the change is rolled back everywhere (a 409 naming the replicas that did not follow,
+weights that do not fit among them). ``/is_paused`` and ``/is_sleeping`` answer for the replica asked, which
+follows the fleet's state.
 """
 
 from __future__ import annotations
@@ -33,12 +37,11 @@ from __future__ import annotations
 import asyncio
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import Field, ValidationError
 
 from serve.admin import require_admin_key, require_one_process
-from serve.auth import service_of
 from serve.engines.base import Engine, EngineError
 from serve.errors import ApiError
 from serve.lineage import lineage_of
@@ -73,18 +76,6 @@ class LoadLora(_Strict):
 class UnloadLora(_Strict):
     lora_name: str = Field(min_length=1, max_length=128)
     lora_int_id: int | None = None
-
-
-async def one_control_plane(request: Request) -> None:
-    refuse_on_a_fleet(service_of(request))
-
-
-def refuse_on_a_fleet(service: Service) -> None:
-    """Refuse on a fleet replica: a weight change must reach every replica, through the control plane."""
-    if service.fleet is not None:
-        raise ApiError(409, "in-place weight changes are not served on a fleet replica yet: they would reach this "
-                       "replica only; load the new weights with POST /admin/models and move the route (the control "
-                       "plane applies that to every replica)", code="fleet_replica")
 
 
 def engines(service: Service) -> list[Engine]:
@@ -131,27 +122,34 @@ def update_info(body: dict) -> UpdateInfo:
 
 
 async def apply_update(service: Service, info: UpdateInfo) -> dict:
-    """Copy the new weights into the engine serving ``info.model`` and move its version and lineage."""
+    """Copy the new weights into the engine serving ``info.model`` (on a fleet: every replica's) and move its version
+    and lineage."""
+    if service.fleet is not None:
+        name, version = await service.changes.update_weights(info.model, info.path, info.version)
+        lineage = await asyncio.to_thread(lineage_of, info.path)
+        return {"message": "Weights updated", "model": name, "weight_version": version, **lineage.fields()}
     model = served(service, info.model)
-    version = model.weight_version + 1 if info.version is None else info.version
     try:
-        await model.engine.update_weights(model.adapter, info.path, version)
+        await model.replace_weights(info.path, model.weight_version + 1 if info.version is None else info.version)
     except EngineError as exc:
         raise ApiError(400, str(exc), param="update_info.path") from None
-    model.lineage = await asyncio.to_thread(lineage_of, info.path)
     return {"message": "Weights updated", "model": model.name, "weight_version": model.weight_version,
             **model.lineage.fields()}
 
 
 def weight_router(service: Service) -> APIRouter:
-    changes = [Depends(require_one_process), Depends(one_control_plane)]
+    changes = [Depends(require_one_process)]
     router = APIRouter(tags=["weights"], dependencies=[Depends(require_admin_key)])
     lock = asyncio.Lock()  # one weight change at a time
 
-    async def each_engine(work: str, *args) -> None:
-        """``engine.<work>(*args)`` on every engine, one change at a time; an engine's refusal is a 400."""
+    async def each_engine(work: str, *args, fleet: dict) -> None:
+        """``engine.<work>(*args)`` on every engine, one change at a time; an engine's refusal is a 400. On a fleet,
+        the control plane's ``engine`` state set to ``fleet`` instead, which every replica follows."""
         async with lock:
             try:
+                if service.fleet is not None:
+                    await service.changes.set_engine(**fleet)
+                    return
                 for engine in engines(service):
                     await getattr(engine, work)(*args)
             except EngineError as exc:
@@ -161,12 +159,15 @@ def weight_router(service: Service) -> APIRouter:
     async def pause(mode: PauseMode = Query("abort"), wait_for_inflight_requests: bool = Query(False),
                     clear_cache: bool = Query(True)) -> dict:
         # vLLM's deprecated wait_for_inflight_requests=true is mode=wait; clear_cache is moot (no prefix cache).
-        await each_engine("pause", "wait" if wait_for_inflight_requests else mode)
+        mode = "wait" if wait_for_inflight_requests else mode
+        await each_engine("pause", mode, fleet={"paused": mode})
         return {"status": "paused"}
 
     @router.post("/resume", dependencies=changes)
     async def resume() -> dict:
-        await each_engine("resume")
+        if service.fleet is not None and any(engine.sleeping for engine in engines(service)):
+            raise ApiError(400, "the engine is asleep: POST /wake_up resumes it")
+        await each_engine("resume", fleet={"paused": None})
         return {"status": "resumed"}
 
     @router.get("/is_paused")
@@ -180,12 +181,18 @@ def weight_router(service: Service) -> APIRouter:
 
     @router.post("/sleep", dependencies=changes)
     async def sleep(level: int = Query(1, ge=0, le=2), mode: PauseMode = Query("abort")) -> dict:
-        await each_engine("sleep", level, mode)
+        if service.fleet is not None:  # refused here, as one engine refuses it, not after every replica prepared
+            try:
+                for engine in engines(service):
+                    engine.check_sleep(level, mode)
+            except EngineError as exc:
+                raise ApiError(400, str(exc)) from None
+        await each_engine("sleep", level, mode, fleet={"sleeping": level, "paused": mode})
         return {"status": "sleeping", "level": level}
 
     @router.post("/wake_up", dependencies=changes)
     async def wake_up() -> dict:
-        await each_engine("wake_up")
+        await each_engine("wake_up", fleet={"sleeping": None, "paused": None})
         return {"status": "awake"}
 
     @router.get("/is_sleeping")
@@ -201,7 +208,6 @@ def weight_router(service: Service) -> APIRouter:
     async def load_lora_adapter(body: LoadLora) -> PlainTextResponse:
         existing = service.lifecycle.registry.models.get(body.lora_name)
         if existing is not None and body.load_inplace:
-            refuse_on_a_fleet(service)
             if existing.kind != "adapter":
                 raise ApiError(400, f"'{body.lora_name}' is a full model, not a LoRA adapter", param="lora_name")
             async with lock:

@@ -181,6 +181,15 @@ class Engine(abc.ABC):
         without restarting or failing requests; tokens sampled afterwards carry ``version``."""
         raise self._no_weight_updates("update weights")
 
+    async def check_weights(self, adapter: str | None, path: str) -> None:
+        """Raise ``EngineError`` where ``update_weights(adapter, path, ...)`` would refuse, changing nothing (a fleet
+        replica's prepare phase: every replica checks before any applies)."""
+        raise self._no_weight_updates("update weights")
+
+    def check_sleep(self, level: int, mode: str) -> None:
+        """Raise ``EngineError`` where ``sleep(level, mode)`` would refuse."""
+        raise self._no_weight_updates("sleep")
+
     def weight_version(self, adapter: str | None) -> int:
         """The version of the weights that sample for ``adapter`` (None: the full model) now."""
         return 0

@@ -137,6 +137,10 @@ class TransformersEngine(Engine):
         update = await asyncio.to_thread(read_update, path)  # read and parse off the engine thread
         await self._on_engine_thread(lambda: self.steps.weights.update(adapter, update, version))
 
+    async def check_weights(self, adapter: str | None, path: str) -> None:
+        update = await asyncio.to_thread(read_update, path)
+        await self._on_engine_thread(lambda: self.steps.weights.check(adapter, update))
+
     def weight_version(self, adapter: str | None) -> int:
         return self.steps.weights.version_of(adapter)
 
@@ -156,7 +160,9 @@ class TransformersEngine(Engine):
     def paused(self) -> bool:
         return self.steps.pause_mode is not None
 
-    async def sleep(self, level: int, mode: str) -> None:
+    def check_sleep(self, level: int, mode: str) -> None:
+        if mode not in PAUSE_MODES:
+            raise EngineError(f"unknown pause mode '{mode}': use one of {', '.join(PAUSE_MODES)}")
         if level not in (0, 1):
             raise EngineError(f"sleep level {level} is not served: on CPU the weights have nowhere to be offloaded "
                               "to, so the transformers engine keeps them (level 1 releases its KV cache and packed "
@@ -164,6 +170,9 @@ class TransformersEngine(Engine):
         if level >= 1 and mode == "keep":
             raise EngineError("sleep level 1 releases the KV cache that pause mode keep would keep: use mode abort "
                               "or wait (or level 0)")
+
+    async def sleep(self, level: int, mode: str) -> None:
+        self.check_sleep(level, mode)
         await self.pause(mode)
         if level >= 1:
             await self._on_engine_thread(self.steps.release_caches)

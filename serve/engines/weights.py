@@ -90,6 +90,16 @@ def _target(model: nn.Module, name: str) -> torch.Tensor | None:
 def apply_full(model: nn.Module, update: WeightsUpdate) -> int:
     """Copy ``update``'s tensors into ``model`` in place (dtype converted to the model's); returns how many
     parameters changed. Everything is checked first: a refusal changes nothing."""
+    pairs = fitting_pairs(model, update)
+    with torch.no_grad():
+        for target, tensor in pairs:
+            target.copy_(tensor)
+    return len({id(target) for target, _ in pairs})
+
+
+def fitting_pairs(model: nn.Module, update: WeightsUpdate) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(served tensor, new tensor) for every tensor of ``update``; ``EngineError`` naming what does not fit (names
+    the model lacks, other shapes, parameters the files leave out). Reads ``model``, never changes it."""
     pairs = []
     unknown, shapes = [], []
     for name, tensor in update.tensors.items():
@@ -112,10 +122,7 @@ def apply_full(model: nn.Module, update: WeightsUpdate) -> int:
     if problems:
         raise EngineError(f"update_weights: '{update.path}' does not fit the served model: " + "; ".join(problems)
                           + " — send the full weights of this architecture (save_pretrained of the same model)")
-    with torch.no_grad():
-        for target, tensor in pairs:
-            target.copy_(tensor)
-    return len(covered)
+    return pairs
 
 
 def lora_shape(config: dict) -> dict:
@@ -173,19 +180,28 @@ class ServedWeights:
         else:
             self.peft.delete_adapter(name)
 
-    def update(self, adapter: str | None, update: WeightsUpdate, version: int) -> None:
-        """Replace the weights of the full model (``adapter`` None) or of a served adapter (engine thread)."""
+    def check(self, adapter: str | None, update: WeightsUpdate) -> None:
+        """``EngineError`` where ``update`` would refuse: full weights for an adapter or that do not fit the model,
+        an adapter of another shape than the one it replaces. Changes nothing (a fleet's prepare phase)."""
         if update.kind == "full":
             if adapter is not None:
                 raise EngineError(f"update_weights: '{update.path}' holds full weights, and '{adapter}' is a LoRA "
                                   "adapter: send an adapter directory, or update its base model")
+            fitting_pairs(self.model, update)
+        elif adapter is not None:
+            if adapter not in self.adapters:
+                raise EngineError(f"no adapter named '{adapter}' is loaded")
+            self._check_shape(adapter, update)
+
+    def update(self, adapter: str | None, update: WeightsUpdate, version: int) -> None:
+        """Replace the weights of the full model (``adapter`` None) or of a served adapter (engine thread)."""
+        self.check(adapter, update)
+        if update.kind == "full":
             apply_full(self.model, update)
             if self.policy_adapter is not None:  # the full weights are the policy now
                 self._drop_adapter(self.policy_adapter)
                 self.policy_adapter = None
         elif adapter is not None:
-            if adapter not in self.adapters:
-                raise EngineError(f"no adapter named '{adapter}' is loaded")
             self._replace_factors(adapter, update)
         elif self.policy_adapter is not None and self._same_shape(self.policy_adapter, update):
             self._replace_factors(self.policy_adapter, update)
@@ -202,12 +218,15 @@ class ServedWeights:
     def _same_shape(self, name: str, update: WeightsUpdate) -> bool:
         return lora_shape(self.peft.peft_config[name].to_dict()) == lora_shape(update.lora_config)
 
-    def _replace_factors(self, name: str, update: WeightsUpdate) -> None:
-        """The adapter's LoRA factors from ``update`` in place (its modules stay: same rank and targets)."""
+    def _check_shape(self, name: str, update: WeightsUpdate) -> None:
         if not self._same_shape(name, update):
             served = lora_shape(self.peft.peft_config[name].to_dict())
             raise EngineError(f"update_weights: the adapter in '{update.path}' has another shape than '{name}' "
                               f"({lora_shape(update.lora_config)} vs {served}); load it under a new name instead")
+
+    def _replace_factors(self, name: str, update: WeightsUpdate) -> None:
+        """The adapter's LoRA factors from ``update`` in place (its modules stay: same rank and targets)."""
+        self._check_shape(name, update)
         result = set_peft_model_state_dict(self.peft, update.tensors, adapter_name=name)
         if result.unexpected_keys:
             raise EngineError(f"update_weights: '{update.path}' has {len(result.unexpected_keys)} tensor(s) the "

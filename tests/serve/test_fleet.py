@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.ports import free_port
-from tests.serve.helpers import REPO, BackgroundClients, replica_states
+from tests.serve.helpers import REPO, BackgroundClients, make_lora_adapters, replica_states
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.serial]  # Ray, timed load
 
@@ -147,6 +147,47 @@ def test_two_replicas_follow_one_control_plane_through_promotes_and_kills(tmp_pa
                      "a promote after the control plane restarted")
             after = [state(url) for _ in range(10)]
             assert all(s["version"] == 4 and s["routes"]["default"] == {"b": 0.5, "tiny-arith": 0.5} for s in after)
+
+            # 4b. vLLM's weight endpoints on the fleet, under the same load: pause (keep), new weights for b, resume
+            # reach both replicas (the one that replaced the killed replica too) through the restarted control
+            # plane, as versions 5-7; no request fails, and both replicas' records show b's new weight version.
+            # Weights that fit no replica are refused on every one and change nothing; an adapter loaded with
+            # /v1/load_lora_adapter answers under its name on both, and its in-place reload moves its version.
+            failures_before = len(load.failures)
+            for path, body in (("/pause?mode=keep", None),
+                               ("/update_weights", {"update_info": {"path": str(REPO / "verl/models/assets/tiny-arith"),
+                                                                    "model": "b", "version": 11}}),
+                               ("/resume", None)):
+                changed = httpx.post(url + path, headers=ADMIN, json=body, timeout=120)
+                assert changed.status_code == 200, (path, changed.text)
+            assert changed.json() == {"status": "resumed"}
+            reads = replica_states(url, ADMIN, key=lambda r: r["process"]["pid"])
+            assert {r["version"] for r in reads} == {7}
+            assert all({m["name"]: m["weight_version"] for m in r["models"]}["b"] == 11 for r in reads), reads
+            misfit = httpx.post(url + "/update_weights", headers=ADMIN, timeout=120, json={"update_info": {
+                "path": str(REPO / "verl/models/assets/tiny-agent"), "model": "b"}})
+            assert misfit.status_code == 409 and misfit.text.count("does not fit the served model") == 2, misfit.text
+            assert "prepare failed" in misfit.text and state(url)["version"] == 7
+            adapters = make_lora_adapters(tmp_path / "lora", names=("first", "second"))
+            loaded = httpx.post(url + "/v1/load_lora_adapter", headers=ADMIN, timeout=120,
+                                json={"lora_name": "live", "lora_path": adapters["first"]})
+            assert loaded.status_code == 200 and "added successfully" in loaded.text, loaded.text
+            reloaded = httpx.post(url + "/v1/load_lora_adapter", headers=ADMIN, timeout=120,
+                                  json={"lora_name": "live", "lora_path": adapters["second"], "load_inplace": True})
+            assert reloaded.status_code == 200 and "reloaded in place" in reloaded.text, reloaded.text
+            reads = replica_states(url, ADMIN, key=lambda r: r["process"]["pid"])
+            assert all({m["name"]: m["weight_version"] for m in r["models"]}["live"] == 1 for r in reads), reads
+            named = [httpx.post(url + "/v1/completions", timeout=60, json={"model": "live", "prompt": "3+4=",
+                                                                          "max_tokens": 4}) for _ in range(4)]
+            assert all(r.status_code == 200 and r.headers["x-verl-weight-version"] == "1" for r in named)
+
+            def new_weights_on_both() -> bool:
+                with httpx.Client(base_url=url, headers=ADMIN, timeout=30) as client:
+                    rows = client.get("/admin/records").json()["records"]
+                return len({r["replica"] for r in rows if r["model"] == "b" and r["weight_version"] == 11}) == 2
+
+            wait_for(new_weights_on_both, 90, "b's records at weight version 11 from both replicas")
+            assert len(load.failures) == failures_before, load.failures[failures_before:]
         print(f"fleet: {load.ok} requests answered, failed: {load.failures} (replica kill lost {lost})")
         assert load.ok > 20 and len(load.failures) <= 2, load.failures
         # 5. One record log for the fleet: any replica's /admin/records and records_path hold every replica's rows
