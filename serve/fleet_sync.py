@@ -30,6 +30,7 @@ class FleetSync:
         self._lock = asyncio.Lock()  # one admin change at a time from this replica
         self._background: set[asyncio.Task] = set()  # unloads after a switch
         self.applied: dict[str, dict] = {}  # each model's in-place weights this replica serves (name -> weights)
+        self.prefix_cache_resets = 0  # the fleet's POST /reset_prefix_cache count this replica followed
 
     # ------------------------------------------------------------ admin changes
 
@@ -97,6 +98,12 @@ class FleetSync:
         sleep level, or None to wake)."""
         state = await self._state()
         await self._change({**state, "engine": {**state["engine"], **engine}})
+
+    async def reset_prefix_cache(self) -> None:
+        """Every replica drops the prompt prefixes its engines keep (the fleet state counts the resets)."""
+        state = await self._state()
+        resets = int(state["engine"].get("prefix_cache_resets", 0)) + 1
+        await self._change({**state, "engine": {**state["engine"], "prefix_cache_resets": resets}})
 
     async def _state(self) -> dict:
         """The control plane's models, routes and engine state (the desired state a change starts from)."""
@@ -170,7 +177,10 @@ class FleetSync:
                             "(load it again to serve the weights it loaded with)", state["version"], m["name"])
         wanted = state.get("engine") or {}
         level, mode = wanted.get("sleeping"), wanted.get("paused")
+        resets = int(wanted.get("prefix_cache_resets", 0))
         for engine in self._engines():
+            if resets != self.prefix_cache_resets:
+                await engine.reset_prefix_cache()
             if level is not None:
                 if not engine.sleeping:
                     await engine.sleep(int(level), mode or "abort")
@@ -181,6 +191,7 @@ class FleetSync:
                 await engine.pause(mode)
             elif mode is None and engine.paused:
                 await engine.resume()
+        self.prefix_cache_resets = resets
 
     def _new_weights(self, state: dict) -> list[tuple[Any, dict]]:
         """(served model, its ``weights``) for each model of ``state`` whose weights this replica does not serve."""

@@ -230,6 +230,9 @@ class ServeSettings(BaseSettings):
     shared_prefix_tokens: int = Field(
         16, ge=0, description="transformers engine: prompts prefilled together that start with the same N or more "
         "tokens (a chat template's system prompt) compute that prefix once for all of them; 0 turns it off.")
+    prefix_cache_entries: int = Field(
+        8, ge=0, description="transformers engine: prefixes of at least shared_prefix_tokens that two prompts shared "
+        "are kept (their keys and values) for later prefills, up to this many (least recently used out); 0 off.")
     max_queue_size: int = Field(
         256, ge=0, description="Sequences allowed to wait for a batch slot; beyond it requests get 429 + Retry-After."
     )

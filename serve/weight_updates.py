@@ -9,7 +9,7 @@
     POST /sleep?level=0|1&mode=...       {"status": "sleeping", "level": 1}
     POST /wake_up                        {"status": "awake"}
     GET  /is_sleeping                    {"is_sleeping": false}
-    POST /reset_prefix_cache             200 (nothing to reset: prompts share a prefix only within one prefill)
+    POST /reset_prefix_cache             200 (the prefixes kept across prefills are dropped)
     POST /v1/load_lora_adapter           {"lora_name": "b", "lora_path": DIR, "load_inplace": false}
     POST /v1/unload_lora_adapter         {"lora_name": "b"}
 
@@ -35,6 +35,7 @@ follows the fleet's state.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query
@@ -137,23 +138,43 @@ async def apply_update(service: Service, info: UpdateInfo) -> dict:
             **model.lineage.fields()}
 
 
+async def change_engines(service: Service, lock: asyncio.Lock, work: str, *args,
+                         on_fleet: Callable[[], Awaitable[None]]) -> None:
+    """``engine.<work>(*args)`` on every engine, one change at a time; an engine's refusal is a 400. On a fleet,
+    ``on_fleet()`` instead: a change of the control plane's state, which every replica follows."""
+    async with lock:
+        try:
+            if service.fleet is not None:
+                await on_fleet()
+                return
+            for engine in engines(service):
+                await getattr(engine, work)(*args)
+        except EngineError as exc:
+            raise ApiError(400, str(exc)) from None
+
+
+def refuse_what_replicas_would(service: Service, work: str, *args) -> None:
+    """On a fleet, refuse here what an engine would refuse (a 400), not after every replica prepared the change."""
+    if service.fleet is None:
+        return
+    try:
+        for engine in engines(service):
+            if work == "sleep":
+                engine.check_sleep(*args)
+            elif work == "resume" and engine.sleeping:
+                raise EngineError("the engine is asleep: POST /wake_up resumes it")
+    except EngineError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
 def weight_router(service: Service) -> APIRouter:
     changes = [Depends(require_one_process)]
     router = APIRouter(tags=["weights"], dependencies=[Depends(require_admin_key)])
     lock = asyncio.Lock()  # one weight change at a time
 
     async def each_engine(work: str, *args, fleet: dict) -> None:
-        """``engine.<work>(*args)`` on every engine, one change at a time; an engine's refusal is a 400. On a fleet,
-        the control plane's ``engine`` state set to ``fleet`` instead, which every replica follows."""
-        async with lock:
-            try:
-                if service.fleet is not None:
-                    await service.changes.set_engine(**fleet)
-                    return
-                for engine in engines(service):
-                    await getattr(engine, work)(*args)
-            except EngineError as exc:
-                raise ApiError(400, str(exc)) from None
+        refuse_what_replicas_would(service, work, *args)
+        await change_engines(service, lock, work, *args, on_fleet=lambda: service.changes.set_engine(**fleet))
 
     @router.post("/pause", dependencies=changes)
     async def pause(mode: PauseMode = Query("abort"), wait_for_inflight_requests: bool = Query(False),
@@ -165,8 +186,6 @@ def weight_router(service: Service) -> APIRouter:
 
     @router.post("/resume", dependencies=changes)
     async def resume() -> dict:
-        if service.fleet is not None and any(engine.sleeping for engine in engines(service)):
-            raise ApiError(400, "the engine is asleep: POST /wake_up resumes it")
         await each_engine("resume", fleet={"paused": None})
         return {"status": "resumed"}
 
@@ -181,12 +200,6 @@ def weight_router(service: Service) -> APIRouter:
 
     @router.post("/sleep", dependencies=changes)
     async def sleep(level: int = Query(1, ge=0, le=2), mode: PauseMode = Query("abort")) -> dict:
-        if service.fleet is not None:  # refused here, as one engine refuses it, not after every replica prepared
-            try:
-                for engine in engines(service):
-                    engine.check_sleep(level, mode)
-            except EngineError as exc:
-                raise ApiError(400, str(exc)) from None
         await each_engine("sleep", level, mode, fleet={"sleeping": level, "paused": mode})
         return {"status": "sleeping", "level": level}
 
@@ -201,7 +214,7 @@ def weight_router(service: Service) -> APIRouter:
 
     @router.post("/reset_prefix_cache", dependencies=changes)
     async def reset_prefix_cache() -> Response:
-        engines(service)  # 400 on a service that generates nothing; otherwise there is nothing to reset
+        await change_engines(service, lock, "reset_prefix_cache", on_fleet=lambda: service.changes.reset_prefix_cache())
         return Response(status_code=200)
 
     @router.post("/v1/load_lora_adapter", dependencies=[Depends(require_one_process)])

@@ -186,6 +186,10 @@ class Engine(abc.ABC):
         replica's prepare phase: every replica checks before any applies)."""
         raise self._no_weight_updates("update weights")
 
+    async def reset_prefix_cache(self) -> None:
+        """Drop whatever prompt prefixes the engine keeps across requests (nothing, unless it keeps some)."""
+        return None
+
     def check_sleep(self, level: int, mode: str) -> None:
         """Raise ``EngineError`` where ``sleep(level, mode)`` would refuse."""
         raise self._no_weight_updates("sleep")

@@ -144,6 +144,9 @@ class TransformersEngine(Engine):
     def weight_version(self, adapter: str | None) -> int:
         return self.steps.weights.version_of(adapter)
 
+    async def reset_prefix_cache(self) -> None:
+        await self._on_engine_thread(self.steps.prefixes.clear)
+
     async def pause(self, mode: str) -> None:
         if mode not in PAUSE_MODES:
             raise EngineError(f"unknown pause mode '{mode}': use one of {', '.join(PAUSE_MODES)}")

@@ -39,6 +39,71 @@ FAILURES_BEFORE_DEAD = 8  # consecutive requests that fail alone before the engi
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
+class PrefixCache:
+    """Prompt prefixes' keys and values kept across prefills (vLLM's automatic prefix caching, at token rather than
+    block granularity: a chat template's 24-token system prompt is shared, which vLLM's 128-token CPU blocks never
+    share). A prefix is kept once two prompts were seen to start with it (``seen_prefix``: the longest prefix this
+    prompt shares with one of the last ``RECENT`` prompts) and no kept one served; a later prompt uses as much of a
+    kept prefix as it shares; up to ``entries`` prefixes, least recently used out.
+    Keys are (adapter, prefix ids); everything goes at any control work (new weights, adapters, sleep)."""
+
+    RECENT = 32
+
+    def __init__(self, entries: int):
+        self.entries = entries
+        self.kept: collections.OrderedDict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = collections.OrderedDict()
+        self.recent: collections.deque[tuple[str | None, list[int]]] = collections.deque(maxlen=self.RECENT)
+
+    def lookup(self, adapter: str | None, prompt: list[int], limit: int
+               ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The longest run of ``prompt``'s first ids (at most ``limit``) that a kept prefix starts with: (its
+        length, that prefix's layers' (keys, values), each (1, heads, >= length, head_dim): the first ``length``
+        columns are the run's, attention being causal), or None."""
+        best, length = None, 0
+        for key in self.kept:
+            if key[0] == adapter:
+                shared = min(len(os.path.commonprefix([prompt, list(key[1])])), limit)
+                if shared > length:
+                    best, length = key, shared
+        if best is None:
+            return None
+        self.kept.move_to_end(best)
+        return length, self.kept[best]
+
+    def plan(self, adapter: str | None, prompts: list[list[int]], minimum: int
+             ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """What ``prompts`` (one prefill) share: (prefix length, its kept layers) to reuse, (length, None) to
+        compute and keep, (0, None) for nothing. Each prompt keeps at least one id to prefill."""
+        longest = min(len(prompt) for prompt in prompts) - 1
+        common = len(os.path.commonprefix(prompts)) if len(prompts) > 1 else longest
+        kept = self.lookup(adapter, prompts[0], min(common, longest))
+        if kept is not None and kept[0] >= minimum:
+            return kept
+        prefix = min(common if len(prompts) > 1 else self.seen_prefix(adapter, prompts[0]), longest)
+        return (prefix, None) if prefix >= minimum else (0, None)
+
+    def seen_prefix(self, adapter: str | None, prompt: list[int]) -> int:
+        """The longest prefix ``prompt`` shares with a recent prompt of the same adapter (0: none, or caching off)."""
+        if not self.entries:
+            return 0
+        return max((len(os.path.commonprefix([prompt, other])) for a, other in self.recent if a == adapter), default=0)
+
+    def keep(self, adapter: str | None, prefix: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not self.entries:
+            return
+        self.kept[(adapter, tuple(prefix))] = [(k[:1].clone(), v[:1].clone()) for k, v in layers]
+        while len(self.kept) > self.entries:
+            self.kept.popitem(last=False)
+
+    def saw(self, adapter: str | None, prompts: list[list[int]]) -> None:
+        if self.entries:
+            self.recent.extend((adapter, list(p)) for p in prompts)
+
+    def clear(self) -> None:
+        self.kept.clear()
+        self.recent.clear()
+
+
 class StepLoop:
     """The engine thread's state and loop (``run``). The event loop side (``TransformersEngine``) appends to
     ``waiting`` and ``control`` under ``cv``; everything else is touched by this thread alone."""
@@ -60,7 +125,8 @@ class StepLoop:
         self.prefilling = 0
         self.admitted: list[RunningSequence] = []  # taken from the queue for the prefill in progress
         self.mixed_adapter_steps = 0  # forwards whose rows used more than one adapter (or adapter and base)
-        self.shared_prefix_tokens = 0  # prompt tokens not recomputed: prefixes shared within a prefill
+        self.shared_prefix_tokens = 0  # prompt tokens not recomputed: prefixes shared within or across prefills
+        self.prefixes = PrefixCache(settings.prefix_cache_entries)
         self.pause_mode: str | None = None  # one of PAUSE_MODES while paused
 
     # The model, its adapters and their weight versions (serve/engines/weights.py).
@@ -86,6 +152,7 @@ class StepLoop:
             raise EngineError(f"{len(self.batch.rows)} sequence(s) are kept with their KV cache (pause mode keep); "
                               "sleep with mode abort or wait")
         self.batch = RowBatch()
+        self.prefixes.clear()
         refresh_packed_linear(self.model)
 
     def _stepping(self) -> bool:
@@ -112,6 +179,7 @@ class StepLoop:
                 if not self.control:
                     return
                 work, future = self.control.popleft()
+            self.prefixes.clear()  # control work may change weights or adapters: kept keys and values go stale
             try:
                 work()
             except Exception as exc:  # a bad adapter fails its load call, never the engine
@@ -241,26 +309,34 @@ class StepLoop:
 
     def _prefill_shared_prefix(self, seqs: list[RunningSequence], cache) -> int:
         """When the prompts start with the same ``shared_prefix_tokens`` or more tokens (a chat template's system
-        prompt, a few-shot preamble), one row computes that prefix and ``cache`` gets its keys and values for every
-        row; returns the prefix length (0: nothing shared). Each prompt keeps at least one token to prefill, and
-        rows with different LoRA adapters share nothing (the adapter changes the keys and values)."""
+        prompt, a few-shot preamble), that prefix is computed once and ``cache`` gets its keys and values for every
+        row; returns the prefix length (0: nothing shared). The prefix is shared within the prefill (the prompts'
+        common prefix) and across prefills (``PrefixCache``: a prefix an earlier prompt shared with this one, kept
+        from when it was first computed). Each prompt keeps at least one token to prefill, and rows with different
+        LoRA adapters share nothing (the adapter changes the keys and values)."""
         minimum = self.settings.shared_prefix_tokens
-        if minimum == 0 or len(seqs) < 2 or len({seq.request.adapter for seq in seqs}) > 1:
+        adapters = {seq.request.adapter for seq in seqs}
+        if minimum == 0 or len(adapters) > 1:
             return 0
+        adapter = adapters.pop()
         prompts = [seq.request.prompt_token_ids for seq in seqs]
-        prefix = len(os.path.commonprefix(prompts))
-        prefix = min(prefix, min(len(prompt) for prompt in prompts) - 1)
-        if prefix < minimum:
+        prefix, layers = self.prefixes.plan(adapter, prompts, minimum)
+        self.prefixes.saw(adapter, prompts)
+        if prefix == 0:
             return 0
-        ids = torch.tensor([prompts[0][:prefix]], dtype=torch.long, device=self.device)
-        positions = torch.arange(prefix, device=self.device).unsqueeze(0)
-        self.forward(seqs[:1], input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                      logits_to_keep=1)
+        computed = layers is None
+        if computed:
+            ids = torch.tensor([prompts[0][:prefix]], dtype=torch.long, device=self.device)
+            positions = torch.arange(prefix, device=self.device).unsqueeze(0)
+            self.forward(seqs[:1], input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                          logits_to_keep=1)
+            layers = [(layer.keys, layer.values) for layer in cache.layers]
+            self.prefixes.keep(adapter, prompts[0][:prefix], layers)
         rest = max(len(prompt) for prompt in prompts) - prefix
-        for layer in cache.layers:  # the one row's prefix for every row, with room for the rest of the prompts
-            layer.set_state(layer.keys.expand(len(seqs), -1, -1, -1), layer.values.expand(len(seqs), -1, -1, -1),
-                            headroom=rest + GrowingLayer.HEADROOM)
-        self.shared_prefix_tokens += prefix * (len(seqs) - 1)
+        for layer, (keys, values) in zip(cache.layers, layers, strict=True):  # the one row's prefix for every row
+            layer.set_state(keys[:, :, :prefix].expand(len(seqs), -1, -1, -1),
+                            values[:, :, :prefix].expand(len(seqs), -1, -1, -1), headroom=rest + GrowingLayer.HEADROOM)
+        self.shared_prefix_tokens += prefix * (len(seqs) - computed)
         return prefix
 
     def _decode_step(self, deliveries: list) -> None:

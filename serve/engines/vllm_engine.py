@@ -116,6 +116,12 @@ class VLLMEngine(Engine):
         )
         return AsyncLLM.from_engine_args(args, stat_loggers=[kv_cache_logger(self)])
 
+    async def reset_prefix_cache(self) -> None:
+        """vLLM's automatic prefix cache emptied (``AsyncLLM.reset_prefix_cache``: the blocks no running request
+        holds)."""
+        if self.llm is not None:
+            await self.llm.reset_prefix_cache()
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams

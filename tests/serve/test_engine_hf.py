@@ -80,6 +80,34 @@ def test_prompts_sharing_a_preamble_prefill_it_once_with_the_same_tokens(engine_
         assert result["tokens"] == ref[0, len(prompt_ids):].tolist()
 
 
+def test_a_preamble_seen_before_is_not_computed_again_and_the_tokens_do_not_change(engine_and_loop):
+    """Across prefills (``prefix_cache_entries``): prompts sent one after another, each prefilled alone, keep the
+    preamble two of them shared and reuse it (the counter grows by the preamble per prompt after the second); each
+    greedy answer is still ``generate``'s for that prompt alone, and control work (a weight update) empties it."""
+    engine, loop = engine_and_loop
+    preamble = "<|user|>Subtract the second number from the first and answer with digits only, please. "
+    prompts = [f"{preamble}What is {a}-{b}?\n<|assistant|>" for a, b in ((50, 8), (71, 70), (300, 1), (9, 9))]
+    ids = [engine.tokenizer(p)["input_ids"] for p in prompts]
+    shared = len(engine.tokenizer(preamble)["input_ids"])
+    engine.steps.prefixes.clear()
+    counts, results = [], []
+    for prompt_ids in ids:  # one at a time: no two in a prefill
+        counts.append(engine.shared_prefix_tokens)
+        results += _run_all(engine, loop, [prompt_ids], [SamplingOptions(max_tokens=10, temperature=0.0)])
+    counts.append(engine.shared_prefix_tokens)
+    grown = [b - a for a, b in zip(counts, counts[1:], strict=False)]
+    assert grown[0] == grown[1] == 0 and all(g >= shared for g in grown[2:]), grown  # kept at the second, reused after
+    assert len(engine.steps.prefixes.kept) == 1
+    for prompt_ids, result in zip(ids, results, strict=True):
+        with torch.inference_mode():
+            ref = engine.model.generate(torch.tensor([prompt_ids]), max_new_tokens=10, do_sample=False,
+                                        eos_token_id=engine.tokenizer.eos_token_id,
+                                        pad_token_id=engine.tokenizer.pad_token_id)
+        assert result["tokens"] == ref[0, len(prompt_ids):].tolist()
+    loop.run_until_complete(engine.resume())  # any control work (here: resume) clears what was kept
+    assert not engine.steps.prefixes.kept
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(engine_and_loop):
     engine, loop = engine_and_loop
     prompt = engine.tokenizer("abc")["input_ids"]
