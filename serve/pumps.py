@@ -74,7 +74,7 @@ class Pumps:
         for spec in specs:
             timer = SequenceTimer(self.metrics, arrival, len(spec.prompt_ids), label=target.name)
             req = EngineRequest(f"{engine_id}-{spec.index}", spec.prompt_ids, spec.sampling, arrival, stream,
-                                adapter=target.model.adapter)
+                                adapter=target.model.adapter, training=target.episode is not None)
             target.model.acquire()
             task = asyncio.create_task(self._pump(target, req, request_id, spec.index, timer, sink))
             self.tasks.add(task)

@@ -280,7 +280,9 @@ class ServeSettings(BaseSettings):
         "sampled ids and log-probs and the weight version; it is also accepted wherever the API key is.")
     training_max_slots_share: float = Field(
         0.5, gt=0.0, le=1.0, description="Training traffic holds at most this share of the sequence slots "
-        "(max_batch_size + max_queue_size); past it a training request is a 429 and user traffic keeps the rest.")
+        "(max_batch_size + max_queue_size); past it a training request is a 429 and user traffic keeps the rest. "
+        "In the transformers engine also of the decode rows (max_batch_size): user requests are admitted ahead of "
+        "training ones that would exceed it.")
     metrics_public: bool = Field(
         False, description="With an API key set, still serve /metrics without it (for scrapers that send no header)."
     )

@@ -84,6 +84,9 @@ class EngineRequest:
     stream: bool = True
     # The LoRA adapter (as registered with ``Engine.add_adapter``) to generate with; None: the base weights.
     adapter: str | None = None
+    # Training traffic (an episode's call): the transformers engine gives it at most training_max_slots_share of
+    # its rows, so user requests never wait behind it for a row.
+    training: bool = False
 
 
 @dataclass

@@ -39,6 +39,28 @@ FAILURES_BEFORE_DEAD = 8  # consecutive requests that fail alone before the engi
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
+def admit(waiting: collections.deque[RunningSequence], free: int, running: list[RunningSequence],
+          training_rows: int) -> list[RunningSequence]:
+    """Up to ``free`` waiting sequences for the next prefill, in arrival order, taken off ``waiting``; aborted ones
+    dropped. Training traffic (``EngineRequest.training``) never holds more than ``training_rows`` rows with
+    ``running``: its sequences past that stay waiting, in order, and the user requests behind them go first."""
+    admitted: list[RunningSequence] = []
+    held: list[RunningSequence] = []
+    training = sum(row.request.training for row in running)
+    while free > 0 and waiting:
+        seq = waiting.popleft()
+        if seq.aborted:
+            continue
+        if seq.request.training and training >= training_rows:
+            held.append(seq)
+            continue
+        admitted.append(seq)
+        training += seq.request.training
+        free -= 1
+    waiting.extendleft(reversed(held))
+    return admitted
+
+
 class PrefixCache:
     """Prompt prefixes' keys and values kept across prefills (vLLM's automatic prefix caching, at token rather than
     block granularity: a chat template's 24-token system prompt is shared, which vLLM's 128-token CPU blocks never
@@ -111,6 +133,8 @@ class StepLoop:
     def __init__(self, settings: ServeSettings, tokenizer: PreTrainedTokenizerBase, max_model_len: int):
         self.settings, self.tokenizer, self.max_model_len = settings, tokenizer, max_model_len
         self.max_batch_size = settings.max_batch_size
+        # Training traffic's rows at most (training_max_slots_share): user requests are admitted ahead of it.
+        self.training_rows = max(1, int(settings.max_batch_size * settings.training_max_slots_share))
         self.weights = ServedWeights()  # its model is set by the engine's load, before the thread starts
         self.device = torch.device("cpu")
         self.waiting: collections.deque[RunningSequence] = collections.deque()
@@ -201,12 +225,7 @@ class StepLoop:
                         continue
                     with self.cv:
                         free = self.max_batch_size - len(self.batch) if self.pause_mode is None else 0
-                        admitted = self.admitted = []
-                        while free > 0 and self.waiting:
-                            seq = self.waiting.popleft()
-                            if not seq.aborted:
-                                admitted.append(seq)
-                                free -= 1
+                        admitted = self.admitted = admit(self.waiting, free, self.batch.rows, self.training_rows)
                         self.prefilling = len(admitted)
                     self.drop_aborted()
                     deliveries: list[tuple[RunningSequence, EngineOutput | BaseException]] = []

@@ -5,6 +5,7 @@ tool calls parsed — streamed or not; user traffic beside it is recorded as bef
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -82,3 +83,43 @@ def test_user_traffic_and_wrong_training_inputs(gateway):
     assert (no_episode.status_code, no_episode.json()["error"]["code"]) == (400, "episode_id_required")
     # 3 training sequences exceed training's 2 of the 4 slots; the same 3 as user traffic are served.
     assert (wide.status_code, wide.json()["error"]["code"]) == (429, "training_share_full")
+
+
+def test_user_requests_never_wait_for_a_row_behind_training_traffic(gateway):
+    """Both at once: two long training episodes' calls (120 tokens each, streamed) and a user's short requests one
+    after another. Training holds at most its share (here 1 of the 2 decode rows, training_max_slots_share 0.5): the
+    second training call waits for the first, and every user request is admitted into the other row at once — all
+    of them are answered while the first training call is still decoding. Without the row share both training calls
+    take both rows and the first user request waits until one of them ends."""
+    srv, _ = gateway
+    engine = srv.service.lifecycle.engine
+    body = {"model": "tiny-agent", "messages": QUESTION, "max_tokens": 120, "temperature": 1.0, "ignore_eos": True,
+            "stream": True}
+    finished: list[tuple[str, float]] = []
+    training_rows: list[int] = []
+
+    def train(episode: str) -> None:
+        with httpx.Client(base_url=srv.url, timeout=120, headers={**TRAINING, "X-Session-ID": episode}) as http:
+            chunks = sse_chunks(http, "/v1/chat/completions", body)
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        finished.append((episode, time.perf_counter()))
+
+    threads = [threading.Thread(target=train, args=(f"long-{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not any(row.request.training for row in engine.steps.batch.rows) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    users = []
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        for k in range(6):
+            training_rows.append(sum(row.request.training for row in engine.steps.batch.rows))
+            answer = http.post("/v1/chat/completions", json={"model": "tiny-agent", "messages": QUESTION,
+                                                             "max_tokens": 4, "user": f"u-{k}"})
+            assert answer.status_code == 200, answer.text
+            users.append(time.perf_counter())
+    for t in threads:
+        t.join(120)
+    assert len(finished) == 2, finished
+    assert max(training_rows) == 1 and min(training_rows) == 1  # training decoding all along, in one row
+    assert max(users) < min(at for _, at in finished), (users, finished)
