@@ -166,14 +166,19 @@ def test_constrained_output_on_a_tokenizer_vllm_cannot_read_is_a_clear_400(vllm_
 
 
 def _usage_mid_stream(url: str, model: str) -> tuple[str, float]:
-    """The /metrics page read while a long streamed request runs, and its ``vllm:kv_cache_usage_perc``."""
-    body = {"model": model, "prompt": "abc", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    """The /metrics page read while a long streamed request runs, and its ``vllm:kv_cache_usage_perc`` (read again,
+    a token further each time, until a step with the sequence's blocks was logged: on a fast box a fixed wait saw
+    the request already finished)."""
+    body = {"model": model, "prompt": "abc", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
-        lines = resp.iter_lines()
-        for _ in range(20):  # a few tokens in: the scheduler has logged a step with the sequence's blocks
-            next(line for line in lines if line.startswith("data: "))
-        time.sleep(0.3)
-        page = httpx.get(url + "/metrics").text
+        lines = (line for line in resp.iter_lines() if line.startswith("data: {"))
+        for _ in range(5):  # a few tokens in
+            next(lines)
+        for _ in range(100):
+            page = httpx.get(url + "/metrics").text
+            if metric_value(page, "vllm:kv_cache_usage_perc") > 0:
+                break
+            next(lines)  # still running: the request has tokens left
     return page, metric_value(page, "vllm:kv_cache_usage_perc")
 
 
