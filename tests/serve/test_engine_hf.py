@@ -37,6 +37,15 @@ async def _collect(engine, rid: str, ids: list[int], sampling: SamplingOptions, 
     return {"text": "".join(text), "tokens": tokens, "finish": last.finish_reason, "stop": last.stop_reason}
 
 
+def generated_alone(engine, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """``model.generate``'s greedy ids for this prompt alone: what every batched answer must equal."""
+    with torch.inference_mode():
+        ref = engine.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                    eos_token_id=engine.tokenizer.eos_token_id,
+                                    pad_token_id=engine.tokenizer.pad_token_id)
+    return ref[0, len(prompt_ids):].tolist()
+
+
 def _run_all(engine, loop, prompts: list[list[int]], samplings: list[SamplingOptions], stagger: float = 0.0):
     async def main():
         return await asyncio.gather(*[_collect(engine, f"r{i}", p, s, i * stagger)
@@ -50,11 +59,7 @@ def test_greedy_batched_outputs_match_generate_one_by_one(engine_and_loop):
     ids = [engine.tokenizer(p)["input_ids"] for p in PROMPTS]
     results = _run_all(engine, loop, ids, [SamplingOptions(max_tokens=12, temperature=0.0)] * len(ids), stagger=0.01)
     for prompt_ids, result in zip(ids, results, strict=True):
-        with torch.inference_mode():
-            ref = engine.model.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False,
-                                        eos_token_id=engine.tokenizer.eos_token_id,
-                                        pad_token_id=engine.tokenizer.pad_token_id)
-        expected = ref[0, len(prompt_ids):].tolist()
+        expected = generated_alone(engine, prompt_ids, 12)
         assert result["tokens"] == expected
         assert result["text"] == engine.tokenizer.decode(expected, skip_special_tokens=True)
         assert result["finish"] == ("stop" if expected[-1] == engine.tokenizer.eos_token_id else "length")
@@ -73,11 +78,7 @@ def test_prompts_sharing_a_preamble_prefill_it_once_with_the_same_tokens(engine_
     shared = len(engine.tokenizer(preamble)["input_ids"])
     assert engine.shared_prefix_tokens - before >= shared  # at least two of them were prefilled together
     for prompt_ids, result in zip(ids, results, strict=True):
-        with torch.inference_mode():
-            ref = engine.model.generate(torch.tensor([prompt_ids]), max_new_tokens=10, do_sample=False,
-                                        eos_token_id=engine.tokenizer.eos_token_id,
-                                        pad_token_id=engine.tokenizer.pad_token_id)
-        assert result["tokens"] == ref[0, len(prompt_ids):].tolist()
+        assert result["tokens"] == generated_alone(engine, prompt_ids, 10)
 
 
 def test_a_preamble_seen_before_is_not_computed_again_and_the_tokens_do_not_change(engine_and_loop):
@@ -99,11 +100,7 @@ def test_a_preamble_seen_before_is_not_computed_again_and_the_tokens_do_not_chan
     assert grown[0] == grown[1] == 0 and all(g >= shared for g in grown[2:]), grown  # kept at the second, reused after
     assert len(engine.steps.prefixes.kept) == 1
     for prompt_ids, result in zip(ids, results, strict=True):
-        with torch.inference_mode():
-            ref = engine.model.generate(torch.tensor([prompt_ids]), max_new_tokens=10, do_sample=False,
-                                        eos_token_id=engine.tokenizer.eos_token_id,
-                                        pad_token_id=engine.tokenizer.pad_token_id)
-        assert result["tokens"] == ref[0, len(prompt_ids):].tolist()
+        assert result["tokens"] == generated_alone(engine, prompt_ids, 10)
     loop.run_until_complete(engine.resume())  # any control work (here: resume) clears what was kept
     assert not engine.steps.prefixes.kept
 
