@@ -178,3 +178,72 @@ def test_verl_keys_whose_feature_is_missing_are_refused_by_name(key, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(None, [key])
     load_config(None, ["actor_rollout_ref.rollout.agent.num_workers=8"])  # scheduling only: ignored, said so
+
+
+# verl's V1 trainer and fully-async recipe, TRL's AsyncGRPOTrainer (issue 65, item 3): every key either read with
+# its meaning here or refused with the reason; none ignored.
+ASYNC_READ = [
+    ("trainer.use_v1=true", {}),
+    ("trainer.v1.trainer_mode=sync", {}),
+    ("async_training.staleness_threshold=0", {}),
+    ("async_training.staleness_threshold=0.0", {}),
+    ("async_training.trigger_parameter_sync_step=1", {}),
+    ("async_training.require_batches=1", {}),
+    ("async_training.partial_rollout=false", {}),
+    ("async_training.use_rollout_log_probs=true", {"algorithm.rollout_correction.bypass_mode": True}),
+    ("async_training.use_rollout_log_probs=false", {"algorithm.rollout_correction.bypass_mode": False}),
+    ("async_training.compute_prox_log_prob=true", {}),
+    ("max_staleness=0", {"trainer.one_step_off_policy": False}),
+    ("max_staleness=1", {"trainer.one_step_off_policy": True}),
+    ("weight_sync_steps=1", {}),
+    ("rollout.test_freq=7", {"trainer.test_freq": 7}),
+    ("rollout.nnodes=2", {}),
+]
+ASYNC_REFUSED = [
+    ("trainer.v1.trainer_mode=separate_async", "trainer_mode='separate_async'"),
+    ("trainer.v1.trainer_mode=colocate_async", "trainer_mode='colocate_async'"),
+    ("trainer.v1.separate_async.parameter_sync_step=2", "V1 trainer settings other than trainer_mode=sync"),
+    ("trainer.v1.sampler.type=stream", "V1 trainer settings other than trainer_mode=sync"),
+    ("async_training.staleness_threshold=0.5", "staleness_threshold=0.5"),
+    ("async_training.trigger_parameter_sync_step=4", "trigger_parameter_sync_step=4"),
+    ("async_training.require_batches=2", "require_batches=2"),
+    ("async_training.partial_rollout=true", "partial_rollout=True"),
+    ("async_training.new_flag=1", "fully-async settings"),
+    ("checkpoint_engine.backend=nccl", "checkpoint engine"),
+    ("max_staleness=4", "max_staleness=4"),
+    ("weight_sync_steps=2", "weight_sync_steps=2"),
+    ("max_inflight_tasks=16", "in-flight rollout tasks"),
+    ("actor_rollout_ref.rollout.total_rollout_steps=1000", "set trainer.total_steps"),
+]
+
+
+def _setting(config, dotted: str):
+    value = config
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+@pytest.mark.parametrize(("line", "meaning"), ASYNC_READ)
+def test_async_trainer_keys_with_our_meaning_are_read(line, meaning):
+    config = load_config(None, [line])
+    for dotted, value in meaning.items():
+        assert _setting(config, dotted) == value, (line, dotted)
+
+
+@pytest.mark.parametrize(("line", "needle"), ASYNC_REFUSED)
+def test_async_trainer_keys_we_cannot_honour_are_refused_with_the_reason(line, needle):
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [line])
+    message = str(refused.value)
+    assert needle in message and "trainer.one_step_off_policy=true" in message, message
+
+
+def test_the_async_key_lists_cover_every_key_the_map_knows():
+    """Each key of verl.config_aliases.ASYNC_KEYS / ASYNC_PREFIXES appears in the lists above (a key added to the
+    map without a test is caught here)."""
+    from verl.config_aliases import ASYNC_KEYS, ASYNC_PREFIXES
+
+    lines = [line.split("=")[0].replace("actor_rollout_ref.", "") for line, _ in ASYNC_READ + ASYNC_REFUSED]
+    assert all(key in lines for key in ASYNC_KEYS), [k for k in ASYNC_KEYS if k not in lines]
+    assert all(any(line.startswith(prefix) for line in lines) for prefix in ASYNC_PREFIXES)

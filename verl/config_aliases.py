@@ -56,6 +56,8 @@ RENAMES: dict[str, str] = {
     "reward.model.sandbox_fusion.max_concurrent": "reward.sandbox.max_concurrent",
     "reward.model.sandbox_fusion.memory_limit_mb": "reward.sandbox.memory_limit_mb",
     "remote_rm_url": "reward.model.url",  # OpenRLHF's --remote_rm_url
+    # verl's fully-async recipe validates every N weight syncs; here weights sync after every update.
+    "rollout.test_freq": "trainer.test_freq",
     "reward.model.remote_rm_url": "reward.model.url",
     # verl's rollout correction before its 2026 rename.
     "algorithm.rollout_correction.bypass_old_logprob_for_rollout": "algorithm.rollout_correction.bypass_mode",
@@ -104,6 +106,7 @@ IGNORED: tuple[str, ...] = (
     "trainer.max_critic_ckpt_to_keep", "trainer.rollout_data_dir", "trainer.validation_data_dir",
     "trainer.esi_redundant_time", "trainer.val_only", "trainer.log_val_generations_freq",
     "trainer.use_legacy_worker_impl", "trainer.critic_warmup_steps",
+    "rollout.nnodes", "rollout.n_gpus_per_node",  # the fully-async recipe's separate rollout pool: cluster shape
     "algorithm.use_pf_ppo", "algorithm.pf_ppo.", "algorithm.rollout_is",
     "ray_init.", "ray_kwargs.", "global_profiler.", "transfer_queue.",
 )
@@ -116,6 +119,35 @@ REFUSED: dict[str, str] = {
     "rollout.agent.": "verl's agent-loop settings other than num_workers (agent_loop_config_path, "
                       "custom_async_server, default_agent_loop) are not supported; multi-turn rollouts here are "
                       "rollout.multi_turn.* with tools or an interaction_config_path (docs/environments.md)",
+}
+
+# Asynchronous training keys (verl's V1 trainer and fully-async recipe, TRL's AsyncGRPOTrainer): read where their
+# value means this trainer's loop (synchronous, or one step off-policy), refused with the reason otherwise. Each maps
+# a key to {value meaning ours: what it becomes here (a dotted setting, or None: nothing to set)}.
+ASYNC_NOT_BUILT = ("an asynchronous trainer with a staleness bound above one version, streaming or partial rollouts "
+                   "is not built in this version; trainer.one_step_off_policy=true overlaps each rollout with the "
+                   "update before it (staleness one, TRL's max_staleness=1)")
+ASYNC_KEYS: dict[str, dict[Any, tuple[str, Any] | None]] = {
+    "trainer.use_v1": {True: None, False: None},  # verl's V1 and legacy trainers both run this step
+    "trainer.v1.trainer_mode": {"sync": None},
+    "async_training.staleness_threshold": {0: None},  # a fraction of a sync's samples: 0 (or 0.0) is synchronous
+    "async_training.trigger_parameter_sync_step": {1: None},  # new weights after every update, as here
+    "async_training.require_batches": {1: None},
+    "async_training.partial_rollout": {False: None},
+    # The rollout's own log-probs as the update's anchor: our bypass mode; recomputed ones are our default.
+    "async_training.use_rollout_log_probs": {True: ("algorithm.rollout_correction.bypass_mode", True), False: None},
+    # The decoupled objective's proximal policy: at staleness 0 it is the policy that sampled, as here.
+    "async_training.compute_prox_log_prob": {True: None, False: None},
+    "max_staleness": {0: None, 1: ("trainer.one_step_off_policy", True)},  # TRL's bound, in versions
+    "weight_sync_steps": {1: None},
+}
+ASYNC_PREFIXES: dict[str, str] = {  # whole sections of the asynchronous trainers, refused with ASYNC_NOT_BUILT
+    "trainer.v1.": "verl's V1 trainer settings other than trainer_mode=sync",
+    "async_training.": "verl's fully-async settings",
+    "checkpoint_engine.": "verl's checkpoint engine (weights sent to separate rollout GPUs)",
+    "max_inflight_tasks": "TRL's in-flight rollout tasks",
+    "rollout.total_rollout_steps": "the fully-async recipe's count of rollout samples (set trainer.total_steps: "
+                                   "updates, each of data.train_batch_size prompts)",
 }
 
 # verl values that mean the same as one of ours.
@@ -148,6 +180,12 @@ def map_verl_keys(settings: dict[str, Any]) -> dict[str, Any]:
                 "(here: actor.*, rollout.*, reference.*, model.*)"
             )
         ours = RENAMES.get(ours, ours)
+        if ours in ASYNC_KEYS or ours.startswith(tuple(ASYNC_PREFIXES)):
+            target = async_setting(ours, value)
+            if target is not None:
+                mapped[target[0]] = target[1]
+            renamed.append(f"{key}={value} -> {f'{target[0]}={target[1]}' if target else 'this trainer (synchronous)'}")
+            continue
         if key == "trainer.resume_from_path":
             continue  # folded into trainer.resume below
         if key == "data.filter_overlong_prompts":
@@ -187,6 +225,23 @@ def map_verl_keys(settings: dict[str, Any]) -> dict[str, Any]:
     if dropped:
         say_once("verl keys with no effect here (GPU engine tuning / cluster shape), ignored: " + ", ".join(dropped))
     return mapped
+
+
+def async_setting(key: str, value: Any) -> tuple[str, Any] | None:
+    """What asynchronous-training ``key=value`` means here (``ASYNC_KEYS``): a (dotted key, value) to set, None for
+    this trainer's synchronous loop as it is; ``ConfigError`` with the reason for a value it does not mean."""
+    meanings = ASYNC_KEYS.get(key)
+    if meanings is not None:
+        found = next((m for m in meanings if m == value and isinstance(m, bool) == isinstance(value, bool)), _MISSING)
+        if found is not _MISSING:
+            return meanings[found]
+        allowed = ", ".join(repr(m) for m in meanings)
+        raise ConfigError(f"{key}={value!r}: {ASYNC_NOT_BUILT}. Values read here: {allowed}")
+    what = next(why for prefix, why in ASYNC_PREFIXES.items() if key.startswith(prefix))
+    raise ConfigError(f"{key}: {what} — {ASYNC_NOT_BUILT}")
+
+
+_MISSING = object()
 
 
 def trl_rollout_correction(trl: dict[str, Any]) -> dict[str, Any]:
