@@ -15,7 +15,6 @@ from typing import Any
 
 from serve import log
 from serve.changes import last_model, name_in_use, no_such
-from serve.engines.base import Engine
 from serve.errors import ApiError
 from serve.lifecycle import ModelLifecycle
 from serve.settings import ModelEntry, check_route
@@ -178,7 +177,7 @@ class FleetSync:
         wanted = state.get("engine") or {}
         level, mode = wanted.get("sleeping"), wanted.get("paused")
         resets = int(wanted.get("prefix_cache_resets", 0))
-        for engine in self._engines():
+        for engine in self.registry.engines():
             if resets != self.prefix_cache_resets:
                 await engine.reset_prefix_cache()
             if level is not None:
@@ -201,7 +200,3 @@ class FleetSync:
             if weights and model is not None and self.applied.get(model.name) != weights:
                 out.append((model, weights))
         return out
-
-    def _engines(self) -> list[Engine]:
-        """Every full model's engine, once (adapters share their base's)."""
-        return list({id(m.engine): m.engine for m in self.registry.full_models()}.values())

@@ -93,6 +93,10 @@ class ModelRegistry:
     def full_models(self) -> list[ServedModel]:
         return [m for m in self.models.values() if m.kind == "model"]
 
+    def engines(self) -> list[Engine]:
+        """Every full model's engine, once (adapters share their base's)."""
+        return list({id(m.engine): m.engine for m in self.full_models()}.values())
+
     def pick(self, requested: str | None, user: str | None) -> tuple[ServedModel, str | None]:
         """The model that answers a request naming ``requested`` (None: the default route, else the first model);
         returns it and the route used (None when a model was named directly)."""

@@ -80,13 +80,11 @@ class UnloadLora(_Strict):
 
 
 def engines(service: Service) -> list[Engine]:
-    """Every full model's engine, once (adapters share their base's)."""
-    seen: dict[int, Engine] = {}
-    for model in service.lifecycle.registry.full_models():
-        seen.setdefault(id(model.engine), model.engine)
-    if not seen:
+    """Every full model's engine, once (adapters share their base's); a 400 when nothing generates."""
+    found = service.lifecycle.registry.engines()
+    if not found:
         raise ApiError(400, "no generating model is served", code="model_not_found")
-    return list(seen.values())
+    return found
 
 
 def served(service: Service, name: str | None) -> ServedModel:

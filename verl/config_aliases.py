@@ -232,16 +232,13 @@ def async_setting(key: str, value: Any) -> tuple[str, Any] | None:
     this trainer's synchronous loop as it is; ``ConfigError`` with the reason for a value it does not mean."""
     meanings = ASYNC_KEYS.get(key)
     if meanings is not None:
-        found = next((m for m in meanings if m == value and isinstance(m, bool) == isinstance(value, bool)), _MISSING)
-        if found is not _MISSING:
-            return meanings[found]
+        found = [m for m in meanings if m == value and isinstance(m, bool) == isinstance(value, bool)]
+        if found:
+            return meanings[found[0]]
         allowed = ", ".join(repr(m) for m in meanings)
         raise ConfigError(f"{key}={value!r}: {ASYNC_NOT_BUILT}. Values read here: {allowed}")
     what = next(why for prefix, why in ASYNC_PREFIXES.items() if key.startswith(prefix))
     raise ConfigError(f"{key}: {what} — {ASYNC_NOT_BUILT}")
-
-
-_MISSING = object()
 
 
 def trl_rollout_correction(trl: dict[str, Any]) -> dict[str, Any]:

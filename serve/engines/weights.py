@@ -183,19 +183,23 @@ class ServedWeights:
     def check(self, adapter: str | None, update: WeightsUpdate) -> None:
         """``EngineError`` where ``update`` would refuse: full weights for an adapter or that do not fit the model,
         an adapter of another shape than the one it replaces. Changes nothing (a fleet's prepare phase)."""
+        self._refuse_other_kind(adapter, update)
         if update.kind == "full":
-            if adapter is not None:
-                raise EngineError(f"update_weights: '{update.path}' holds full weights, and '{adapter}' is a LoRA "
-                                  "adapter: send an adapter directory, or update its base model")
             fitting_pairs(self.model, update)
         elif adapter is not None:
-            if adapter not in self.adapters:
-                raise EngineError(f"no adapter named '{adapter}' is loaded")
             self._check_shape(adapter, update)
 
+    def _refuse_other_kind(self, adapter: str | None, update: WeightsUpdate) -> None:
+        if update.kind == "full" and adapter is not None:
+            raise EngineError(f"update_weights: '{update.path}' holds full weights, and '{adapter}' is a LoRA "
+                              "adapter: send an adapter directory, or update its base model")
+        if update.kind != "full" and adapter is not None and adapter not in self.adapters:
+            raise EngineError(f"no adapter named '{adapter}' is loaded")
+
     def update(self, adapter: str | None, update: WeightsUpdate, version: int) -> None:
-        """Replace the weights of the full model (``adapter`` None) or of a served adapter (engine thread)."""
-        self.check(adapter, update)
+        """Replace the weights of the full model (``adapter`` None) or of a served adapter (engine thread); the fit
+        and shape checks run inside ``apply_full`` and ``_replace_factors``, once."""
+        self._refuse_other_kind(adapter, update)
         if update.kind == "full":
             apply_full(self.model, update)
             if self.policy_adapter is not None:  # the full weights are the policy now
